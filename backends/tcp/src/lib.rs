@@ -1,0 +1,13 @@
+//! consort-tcp: the Gloo-style CPU backend and PyTorch's TCPStore.
+//!
+//! This crate owns:
+//!
+//! - [`store`]: a TCPStore server and client that speak PyTorch's wire
+//!   protocol byte for byte, so that torch processes and consort processes
+//!   rendezvous through one store;
+//! - (to come) the TCP driver that runs `consort_comm`'s sans-IO schedules
+//!   over a full mesh of loopback or network sockets.
+
+pub mod store;
+
+pub use store::{TcpStore, TcpStoreOptions, TcpStoreServer};

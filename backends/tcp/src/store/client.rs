@@ -1,0 +1,443 @@
+//! The TCPStore client: one connection, one request in flight at a time,
+//! every request under a deadline.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use consort_comm::store::{
+    DEFAULT_STORE_TIMEOUT, Store, StoreError, StoreResult, check_key,
+    check_keys, check_multi_set, check_value,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt, BufReader},
+    net::{
+        TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+    sync::Mutex,
+    time::{Instant, sleep, timeout},
+};
+
+use super::wire::{self, ReadError, cmd};
+
+/// Largest reply the client accepts for one value. Larger than the server's
+/// 8 MiB limit on a request because `append` can grow a value past it.
+const MAX_REPLY_VALUE: u64 = 1 << 30;
+
+/// How a [`TcpStore`] client connects and waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpStoreOptions {
+    /// Deadline of every request, and of `get`'s wait for its key
+    /// (torch's `timeout`, 300 s by default).
+    pub timeout: Duration,
+    /// How long to keep retrying the first connection while the server is
+    /// not up yet.
+    pub connect_timeout: Duration,
+}
+
+impl Default for TcpStoreOptions {
+    fn default() -> Self {
+        TcpStoreOptions {
+            timeout: DEFAULT_STORE_TIMEOUT,
+            connect_timeout: DEFAULT_STORE_TIMEOUT,
+        }
+    }
+}
+
+struct Conn {
+    r: BufReader<OwnedReadHalf>,
+    w: OwnedWriteHalf,
+}
+
+/// What a request expects back.
+#[derive(Clone, Copy)]
+enum Shape {
+    Nothing,
+    Byte,
+    I64,
+    Bytes,
+    ManyBytes(usize),
+}
+
+enum Reply {
+    Nothing,
+    Byte(u8),
+    I64(i64),
+    Bytes(Vec<u8>),
+    ManyBytes(Vec<Vec<u8>>),
+}
+
+async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
+    Ok(match shape {
+        Shape::Nothing => Reply::Nothing,
+        Shape::Byte => Reply::Byte(c.r.read_u8().await?),
+        Shape::I64 => Reply::I64(c.r.read_i64_le().await?),
+        Shape::Bytes => Reply::Bytes(wire::read_bytes(&mut c.r, MAX_REPLY_VALUE, "value").await?),
+        Shape::ManyBytes(n) => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                v.push(wire::read_bytes(&mut c.r, MAX_REPLY_VALUE, "value").await?);
+            }
+            Reply::ManyBytes(v)
+        }
+    })
+}
+
+/// A client of a TCPStore server (ours or torch's), as
+/// `torch.distributed.TCPStore(..., is_master=False)`.
+///
+/// Like torch's client it puts every user key under `/`, so that a torch
+/// process and a consort process see the same keys. After a request fails
+/// mid-flight (I/O error, deadline), the connection is closed and every
+/// later request returns that first error.
+#[derive(Debug)]
+pub struct TcpStore {
+    addr: String,
+    opts: TcpStoreOptions,
+    conn: Mutex<Result<ConnBox, StoreError>>,
+}
+
+/// `Conn` without a `Debug` requirement on tokio's halves.
+struct ConnBox(Conn);
+
+impl std::fmt::Debug for ConnBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Conn")
+    }
+}
+
+fn user_key(key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(key.len() + 1);
+    k.push(b'/');
+    k.extend_from_slice(key.as_bytes());
+    k
+}
+
+impl TcpStore {
+    /// Connects to the server at `addr` (`host:port`), retrying until
+    /// `opts.connect_timeout` while it is not up yet, then validates the
+    /// connection as torch's client does (VALIDATE, then PING with the pid).
+    pub async fn connect(addr: impl Into<String>, opts: TcpStoreOptions) -> StoreResult<Self> {
+        let addr = addr.into();
+        let deadline = Instant::now() + opts.connect_timeout;
+        let mut backoff = Duration::from_millis(10);
+        let stream = loop {
+            let attempt = timeout(
+                deadline.saturating_duration_since(Instant::now()),
+                TcpStream::connect(addr.as_str()),
+            )
+            .await;
+            let reason = match attempt {
+                Ok(Ok(s)) => break s,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "connection attempt timed out".to_string(),
+            };
+            if Instant::now() + backoff >= deadline {
+                return Err(StoreError::Connect {
+                    addr,
+                    after: opts.connect_timeout,
+                    reason,
+                });
+            }
+            tracing::debug!(%addr, "store not reachable yet ({reason}); retrying");
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        };
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let store = TcpStore {
+            addr,
+            opts,
+            conn: Mutex::new(Ok(ConnBox(Conn {
+                r: BufReader::new(r),
+                w,
+            }))),
+        };
+        let nonce = std::process::id();
+        let mut req = vec![cmd::VALIDATE];
+        req.extend_from_slice(&wire::VALIDATION_MAGIC.to_le_bytes());
+        req.push(cmd::PING);
+        req.extend_from_slice(&nonce.to_le_bytes());
+        let echoed = store.ping(req).await?;
+        if echoed != nonce {
+            return Err(StoreError::Protocol(format!(
+                "the server at {} answered PING {nonce} with {echoed}; it is not a TCPStore",
+                store.addr
+            )));
+        }
+        Ok(store)
+    }
+
+    /// The server address this client talks to.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    async fn ping(&self, req: Vec<u8>) -> StoreResult<u32> {
+        let mut guard = self.conn.lock().await;
+        let c = match guard.as_mut() {
+            Ok(c) => &mut c.0,
+            Err(e) => return Err(e.clone()),
+        };
+        let r = timeout(self.opts.timeout, async {
+            c.w.write_all(&req).await?;
+            Ok::<_, std::io::Error>(c.r.read_u32_le().await?)
+        })
+        .await;
+        self.settle(&mut guard, "the handshake", r.map(|r| r.map_err(ReadError::Io)))
+    }
+
+    /// Sends one request and reads its reply under the store deadline.
+    async fn call(&self, during: &str, req: &[u8], shape: Shape) -> StoreResult<Reply> {
+        let mut guard = self.conn.lock().await;
+        let c = match guard.as_mut() {
+            Ok(c) => &mut c.0,
+            Err(e) => return Err(e.clone()),
+        };
+        let r = timeout(self.opts.timeout, async {
+            c.w.write_all(req).await?;
+            read_reply(c, shape).await
+        })
+        .await;
+        self.settle(&mut guard, during, r)
+    }
+
+    /// Turns a request's outcome into a result, poisoning the connection on
+    /// failure (its state is unknown after a partial exchange).
+    fn settle<T>(
+        &self,
+        guard: &mut Result<ConnBox, StoreError>,
+        during: &str,
+        r: Result<Result<T, ReadError>, tokio::time::error::Elapsed>,
+    ) -> StoreResult<T> {
+        let err = match r {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(ReadError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                StoreError::Closed {
+                    addr: self.addr.clone(),
+                    during: during.to_string(),
+                }
+            }
+            Ok(Err(ReadError::Io(e))) => StoreError::Io {
+                addr: self.addr.clone(),
+                during: during.to_string(),
+                source: Arc::new(e),
+            },
+            Ok(Err(e @ ReadError::TooLarge { .. })) => StoreError::Protocol(format!(
+                "reply to {during} from {}: {e}",
+                self.addr
+            )),
+            Err(_) => StoreError::Timeout {
+                keys: vec![],
+                after: self.opts.timeout,
+            },
+        };
+        *guard = Err(err.clone());
+        Err(err)
+    }
+
+    /// torch's wait: send WAIT; if the deadline passes first, send
+    /// CANCEL_WAIT and drain the reply (a STOP_WAITING may arrive first if
+    /// the keys appeared meanwhile), then report the timeout.
+    async fn wait_raw(&self, keys: &[Vec<u8>], names: &[&str], limit: Duration) -> StoreResult<()> {
+        check_keys(keys)?;
+        let mut req = vec![cmd::WAIT];
+        wire::put_keys(&mut req, keys);
+        let during = format!("wait({names:?})");
+        let mut guard = self.conn.lock().await;
+        let c = match guard.as_mut() {
+            Ok(c) => &mut c.0,
+            Err(e) => return Err(e.clone()),
+        };
+        let first = timeout(limit, async {
+            c.w.write_all(&req).await?;
+            c.r.read_u8().await
+        })
+        .await;
+        let reply = match first {
+            Ok(r) => self.settle(&mut guard, &during, Ok(r.map_err(ReadError::Io)))?,
+            Err(_) => {
+                let cancel = timeout(self.opts.timeout.min(Duration::from_secs(30)), async {
+                    c.w.write_all(&[cmd::CANCEL_WAIT]).await?;
+                    let mut b = c.r.read_u8().await?;
+                    if b == wire::STOP_WAITING {
+                        b = c.r.read_u8().await?;
+                    }
+                    Ok::<u8, std::io::Error>(b)
+                })
+                .await;
+                let b = self.settle(&mut guard, &during, cancel.map(|r| r.map_err(ReadError::Io)))?;
+                if b != wire::WAIT_CANCELED {
+                    let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
+                    *guard = Err(e.clone());
+                    return Err(e);
+                }
+                return Err(StoreError::Timeout {
+                    keys: names.iter().map(|k| k.to_string()).collect(),
+                    after: limit,
+                });
+            }
+        };
+        if reply != wire::STOP_WAITING {
+            let e = StoreError::Protocol(format!("WAIT answered with {reply}"));
+            *guard = Err(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+fn unexpected(during: &str) -> StoreError {
+    StoreError::Protocol(format!("internal: wrong reply shape for {during}"))
+}
+
+#[async_trait]
+impl Store for TcpStore {
+    async fn set(&self, key: &str, value: &[u8]) -> StoreResult<()> {
+        let k = user_key(key);
+        check_key(&k)?;
+        check_value(value)?;
+        let mut req = vec![cmd::SET];
+        wire::put_bytes(&mut req, &k);
+        wire::put_bytes(&mut req, value);
+        self.call(&format!("set({key:?})"), &req, Shape::Nothing)
+            .await
+            .map(|_| ())
+    }
+
+    async fn get(&self, key: &str) -> StoreResult<Vec<u8>> {
+        Ok(self.multi_get_inner(&[key], false).await?.remove(0))
+    }
+
+    async fn add(&self, key: &str, delta: i64) -> StoreResult<i64> {
+        let k = user_key(key);
+        check_key(&k)?;
+        let mut req = vec![cmd::ADD];
+        wire::put_bytes(&mut req, &k);
+        req.extend_from_slice(&delta.to_le_bytes());
+        let during = format!("add({key:?})");
+        match self.call(&during, &req, Shape::I64).await? {
+            Reply::I64(v) => Ok(v),
+            _ => Err(unexpected(&during)),
+        }
+    }
+
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> StoreResult<Vec<u8>> {
+        let k = user_key(key);
+        check_key(&k)?;
+        check_value(expected)?;
+        check_value(desired)?;
+        let mut req = vec![cmd::COMPARE_SET];
+        wire::put_bytes(&mut req, &k);
+        wire::put_bytes(&mut req, expected);
+        wire::put_bytes(&mut req, desired);
+        let during = format!("compare_set({key:?})");
+        match self.call(&during, &req, Shape::Bytes).await? {
+            Reply::Bytes(v) => Ok(v),
+            _ => Err(unexpected(&during)),
+        }
+    }
+
+    async fn check(&self, keys: &[&str]) -> StoreResult<bool> {
+        let ks: Vec<Vec<u8>> = keys.iter().map(|k| user_key(k)).collect();
+        check_keys(&ks)?;
+        let mut req = vec![cmd::CHECK];
+        wire::put_keys(&mut req, &ks);
+        let during = format!("check({keys:?})");
+        match self.call(&during, &req, Shape::Byte).await? {
+            Reply::Byte(wire::CHECK_READY) => Ok(true),
+            Reply::Byte(wire::CHECK_NOT_READY) => Ok(false),
+            Reply::Byte(b) => Err(StoreError::Protocol(format!("CHECK answered with {b}"))),
+            _ => Err(unexpected(&during)),
+        }
+    }
+
+    async fn wait(&self, keys: &[&str], limit: Duration) -> StoreResult<()> {
+        let ks: Vec<Vec<u8>> = keys.iter().map(|k| user_key(k)).collect();
+        self.wait_raw(&ks, keys, limit).await
+    }
+
+    async fn delete_key(&self, key: &str) -> StoreResult<bool> {
+        let k = user_key(key);
+        check_key(&k)?;
+        let mut req = vec![cmd::DELETE_KEY];
+        wire::put_bytes(&mut req, &k);
+        let during = format!("delete_key({key:?})");
+        match self.call(&during, &req, Shape::I64).await? {
+            Reply::I64(n) => Ok(n > 0),
+            _ => Err(unexpected(&during)),
+        }
+    }
+
+    async fn num_keys(&self) -> StoreResult<i64> {
+        match self.call("num_keys()", &[cmd::GETNUMKEYS], Shape::I64).await? {
+            Reply::I64(n) => Ok(n),
+            _ => Err(unexpected("num_keys()")),
+        }
+    }
+
+    async fn multi_get(&self, keys: &[&str]) -> StoreResult<Vec<Vec<u8>>> {
+        self.multi_get_inner(keys, true).await
+    }
+
+    async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> StoreResult<()> {
+        check_multi_set(keys, values)?;
+        let mut req = vec![cmd::MULTI_SET];
+        req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for (k, v) in keys.iter().zip(values) {
+            let k = user_key(k);
+            check_key(&k)?;
+            wire::put_bytes(&mut req, &k);
+            wire::put_bytes(&mut req, v);
+        }
+        self.call(&format!("multi_set({keys:?})"), &req, Shape::Nothing)
+            .await
+            .map(|_| ())
+    }
+
+    async fn append(&self, key: &str, value: &[u8]) -> StoreResult<()> {
+        let k = user_key(key);
+        check_key(&k)?;
+        check_value(value)?;
+        let mut req = vec![cmd::APPEND];
+        wire::put_bytes(&mut req, &k);
+        wire::put_bytes(&mut req, value);
+        self.call(&format!("append({key:?})"), &req, Shape::Nothing)
+            .await
+            .map(|_| ())
+    }
+
+    fn timeout(&self) -> Duration {
+        self.opts.timeout
+    }
+}
+
+impl TcpStore {
+    /// torch's `get` and `multi_get`: WAIT for the keys, then GET (one key)
+    /// or MULTI_GET (several).
+    async fn multi_get_inner(&self, keys: &[&str], multi: bool) -> StoreResult<Vec<Vec<u8>>> {
+        let ks: Vec<Vec<u8>> = keys.iter().map(|k| user_key(k)).collect();
+        check_keys(&ks)?;
+        self.wait_raw(&ks, keys, self.opts.timeout).await?;
+        let during = format!("get({keys:?})");
+        if !multi {
+            let mut req = vec![cmd::GET];
+            wire::put_bytes(&mut req, &ks[0]);
+            return match self.call(&during, &req, Shape::Bytes).await? {
+                Reply::Bytes(v) => Ok(vec![v]),
+                _ => Err(unexpected(&during)),
+            };
+        }
+        let mut req = vec![cmd::MULTI_GET];
+        wire::put_keys(&mut req, &ks);
+        match self.call(&during, &req, Shape::ManyBytes(ks.len())).await? {
+            Reply::ManyBytes(v) => Ok(v),
+            _ => Err(unexpected(&during)),
+        }
+    }
+}

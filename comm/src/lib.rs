@@ -1,0 +1,42 @@
+//! consort-comm: the vocabulary and the contract of consort.
+//!
+//! This crate owns what every backend and every layer above them agree on:
+//!
+//! - element types ([`DType`], [`Element`]) and reductions ([`ReduceOp`]),
+//!   with the one implementation of the arithmetic;
+//! - buffer views that cross the trait ([`Buffer`], [`BufferMut`]), host or
+//!   device memory;
+//! - the [`Backend`] trait, per-call [`CallOptions`], and the typed
+//!   [`ProcessGroup`] wrapper;
+//! - errors ([`CommError`]) and the shared argument checks ([`validate`]);
+//! - the identity of a call ([`Fingerprint`]) and the wire header that
+//!   carries it ([`frame`]);
+//! - the rendezvous [`Store`] trait, with [`MemStore`] and [`PrefixStore`].
+//!
+//! It never imports a backend, an async runtime, or a socket. The
+//! collective algorithms (`comm::algo`) will live here too, as sans-IO
+//! schedules that the simulator, TCP and QUIC drivers share.
+
+mod backend;
+mod buffer;
+pub mod dtype;
+mod error;
+mod fingerprint;
+pub mod frame;
+mod group;
+pub mod reduce;
+pub mod store;
+pub mod validate;
+
+pub use backend::{Backend, CallOptions};
+pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
+pub use dtype::{DType, Element};
+pub use error::{CommError, ErrorContext, Result};
+pub use fingerprint::{Fingerprint, GroupId, OpKind};
+pub use group::ProcessGroup;
+pub use reduce::ReduceOp;
+pub use store::{MemStore, PrefixStore, Store, StoreError, StoreResult};
+
+/// Re-exported so that users name `consort_comm::half::bf16` without adding
+/// the crate themselves.
+pub use half;

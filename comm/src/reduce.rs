@@ -1,0 +1,609 @@
+//! [`ReduceOp`] and the element-wise kernels that combine two buffers.
+//!
+//! This module owns the arithmetic of every reduction, for every dtype, in
+//! one place: the simulator, the TCP backend and the QUIC backend all call
+//! [`ReduceOp::apply_bytes`] (or its typed twin [`ReduceOp::apply`]) on the
+//! ranges a schedule names. NCCL reduces on the GPU and does not use it.
+//!
+//! # Numeric behaviour
+//!
+//! - **Sum, Prod, Avg** on floats follow IEEE 754: a NaN in either input
+//!   gives NaN, `inf + -inf` is NaN, overflow gives ±inf. Results do not
+//!   depend on the machine: the kernels do no reassociation.
+//! - **f16 and bf16** are widened to f32, combined in f32, and rounded back
+//!   once per combine (round to nearest even). A value past the half type's
+//!   range becomes ±inf.
+//! - **Min and Max** propagate NaN, like `torch.minimum` / `torch.maximum`:
+//!   if either input is NaN the result is NaN. Between `-0.0` and `+0.0`
+//!   either one may be returned.
+//! - **Integers** wrap on overflow (two's complement), as PyTorch's C++
+//!   kernels do. `Avg` on integers divides with truncation toward zero.
+//! - **Avg** combines exactly like `Sum`; the driver divides once at the end
+//!   with [`ReduceOp::finalize`], after the last combine.
+//! - **BAnd, BOr, BXor** exist for integer dtypes only; on a float dtype they
+//!   return [`CommError::Unsupported`], never a silent bit-twiddle.
+
+use std::fmt;
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use crate::{CommError, DType, Element, Result};
+
+/// A reduction, with the codes of c10d's `ReduceOp` enum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    /// Element-wise sum (`ReduceOp.SUM`).
+    Sum = 0,
+    /// Element-wise mean over ranks (`ReduceOp.AVG`): a sum, divided by the
+    /// world size once at the end.
+    Avg = 1,
+    /// Element-wise product (`ReduceOp.PRODUCT`).
+    Prod = 2,
+    /// Element-wise minimum (`ReduceOp.MIN`); NaN propagates.
+    Min = 3,
+    /// Element-wise maximum (`ReduceOp.MAX`); NaN propagates.
+    Max = 4,
+    /// Bitwise and (`ReduceOp.BAND`), integer dtypes only.
+    BAnd = 5,
+    /// Bitwise or (`ReduceOp.BOR`), integer dtypes only.
+    BOr = 6,
+    /// Bitwise xor (`ReduceOp.BXOR`), integer dtypes only.
+    BXor = 7,
+}
+
+impl ReduceOp {
+    /// Every op, in code order.
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+    ];
+
+    /// The c10d name, lower case.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Prod => "product",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
+        }
+    }
+
+    /// The c10d enum value.
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// Decodes a c10d enum value; `None` for unknown codes (and for
+    /// `PREMUL_SUM`, which consort does not implement).
+    pub const fn from_code(code: u8) -> Option<ReduceOp> {
+        if (code as usize) < Self::ALL.len() {
+            Some(Self::ALL[code as usize])
+        } else {
+            None
+        }
+    }
+
+    /// Whether this is one of the bitwise ops.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
+
+    /// Whether this op is defined for `dtype`.
+    pub const fn supports(self, dtype: DType) -> bool {
+        !(self.is_bitwise() && dtype.is_float())
+    }
+
+    /// `Ok` if this op is defined for `dtype`, else `Unsupported` with the
+    /// alternative.
+    pub fn check(self, dtype: DType) -> Result<()> {
+        if self.supports(dtype) {
+            Ok(())
+        } else {
+            Err(CommError::unsupported(format!(
+                "ReduceOp::{self:?} is bitwise and {dtype} is a float dtype; bitwise reductions \
+                 need an integer dtype (view the bits as u32/u16 first if that is what you mean)"
+            )))
+        }
+    }
+
+    /// `dst[i] = dst[i] ⊕ src[i]` for every `i`.
+    ///
+    /// Errors: `InvalidArgument` if the lengths differ, `Unsupported` for a
+    /// bitwise op on a float type.
+    pub fn apply<T: Element>(self, dst: &mut [T], src: &[T]) -> Result<()> {
+        self.apply_bytes(
+            T::DTYPE,
+            crate::dtype::as_bytes_mut(dst),
+            crate::dtype::as_bytes(src),
+        )
+    }
+
+    /// The type-erased form of [`ReduceOp::apply`], for drivers that hold
+    /// bytes: both slices hold elements of `dtype` in native byte order.
+    /// Either slice may be unaligned (a network receive buffer); the fast
+    /// path runs when both are aligned.
+    pub fn apply_bytes(self, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<()> {
+        self.check(dtype)?;
+        let size = dtype.size_bytes();
+        if dst.len() != src.len() || dst.len() % size != 0 {
+            return Err(CommError::invalid(format!(
+                "reduce {} needs two buffers of equal length in whole {dtype} elements; got {} \
+                 and {} bytes",
+                self.name(),
+                dst.len(),
+                src.len()
+            )));
+        }
+        dispatch!(dtype, T => {
+            let aligned = |p: *const u8| p.align_offset(align_of::<T>()) == 0;
+            if aligned(dst.as_ptr()) && aligned(src.as_ptr()) {
+                T::combine(self, bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
+            } else {
+                unaligned::<T>(self, dst, src);
+            }
+        });
+        Ok(())
+    }
+
+    /// Finishes a reduction after the last combine: divides by `world_size`
+    /// for [`ReduceOp::Avg`] and does nothing for every other op.
+    pub fn finalize<T: Element>(self, dst: &mut [T], world_size: usize) -> Result<()> {
+        self.finalize_bytes(T::DTYPE, crate::dtype::as_bytes_mut(dst), world_size)
+    }
+
+    /// The type-erased form of [`ReduceOp::finalize`]. `dst` must be aligned
+    /// for `dtype` (it is the caller's output buffer).
+    pub fn finalize_bytes(self, dtype: DType, dst: &mut [u8], world_size: usize) -> Result<()> {
+        if self != ReduceOp::Avg {
+            return Ok(());
+        }
+        if world_size == 0 {
+            return Err(CommError::invalid("Avg over a world of 0 ranks"));
+        }
+        dispatch!(dtype, T => {
+            let d = bytemuck::try_cast_slice_mut::<u8, T>(dst).map_err(|e| {
+                CommError::invalid(format!("finalize needs an aligned {dtype} buffer: {e}"))
+            })?;
+            T::divide(d, world_size);
+        });
+        Ok(())
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $t:ident => $body:block) => {
+        match $dtype {
+            DType::F32 => { type $t = f32; $body }
+            DType::F64 => { type $t = f64; $body }
+            DType::F16 => { type $t = f16; $body }
+            DType::BF16 => { type $t = bf16; $body }
+            DType::I8 => { type $t = i8; $body }
+            DType::U8 => { type $t = u8; $body }
+            DType::I32 => { type $t = i32; $body }
+            DType::I64 => { type $t = i64; $body }
+            DType::U32 => { type $t = u32; $body }
+            DType::U64 => { type $t = u64; $body }
+        }
+    };
+}
+use dispatch;
+
+/// Combines through aligned stack chunks when a slice is unaligned.
+fn unaligned<T: Kernel>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    const N: usize = 512;
+    let mut a = [T::zeroed(); N];
+    let mut b = [T::zeroed(); N];
+    let step = N * size_of::<T>();
+    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+        let n = d.len() / size_of::<T>();
+        bytemuck::cast_slice_mut::<T, u8>(&mut a[..n]).copy_from_slice(d);
+        bytemuck::cast_slice_mut::<T, u8>(&mut b[..n]).copy_from_slice(s);
+        T::combine(op, &mut a[..n], &b[..n]);
+        d.copy_from_slice(bytemuck::cast_slice::<T, u8>(&a[..n]));
+    }
+}
+
+/// The per-type kernels. Callers have already checked lengths and op support.
+trait Kernel: Element + bytemuck::Zeroable {
+    fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]);
+    fn divide(dst: &mut [Self], n: usize);
+}
+
+macro_rules! float_kernel {
+    ($($t:ty),*) => {$(
+        impl Kernel for $t {
+            #[inline]
+            fn combine(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
+                // Each arm is a plain loop over two equal-length slices so
+                // that LLVM vectorises it.
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d += *s; }
+                    }
+                    ReduceOp::Prod => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d *= *s; }
+                    }
+                    ReduceOp::Min => {
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            let m = if *s < *d { *s } else { *d };
+                            *d = if s.is_nan() { *s } else { m };
+                        }
+                    }
+                    ReduceOp::Max => {
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            let m = if *s > *d { *s } else { *d };
+                            *d = if s.is_nan() { *s } else { m };
+                        }
+                    }
+                    ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {
+                        debug_assert!(false, "bitwise op on a float reached the kernel");
+                    }
+                }
+            }
+
+            #[inline]
+            fn divide(dst: &mut [$t], n: usize) {
+                let n = n as $t;
+                for d in dst.iter_mut() { *d /= n; }
+            }
+        }
+    )*};
+}
+float_kernel!(f32, f64);
+
+macro_rules! int_kernel {
+    ($($t:ty),*) => {$(
+        impl Kernel for $t {
+            #[inline]
+            fn combine(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d = d.wrapping_add(*s); }
+                    }
+                    ReduceOp::Prod => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d = d.wrapping_mul(*s); }
+                    }
+                    ReduceOp::Min => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d = (*d).min(*s); }
+                    }
+                    ReduceOp::Max => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d = (*d).max(*s); }
+                    }
+                    ReduceOp::BAnd => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d &= *s; }
+                    }
+                    ReduceOp::BOr => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d |= *s; }
+                    }
+                    ReduceOp::BXor => {
+                        for (d, s) in dst.iter_mut().zip(src) { *d ^= *s; }
+                    }
+                }
+            }
+
+            #[inline]
+            fn divide(dst: &mut [$t], n: usize) {
+                // A world larger than the type's range divides everything to 0
+                // (or -1..=1 for signed), which is what the true quotient
+                // truncates to.
+                match <$t>::try_from(n) {
+                    Ok(n) => for d in dst.iter_mut() { *d /= n; },
+                    Err(_) => for d in dst.iter_mut() { *d = ((*d as i128) / (n as i128)) as $t; },
+                }
+            }
+        }
+    )*};
+}
+int_kernel!(i8, u8, i32, i64, u32, u64);
+
+/// Elements per widening chunk: 256 f32 (1 KiB) per operand stays in L1.
+const HALF_CHUNK: usize = 256;
+
+macro_rules! half_kernel {
+    ($($t:ty),*) => {$(
+        impl Kernel for $t {
+            #[inline]
+            fn combine(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
+                let mut a = [0f32; HALF_CHUNK];
+                let mut b = [0f32; HALF_CHUNK];
+                for (d, s) in dst.chunks_mut(HALF_CHUNK).zip(src.chunks(HALF_CHUNK)) {
+                    let n = d.len();
+                    d.convert_to_f32_slice(&mut a[..n]);
+                    s.convert_to_f32_slice(&mut b[..n]);
+                    f32::combine(op, &mut a[..n], &b[..n]);
+                    d.convert_from_f32_slice(&a[..n]);
+                }
+            }
+
+            #[inline]
+            fn divide(dst: &mut [$t], n: usize) {
+                let mut a = [0f32; HALF_CHUNK];
+                for d in dst.chunks_mut(HALF_CHUNK) {
+                    let k = d.len();
+                    d.convert_to_f32_slice(&mut a[..k]);
+                    f32::divide(&mut a[..k], n);
+                    d.convert_from_f32_slice(&a[..k]);
+                }
+            }
+        }
+    )*};
+}
+half_kernel!(f16, bf16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitwise_on_floats_is_unsupported_for_every_float_dtype() {
+        for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+            let mut d = [1.0f32];
+            let e = op.apply(&mut d, &[2.0]).unwrap_err();
+            assert!(matches!(e, CommError::Unsupported { .. }), "{e}");
+            for dt in [DType::F64, DType::F16, DType::BF16] {
+                assert!(op.check(dt).is_err());
+            }
+            assert!(op.check(DType::I32).is_ok());
+        }
+    }
+
+    #[test]
+    fn length_mismatch_is_an_error_not_a_panic() {
+        let mut d = [1i32, 2];
+        assert!(matches!(
+            ReduceOp::Sum.apply(&mut d, &[1]),
+            Err(CommError::InvalidArgument { .. })
+        ));
+        let mut bytes = [0u8; 6];
+        assert!(ReduceOp::Sum.apply_bytes(DType::F32, &mut bytes, &[0u8; 6]).is_err());
+    }
+
+    #[test]
+    fn nan_and_inf_behave_as_documented() {
+        let mut d = [f32::NAN, 1.0, 1.0, f32::INFINITY];
+        ReduceOp::Min.apply(&mut d, &[0.0, f32::NAN, 2.0, f32::NEG_INFINITY]).unwrap();
+        assert!(d[0].is_nan() && d[1].is_nan());
+        assert_eq!(d[2], 1.0);
+        assert_eq!(d[3], f32::NEG_INFINITY);
+        let mut s = [f32::INFINITY];
+        ReduceOp::Sum.apply(&mut s, &[f32::NEG_INFINITY]).unwrap();
+        assert!(s[0].is_nan());
+        let mut h = [f16::MAX];
+        ReduceOp::Sum.apply(&mut h, &[f16::MAX]).unwrap();
+        assert_eq!(h[0], f16::INFINITY);
+    }
+
+    #[test]
+    fn avg_divides_once_in_finalize() {
+        let mut d = [2.0f32, 4.0];
+        ReduceOp::Avg.apply(&mut d, &[4.0, 8.0]).unwrap();
+        assert_eq!(d, [6.0, 12.0]);
+        ReduceOp::Avg.finalize(&mut d, 2).unwrap();
+        assert_eq!(d, [3.0, 6.0]);
+        let mut i = [-7i32, 7];
+        ReduceOp::Avg.finalize(&mut i, 2).unwrap();
+        assert_eq!(i, [-3, 3]);
+        let mut u = [200u8];
+        ReduceOp::Avg.finalize(&mut u, 1000).unwrap();
+        assert_eq!(u, [0]);
+        ReduceOp::Sum.finalize(&mut d, 0).unwrap();
+        assert!(ReduceOp::Avg.finalize(&mut d, 0).is_err());
+    }
+
+    #[test]
+    fn unaligned_source_bytes_give_the_same_result() {
+        let dst: Vec<f64> = (0..1000).map(|i| i as f64).collect();
+        let src: Vec<f64> = (0..1000).map(|i| (i * 3) as f64).collect();
+        let mut want = dst.clone();
+        ReduceOp::Sum.apply(&mut want, &src).unwrap();
+
+        let mut shifted = vec![0u8; 8001];
+        shifted[1..].copy_from_slice(bytemuck::cast_slice(&src));
+        let mut got = dst.clone();
+        ReduceOp::Sum
+            .apply_bytes(DType::F64, bytemuck::cast_slice_mut(&mut got), &shifted[1..])
+            .unwrap();
+        assert_eq!(got, want);
+    }
+
+    /// Properties against a scalar reference, one module per dtype × op.
+    mod proptests {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// The reference: one element at a time, written from the documented
+        /// semantics rather than from the kernels.
+        fn reference_f32(op: ReduceOp, a: f32, b: f32) -> f32 {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => a + b,
+                ReduceOp::Prod => a * b,
+                ReduceOp::Min if a.is_nan() || b.is_nan() => f32::NAN,
+                ReduceOp::Max if a.is_nan() || b.is_nan() => f32::NAN,
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                _ => unreachable!(),
+            }
+        }
+
+        fn reference_f64(op: ReduceOp, a: f64, b: f64) -> f64 {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => a + b,
+                ReduceOp::Prod => a * b,
+                ReduceOp::Min if a.is_nan() || b.is_nan() => f64::NAN,
+                ReduceOp::Max if a.is_nan() || b.is_nan() => f64::NAN,
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                _ => unreachable!(),
+            }
+        }
+
+        macro_rules! reference_int {
+            ($name:ident, $t:ty) => {
+                fn $name(op: ReduceOp, a: $t, b: $t) -> $t {
+                    match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                        ReduceOp::Prod => a.wrapping_mul(b),
+                        ReduceOp::Min => std::cmp::min(a, b),
+                        ReduceOp::Max => std::cmp::max(a, b),
+                        ReduceOp::BAnd => a & b,
+                        ReduceOp::BOr => a | b,
+                        ReduceOp::BXor => a ^ b,
+                    }
+                }
+            };
+        }
+        reference_int!(reference_i8, i8);
+        reference_int!(reference_u8, u8);
+        reference_int!(reference_i32, i32);
+        reference_int!(reference_i64, i64);
+        reference_int!(reference_u32, u32);
+        reference_int!(reference_u64, u64);
+
+        /// Equal, treating every NaN as equal to every NaN, and ±0 as equal
+        /// (the documented freedom of Min/Max).
+        fn same_f64(a: f64, b: f64) -> bool {
+            (a.is_nan() && b.is_nan()) || a == b
+        }
+
+        fn floats_f32() -> impl Strategy<Value = f32> + Clone {
+            prop_oneof![
+                4 => (-1000i32..1000).prop_map(|v| v as f32 * 0.25),
+                1 => proptest::num::f32::ANY,
+            ]
+        }
+
+        fn floats_f64() -> impl Strategy<Value = f64> + Clone {
+            prop_oneof![
+                4 => (-1000i32..1000).prop_map(|v| v as f64 * 0.25),
+                1 => proptest::num::f64::ANY,
+            ]
+        }
+
+        fn pairs<S: Strategy + Clone>(s: S) -> impl Strategy<Value = Vec<(S::Value, S::Value)>>
+        where
+            S::Value: std::fmt::Debug,
+        {
+            proptest::collection::vec((s.clone(), s), 0..700)
+        }
+
+        fn arith_op() -> impl Strategy<Value = ReduceOp> {
+            prop::sample::select(vec![
+                ReduceOp::Sum,
+                ReduceOp::Avg,
+                ReduceOp::Prod,
+                ReduceOp::Min,
+                ReduceOp::Max,
+            ])
+        }
+
+        fn any_op() -> impl Strategy<Value = ReduceOp> {
+            prop::sample::select(ReduceOp::ALL.to_vec())
+        }
+
+        macro_rules! int_property {
+            ($name:ident, $t:ty, $reference:ident) => {
+                proptest! {
+                    #[test]
+                    fn $name(op in any_op(), v in pairs(any::<$t>())) {
+                        let (mut d, s): (Vec<$t>, Vec<$t>) = v.into_iter().unzip();
+                        let want: Vec<$t> =
+                            d.iter().zip(&s).map(|(a, b)| $reference(op, *a, *b)).collect();
+                        op.apply(&mut d, &s).unwrap();
+                        prop_assert_eq!(d, want);
+                    }
+                }
+            };
+        }
+        int_property!(i8_matches_reference, i8, reference_i8);
+        int_property!(u8_matches_reference, u8, reference_u8);
+        int_property!(i32_matches_reference, i32, reference_i32);
+        int_property!(i64_matches_reference, i64, reference_i64);
+        int_property!(u32_matches_reference, u32, reference_u32);
+        int_property!(u64_matches_reference, u64, reference_u64);
+
+        proptest! {
+            #[test]
+            fn f32_matches_reference(op in arith_op(), v in pairs(floats_f32())) {
+                let (mut d, s): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+                let want: Vec<f32> =
+                    d.iter().zip(&s).map(|(a, b)| reference_f32(op, *a, *b)).collect();
+                op.apply(&mut d, &s).unwrap();
+                for (g, w) in d.iter().zip(&want) {
+                    prop_assert!(same_f64(*g as f64, *w as f64), "{} vs {}", g, w);
+                }
+            }
+
+            #[test]
+            fn f64_matches_reference(op in arith_op(), v in pairs(floats_f64())) {
+                let (mut d, s): (Vec<f64>, Vec<f64>) = v.into_iter().unzip();
+                let want: Vec<f64> =
+                    d.iter().zip(&s).map(|(a, b)| reference_f64(op, *a, *b)).collect();
+                op.apply(&mut d, &s).unwrap();
+                for (g, w) in d.iter().zip(&want) {
+                    prop_assert!(same_f64(*g, *w), "{} vs {}", g, w);
+                }
+            }
+
+            #[test]
+            fn f16_matches_f32_reference(op in arith_op(), v in pairs(floats_f32())) {
+                let (d0, s0): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+                let mut d: Vec<f16> = d0.iter().map(|x| f16::from_f32(*x)).collect();
+                let s: Vec<f16> = s0.iter().map(|x| f16::from_f32(*x)).collect();
+                let want: Vec<f16> = d.iter().zip(&s)
+                    .map(|(a, b)| f16::from_f32(reference_f32(op, a.to_f32(), b.to_f32())))
+                    .collect();
+                op.apply(&mut d, &s).unwrap();
+                for (g, w) in d.iter().zip(&want) {
+                    prop_assert!(same_f64(g.to_f64(), w.to_f64()), "{} vs {}", g, w);
+                }
+            }
+
+            #[test]
+            fn bf16_matches_f32_reference(op in arith_op(), v in pairs(floats_f32())) {
+                let (d0, s0): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+                let mut d: Vec<bf16> = d0.iter().map(|x| bf16::from_f32(*x)).collect();
+                let s: Vec<bf16> = s0.iter().map(|x| bf16::from_f32(*x)).collect();
+                let want: Vec<bf16> = d.iter().zip(&s)
+                    .map(|(a, b)| bf16::from_f32(reference_f32(op, a.to_f32(), b.to_f32())))
+                    .collect();
+                op.apply(&mut d, &s).unwrap();
+                for (g, w) in d.iter().zip(&want) {
+                    prop_assert!(same_f64(g.to_f64(), w.to_f64()), "{} vs {}", g, w);
+                }
+            }
+
+            #[test]
+            fn avg_finalize_matches_division(
+                v in proptest::collection::vec(-1_000_000i64..1_000_000, 0..300),
+                n in 1usize..70,
+            ) {
+                let mut f: Vec<f64> = v.iter().map(|x| *x as f64).collect();
+                let mut i = v.clone();
+                ReduceOp::Avg.finalize(&mut f, n).unwrap();
+                ReduceOp::Avg.finalize(&mut i, n).unwrap();
+                for ((x, got_f), got_i) in v.iter().zip(&f).zip(&i) {
+                    prop_assert_eq!(*got_f, *x as f64 / n as f64);
+                    prop_assert_eq!(*got_i, *x / n as i64);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! Argument checks that every backend runs before it moves a byte, so that
+//! every backend rejects the same bad calls with the same message.
+//!
+//! This module owns the shape rules of each op (lengths, roots, splits,
+//! peers, subgroup lists). The errors carry no context; a backend adds its
+//! op, rank and seq with [`crate::CommError::with_context`].
+
+use crate::{CommError, DType, Result};
+
+/// `root` must be a rank of the group.
+pub fn root(root: usize, world_size: usize) -> Result<()> {
+    if root < world_size {
+        Ok(())
+    } else {
+        Err(CommError::invalid(format!(
+            "root {root} is out of range for a group of {world_size} ranks (valid roots: 0..={})",
+            world_size.saturating_sub(1)
+        )))
+    }
+}
+
+/// A point-to-point peer must be another rank of the group.
+pub fn peer(peer: usize, rank: usize, world_size: usize) -> Result<()> {
+    if peer >= world_size {
+        return Err(CommError::invalid(format!(
+            "peer rank {peer} is out of range for a group of {world_size} ranks"
+        )));
+    }
+    if peer == rank {
+        return Err(CommError::invalid(format!(
+            "rank {rank} cannot send to or receive from itself; copy the buffer locally instead"
+        )));
+    }
+    Ok(())
+}
+
+/// Input and output of one call must hold the same dtype.
+pub fn same_dtype(output: DType, input: DType) -> Result<()> {
+    if output == input {
+        Ok(())
+    } else {
+        Err(CommError::invalid(format!(
+            "output holds {output} but input holds {input}; both buffers of a call need the \
+             same dtype"
+        )))
+    }
+}
+
+/// `output.len() == world_size * input.len()` for all_gather and
+/// reduce_scatter (with the roles of the two lengths named by `what`).
+pub fn whole_times_world(
+    whole_len: usize,
+    part_len: usize,
+    world_size: usize,
+    what: &str,
+) -> Result<()> {
+    if part_len.checked_mul(world_size) == Some(whole_len) {
+        Ok(())
+    } else {
+        Err(CommError::invalid(format!(
+            "{what}: the whole buffer has {whole_len} elements but must have world_size × part = \
+             {world_size} × {part_len} = {}",
+            part_len.saturating_mul(world_size)
+        )))
+    }
+}
+
+/// Split sizes for `all_to_all_single`: returns each part's length, checking
+/// that the list (if given) has one entry per rank and sums to `len`.
+pub fn splits(
+    sizes: Option<&[usize]>,
+    len: usize,
+    world_size: usize,
+    side: &str,
+) -> Result<Vec<usize>> {
+    match sizes {
+        None => {
+            if world_size == 0 || len % world_size != 0 {
+                return Err(CommError::invalid(format!(
+                    "{side} of {len} elements cannot be split equally over {world_size} ranks; \
+                     pass {side}_split_sizes"
+                )));
+            }
+            Ok(vec![len / world_size; world_size])
+        }
+        Some(s) => {
+            if s.len() != world_size {
+                return Err(CommError::invalid(format!(
+                    "{side}_split_sizes has {} entries but the group has {world_size} ranks",
+                    s.len()
+                )));
+            }
+            let total = s.iter().try_fold(0usize, |a, b| a.checked_add(*b));
+            if total != Some(len) {
+                return Err(CommError::invalid(format!(
+                    "{side}_split_sizes sum to {} but the {side} buffer has {len} elements",
+                    total.map_or("more than usize::MAX".to_string(), |t| t.to_string())
+                )));
+            }
+            Ok(s.to_vec())
+        }
+    }
+}
+
+/// A `new_group` rank list: non-empty, in range, no duplicates.
+pub fn subgroup_ranks(ranks: &[usize], world_size: usize) -> Result<()> {
+    if ranks.is_empty() {
+        return Err(CommError::invalid("new_group needs at least one rank"));
+    }
+    let mut seen = vec![false; world_size];
+    for &r in ranks {
+        match seen.get_mut(r) {
+            None => {
+                return Err(CommError::invalid(format!(
+                    "new_group rank {r} is out of range for a group of {world_size} ranks"
+                )));
+            }
+            Some(true) => {
+                return Err(CommError::invalid(format!(
+                    "new_group lists rank {r} twice"
+                )));
+            }
+            Some(s) => *s = true,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roots_and_peers() {
+        assert!(root(3, 4).is_ok());
+        let e = root(4, 4).unwrap_err().to_string();
+        assert!(e.contains("root 4 is out of range for a group of 4 ranks"), "{e}");
+        assert!(peer(1, 0, 2).is_ok());
+        assert!(peer(0, 0, 2).is_err());
+        assert!(peer(2, 0, 2).is_err());
+    }
+
+    #[test]
+    fn lengths() {
+        assert!(whole_times_world(12, 3, 4, "all_gather").is_ok());
+        assert!(whole_times_world(0, 0, 4, "all_gather").is_ok());
+        assert!(whole_times_world(13, 3, 4, "all_gather").is_err());
+        assert!(whole_times_world(usize::MAX, usize::MAX, 4, "x").is_err());
+    }
+
+    #[test]
+    fn all_to_all_splits() {
+        assert_eq!(splits(None, 6, 3, "input").unwrap(), vec![2, 2, 2]);
+        assert!(splits(None, 7, 3, "input").is_err());
+        assert_eq!(splits(Some(&[0, 5, 2]), 7, 3, "input").unwrap(), vec![0, 5, 2]);
+        assert!(splits(Some(&[1, 1]), 2, 3, "output").is_err());
+        assert!(splits(Some(&[1, 1, 1]), 2, 3, "output").is_err());
+        assert!(splits(Some(&[usize::MAX, 2, 0]), 1, 3, "output").is_err());
+    }
+
+    #[test]
+    fn subgroups() {
+        assert!(subgroup_ranks(&[2, 0], 3).is_ok());
+        assert!(subgroup_ranks(&[], 3).is_err());
+        assert!(subgroup_ranks(&[0, 0], 3).is_err());
+        assert!(subgroup_ranks(&[3], 3).is_err());
+    }
+}
