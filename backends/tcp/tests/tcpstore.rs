@@ -1,0 +1,329 @@
+//! TCPStore tests over real loopback sockets: the torch transcript byte for
+//! byte (our server against torch's client bytes, our client against torch's
+//! server bytes), store semantics, limits, and many clients at once.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::store::{MAX_KEY_LEN, MAX_VALUE_LEN, Store, StoreError};
+use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+use serde_json::Value;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+const TRANSCRIPT: &str = include_str!("fixtures/tcpstore_transcript.json");
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("fixture hex"))
+        .collect()
+}
+
+/// One recorded chunk of connection 0: who sent it and its bytes.
+fn chunks() -> Vec<(bool, Vec<u8>)> {
+    let t: Value = serde_json::from_str(TRANSCRIPT).unwrap();
+    t["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["dir"] != "mark")
+        .map(|c| {
+            assert_eq!(c["conn"], 0, "the fixture uses one connection");
+            (c["dir"] == "c2s", hex(c["hex"].as_str().unwrap()))
+        })
+        .collect()
+}
+
+fn opts(timeout: Duration) -> TcpStoreOptions {
+    TcpStoreOptions {
+        timeout,
+        connect_timeout: Duration::from_secs(10),
+    }
+}
+
+#[tokio::test]
+async fn our_server_answers_torch_client_bytes_exactly() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    for (i, (c2s, bytes)) in chunks().into_iter().enumerate() {
+        if c2s {
+            s.write_all(&bytes).await.unwrap();
+        } else {
+            let mut got = vec![0u8; bytes.len()];
+            tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("chunk {i}: server sent nothing"))
+                .unwrap();
+            assert_eq!(got, bytes, "chunk {i}: server reply differs from torch's");
+        }
+    }
+    // Nothing more than torch's server sent.
+    let mut extra = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_millis(100), s.read(&mut extra)).await;
+    assert!(r.is_err(), "server sent bytes torch's server did not");
+    server.shutdown().await;
+}
+
+/// Parses the Python reprs the fixture uses for lists: `['a', 'b']` and
+/// `[b'v1', b'v2']`.
+fn py_list(s: &str) -> Vec<Vec<u8>> {
+    s.trim_matches(|c| c == '[' || c == ']')
+        .split(", ")
+        .map(|item| item.trim_start_matches('b').trim_matches('\'').as_bytes().to_vec())
+        .collect()
+}
+
+/// Drives our client through the fixture's script against a scripted peer
+/// that checks every byte our client sends and replies with torch's
+/// server's bytes.
+#[tokio::test]
+async fn our_client_sends_torch_client_bytes_exactly() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let peer = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        for (i, (c2s, bytes)) in chunks().into_iter().enumerate() {
+            if c2s {
+                let mut got = vec![0u8; bytes.len()];
+                s.read_exact(&mut got).await.unwrap();
+                if i == 0 {
+                    // VALIDATE + PING: the nonce is the client's pid.
+                    assert_eq!(got[..6], bytes[..6], "handshake differs");
+                    let nonce = got[6..].to_vec();
+                    assert_eq!(nonce, std::process::id().to_le_bytes());
+                    continue;
+                }
+                assert_eq!(got, bytes, "chunk {i}: our client's request differs from torch's");
+            } else if i == 1 {
+                let pid = std::process::id().to_le_bytes();
+                s.write_all(&pid).await.unwrap();
+            } else {
+                s.write_all(&bytes).await.unwrap();
+            }
+        }
+    });
+
+    let store = TcpStore::connect(addr, opts(Duration::from_secs(5))).await.unwrap();
+    let t: Value = serde_json::from_str(TRANSCRIPT).unwrap();
+    for step in t["script"].as_array().unwrap() {
+        let call = step["call"].as_str().unwrap();
+        let a = step["args"].as_array().unwrap();
+        let s = |i: usize| a[i].as_str().unwrap();
+        let want = &step["result"];
+        match call {
+            "set" => store.set(s(0), &hex(s(1))).await.unwrap(),
+            "get" => assert_eq!(store.get(s(0)).await.unwrap(), hex(want.as_str().unwrap())),
+            "add" => assert_eq!(
+                store.add(s(0), a[1].as_i64().unwrap()).await.unwrap(),
+                want.as_i64().unwrap()
+            ),
+            "compare_set" => assert_eq!(
+                store.compare_set(s(0), &hex(s(1)), &hex(s(2))).await.unwrap(),
+                hex(want.as_str().unwrap())
+            ),
+            "check" | "wait" | "multi_get" => {
+                let keys: Vec<String> = py_list(s(0))
+                    .into_iter()
+                    .map(|k| String::from_utf8(k).unwrap())
+                    .collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                match call {
+                    "check" => assert_eq!(store.check(&keys).await.unwrap(), want.as_bool().unwrap()),
+                    "wait" => store.wait(&keys, Duration::from_secs(5)).await.unwrap(),
+                    _ => {
+                        let got = store.multi_get(&keys).await.unwrap();
+                        let want: Vec<Vec<u8>> = want
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|v| hex(v.as_str().unwrap()))
+                            .collect();
+                        assert_eq!(got, want);
+                    }
+                }
+            }
+            "num_keys" => assert_eq!(store.num_keys().await.unwrap(), want.as_i64().unwrap()),
+            "delete_key" => assert_eq!(store.delete_key(s(0)).await.unwrap(), want.as_bool().unwrap()),
+            "multi_set" => {
+                let keys: Vec<String> = py_list(s(0))
+                    .into_iter()
+                    .map(|k| String::from_utf8(k).unwrap())
+                    .collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let values = py_list(s(1));
+                let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
+                store.multi_set(&keys, &values).await.unwrap();
+            }
+            "append" => store.append(s(0), &hex(s(1))).await.unwrap(),
+            other => panic!("fixture call {other} not handled"),
+        }
+    }
+    peer.await.unwrap();
+}
+
+async fn pair() -> (TcpStoreServer, TcpStore) {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let client = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    (server, client)
+}
+
+#[tokio::test]
+async fn semantics_over_the_wire() {
+    let (server, c) = pair().await;
+    assert_eq!(c.compare_set("cs", b"", b"first").await.unwrap(), b"first");
+    assert_eq!(c.compare_set("cs", b"wrong", b"x").await.unwrap(), b"first");
+    assert_eq!(c.compare_set("cs", b"first", b"second").await.unwrap(), b"second");
+    assert_eq!(c.compare_set("absent", b"exp", b"des").await.unwrap(), b"exp");
+    assert!(!c.check(&["absent"]).await.unwrap());
+    assert_eq!(c.add("n", 10).await.unwrap(), 10);
+    assert_eq!(c.add("n", -3).await.unwrap(), 7);
+    assert_eq!(c.get("n").await.unwrap(), b"7");
+    c.append("log", b"a").await.unwrap();
+    c.append("log", b"b").await.unwrap();
+    assert_eq!(c.get("log").await.unwrap(), b"ab");
+    assert_eq!(c.num_keys().await.unwrap(), 3);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn wait_times_out_cleanly_and_the_connection_stays_usable() {
+    let (server, c) = pair().await;
+    let t0 = std::time::Instant::now();
+    let e = c.wait(&["never"], Duration::from_millis(150)).await.unwrap_err();
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() >= Duration::from_millis(150));
+    assert!(e.to_string().contains("\"never\""), "{e}");
+    // CANCEL_WAIT left the connection in sync:
+    c.set("k", b"v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap(), b"v");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn wait_is_woken_by_another_client() {
+    let (server, c) = pair().await;
+    let other = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        c.wait(&["a", "b"], Duration::from_secs(10)).await?;
+        c.multi_get(&["a", "b"]).await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    other.set("a", b"1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(!waiter.is_finished(), "woke with one of two keys");
+    other.set("b", b"2").await.unwrap();
+    let got = waiter.await.unwrap().unwrap();
+    assert_eq!(got, vec![b"1".to_vec(), b"2".to_vec()]);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn add_on_a_non_number_is_an_error_not_a_crash() {
+    let (server, c) = pair().await;
+    c.set("word", b"hello").await.unwrap();
+    let e = c.add("word", 1).await.unwrap_err();
+    assert!(matches!(e, StoreError::Closed { .. }), "{e}");
+    assert!(e.to_string().contains("not a decimal integer"), "{e}");
+    // The error is sticky on that client; the server keeps serving others.
+    assert!(c.set("x", b"y").await.is_err());
+    let c2 = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(c2.get("word").await.unwrap(), b"hello");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn limits_are_refused_client_side_with_a_clear_error() {
+    let (server, c) = pair().await;
+    let e = c.set(&"k".repeat(MAX_KEY_LEN), b"v").await.unwrap_err();
+    assert!(e.to_string().contains("key length of 8193 is over the limit of 8192"), "{e}");
+    let big = vec![7u8; MAX_VALUE_LEN + 1];
+    assert!(matches!(c.set("big", &big).await, Err(StoreError::TooLarge { .. })));
+    // The largest legal value goes through.
+    c.set("big", &big[..MAX_VALUE_LEN]).await.unwrap();
+    assert_eq!(c.get("big").await.unwrap().len(), MAX_VALUE_LEN);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn server_closes_connections_that_break_the_limits_or_the_handshake() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    // No VALIDATE first.
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    s.write_all(&[7]).await.unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(s.read(&mut b).await.unwrap(), 0, "server should close");
+    // A key longer than 8 KiB.
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let mut req = vec![0u8];
+    req.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+    req.push(1);
+    req.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    s.write_all(&req).await.unwrap();
+    assert_eq!(s.read(&mut b).await.unwrap(), 0, "server should close");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn unreachable_master_is_a_clear_error() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let e = TcpStore::connect(
+        addr,
+        TcpStoreOptions {
+            timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(300),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, StoreError::Connect { .. }), "{e}");
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+}
+
+#[tokio::test]
+async fn port_in_use_is_a_clear_error() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let e = TcpStoreServer::bind(server.local_addr()).await.unwrap_err();
+    assert!(matches!(e, StoreError::Bind { .. }), "{e}");
+    assert!(e.to_string().contains("MASTER_PORT"), "{e}");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_server_serves_a_thousand_concurrent_clients() {
+    const N: usize = 1000;
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr().to_string();
+    let mut tasks = Vec::with_capacity(N);
+    for i in 0..N {
+        let addr = addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = TcpStore::connect(addr, opts(Duration::from_secs(60))).await?;
+            c.set(&format!("rank/{i}"), i.to_string().as_bytes()).await?;
+            c.add("arrived", 1).await?;
+            // Everyone holds its connection open and waits for everyone.
+            let keys: Vec<String> = (0..N).map(|j| format!("rank/{j}")).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            c.wait(&keys, Duration::from_secs(60)).await?;
+            Ok::<_, StoreError>(c)
+        }));
+    }
+    let mut clients = Vec::with_capacity(N);
+    for t in tasks {
+        clients.push(t.await.unwrap().unwrap());
+    }
+    let c = Arc::new(clients.pop().unwrap());
+    assert_eq!(c.get("arrived").await.unwrap(), N.to_string().as_bytes());
+    assert_eq!(c.num_keys().await.unwrap(), N as i64 + 1);
+    drop(clients);
+    server.shutdown().await;
+}
