@@ -90,8 +90,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn default_timeout(&self) -> Duration;
 
     /// Reduces `buf` across all ranks in place; every rank gets the result.
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions)
-    -> Result<()>;
+    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()>;
 
     /// Copies `buf` from `opts.root` to every other rank.
     async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()>;

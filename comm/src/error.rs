@@ -319,7 +319,9 @@ mod tests {
             waiting_on: vec![2],
         };
         let s = e.to_string();
-        assert!(s.starts_with("[rank 3, all_reduce, seq 17] timed out after 30s waiting for rank 2"));
+        assert!(
+            s.starts_with("[rank 3, all_reduce, seq 17] timed out after 30s waiting for rank 2")
+        );
         assert!(s.contains("raise the timeout"));
 
         let fp = |op, count| Fingerprint {
@@ -339,7 +341,10 @@ mod tests {
         };
         let s = m.to_string();
         assert!(s.contains("broadcast #4 on world: 8 x float32"), "{s}");
-        assert!(s.contains("rank 1 called `all_gather #4 on world: 9 x float32`"), "{s}");
+        assert!(
+            s.contains("rank 1 called `all_gather #4 on world: 9 x float32`"),
+            "{s}"
+        );
     }
 
     #[test]

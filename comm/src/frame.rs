@@ -197,7 +197,9 @@ impl FrameHeader {
                 }
                 let end = offset.checked_add(payload_len / size);
                 if end.is_none_or(|end| end > count) {
-                    return Err(FrameError::Inconsistent("payload runs past the call's count"));
+                    return Err(FrameError::Inconsistent(
+                        "payload runs past the call's count",
+                    ));
                 }
             }
             FrameKind::Abort => {
@@ -354,7 +356,9 @@ mod tests {
         let l = FrameLimits::default();
         assert_eq!(
             FrameHeader::decode(&h.encode(), &l),
-            Err(FrameError::Inconsistent("payload runs past the call's count"))
+            Err(FrameError::Inconsistent(
+                "payload runs past the call's count"
+            ))
         );
         h.payload_len = 6;
         assert!(FrameHeader::decode(&h.encode(), &l).is_err());

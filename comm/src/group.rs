@@ -69,7 +69,9 @@ impl ProcessGroup {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<()> {
-        self.backend.all_reduce(BufferMut::from(buf), op, opts).await
+        self.backend
+            .all_reduce(BufferMut::from(buf), op, opts)
+            .await
     }
 
     /// `broadcast` from `root`.
@@ -99,9 +101,10 @@ impl ProcessGroup {
 
     /// `all_gather` into a new vector.
     pub async fn all_gather_vec<T: Element>(&self, input: &[T]) -> Result<Vec<T>> {
-        let n = input.len().checked_mul(self.world_size()).ok_or_else(|| {
-            crate::CommError::invalid("all_gather output length overflows usize")
-        })?;
+        let n = input
+            .len()
+            .checked_mul(self.world_size())
+            .ok_or_else(|| crate::CommError::invalid("all_gather output length overflows usize"))?;
         let mut out = vec![T::zeroed(); n];
         self.all_gather(&mut out, input).await?;
         Ok(out)

@@ -25,7 +25,7 @@
 
 use std::fmt;
 
-use half::{bf16, f16, slice::HalfFloatSliceExt};
+use half::{bf16, f16};
 
 use crate::{CommError, DType, Element, Result};
 
@@ -191,16 +191,46 @@ impl fmt::Display for ReduceOp {
 macro_rules! dispatch {
     ($dtype:expr, $t:ident => $body:block) => {
         match $dtype {
-            DType::F32 => { type $t = f32; $body }
-            DType::F64 => { type $t = f64; $body }
-            DType::F16 => { type $t = f16; $body }
-            DType::BF16 => { type $t = bf16; $body }
-            DType::I8 => { type $t = i8; $body }
-            DType::U8 => { type $t = u8; $body }
-            DType::I32 => { type $t = i32; $body }
-            DType::I64 => { type $t = i64; $body }
-            DType::U32 => { type $t = u32; $body }
-            DType::U64 => { type $t = u64; $body }
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::U64 => {
+                type $t = u64;
+                $body
+            }
         }
     };
 }
@@ -314,39 +344,311 @@ macro_rules! int_kernel {
 }
 int_kernel!(i8, u8, i32, i64, u32, u64);
 
-/// Elements per widening chunk: 256 f32 (1 KiB) per operand stays in L1.
-const HALF_CHUNK: usize = 256;
-
-macro_rules! half_kernel {
-    ($($t:ty),*) => {$(
-        impl Kernel for $t {
-            #[inline]
-            fn combine(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
-                let mut a = [0f32; HALF_CHUNK];
-                let mut b = [0f32; HALF_CHUNK];
-                for (d, s) in dst.chunks_mut(HALF_CHUNK).zip(src.chunks(HALF_CHUNK)) {
-                    let n = d.len();
-                    d.convert_to_f32_slice(&mut a[..n]);
-                    s.convert_to_f32_slice(&mut b[..n]);
-                    f32::combine(op, &mut a[..n], &b[..n]);
-                    d.convert_from_f32_slice(&a[..n]);
-                }
-            }
-
-            #[inline]
-            fn divide(dst: &mut [$t], n: usize) {
-                let mut a = [0f32; HALF_CHUNK];
-                for d in dst.chunks_mut(HALF_CHUNK) {
-                    let k = d.len();
-                    d.convert_to_f32_slice(&mut a[..k]);
-                    f32::divide(&mut a[..k], n);
-                    d.convert_from_f32_slice(&a[..k]);
-                }
-            }
-        }
-    )*};
+/// The 16-bit floats: widened to f32 one element at a time, combined, and
+/// narrowed back in the same pass (one read of each input, one write), with
+/// branch-free conversions that LLVM vectorises on plain x86-64. The
+/// `half` crate's conversions are scalar unless F16C is enabled at compile
+/// time; on x86-64 with F16C, f16 takes a hardware path chosen at run time.
+trait Half16: Kernel {
+    fn widen(self) -> f32;
+    fn narrow(v: f32) -> Self;
 }
-half_kernel!(f16, bf16);
+
+/// f16 bits to f32, exact (normals, subnormals, ±0, ±inf, NaN stays NaN).
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let sign = (h & 0x8000) << 16;
+    let em = (h & 0x7fff) << 13; // exponent and mantissa in f32 position
+    let exp = em & (0x7c00 << 13);
+    let normal = f32::from_bits(em + ((127 - 15) << 23));
+    // Subnormals and zero: scale the mantissa by a magic multiplier, exact.
+    let sub = f32::from_bits(em + (113 << 23)) - f32::from_bits(113 << 23);
+    let special = f32::from_bits(em + ((255 - 31) << 23));
+    let v = if exp == 0x7c00 << 13 {
+        special
+    } else if exp == 0 {
+        sub
+    } else {
+        normal
+    };
+    f32::from_bits(v.to_bits() | sign)
+}
+
+/// f32 to f16 bits with round to nearest even; overflow gives ±inf, NaN
+/// gives a quiet NaN.
+#[inline(always)]
+fn f32_to_f16_bits(f: f32) -> u16 {
+    const F16_MAX: u32 = (127 + 16) << 23; // 65536.0: first value that overflows
+    const DENORM_MAGIC: u32 = ((127 - 15) + (23 - 10) + 1) << 23;
+    let bits = f.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let a = bits & 0x7fff_ffff;
+    let inf_or_nan: u16 = if a > 0x7f80_0000 { 0x7e00 } else { 0x7c00 };
+    // Subnormal results: adding the magic lets the FPU round, then subtract.
+    let sub = (f32::from_bits(a) + f32::from_bits(DENORM_MAGIC))
+        .to_bits()
+        .wrapping_sub(DENORM_MAGIC) as u16;
+    let odd = (a >> 13) & 1;
+    let normal = (a
+        .wrapping_add(((15u32.wrapping_sub(127)) << 23).wrapping_add(0xfff))
+        .wrapping_add(odd)
+        >> 13) as u16;
+    let v = if a >= F16_MAX {
+        inf_or_nan
+    } else if a < (113 << 23) {
+        sub
+    } else {
+        normal
+    };
+    v | sign
+}
+
+/// bf16 to f32 is a shift; f32 to bf16 rounds to nearest even and keeps NaN
+/// a (quiet) NaN.
+#[inline(always)]
+fn f32_to_bf16_bits(f: f32) -> u16 {
+    let b = f.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) as u16) | 0x0040;
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+impl Half16 for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> Self {
+        f16::from_bits(f32_to_f16_bits(v))
+    }
+}
+
+impl Half16 for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> Self {
+        bf16::from_bits(f32_to_bf16_bits(v))
+    }
+}
+
+/// `dst[i] = narrow(f(widen(dst[i]), widen(src[i])))`.
+#[inline(always)]
+fn fused<T: Half16>(dst: &mut [T], src: &[T], f: impl Fn(f32, f32) -> f32) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::narrow(f(d.widen(), s.widen()));
+    }
+}
+
+/// The f32 semantics of each arithmetic op, shared by the 16-bit kernels.
+#[inline(always)]
+fn combine_half<T: Half16>(op: ReduceOp, dst: &mut [T], src: &[T]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => fused(dst, src, |a, b| a + b),
+        ReduceOp::Prod => fused(dst, src, |a, b| a * b),
+        ReduceOp::Min => fused(dst, src, |a, b| {
+            let m = if b < a { b } else { a };
+            if b.is_nan() { b } else { m }
+        }),
+        ReduceOp::Max => fused(dst, src, |a, b| {
+            let m = if b > a { b } else { a };
+            if b.is_nan() { b } else { m }
+        }),
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {
+            debug_assert!(false, "bitwise op on a float reached the kernel");
+        }
+    }
+}
+
+impl Kernel for bf16 {
+    #[inline]
+    fn combine(op: ReduceOp, dst: &mut [bf16], src: &[bf16]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() {
+            // SAFETY: the CPU has AVX2, checked just above.
+            unsafe { simd::combine_bf16(op, dst, src) };
+            return;
+        }
+        combine_half(op, dst, src);
+    }
+
+    fn divide(dst: &mut [bf16], n: usize) {
+        let n = n as f32;
+        for d in dst.iter_mut() {
+            *d = bf16::narrow(d.widen() / n);
+        }
+    }
+}
+
+impl Kernel for f16 {
+    #[inline]
+    fn combine(op: ReduceOp, dst: &mut [f16], src: &[f16]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_f16c() {
+            // SAFETY: the CPU has F16C and AVX, checked just above.
+            unsafe { simd::combine_f16(op, dst, src) };
+            return;
+        }
+        combine_half(op, dst, src);
+    }
+
+    fn divide(dst: &mut [f16], n: usize) {
+        let n = n as f32;
+        for d in dst.iter_mut() {
+            *d = f16::narrow(d.widen() / n);
+        }
+    }
+}
+
+/// Eight-lane x86-64 paths for the 16-bit floats, chosen at run time: F16C
+/// for f16, AVX2 integer shifts for bf16. Each widens eight elements, runs
+/// the f32 kernel on them, and narrows back; [`combine_half`] does the tail,
+/// so both paths share one definition of every op.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::{
+        __m128i, __m256, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128,
+        _mm_storeu_si128, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
+        _mm256_blendv_ps, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128,
+        _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph,
+        _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
+        _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32,
+    };
+    use std::sync::OnceLock;
+
+    use half::{bf16, f16};
+
+    use super::{ReduceOp, combine_half};
+
+    pub(super) fn has_f16c() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx")
+        })
+    }
+
+    pub(super) fn has_avx2() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| std::is_x86_feature_detected!("avx2"))
+    }
+
+    /// Expands `$body` once per arithmetic op with `$f` bound to that op's
+    /// eight-lane form, so the op is matched once per call, not per vector.
+    /// Min and Max keep the scalar kernel's NaN rule: `min_ps(b, a)` is
+    /// `b < a ? b : a`, and a NaN `b` is then chosen explicitly.
+    macro_rules! per_op {
+        ($op:expr, $f:ident => $body:block) => {
+            match $op {
+                ReduceOp::Sum | ReduceOp::Avg => {
+                    let $f = |a: __m256, b: __m256| _mm256_add_ps(a, b);
+                    $body
+                }
+                ReduceOp::Prod => {
+                    let $f = |a: __m256, b: __m256| _mm256_mul_ps(a, b);
+                    $body
+                }
+                ReduceOp::Min => {
+                    let $f = |a: __m256, b: __m256| {
+                        _mm256_blendv_ps(
+                            _mm256_min_ps(b, a),
+                            b,
+                            _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b),
+                        )
+                    };
+                    $body
+                }
+                ReduceOp::Max => {
+                    let $f = |a: __m256, b: __m256| {
+                        _mm256_blendv_ps(
+                            _mm256_max_ps(b, a),
+                            b,
+                            _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b),
+                        )
+                    };
+                    $body
+                }
+                ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {
+                    debug_assert!(false, "bitwise op on a float reached the kernel");
+                }
+            }
+        };
+    }
+
+    /// # Safety
+    ///
+    /// The CPU must support F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn combine_f16(op: ReduceOp, dst: &mut [f16], src: &[f16]) {
+        let n = dst.len().min(src.len());
+        let body = n - n % 8;
+        per_op!(op, f => {
+            for i in (0..body).step_by(8) {
+                // SAFETY: i + 8 <= body <= the length of both slices;
+                // 16-byte unaligned loads and stores.
+                unsafe {
+                    let pd = dst.as_mut_ptr().add(i).cast::<__m128i>();
+                    let ps = src.as_ptr().add(i).cast::<__m128i>();
+                    let a = _mm256_cvtph_ps(_mm_loadu_si128(pd));
+                    let b = _mm256_cvtph_ps(_mm_loadu_si128(ps));
+                    let r = f(a, b);
+                    _mm_storeu_si128(pd, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+                }
+            }
+        });
+        combine_half(op, &mut dst[body..n], &src[body..n]);
+    }
+
+    /// # Safety
+    ///
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn combine_bf16(op: ReduceOp, dst: &mut [bf16], src: &[bf16]) {
+        let n = dst.len().min(src.len());
+        let body = n - n % 8;
+        per_op!(op, f => {
+            for i in (0..body).step_by(8) {
+                // SAFETY: i + 8 <= body <= the length of both slices;
+                // 16-byte unaligned loads and stores.
+                unsafe {
+                    let pd = dst.as_mut_ptr().add(i).cast::<__m128i>();
+                    let ps = src.as_ptr().add(i).cast::<__m128i>();
+                    let a = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                        _mm_loadu_si128(pd),
+                    )));
+                    let b = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                        _mm_loadu_si128(ps),
+                    )));
+                    let r = _mm256_castps_si256(f(a, b));
+                    // Round to nearest even; NaN stays a quiet NaN (as
+                    // f32_to_bf16_bits does).
+                    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(r), _mm256_set1_epi32(1));
+                    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+                        r,
+                        _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb),
+                    ));
+                    let quiet =
+                        _mm256_or_si256(_mm256_srli_epi32::<16>(r), _mm256_set1_epi32(0x40));
+                    let abs = _mm256_and_si256(r, _mm256_set1_epi32(0x7fff_ffff));
+                    let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+                    let v = _mm256_blendv_epi8(rounded, quiet, is_nan);
+                    // Every lane is <= 0xffff, so the unsigned-saturating
+                    // pack is exact; the permute gathers the two halves.
+                    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(v, v));
+                    _mm_storeu_si128(pd, _mm256_castsi256_si128(packed));
+                }
+            }
+        });
+        combine_half(op, &mut dst[body..n], &src[body..n]);
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -373,13 +675,19 @@ mod tests {
             Err(CommError::InvalidArgument { .. })
         ));
         let mut bytes = [0u8; 6];
-        assert!(ReduceOp::Sum.apply_bytes(DType::F32, &mut bytes, &[0u8; 6]).is_err());
+        assert!(
+            ReduceOp::Sum
+                .apply_bytes(DType::F32, &mut bytes, &[0u8; 6])
+                .is_err()
+        );
     }
 
     #[test]
     fn nan_and_inf_behave_as_documented() {
         let mut d = [f32::NAN, 1.0, 1.0, f32::INFINITY];
-        ReduceOp::Min.apply(&mut d, &[0.0, f32::NAN, 2.0, f32::NEG_INFINITY]).unwrap();
+        ReduceOp::Min
+            .apply(&mut d, &[0.0, f32::NAN, 2.0, f32::NEG_INFINITY])
+            .unwrap();
         assert!(d[0].is_nan() && d[1].is_nan());
         assert_eq!(d[2], 1.0);
         assert_eq!(d[3], f32::NEG_INFINITY);
@@ -389,6 +697,104 @@ mod tests {
         let mut h = [f16::MAX];
         ReduceOp::Sum.apply(&mut h, &[f16::MAX]).unwrap();
         assert_eq!(h[0], f16::INFINITY);
+    }
+
+    #[test]
+    fn half_conversions_match_the_half_crate_exhaustively() {
+        for bits in 0..=u16::MAX {
+            let h = f16::from_bits(bits);
+            let w = f16_bits_to_f32(bits);
+            assert!(
+                w.to_bits() == h.to_f32().to_bits() || (w.is_nan() && h.is_nan()),
+                "{bits:#x}"
+            );
+            let b = bf16::from_bits(bits);
+            let f = f32::from_bits(u32::from(bits) << 16);
+            assert!(f.to_bits() == b.to_f32().to_bits() || (f.is_nan() && b.is_nan()));
+        }
+        // Narrowing: every f32 whose low bits sit at and around each f16 and
+        // bf16 rounding boundary, plus specials.
+        let mut probes = vec![
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            65504.0,
+            65520.0,
+            65519.99,
+            1e-8,
+            5.96e-8,
+            2.98e-8,
+            2.99e-8,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+        ];
+        for bits in (0..=u32::MAX).step_by(4099) {
+            probes.push(f32::from_bits(bits));
+        }
+        for h in (0..=u16::MAX).step_by(7) {
+            let base = u32::from(h) << 16;
+            for low in [0u32, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                probes.push(f32::from_bits(base | low));
+            }
+            let x = f16::from_bits(h).to_f32().to_bits();
+            for d in [0u32, 1, 0xfff, 0x1000, 0x1001, 0x2000] {
+                probes.push(f32::from_bits(x.wrapping_add(d)));
+                probes.push(f32::from_bits(x.wrapping_sub(d)));
+            }
+        }
+        for p in probes {
+            let want = f16::from_f32(p);
+            let got = f16::from_bits(f32_to_f16_bits(p));
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "f16 {p:e} ({:#x}): {:#x} vs {:#x}",
+                p.to_bits(),
+                got.to_bits(),
+                want.to_bits()
+            );
+            let want = bf16::from_f32(p);
+            let got = bf16::from_bits(f32_to_bf16_bits(p));
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "bf16 {p:e}"
+            );
+        }
+    }
+
+    /// The portable 16-bit path, which CPUs without F16C/AVX2 take, gives
+    /// the same bits as the dispatched one.
+    #[test]
+    fn portable_and_dispatched_half_paths_agree() {
+        let vals: Vec<f32> = (0..1000)
+            .map(|i| (i as f32 - 500.0) * 0.37)
+            .chain([f32::NAN, f32::INFINITY, -0.0, 70000.0, 1e-7])
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            let d16: Vec<f16> = vals.iter().map(|v| f16::from_f32(*v)).collect();
+            let s16: Vec<f16> = vals.iter().rev().map(|v| f16::from_f32(*v)).collect();
+            let (mut a, mut b) = (d16.clone(), d16);
+            combine_half(op, &mut a, &s16);
+            op.apply(&mut b, &s16).unwrap();
+            assert!(
+                a.iter()
+                    .zip(&b)
+                    .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())),
+                "f16 {op}"
+            );
+            let d: Vec<bf16> = vals.iter().map(|v| bf16::from_f32(*v)).collect();
+            let s: Vec<bf16> = vals.iter().rev().map(|v| bf16::from_f32(*v)).collect();
+            let (mut a, mut b) = (d.clone(), d);
+            combine_half(op, &mut a, &s);
+            op.apply(&mut b, &s).unwrap();
+            assert!(
+                a.iter()
+                    .zip(&b)
+                    .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())),
+                "bf16 {op}"
+            );
+        }
     }
 
     #[test]
@@ -419,7 +825,11 @@ mod tests {
         shifted[1..].copy_from_slice(bytemuck::cast_slice(&src));
         let mut got = dst.clone();
         ReduceOp::Sum
-            .apply_bytes(DType::F64, bytemuck::cast_slice_mut(&mut got), &shifted[1..])
+            .apply_bytes(
+                DType::F64,
+                bytemuck::cast_slice_mut(&mut got),
+                &shifted[1..],
+            )
             .unwrap();
         assert_eq!(got, want);
     }

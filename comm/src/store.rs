@@ -103,7 +103,10 @@ pub enum StoreError {
         reason: String,
     },
     /// The server closed the connection in the middle of a request.
-    #[error("the store at {addr} closed the connection during {during}{}", hint(during))]
+    #[error(
+        "the store at {addr} closed the connection during {during}{}",
+        hint(during)
+    )]
     Closed {
         /// The server address.
         addr: String,
@@ -198,9 +201,11 @@ pub fn add_to_value(key: &str, old: Option<&[u8]>, delta: i64) -> StoreResult<(i
                 value: String::from_utf8_lossy(&v[..v.len().min(64)]).into_owned(),
             })?,
     };
-    let new = base.checked_add(delta).ok_or_else(|| StoreError::Overflow {
-        key: key.to_string(),
-    })?;
+    let new = base
+        .checked_add(delta)
+        .ok_or_else(|| StoreError::Overflow {
+            key: key.to_string(),
+        })?;
     Ok((new, new.to_string().into_bytes()))
 }
 
@@ -346,7 +351,8 @@ impl Store for MemStore {
         check_value(desired)?;
         let reply = {
             let mut map = self.lock();
-            let (reply, store) = compare_set_rule(map.get(key).map(Vec::as_slice), expected, desired);
+            let (reply, store) =
+                compare_set_rule(map.get(key).map(Vec::as_slice), expected, desired);
             let reply = reply.to_vec();
             if let Some(v) = store {
                 let v = v.to_vec();
@@ -504,7 +510,9 @@ impl Store for PrefixStore {
         expected: &[u8],
         desired: &[u8],
     ) -> StoreResult<Vec<u8>> {
-        self.inner.compare_set(&self.key(key), expected, desired).await
+        self.inner
+            .compare_set(&self.key(key), expected, desired)
+            .await
     }
     async fn check(&self, keys: &[&str]) -> StoreResult<bool> {
         self.inner.check(&refs(&self.keys(keys))).await
@@ -538,17 +546,29 @@ mod tests {
 
     #[test]
     fn compare_set_rules() {
-        assert_eq!(compare_set_rule(None, b"", b"new"), (&b"new"[..], Some(&b"new"[..])));
+        assert_eq!(
+            compare_set_rule(None, b"", b"new"),
+            (&b"new"[..], Some(&b"new"[..]))
+        );
         assert_eq!(compare_set_rule(None, b"x", b"new"), (&b"x"[..], None));
-        assert_eq!(compare_set_rule(Some(b"x"), b"x", b"y"), (&b"y"[..], Some(&b"y"[..])));
+        assert_eq!(
+            compare_set_rule(Some(b"x"), b"x", b"y"),
+            (&b"y"[..], Some(&b"y"[..]))
+        );
         assert_eq!(compare_set_rule(Some(b"z"), b"x", b"y"), (&b"z"[..], None));
-        assert_eq!(compare_set_rule(Some(b""), b"", b"y"), (&b"y"[..], Some(&b"y"[..])));
+        assert_eq!(
+            compare_set_rule(Some(b""), b"", b"y"),
+            (&b"y"[..], Some(&b"y"[..]))
+        );
     }
 
     #[test]
     fn add_parses_decimal_and_rejects_the_rest() {
         assert_eq!(add_to_value("k", None, 5).unwrap(), (5, b"5".to_vec()));
-        assert_eq!(add_to_value("k", Some(b"3"), -5).unwrap(), (-2, b"-2".to_vec()));
+        assert_eq!(
+            add_to_value("k", Some(b"3"), -5).unwrap(),
+            (-2, b"-2".to_vec())
+        );
         assert_eq!(add_to_value("k", Some(b" 7\n"), 1).unwrap().0, 8);
         let e = add_to_value("k", Some(b"one"), 1).unwrap_err();
         assert!(matches!(e, StoreError::NotANumber { .. }), "{e}");
@@ -568,8 +588,15 @@ mod tests {
         assert_eq!(s.add("a", 4).await.unwrap(), 5);
         assert_eq!(s.get("a").await.unwrap(), b"5");
         s.set("s", b"text").await.unwrap();
-        assert!(matches!(s.add("s", 1).await, Err(StoreError::NotANumber { .. })));
-        assert_eq!(s.get("s").await.unwrap(), b"text", "a failed add changes nothing");
+        assert!(matches!(
+            s.add("s", 1).await,
+            Err(StoreError::NotANumber { .. })
+        ));
+        assert_eq!(
+            s.get("s").await.unwrap(),
+            b"text",
+            "a failed add changes nothing"
+        );
         assert_eq!(s.compare_set("c", b"", b"x").await.unwrap(), b"x");
         assert_eq!(s.compare_set("c", b"nope", b"y").await.unwrap(), b"x");
         assert_eq!(s.compare_set("c", b"x", b"y").await.unwrap(), b"y");
@@ -580,7 +607,10 @@ mod tests {
         assert!(s.delete_key("c").await.unwrap());
         assert!(!s.delete_key("c").await.unwrap());
         s.multi_set(&["k1", "k2"], &[b"v1", b"v2"]).await.unwrap();
-        assert_eq!(s.multi_get(&["k2", "k1"]).await.unwrap(), vec![b"v2".to_vec(), b"v1".to_vec()]);
+        assert_eq!(
+            s.multi_get(&["k2", "k1"]).await.unwrap(),
+            vec![b"v2".to_vec(), b"v1".to_vec()]
+        );
         s.append("k1", b"+").await.unwrap();
         s.append("new", b"z").await.unwrap();
         assert_eq!(s.get("k1").await.unwrap(), b"v1+");
@@ -592,10 +622,16 @@ mod tests {
     async fn wait_times_out_then_wakes_on_set() {
         let s = Arc::new(MemStore::new(Duration::from_millis(100)));
         let t0 = Instant::now();
-        let e = s.wait(&["late"], Duration::from_millis(50)).await.unwrap_err();
+        let e = s
+            .wait(&["late"], Duration::from_millis(50))
+            .await
+            .unwrap_err();
         assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
         assert!(t0.elapsed() >= Duration::from_millis(50));
-        assert!(matches!(s.get("late").await, Err(StoreError::Timeout { .. })));
+        assert!(matches!(
+            s.get("late").await,
+            Err(StoreError::Timeout { .. })
+        ));
 
         let s2 = s.clone();
         let waiter = tokio::spawn(async move { s2.wait(&["late"], Duration::from_secs(10)).await });
@@ -609,9 +645,16 @@ mod tests {
         let s = MemStore::default();
         let big_key = "k".repeat(MAX_KEY_LEN + 1);
         let e = s.set(&big_key, b"v").await.unwrap_err();
-        assert!(e.to_string().contains("key length of 8193 is over the limit of 8192"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("key length of 8193 is over the limit of 8192"),
+            "{e}"
+        );
         let big = vec![0u8; MAX_VALUE_LEN + 1];
-        assert!(matches!(s.set("k", &big).await, Err(StoreError::TooLarge { .. })));
+        assert!(matches!(
+            s.set("k", &big).await,
+            Err(StoreError::TooLarge { .. })
+        ));
         s.set("k", &big[..MAX_VALUE_LEN]).await.unwrap();
         assert!(s.append("k", b"x").await.is_err());
     }

@@ -134,7 +134,10 @@ mod tests {
     fn roots_and_peers() {
         assert!(root(3, 4).is_ok());
         let e = root(4, 4).unwrap_err().to_string();
-        assert!(e.contains("root 4 is out of range for a group of 4 ranks"), "{e}");
+        assert!(
+            e.contains("root 4 is out of range for a group of 4 ranks"),
+            "{e}"
+        );
         assert!(peer(1, 0, 2).is_ok());
         assert!(peer(0, 0, 2).is_err());
         assert!(peer(2, 0, 2).is_err());
@@ -152,7 +155,10 @@ mod tests {
     fn all_to_all_splits() {
         assert_eq!(splits(None, 6, 3, "input").unwrap(), vec![2, 2, 2]);
         assert!(splits(None, 7, 3, "input").is_err());
-        assert_eq!(splits(Some(&[0, 5, 2]), 7, 3, "input").unwrap(), vec![0, 5, 2]);
+        assert_eq!(
+            splits(Some(&[0, 5, 2]), 7, 3, "input").unwrap(),
+            vec![0, 5, 2]
+        );
         assert!(splits(Some(&[1, 1]), 2, 3, "output").is_err());
         assert!(splits(Some(&[1, 1, 1]), 2, 3, "output").is_err());
         assert!(splits(Some(&[usize::MAX, 2, 0]), 1, 3, "output").is_err());

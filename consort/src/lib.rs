@@ -1,1 +1,27 @@
-//! consort facade
+//! consort: collective communication and data-parallel training for Rust.
+//!
+//! This facade is what users depend on. It re-exports the vocabulary of
+//! [`consort_comm`] (the [`Backend`] trait, [`ProcessGroup`], [`ReduceOp`],
+//! dtypes, errors, stores), owns the rendezvous ([`init_from_env`], which
+//! reads torchrun's or Slurm's variables), and ships the `consort` binary.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! // Alone, under torchrun, under srun or under `consort run`: same code.
+//! let dist = consort::init_from_env().await?;
+//! println!("rank {} of {}", dist.rank(), dist.world_size());
+//! dist.store().set("hello", b"world").await?;
+//! dist.shutdown().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod env;
+mod init;
+
+pub use consort_comm::{
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, ErrorContext,
+    Fingerprint, GroupId, OpKind, ProcessGroup, ReduceOp, Result, half, store,
+};
+pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+pub use env::{DistEnv, EnvError, Launcher};
+pub use init::{Dist, InitError, InitOptions, init, init_from_env};

@@ -71,7 +71,12 @@ async fn our_server_answers_torch_client_bytes_exactly() {
 fn py_list(s: &str) -> Vec<Vec<u8>> {
     s.trim_matches(|c| c == '[' || c == ']')
         .split(", ")
-        .map(|item| item.trim_start_matches('b').trim_matches('\'').as_bytes().to_vec())
+        .map(|item| {
+            item.trim_start_matches('b')
+                .trim_matches('\'')
+                .as_bytes()
+                .to_vec()
+        })
         .collect()
 }
 
@@ -95,7 +100,10 @@ async fn our_client_sends_torch_client_bytes_exactly() {
                     assert_eq!(nonce, std::process::id().to_le_bytes());
                     continue;
                 }
-                assert_eq!(got, bytes, "chunk {i}: our client's request differs from torch's");
+                assert_eq!(
+                    got, bytes,
+                    "chunk {i}: our client's request differs from torch's"
+                );
             } else if i == 1 {
                 let pid = std::process::id().to_le_bytes();
                 s.write_all(&pid).await.unwrap();
@@ -105,7 +113,9 @@ async fn our_client_sends_torch_client_bytes_exactly() {
         }
     });
 
-    let store = TcpStore::connect(addr, opts(Duration::from_secs(5))).await.unwrap();
+    let store = TcpStore::connect(addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
     let t: Value = serde_json::from_str(TRANSCRIPT).unwrap();
     for step in t["script"].as_array().unwrap() {
         let call = step["call"].as_str().unwrap();
@@ -120,7 +130,10 @@ async fn our_client_sends_torch_client_bytes_exactly() {
                 want.as_i64().unwrap()
             ),
             "compare_set" => assert_eq!(
-                store.compare_set(s(0), &hex(s(1)), &hex(s(2))).await.unwrap(),
+                store
+                    .compare_set(s(0), &hex(s(1)), &hex(s(2)))
+                    .await
+                    .unwrap(),
                 hex(want.as_str().unwrap())
             ),
             "check" | "wait" | "multi_get" => {
@@ -130,7 +143,9 @@ async fn our_client_sends_torch_client_bytes_exactly() {
                     .collect();
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
                 match call {
-                    "check" => assert_eq!(store.check(&keys).await.unwrap(), want.as_bool().unwrap()),
+                    "check" => {
+                        assert_eq!(store.check(&keys).await.unwrap(), want.as_bool().unwrap())
+                    }
                     "wait" => store.wait(&keys, Duration::from_secs(5)).await.unwrap(),
                     _ => {
                         let got = store.multi_get(&keys).await.unwrap();
@@ -145,7 +160,10 @@ async fn our_client_sends_torch_client_bytes_exactly() {
                 }
             }
             "num_keys" => assert_eq!(store.num_keys().await.unwrap(), want.as_i64().unwrap()),
-            "delete_key" => assert_eq!(store.delete_key(s(0)).await.unwrap(), want.as_bool().unwrap()),
+            "delete_key" => assert_eq!(
+                store.delete_key(s(0)).await.unwrap(),
+                want.as_bool().unwrap()
+            ),
             "multi_set" => {
                 let keys: Vec<String> = py_list(s(0))
                     .into_iter()
@@ -165,9 +183,12 @@ async fn our_client_sends_torch_client_bytes_exactly() {
 
 async fn pair() -> (TcpStoreServer, TcpStore) {
     let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
-    let client = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let client = TcpStore::connect(
+        server.local_addr().to_string(),
+        opts(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
     (server, client)
 }
 
@@ -176,8 +197,14 @@ async fn semantics_over_the_wire() {
     let (server, c) = pair().await;
     assert_eq!(c.compare_set("cs", b"", b"first").await.unwrap(), b"first");
     assert_eq!(c.compare_set("cs", b"wrong", b"x").await.unwrap(), b"first");
-    assert_eq!(c.compare_set("cs", b"first", b"second").await.unwrap(), b"second");
-    assert_eq!(c.compare_set("absent", b"exp", b"des").await.unwrap(), b"exp");
+    assert_eq!(
+        c.compare_set("cs", b"first", b"second").await.unwrap(),
+        b"second"
+    );
+    assert_eq!(
+        c.compare_set("absent", b"exp", b"des").await.unwrap(),
+        b"exp"
+    );
     assert!(!c.check(&["absent"]).await.unwrap());
     assert_eq!(c.add("n", 10).await.unwrap(), 10);
     assert_eq!(c.add("n", -3).await.unwrap(), 7);
@@ -193,7 +220,10 @@ async fn semantics_over_the_wire() {
 async fn wait_times_out_cleanly_and_the_connection_stays_usable() {
     let (server, c) = pair().await;
     let t0 = std::time::Instant::now();
-    let e = c.wait(&["never"], Duration::from_millis(150)).await.unwrap_err();
+    let e = c
+        .wait(&["never"], Duration::from_millis(150))
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
     assert!(t0.elapsed() >= Duration::from_millis(150));
     assert!(e.to_string().contains("\"never\""), "{e}");
@@ -206,9 +236,12 @@ async fn wait_times_out_cleanly_and_the_connection_stays_usable() {
 #[tokio::test]
 async fn wait_is_woken_by_another_client() {
     let (server, c) = pair().await;
-    let other = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let other = TcpStore::connect(
+        server.local_addr().to_string(),
+        opts(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
     let waiter = tokio::spawn(async move {
         c.wait(&["a", "b"], Duration::from_secs(10)).await?;
         c.multi_get(&["a", "b"]).await
@@ -232,9 +265,12 @@ async fn add_on_a_non_number_is_an_error_not_a_crash() {
     assert!(e.to_string().contains("not a decimal integer"), "{e}");
     // The error is sticky on that client; the server keeps serving others.
     assert!(c.set("x", b"y").await.is_err());
-    let c2 = TcpStore::connect(server.local_addr().to_string(), opts(Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let c2 = TcpStore::connect(
+        server.local_addr().to_string(),
+        opts(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
     assert_eq!(c2.get("word").await.unwrap(), b"hello");
     server.shutdown().await;
 }
@@ -243,9 +279,16 @@ async fn add_on_a_non_number_is_an_error_not_a_crash() {
 async fn limits_are_refused_client_side_with_a_clear_error() {
     let (server, c) = pair().await;
     let e = c.set(&"k".repeat(MAX_KEY_LEN), b"v").await.unwrap_err();
-    assert!(e.to_string().contains("key length of 8193 is over the limit of 8192"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("key length of 8193 is over the limit of 8192"),
+        "{e}"
+    );
     let big = vec![7u8; MAX_VALUE_LEN + 1];
-    assert!(matches!(c.set("big", &big).await, Err(StoreError::TooLarge { .. })));
+    assert!(matches!(
+        c.set("big", &big).await,
+        Err(StoreError::TooLarge { .. })
+    ));
     // The largest legal value goes through.
     c.set("big", &big[..MAX_VALUE_LEN]).await.unwrap();
     assert_eq!(c.get("big").await.unwrap().len(), MAX_VALUE_LEN);
@@ -308,7 +351,8 @@ async fn one_server_serves_a_thousand_concurrent_clients() {
         let addr = addr.clone();
         tasks.push(tokio::spawn(async move {
             let c = TcpStore::connect(addr, opts(Duration::from_secs(60))).await?;
-            c.set(&format!("rank/{i}"), i.to_string().as_bytes()).await?;
+            c.set(&format!("rank/{i}"), i.to_string().as_bytes())
+                .await?;
             c.add("arrived", 1).await?;
             // Everyone holds its connection open and waits for everyone.
             let keys: Vec<String> = (0..N).map(|j| format!("rank/{j}")).collect();

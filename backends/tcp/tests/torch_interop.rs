@@ -42,8 +42,12 @@ async fn torch_client_uses_our_server() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start python");
-    let ours = TcpStore::connect(server.local_addr().to_string(), opts()).await.unwrap();
-    ours.wait(&["t/torch_ready"], Duration::from_secs(60)).await.unwrap();
+    let ours = TcpStore::connect(server.local_addr().to_string(), opts())
+        .await
+        .unwrap();
+    ours.wait(&["t/torch_ready"], Duration::from_secs(60))
+        .await
+        .unwrap();
     // torch's keys are ours: same "/" prefix.
     assert_eq!(ours.get("t/alpha").await.unwrap(), b"two");
     assert_eq!(ours.get("t/n").await.unwrap(), b"3");
@@ -81,16 +85,25 @@ async fn our_client_uses_torch_server() {
         .expect("start python");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let port: u16 = lines.next().unwrap().unwrap().trim().parse().unwrap();
-    let c = TcpStore::connect(format!("127.0.0.1:{port}"), opts()).await.unwrap();
+    let c = TcpStore::connect(format!("127.0.0.1:{port}"), opts())
+        .await
+        .unwrap();
     assert_eq!(c.add("r/n", 41).await.unwrap(), 41);
     assert_eq!(c.add("r/n", 1).await.unwrap(), 42);
     assert_eq!(c.compare_set("r/cas", b"", b"a").await.unwrap(), b"a");
     assert_eq!(c.compare_set("r/cas", b"zz", b"b").await.unwrap(), b"a");
     c.multi_set(&["r/m1", "r/m2"], &[b"x", b"y"]).await.unwrap();
-    assert_eq!(c.multi_get(&["r/m2", "r/m1"]).await.unwrap(), vec![b"y".to_vec(), b"x".to_vec()]);
+    assert_eq!(
+        c.multi_get(&["r/m2", "r/m1"]).await.unwrap(),
+        vec![b"y".to_vec(), b"x".to_vec()]
+    );
     assert!(c.check(&["r/m1"]).await.unwrap());
     assert!(!c.check(&["r/nothing"]).await.unwrap());
-    assert!(c.wait(&["r/nothing"], Duration::from_millis(200)).await.is_err());
+    assert!(
+        c.wait(&["r/nothing"], Duration::from_millis(200))
+            .await
+            .is_err()
+    );
     assert!(c.delete_key("r/m1").await.unwrap());
     c.set("r/from_rust", b"hello from consort").await.unwrap();
     let reply: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
@@ -98,6 +111,8 @@ async fn our_client_uses_torch_server() {
     assert_eq!(reply["counter"], "42");
     assert_eq!(c.get("r/from_torch").await.unwrap(), b"hello from torch");
     c.set("r/done", b"1").await.unwrap();
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
     assert!(status.success());
 }

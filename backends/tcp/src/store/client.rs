@@ -5,8 +5,8 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use consort_comm::store::{
-    DEFAULT_STORE_TIMEOUT, Store, StoreError, StoreResult, check_key,
-    check_keys, check_multi_set, check_value,
+    DEFAULT_STORE_TIMEOUT, Store, StoreError, StoreResult, check_key, check_keys, check_multi_set,
+    check_value,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt, BufReader},
@@ -184,7 +184,11 @@ impl TcpStore {
             Ok::<_, std::io::Error>(c.r.read_u32_le().await?)
         })
         .await;
-        self.settle(&mut guard, "the handshake", r.map(|r| r.map_err(ReadError::Io)))
+        self.settle(
+            &mut guard,
+            "the handshake",
+            r.map(|r| r.map_err(ReadError::Io)),
+        )
     }
 
     /// Sends one request and reads its reply under the store deadline.
@@ -223,10 +227,9 @@ impl TcpStore {
                 during: during.to_string(),
                 source: Arc::new(e),
             },
-            Ok(Err(e @ ReadError::TooLarge { .. })) => StoreError::Protocol(format!(
-                "reply to {during} from {}: {e}",
-                self.addr
-            )),
+            Ok(Err(e @ ReadError::TooLarge { .. })) => {
+                StoreError::Protocol(format!("reply to {during} from {}: {e}", self.addr))
+            }
             Err(_) => StoreError::Timeout {
                 keys: vec![],
                 after: self.opts.timeout,
@@ -266,7 +269,11 @@ impl TcpStore {
                     Ok::<u8, std::io::Error>(b)
                 })
                 .await;
-                let b = self.settle(&mut guard, &during, cancel.map(|r| r.map_err(ReadError::Io)))?;
+                let b = self.settle(
+                    &mut guard,
+                    &during,
+                    cancel.map(|r| r.map_err(ReadError::Io)),
+                )?;
                 if b != wire::WAIT_CANCELED {
                     let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
                     *guard = Err(e.clone());
@@ -375,7 +382,10 @@ impl Store for TcpStore {
     }
 
     async fn num_keys(&self) -> StoreResult<i64> {
-        match self.call("num_keys()", &[cmd::GETNUMKEYS], Shape::I64).await? {
+        match self
+            .call("num_keys()", &[cmd::GETNUMKEYS], Shape::I64)
+            .await?
+        {
             Reply::I64(n) => Ok(n),
             _ => Err(unexpected("num_keys()")),
         }

@@ -98,10 +98,12 @@ impl TcpStoreServer {
     /// Listens on `addr` (port 0 picks a free port).
     pub async fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> StoreResult<Self> {
         let shown = format!("{addr:?}").trim_matches('"').to_string();
-        let listener = TcpListener::bind(addr).await.map_err(|e| StoreError::Bind {
-            addr: shown.clone(),
-            reason: e.to_string(),
-        })?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| StoreError::Bind {
+                addr: shown.clone(),
+                reason: e.to_string(),
+            })?;
         let local_addr = listener.local_addr().map_err(|e| StoreError::Bind {
             addr: shown,
             reason: e.to_string(),
@@ -276,7 +278,11 @@ async fn handle_requests(
                 let keys = wire::read_keys(r).await?;
                 let s = lock(state);
                 let ready = keys.iter().all(|k| s.has(k));
-                send(vec![if ready { wire::CHECK_READY } else { wire::CHECK_NOT_READY }]);
+                send(vec![if ready {
+                    wire::CHECK_READY
+                } else {
+                    wire::CHECK_NOT_READY
+                }]);
             }
             cmd::WAIT => {
                 let keys = wire::read_keys(r).await?;
@@ -305,7 +311,10 @@ async fn handle_requests(
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
                 let mut s = lock(state);
-                s.map.entry(key.clone()).or_default().extend_from_slice(&value);
+                s.map
+                    .entry(key.clone())
+                    .or_default()
+                    .extend_from_slice(&value);
                 s.wake(&key);
             }
             cmd::MULTI_GET => {

@@ -1,7 +1,7 @@
 //! The TCPStore wire format: command codes, reply codes, and the encoders
 //! and decoders that the client and the server share.
 
-use consort_comm::store::{MAX_KEYS_PER_REQUEST, MAX_KEY_LEN, MAX_VALUE_LEN};
+use consort_comm::store::{MAX_KEY_LEN, MAX_KEYS_PER_REQUEST, MAX_VALUE_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The magic number a client sends in its first message (VALIDATE).

@@ -1,0 +1,581 @@
+//! Reading the launcher's environment: [`DistEnv::from_env`].
+//!
+//! This module owns the rules for torchrun's variables, the Slurm fallback,
+//! and the world of one when no launcher is present. It does no I/O beyond
+//! reading variables; [`crate::init_from_env`] uses the result to meet the
+//! other ranks.
+//!
+//! | variable | meaning | rule |
+//! |---|---|---|
+//! | `RANK`, `WORLD_SIZE` | global rank and size (torchrun) | both or neither; `RANK < WORLD_SIZE` |
+//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | both or neither; default: `RANK`, `WORLD_SIZE` |
+//! | `MASTER_ADDR`, `MASTER_PORT` | where the store is | needed when `WORLD_SIZE > 1`; port in 1..=65535 |
+//! | `TORCHELASTIC_USE_AGENT_STORE` | `True`: the agent hosts the store | `True`/`False` (also `1`/`0`) |
+//! | `TORCHELASTIC_RESTART_COUNT` | restarts so far | a non-negative integer |
+//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | used when `RANK` and `WORLD_SIZE` are unset | all three or none; `MASTER_PORT` defaults to 29500 |
+
+use std::fmt;
+
+/// Which launcher the variables came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun, `consort run`, or anything else that sets `RANK` and
+    /// `WORLD_SIZE`.
+    Torchrun,
+    /// Slurm's `srun` (`SLURM_PROCID`, ...).
+    Slurm,
+    /// No launcher: a world of one process.
+    None,
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Launcher::Torchrun => "torchrun",
+            Launcher::Slurm => "slurm",
+            Launcher::None => "none",
+        })
+    }
+}
+
+/// The default `MASTER_PORT` (torchrun's).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// This process's place in the job, as the launcher described it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistEnv {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Processes on this node.
+    pub local_world_size: usize,
+    /// Host of the store.
+    pub master_addr: String,
+    /// Port of the store.
+    pub master_port: u16,
+    /// Whether the launcher's agent already hosts the store.
+    pub use_agent_store: bool,
+    /// How many times the launcher restarted the workers.
+    pub restart_count: u32,
+    /// Where these values came from.
+    pub launcher: Launcher,
+}
+
+/// A launcher variable that is missing or malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvError {
+    /// A variable does not parse.
+    #[error("{var}={value:?} is not valid: expected {expected}")]
+    Malformed {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// The form it should have.
+        expected: &'static str,
+    },
+    /// Some variables of a set are present and a required one is not.
+    #[error(
+        "{missing} is not set, but {present} is. Set {missing} too (a launcher such as \
+         torchrun, srun or `consort run` sets all of them), or unset {present} to run as a \
+         single process"
+    )]
+    Missing {
+        /// The variable that is missing.
+        missing: &'static str,
+        /// A variable of the same set that is present.
+        present: &'static str,
+    },
+    /// The values contradict each other.
+    #[error("{0}")]
+    Inconsistent(String),
+}
+
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn get(env: Lookup<'_>, var: &str) -> Option<String> {
+    env(var).filter(|v| !v.is_empty())
+}
+
+fn parse_usize(env: Lookup<'_>, var: &'static str) -> Result<Option<usize>, EnvError> {
+    get(env, var)
+        .map(|v| {
+            v.trim().parse::<usize>().map_err(|_| EnvError::Malformed {
+                var,
+                value: v,
+                expected: "a non-negative integer",
+            })
+        })
+        .transpose()
+}
+
+fn need(env: Lookup<'_>, var: &'static str, present: &'static str) -> Result<usize, EnvError> {
+    parse_usize(env, var)?.ok_or(EnvError::Missing {
+        missing: var,
+        present,
+    })
+}
+
+fn parse_port(env: Lookup<'_>) -> Result<Option<u16>, EnvError> {
+    get(env, "MASTER_PORT")
+        .map(|v| match v.trim().parse::<u16>() {
+            Ok(p) if p > 0 => Ok(p),
+            _ => Err(EnvError::Malformed {
+                var: "MASTER_PORT",
+                value: v,
+                expected: "a TCP port from 1 to 65535",
+            }),
+        })
+        .transpose()
+}
+
+fn parse_bool(env: Lookup<'_>, var: &'static str) -> Result<bool, EnvError> {
+    match get(env, var).as_deref().map(str::trim) {
+        None => Ok(false),
+        Some("True" | "true" | "1") => Ok(true),
+        Some("False" | "false" | "0") => Ok(false),
+        Some(v) => Err(EnvError::Malformed {
+            var,
+            value: v.to_string(),
+            expected: "True or False",
+        }),
+    }
+}
+
+/// The leading count of a Slurm tasks-per-node value such as `4(x2)` or `4,2`.
+fn slurm_first_count(v: &str) -> Option<usize> {
+    let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok().filter(|n| *n > 0)
+}
+
+impl DistEnv {
+    /// A world of one process, with the store on loopback.
+    pub fn single_process() -> Self {
+        DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: DEFAULT_MASTER_PORT,
+            use_agent_store: false,
+            restart_count: 0,
+            launcher: Launcher::None,
+        }
+    }
+
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, EnvError> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads variables through `env` (a test can pass a map). Empty values
+    /// count as unset.
+    pub fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
+        let has = |v: &str| get(env, v).is_some();
+        let torch_vars = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"];
+        let mut e = if let Some(present) = torch_vars.into_iter().find(|v| has(v)) {
+            let rank = need(env, "RANK", present)?;
+            let world_size = need(env, "WORLD_SIZE", present)?;
+            let (local_rank, local_world_size) = match (
+                parse_usize(env, "LOCAL_RANK")?,
+                parse_usize(env, "LOCAL_WORLD_SIZE")?,
+            ) {
+                (Some(r), Some(n)) => (r, n),
+                (None, None) => (rank, world_size),
+                (Some(_), None) => {
+                    return Err(EnvError::Missing {
+                        missing: "LOCAL_WORLD_SIZE",
+                        present: "LOCAL_RANK",
+                    });
+                }
+                (None, Some(_)) => {
+                    return Err(EnvError::Missing {
+                        missing: "LOCAL_RANK",
+                        present: "LOCAL_WORLD_SIZE",
+                    });
+                }
+            };
+            DistEnv {
+                rank,
+                world_size,
+                local_rank,
+                local_world_size,
+                master_addr: String::new(),
+                master_port: 0,
+                use_agent_store: false,
+                restart_count: 0,
+                launcher: Launcher::Torchrun,
+            }
+        } else if let Some(present) = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"]
+            .into_iter()
+            .find(|v| has(v))
+        {
+            let rank = need(env, "SLURM_PROCID", present)?;
+            let world_size = need(env, "SLURM_NTASKS", present)?;
+            let local_rank = need(env, "SLURM_LOCALID", present)?;
+            let local_world_size = ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+                .into_iter()
+                .find_map(|v| get(env, v).and_then(|s| slurm_first_count(&s)))
+                .unwrap_or(world_size);
+            DistEnv {
+                rank,
+                world_size,
+                local_rank,
+                local_world_size,
+                master_addr: String::new(),
+                master_port: DEFAULT_MASTER_PORT,
+                use_agent_store: false,
+                restart_count: 0,
+                launcher: Launcher::Slurm,
+            }
+        } else if let Some(present) = ["MASTER_ADDR", "MASTER_PORT"].into_iter().find(|v| has(v)) {
+            return Err(EnvError::Missing {
+                missing: "RANK",
+                present,
+            });
+        } else {
+            return Ok(DistEnv::single_process());
+        };
+
+        if e.world_size == 0 {
+            let var = if e.launcher == Launcher::Slurm {
+                "SLURM_NTASKS"
+            } else {
+                "WORLD_SIZE"
+            };
+            return Err(EnvError::Malformed {
+                var,
+                value: "0".into(),
+                expected: "a positive integer",
+            });
+        }
+        if e.rank >= e.world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "rank {} is out of range for a world of {} processes (rank must be below the \
+                 world size)",
+                e.rank, e.world_size
+            )));
+        }
+        if e.local_world_size == 0
+            || e.local_rank >= e.local_world_size
+            || e.local_world_size > e.world_size
+        {
+            return Err(EnvError::Inconsistent(format!(
+                "local rank {} of {} processes on this node does not fit a world of {} (need \
+                 local_rank < local_world_size <= world_size)",
+                e.local_rank, e.local_world_size, e.world_size
+            )));
+        }
+
+        let port = parse_port(env)?;
+        let slurm = e.launcher == Launcher::Slurm;
+        let addr = get(env, "MASTER_ADDR").or_else(|| {
+            slurm
+                .then(|| get(env, "SLURM_LAUNCH_NODE_IPADDR"))
+                .flatten()
+        });
+        e.master_addr = match addr {
+            Some(a) => a.trim().to_string(),
+            // A world of one never talks to anyone: loopback is enough.
+            None if e.world_size == 1 => "127.0.0.1".to_string(),
+            None => {
+                return Err(EnvError::Missing {
+                    missing: "MASTER_ADDR",
+                    present: if slurm { "SLURM_PROCID" } else { "RANK" },
+                });
+            }
+        };
+        e.master_port = match port {
+            Some(p) => p,
+            None if slurm || e.world_size == 1 => DEFAULT_MASTER_PORT,
+            None => {
+                return Err(EnvError::Missing {
+                    missing: "MASTER_PORT",
+                    present: "MASTER_ADDR",
+                });
+            }
+        };
+        e.use_agent_store = parse_bool(env, "TORCHELASTIC_USE_AGENT_STORE")?;
+        e.restart_count = match get(env, "TORCHELASTIC_RESTART_COUNT") {
+            None => 0,
+            Some(v) => v.trim().parse().map_err(|_| EnvError::Malformed {
+                var: "TORCHELASTIC_RESTART_COUNT",
+                value: v,
+                expected: "a non-negative integer",
+            })?,
+        };
+        Ok(e)
+    }
+
+    /// `MASTER_ADDR:MASTER_PORT`, bracketing IPv6 literals.
+    pub fn store_addr(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+
+    /// Whether this process hosts the store: rank 0, unless the launcher's
+    /// agent already does.
+    pub fn hosts_store(&self) -> bool {
+        self.rank == 0 && !self.use_agent_store
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<DistEnv, EnvError> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        DistEnv::from_lookup(&move |k| m.get(k).cloned())
+    }
+
+    const TORCHRUN: &[(&str, &str)] = &[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29400"),
+    ];
+
+    fn with(
+        base: &[(&'static str, &'static str)],
+        over: &[(&'static str, &'static str)],
+    ) -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = base
+            .iter()
+            .filter(|(k, _)| !over.iter().any(|(o, _)| o == k))
+            .copied()
+            .collect();
+        v.extend(over.iter().filter(|(_, val)| *val != "<unset>").copied());
+        v
+    }
+
+    #[test]
+    fn no_launcher_is_a_world_of_one() {
+        let e = parse(&[]).unwrap();
+        assert_eq!(e, DistEnv::single_process());
+        assert_eq!(e.launcher, Launcher::None);
+        // Empty values count as unset.
+        assert_eq!(parse(&[("RANK", "")]).unwrap().world_size, 1);
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = parse(TORCHRUN).unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (3, 8, 1, 2)
+        );
+        assert_eq!(e.store_addr(), "node0:29400");
+        assert_eq!(e.launcher, Launcher::Torchrun);
+        assert!(!e.hosts_store());
+        let agent = parse(&with(
+            TORCHRUN,
+            &[
+                ("RANK", "0"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ],
+        ))
+        .unwrap();
+        assert!(agent.use_agent_store && !agent.hosts_store());
+        assert_eq!(agent.restart_count, 2);
+        let host = parse(&with(
+            TORCHRUN,
+            &[("RANK", "0"), ("TORCHELASTIC_USE_AGENT_STORE", "False")],
+        ))
+        .unwrap();
+        assert!(host.hosts_store());
+        let v6 = parse(&with(TORCHRUN, &[("MASTER_ADDR", "::1")])).unwrap();
+        assert_eq!(v6.store_addr(), "[::1]:29400");
+        // Without LOCAL_*: one node.
+        let e = parse(&with(
+            TORCHRUN,
+            &[("LOCAL_RANK", "<unset>"), ("LOCAL_WORLD_SIZE", "<unset>")],
+        ))
+        .unwrap();
+        assert_eq!((e.local_rank, e.local_world_size), (3, 8));
+        // A world of one needs no master.
+        let e = parse(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
+        assert_eq!(e.store_addr(), "127.0.0.1:29500");
+    }
+
+    #[test]
+    fn slurm_fallback() {
+        let e = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("MASTER_ADDR", "10.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(e.store_addr(), "10.0.0.1:29500");
+        assert_eq!(e.launcher, Launcher::Slurm);
+        // torchrun's variables win over Slurm's.
+        let e = parse(&with(
+            TORCHRUN,
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "0"),
+            ],
+        ))
+        .unwrap();
+        assert_eq!(e.launcher, Launcher::Torchrun);
+        let e = parse(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"),
+        ])
+        .unwrap();
+        assert_eq!(e.store_addr(), "10.1.1.1:29500");
+    }
+
+    /// The error matrix: every case names the variable and what it expects.
+    #[test]
+    fn bad_and_partial_values_name_the_variable() {
+        let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (
+                with(TORCHRUN, &[("RANK", "three")]),
+                "RANK=\"three\" is not valid: expected a non-negative integer",
+            ),
+            (with(TORCHRUN, &[("RANK", "-1")]), "RANK=\"-1\""),
+            (
+                with(TORCHRUN, &[("WORLD_SIZE", "0")]),
+                "WORLD_SIZE=\"0\" is not valid: expected a positive integer",
+            ),
+            (
+                with(TORCHRUN, &[("WORLD_SIZE", "<unset>")]),
+                "WORLD_SIZE is not set, but RANK is",
+            ),
+            (
+                with(TORCHRUN, &[("RANK", "<unset>")]),
+                "RANK is not set, but WORLD_SIZE is",
+            ),
+            (
+                with(TORCHRUN, &[("RANK", "8")]),
+                "rank 8 is out of range for a world of 8",
+            ),
+            (
+                with(TORCHRUN, &[("LOCAL_RANK", "2")]),
+                "local rank 2 of 2 processes",
+            ),
+            (
+                with(TORCHRUN, &[("LOCAL_WORLD_SIZE", "<unset>")]),
+                "LOCAL_WORLD_SIZE is not set, but LOCAL_RANK is",
+            ),
+            (
+                with(TORCHRUN, &[("LOCAL_RANK", "<unset>")]),
+                "LOCAL_RANK is not set, but LOCAL_WORLD_SIZE is",
+            ),
+            (
+                with(TORCHRUN, &[("MASTER_PORT", "http")]),
+                "MASTER_PORT=\"http\" is not valid: expected a TCP port from 1 to 65535",
+            ),
+            (
+                with(TORCHRUN, &[("MASTER_PORT", "70000")]),
+                "MASTER_PORT=\"70000\"",
+            ),
+            (with(TORCHRUN, &[("MASTER_PORT", "0")]), "MASTER_PORT=\"0\""),
+            (
+                with(TORCHRUN, &[("MASTER_PORT", "<unset>")]),
+                "MASTER_PORT is not set, but MASTER_ADDR is",
+            ),
+            (
+                with(TORCHRUN, &[("MASTER_ADDR", "<unset>")]),
+                "MASTER_ADDR is not set, but RANK is",
+            ),
+            (
+                with(TORCHRUN, &[("TORCHELASTIC_USE_AGENT_STORE", "yes")]),
+                "TORCHELASTIC_USE_AGENT_STORE=\"yes\" is not valid: expected True or False",
+            ),
+            (
+                with(TORCHRUN, &[("TORCHELASTIC_RESTART_COUNT", "x")]),
+                "TORCHELASTIC_RESTART_COUNT=\"x\"",
+            ),
+            (
+                vec![("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+                "RANK is not set, but MASTER_ADDR is",
+            ),
+            (
+                vec![("SLURM_PROCID", "0")],
+                "SLURM_NTASKS is not set, but SLURM_PROCID is",
+            ),
+            (
+                vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
+                "SLURM_LOCALID is not set",
+            ),
+            (
+                vec![
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "0"),
+                ],
+                "MASTER_ADDR is not set, but SLURM_PROCID is",
+            ),
+            (
+                vec![
+                    ("SLURM_PROCID", "x"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "0"),
+                ],
+                "SLURM_PROCID=\"x\"",
+            ),
+        ];
+        for (vars, want) in cases {
+            let e = parse(&vars).expect_err(want);
+            assert!(
+                e.to_string().contains(want),
+                "{vars:?}: got `{e}`, want `{want}`"
+            );
+        }
+    }
+
+    mod proptests {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Any values at all: an Ok that respects the invariants, or an
+            /// error; never a panic.
+            #[test]
+            fn arbitrary_values_never_panic(
+                rank in prop::option::of("[0-9a-z-]{0,4}"),
+                world in prop::option::of("[0-9]{0,3}"),
+                port in prop::option::of("[0-9]{0,6}"),
+                agent in prop::option::of("(True|False|maybe)"),
+            ) {
+                let mut vars = vec![("MASTER_ADDR", "h".to_string())];
+                if let Some(r) = rank { vars.push(("RANK", r)); }
+                if let Some(w) = world { vars.push(("WORLD_SIZE", w)); }
+                if let Some(p) = port { vars.push(("MASTER_PORT", p)); }
+                if let Some(a) = agent { vars.push(("TORCHELASTIC_USE_AGENT_STORE", a)); }
+                let m: HashMap<&str, String> = vars.into_iter().collect();
+                if let Ok(e) = DistEnv::from_lookup(&move |k| m.get(k).cloned()) {
+                    prop_assert!(e.rank < e.world_size);
+                    prop_assert!(e.local_rank < e.local_world_size);
+                    prop_assert!(e.master_port > 0);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! Rendezvous: [`init_from_env`] turns the launcher's variables into a
+//! connected [`Dist`] with a shared [`Store`].
+//!
+//! This module owns who hosts the store (rank 0, unless the launcher's agent
+//! does), how ranks announce themselves, and the checks that every rank
+//! arrived exactly once. It does not create collectives; backends build
+//! their process groups on top of `Dist::store`.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::store::{DEFAULT_STORE_TIMEOUT, MemStore, PrefixStore, Store, StoreError};
+use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+
+use crate::env::{DistEnv, EnvError, Launcher};
+
+/// How [`init`] waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InitOptions {
+    /// Deadline for reaching the store and for every rank to arrive, and the
+    /// store's request timeout (torch's default: 300 s).
+    pub store_timeout: Duration,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions {
+            store_timeout: DEFAULT_STORE_TIMEOUT,
+        }
+    }
+}
+
+/// Why [`init`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InitError {
+    /// The launcher's variables are wrong.
+    #[error("bad launcher environment: {0}")]
+    Env(#[from] EnvError),
+    /// The store could not be hosted or reached.
+    #[error("rank {rank}: rendezvous store failed: {source}")]
+    Store {
+        /// This rank.
+        rank: usize,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
+    /// Two processes were started with the same rank.
+    #[error(
+        "rank {rank} is claimed by two processes: {first} and {second}. Each process needs its \
+         own RANK; check the launcher's configuration (or two jobs sharing one MASTER_PORT)"
+    )]
+    DuplicateRank {
+        /// The rank.
+        rank: usize,
+        /// The process that claimed it first (`host:pid`).
+        first: String,
+        /// This process (`host:pid`).
+        second: String,
+    },
+    /// Some ranks never arrived.
+    #[error(
+        "rank {rank}: timed out after {after:?} waiting for {} of {world_size} ranks to join \
+         (missing: {missing:?}{}). Check that every rank was started, with the same \
+         WORLD_SIZE, MASTER_ADDR and MASTER_PORT",
+        missing_count,
+        if *missing_count > missing.len() { ", ..." } else { "" }
+    )]
+    Incomplete {
+        /// This rank.
+        rank: usize,
+        /// The world size.
+        world_size: usize,
+        /// Some of the missing ranks.
+        missing: Vec<usize>,
+        /// How many are missing.
+        missing_count: usize,
+        /// How long this rank waited.
+        after: Duration,
+    },
+}
+
+/// A process that has joined its job: where it stands and the store it
+/// shares with the other ranks.
+#[derive(Debug)]
+pub struct Dist {
+    env: DistEnv,
+    store: Arc<dyn Store>,
+    server: Option<TcpStoreServer>,
+    timeout: Duration,
+}
+
+impl Dist {
+    /// The launcher's description of this process.
+    pub fn env(&self) -> &DistEnv {
+        &self.env
+    }
+
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Number of processes.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// Rank on this node.
+    pub fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+
+    /// Processes on this node.
+    pub fn local_world_size(&self) -> usize {
+        self.env.local_world_size
+    }
+
+    /// The store every rank shares (torch's keys: what a torch process sets
+    /// under `k`, this store reads under `k`).
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Whether this process hosts the store server.
+    pub fn hosts_store(&self) -> bool {
+        self.server.is_some()
+    }
+
+    /// Leaves the job. Every rank announces that it is done; the rank that
+    /// hosts the store waits for all of them before stopping the server, so
+    /// that no rank loses the store while it still needs it.
+    pub async fn shutdown(self) -> Result<(), InitError> {
+        let rank = self.env.rank;
+        let rdzv = rendezvous_store(&self.store, &self.env);
+        let err = |source| InitError::Store { rank, source };
+        rdzv.set(&format!("exit/{rank}"), b"1").await.map_err(err)?;
+        if let Some(server) = self.server {
+            let keys: Vec<String> = (0..self.env.world_size)
+                .map(|r| format!("exit/{r}"))
+                .collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let waited = rdzv.wait(&keys, self.timeout).await;
+            drop(rdzv);
+            drop(self.store);
+            server.shutdown().await;
+            waited.map_err(err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The store namespace of one rendezvous round (torchelastic restarts get
+/// fresh keys).
+fn rendezvous_store(store: &Arc<dyn Store>, env: &DistEnv) -> PrefixStore {
+    PrefixStore::new(format!("consort/rdzv/{}", env.restart_count), store.clone())
+}
+
+/// `host:pid` of this process, for error messages.
+fn identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_string());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Reads torchrun's (or Slurm's) variables and joins the job; see [`init`].
+///
+/// With no launcher variables at all, this is a world of one process with
+/// an in-memory store, and it logs that it did so: the same program runs
+/// alone or under a launcher.
+pub async fn init_from_env() -> Result<Dist, InitError> {
+    init(DistEnv::from_env()?, InitOptions::default()).await
+}
+
+/// Joins the job `env` describes: rank 0 hosts a TCPStore on
+/// `MASTER_ADDR:MASTER_PORT` (unless the agent already does), every rank
+/// connects to it, claims its rank, and waits until all ranks have.
+pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
+    let rank = env.rank;
+    let err = |source| InitError::Store { rank, source };
+    if env.launcher == Launcher::None {
+        tracing::info!(
+            "no launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, ... or SLURM_PROCID) found: \
+             running as a world of one process"
+        );
+        return Ok(Dist {
+            env,
+            store: Arc::new(MemStore::new(opts.store_timeout)),
+            server: None,
+            timeout: opts.store_timeout,
+        });
+    }
+    let server = if env.hosts_store() {
+        let bind = bind_addr(&env).await;
+        let server = TcpStoreServer::bind(bind.as_str()).await.map_err(err)?;
+        tracing::info!(addr = %server.local_addr(), "rank 0 hosts the store");
+        Some(server)
+    } else {
+        None
+    };
+    let client = TcpStore::connect(
+        env.store_addr(),
+        TcpStoreOptions {
+            timeout: opts.store_timeout,
+            connect_timeout: opts.store_timeout,
+        },
+    )
+    .await
+    .map_err(err)?;
+    let store: Arc<dyn Store> = Arc::new(client);
+    let rdzv = rendezvous_store(&store, &env);
+
+    let me = identity();
+    let key = format!("rank/{rank}");
+    let owner = rdzv
+        .compare_set(&key, b"", me.as_bytes())
+        .await
+        .map_err(err)?;
+    if owner != me.as_bytes() {
+        return Err(InitError::DuplicateRank {
+            rank,
+            first: String::from_utf8_lossy(&owner).into_owned(),
+            second: me,
+        });
+    }
+    let keys: Vec<String> = (0..env.world_size).map(|r| format!("rank/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match rdzv.wait(&refs, opts.store_timeout).await {
+        Ok(()) => {}
+        Err(StoreError::Timeout { after, .. }) => {
+            let mut missing = Vec::new();
+            let mut missing_count = 0;
+            for (r, k) in refs.iter().enumerate() {
+                if !rdzv.check(&[k]).await.map_err(err)? {
+                    missing_count += 1;
+                    if missing.len() < 16 {
+                        missing.push(r);
+                    }
+                }
+            }
+            return Err(InitError::Incomplete {
+                rank,
+                world_size: env.world_size,
+                missing,
+                missing_count,
+                after,
+            });
+        }
+        Err(e) => return Err(err(e)),
+    }
+    drop(rdzv);
+    tracing::debug!(rank, world_size = env.world_size, "rendezvous complete");
+    Ok(Dist {
+        env,
+        store,
+        server,
+        timeout: opts.store_timeout,
+    })
+}
+
+/// Where rank 0 listens: the master address itself when it is a loopback
+/// address (a single-node job stays off the network), every interface
+/// otherwise (as torch's TCPStore does).
+async fn bind_addr(env: &DistEnv) -> String {
+    let addrs: Vec<_> = match tokio::net::lookup_host(env.store_addr()).await {
+        Ok(a) => a.collect(),
+        Err(_) => Vec::new(),
+    };
+    let loopback = !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback());
+    if loopback {
+        env.store_addr()
+    } else {
+        format!("0.0.0.0:{}", env.master_port)
+    }
+}
