@@ -21,6 +21,31 @@ pub struct InitOptions {
     pub store_timeout: Duration,
 }
 
+impl InitOptions {
+    /// The defaults, with `CONSORT_STORE_TIMEOUT` (seconds, may be
+    /// fractional) overriding the store timeout.
+    pub fn from_env() -> Result<Self, EnvError> {
+        let mut o = InitOptions::default();
+        if let Some(v) = std::env::var("CONSORT_STORE_TIMEOUT")
+            .ok()
+            .filter(|v| !v.is_empty())
+        {
+            o.store_timeout = v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .ok_or(EnvError::Malformed {
+                    var: "CONSORT_STORE_TIMEOUT",
+                    value: v,
+                    expected: "a positive number of seconds",
+                })?;
+        }
+        Ok(o)
+    }
+}
+
 impl Default for InitOptions {
     fn default() -> Self {
         InitOptions {
@@ -173,7 +198,7 @@ fn identity() -> String {
 /// an in-memory store, and it logs that it did so: the same program runs
 /// alone or under a launcher.
 pub async fn init_from_env() -> Result<Dist, InitError> {
-    init(DistEnv::from_env()?, InitOptions::default()).await
+    init(DistEnv::from_env()?, InitOptions::from_env()?).await
 }
 
 /// Joins the job `env` describes: rank 0 hosts a TCPStore on
