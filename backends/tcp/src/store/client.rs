@@ -181,7 +181,7 @@ impl TcpStore {
         };
         let r = timeout(self.opts.timeout, async {
             c.w.write_all(&req).await?;
-            Ok::<_, std::io::Error>(c.r.read_u32_le().await?)
+            c.r.read_u32_le().await
         })
         .await;
         self.settle(
