@@ -215,3 +215,223 @@ impl ProcessGroup {
             .map(ProcessGroup::new))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::{Arc, Mutex},
+        time::Duration,
+    };
+
+    use async_trait::async_trait;
+    use half::bf16;
+
+    use super::*;
+    use crate::{DType, OpKind};
+
+    /// What one call reached the backend with.
+    #[derive(Debug, PartialEq)]
+    struct Seen {
+        op: OpKind,
+        dtype: DType,
+        out_len: Option<usize>,
+        in_len: Option<usize>,
+        root: usize,
+        tag: u32,
+        extra: String,
+    }
+
+    /// Records every call: checks that the typed layer hands the backend
+    /// the right views through `Arc<dyn Backend>`.
+    #[derive(Debug, Default)]
+    struct Recorder(Mutex<Vec<Seen>>);
+
+    impl Recorder {
+        fn log(
+            &self,
+            op: OpKind,
+            out: Option<&BufferMut<'_>>,
+            inp: Option<&Buffer<'_>>,
+            o: &CallOptions,
+            extra: String,
+        ) {
+            let dtype = out
+                .map(|b| b.dtype())
+                .or(inp.map(|b| b.dtype()))
+                .unwrap_or(DType::U8);
+            self.0.lock().unwrap().push(Seen {
+                op,
+                dtype,
+                out_len: out.map(|b| b.len()),
+                in_len: inp.map(|b| b.len()),
+                root: o.root,
+                tag: o.tag,
+                extra,
+            });
+        }
+    }
+
+    #[async_trait]
+    impl Backend for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn default_timeout(&self) -> Duration {
+            Duration::from_secs(1)
+        }
+        async fn all_reduce(&self, b: BufferMut<'_>, op: ReduceOp, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::AllReduce, Some(&b), None, o, op.to_string());
+            Ok(())
+        }
+        async fn broadcast(&self, b: BufferMut<'_>, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::Broadcast, Some(&b), None, o, String::new());
+            Ok(())
+        }
+        async fn reduce(&self, b: BufferMut<'_>, op: ReduceOp, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::Reduce, Some(&b), None, o, op.to_string());
+            Ok(())
+        }
+        async fn all_gather(
+            &self,
+            out: BufferMut<'_>,
+            i: Buffer<'_>,
+            o: &CallOptions,
+        ) -> Result<()> {
+            self.log(OpKind::AllGather, Some(&out), Some(&i), o, String::new());
+            Ok(())
+        }
+        async fn gather(
+            &self,
+            out: Option<BufferMut<'_>>,
+            i: Buffer<'_>,
+            o: &CallOptions,
+        ) -> Result<()> {
+            self.log(OpKind::Gather, out.as_ref(), Some(&i), o, String::new());
+            Ok(())
+        }
+        async fn scatter(
+            &self,
+            out: BufferMut<'_>,
+            i: Option<Buffer<'_>>,
+            o: &CallOptions,
+        ) -> Result<()> {
+            self.log(OpKind::Scatter, Some(&out), i.as_ref(), o, String::new());
+            Ok(())
+        }
+        async fn reduce_scatter(
+            &self,
+            out: BufferMut<'_>,
+            i: Buffer<'_>,
+            op: ReduceOp,
+            o: &CallOptions,
+        ) -> Result<()> {
+            self.log(
+                OpKind::ReduceScatter,
+                Some(&out),
+                Some(&i),
+                o,
+                op.to_string(),
+            );
+            Ok(())
+        }
+        async fn all_to_all_single(
+            &self,
+            out: BufferMut<'_>,
+            i: Buffer<'_>,
+            os: Option<&[usize]>,
+            is: Option<&[usize]>,
+            o: &CallOptions,
+        ) -> Result<()> {
+            self.log(
+                OpKind::AllToAll,
+                Some(&out),
+                Some(&i),
+                o,
+                format!("{os:?} {is:?}"),
+            );
+            Ok(())
+        }
+        async fn barrier(&self, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::Barrier, None, None, o, String::new());
+            Ok(())
+        }
+        async fn send(&self, b: Buffer<'_>, dst: usize, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::Send, None, Some(&b), o, format!("to {dst}"));
+            Ok(())
+        }
+        async fn recv(&self, b: BufferMut<'_>, src: usize, o: &CallOptions) -> Result<()> {
+            self.log(OpKind::Recv, Some(&b), None, o, format!("from {src}"));
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn typed_calls_reach_a_dyn_backend_intact() {
+        let rec = Arc::new(Recorder::default());
+        let pg = ProcessGroup::new(rec.clone());
+        let mut g = vec![bf16::ONE; 6];
+        let x = [1i64, 2, 3];
+        let mut y = [0i64; 3];
+        pg.all_reduce(&mut g, ReduceOp::Avg).await.unwrap();
+        pg.broadcast(&mut g[..2], 1).await.unwrap();
+        pg.reduce(&mut y, ReduceOp::Max, 1).await.unwrap();
+        assert_eq!(pg.all_gather_vec(&x).await.unwrap().len(), 6);
+        pg.gather(None, &x, 1).await.unwrap();
+        pg.scatter(&mut y, Some(&[0i64; 6]), 0).await.unwrap();
+        pg.reduce_scatter(&mut y, &[0i64; 6], ReduceOp::Sum)
+            .await
+            .unwrap();
+        pg.all_to_all_single(&mut y, &x, Some(&[1, 2]), None)
+            .await
+            .unwrap();
+        pg.barrier().await.unwrap();
+        pg.send(&x, 1, 7).await.unwrap();
+        pg.recv(&mut y, 1, 8).await.unwrap();
+        let e = pg.new_group(&[0]).await.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("recorder backend does not create subgroups"),
+            "{e}"
+        );
+
+        let seen = rec.0.lock().unwrap();
+        let s = |op, dtype, out_len, in_len, root, tag, extra: &str| Seen {
+            op,
+            dtype,
+            out_len,
+            in_len,
+            root,
+            tag,
+            extra: extra.to_string(),
+        };
+        use DType::{BF16, I64, U8};
+        let want = vec![
+            s(OpKind::AllReduce, BF16, Some(6), None, 0, 0, "avg"),
+            s(OpKind::Broadcast, BF16, Some(2), None, 1, 0, ""),
+            s(OpKind::Reduce, I64, Some(3), None, 1, 0, "max"),
+            s(OpKind::AllGather, I64, Some(6), Some(3), 0, 0, ""),
+            s(OpKind::Gather, I64, None, Some(3), 1, 0, ""),
+            s(OpKind::Scatter, I64, Some(3), Some(6), 0, 0, ""),
+            s(OpKind::ReduceScatter, I64, Some(3), Some(6), 0, 0, "sum"),
+            s(
+                OpKind::AllToAll,
+                I64,
+                Some(3),
+                Some(3),
+                0,
+                0,
+                "Some([1, 2]) None",
+            ),
+            s(OpKind::Barrier, U8, None, None, 0, 0, ""),
+            s(OpKind::Send, I64, None, Some(3), 0, 7, "to 1"),
+            s(OpKind::Recv, I64, Some(3), None, 0, 8, "from 1"),
+        ];
+        assert_eq!(*seen, want);
+    }
+}
