@@ -13,10 +13,12 @@
 //!   carries it ([`frame`]);
 //! - the rendezvous [`Store`] trait, with [`MemStore`] and [`PrefixStore`].
 //!
-//! It never imports a backend, an async runtime, or a socket. The
-//! collective algorithms (`comm::algo`) will live here too, as sans-IO
-//! schedules that the simulator, TCP and QUIC drivers share.
+//! - the collective algorithms ([`algo`]), as sans-IO schedules that the
+//!   simulator, TCP and QUIC drivers share.
+//!
+//! It never imports a backend, an async runtime, or a socket.
 
+pub mod algo;
 mod backend;
 mod buffer;
 pub mod dtype;

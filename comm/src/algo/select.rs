@@ -1,0 +1,186 @@
+//! Which schedule runs: [`Algorithm`], [`AlgoConfig`] (segment size,
+//! window, overrides) and the selection policy.
+
+use std::{fmt, str::FromStr};
+
+use crate::OpKind;
+
+/// A collective algorithm. The names are the snake_case ones that
+/// `CONSORT_ALGO` and `consort sim --algo` take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Segmented, pipelined ring (all_reduce, all_gather, reduce_scatter).
+    Ring,
+    /// Recursive halving then doubling, any world size (all_reduce).
+    HalvingDoubling,
+    /// Binomial tree (broadcast, reduce; all_reduce as reduce + broadcast).
+    BinomialTree,
+    /// Pipelined chain (broadcast of large messages).
+    Chain,
+    /// Every rank talks to the root (gather, scatter), or to its peer
+    /// (send, recv).
+    Direct,
+    /// Pairwise exchange (all_to_all_single).
+    Pairwise,
+    /// Dissemination (barrier).
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::Ring,
+        Algorithm::HalvingDoubling,
+        Algorithm::BinomialTree,
+        Algorithm::Chain,
+        Algorithm::Direct,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+    ];
+
+    /// The snake_case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::HalvingDoubling => "halving_doubling",
+            Algorithm::BinomialTree => "binomial_tree",
+            Algorithm::Chain => "chain",
+            Algorithm::Direct => "direct",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+
+    /// The ops this algorithm implements.
+    pub fn ops(self) -> &'static [OpKind] {
+        match self {
+            Algorithm::Ring => &[OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter],
+            Algorithm::HalvingDoubling => &[OpKind::AllReduce],
+            Algorithm::BinomialTree => &[OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce],
+            Algorithm::Chain => &[OpKind::Broadcast],
+            Algorithm::Direct => &[OpKind::Gather, OpKind::Scatter, OpKind::Send, OpKind::Recv],
+            Algorithm::Pairwise => &[OpKind::AllToAll],
+            Algorithm::Dissemination => &[OpKind::Barrier],
+        }
+    }
+
+    /// Whether this algorithm implements `op`.
+    pub fn supports(self, op: OpKind) -> bool {
+        self.ops().contains(&op)
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An algorithm name that is not one of [`Algorithm::ALL`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown algorithm {0:?}: expected one of ring, halving_doubling, binomial_tree, chain, \
+     direct, pairwise, dissemination (or op=algo pairs such as all_reduce=ring,broadcast=chain)"
+)]
+pub struct ParseAlgoError(pub String);
+
+impl FromStr for Algorithm {
+    type Err = ParseAlgoError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == t)
+            .ok_or_else(|| ParseAlgoError(t.to_string()))
+    }
+}
+
+/// Tunables of the schedules, shared by every driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AlgoConfig {
+    /// Largest segment a pipelined schedule sends, in bytes (256 KiB: hot
+    /// in L2 when it is reduced).
+    pub segment_bytes: usize,
+    /// Segments in flight per schedule (at least 2).
+    pub window: usize,
+    /// Forced choices: `(None, algo)` applies to every op `algo`
+    /// implements; `(Some(op), algo)` to that op only.
+    pub overrides: Vec<(Option<OpKind>, Algorithm)>,
+}
+
+impl Default for AlgoConfig {
+    fn default() -> Self {
+        AlgoConfig {
+            segment_bytes: 256 * 1024,
+            window: 2,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+/// Messages below this many bytes are latency-bound on TCP (reference.md:
+/// about 55 KB on this class of machine).
+pub const LATENCY_BOUND_BYTES: usize = 64 * 1024;
+
+impl AlgoConfig {
+    /// Parses an override list: `ring`, or `all_reduce=ring,broadcast=chain`.
+    pub fn parse_overrides(s: &str) -> Result<Vec<(Option<OpKind>, Algorithm)>, ParseAlgoError> {
+        s.split(',')
+            .filter(|x| !x.trim().is_empty())
+            .map(|item| match item.split_once('=') {
+                None => Ok((None, item.parse()?)),
+                Some((op, algo)) => {
+                    let op = OpKind::ALL
+                        .into_iter()
+                        .find(|o| {
+                            o.name() == op.trim()
+                                || (op.trim() == "all_to_all" && *o == OpKind::AllToAll)
+                        })
+                        .ok_or_else(|| ParseAlgoError(op.trim().to_string()))?;
+                    Ok((Some(op), algo.parse()?))
+                }
+            })
+            .collect()
+    }
+
+    /// The defaults, with `CONSORT_ALGO` (if set) as overrides.
+    pub fn from_env() -> Result<Self, ParseAlgoError> {
+        let mut c = AlgoConfig::default();
+        if let Ok(v) = std::env::var("CONSORT_ALGO") {
+            c.overrides = Self::parse_overrides(&v)?;
+        }
+        Ok(c)
+    }
+
+    /// The algorithm for `op` moving `bytes` over `world` ranks: an override
+    /// that implements the op, else the policy.
+    ///
+    /// Policy: all_reduce uses halving-doubling below
+    /// [`LATENCY_BOUND_BYTES`] (log-depth latency) and the ring above
+    /// (bandwidth-optimal); broadcast uses the pipelined chain for large
+    /// messages on small worlds and the binomial tree otherwise.
+    pub fn select(&self, op: OpKind, bytes: usize, world: usize) -> Algorithm {
+        let forced = self
+            .overrides
+            .iter()
+            .find(|(o, a)| *o == Some(op) && a.supports(op))
+            .or_else(|| {
+                self.overrides
+                    .iter()
+                    .find(|(o, a)| o.is_none() && a.supports(op))
+            });
+        if let Some((_, a)) = forced {
+            return *a;
+        }
+        match op {
+            OpKind::AllReduce if bytes < LATENCY_BOUND_BYTES => Algorithm::HalvingDoubling,
+            OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => Algorithm::Ring,
+            OpKind::Broadcast if bytes >= 4 * self.segment_bytes && world <= 16 => Algorithm::Chain,
+            OpKind::Broadcast | OpKind::Reduce => Algorithm::BinomialTree,
+            OpKind::AllToAll => Algorithm::Pairwise,
+            OpKind::Barrier => Algorithm::Dissemination,
+            _ => Algorithm::Direct,
+        }
+    }
+}
