@@ -1,7 +1,11 @@
-//! consort-sim: the simulator (to be built).
+//! consort-sim: a deterministic world of N ranks in one process.
 //!
-//! It will own a deterministic, seeded world of N ranks in one process that
-//! implements `Backend` by driving `consort_comm`'s schedules on a virtual
-//! clock; the fault injector (crash, drop, delay, duplicate, corrupt,
-//! partition, hold); and the cost-only mode that predicts time, algbw and
-//! busbw on an alpha-beta model of a topology.
+//! This crate owns the drivers that run `consort_comm::algo`'s schedules
+//! without a network:
+//!
+//! - [`cost`]: the α–β cost model over a topology, and the cost-only driver
+//!   that predicts time, algbw and busbw for up to 65,536 ranks;
+//!
+//! It owns no algorithm: every schedule comes from `consort_comm::algo`.
+
+pub mod cost;
