@@ -1,5 +1,360 @@
-//! consort-tests: the conformance suite (to be built).
+//! consort-tests: the conformance suite, written once and instantiated per
+//! backend with [`conformance!`] (as rustls-test mounts its tests once per
+//! crypto provider).
 //!
-//! It will own one body of tests, instantiated once per backend by a macro,
-//! that checks every op, dtype and ReduceOp against a reference over world
-//! sizes and lengths, including mismatched calls and faults.
+//! This crate owns the reference semantics every backend is checked
+//! against: inputs built from integer-valued numbers (so every float result
+//! is exact), a reference reduction computed directly, and the properties
+//! themselves. A backend joins by providing a [`Factory`] that makes a
+//! world of `n` connected handles in one process.
+
+use std::{future::Future, pin::Pin, sync::Arc};
+
+use consort_comm::{
+    Backend, CommError, DType, Element, ProcessGroup, ReduceOp,
+    half::{bf16, f16},
+};
+
+pub use proptest;
+
+/// Makes a world of `n` connected ranks, in rank order.
+pub type Factory = fn(usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>>;
+
+/// Runs `f` on every rank of a fresh world of `n`, each rank on its own
+/// task, and returns the results in rank order.
+pub fn run_world<T, F, Fut>(factory: Factory, n: usize, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(ProcessGroup) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(async {
+        let handles = factory(n).await;
+        assert_eq!(handles.len(), n, "factory made the wrong number of ranks");
+        let tasks: Vec<_> = handles
+            .into_iter()
+            .map(|b| tokio::spawn(f(ProcessGroup::new(b))))
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(t.await.expect("rank task panicked"));
+        }
+        out
+    })
+}
+
+/// An element type with a reference implementation of every reduction.
+pub trait TestElem: Element + Copy {
+    /// The value `v` (small integers only).
+    fn from_i64(v: i64) -> Self;
+    /// `a ⊕ b`, computed directly from the documented semantics.
+    fn reference(op: ReduceOp, a: Self, b: Self) -> Self;
+    /// `a / n` as `ReduceOp::Avg` finishes.
+    fn divide(a: Self, n: usize) -> Self;
+    /// Bitwise equality (NaN-safe).
+    fn same(a: Self, b: Self) -> bool;
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl TestElem for $t {
+            fn from_i64(v: i64) -> Self { v as $t }
+            fn reference(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                    ReduceOp::BAnd => a & b,
+                    ReduceOp::BOr => a | b,
+                    ReduceOp::BXor => a ^ b,
+                }
+            }
+            fn divide(a: Self, n: usize) -> Self { ((a as i128) / (n as i128)) as $t }
+            fn same(a: Self, b: Self) -> bool { a == b }
+        }
+    )*};
+}
+int_elem!(i8, u8, i32, i64, u32, u64);
+
+macro_rules! float_elem {
+    ($t:ty, $to:expr, $from:expr) => {
+        impl TestElem for $t {
+            fn from_i64(v: i64) -> Self {
+                $from(v as f32)
+            }
+            fn reference(op: ReduceOp, a: Self, b: Self) -> Self {
+                let (x, y): (f32, f32) = ($to(a), $to(b));
+                $from(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    ReduceOp::Prod => x * y,
+                    ReduceOp::Min => x.min(y),
+                    ReduceOp::Max => x.max(y),
+                    _ => unreachable!("bitwise ops are refused on floats"),
+                })
+            }
+            fn divide(a: Self, n: usize) -> Self {
+                $from($to(a) / n as f32)
+            }
+            fn same(a: Self, b: Self) -> bool {
+                $to(a).to_bits() == $to(b).to_bits()
+            }
+        }
+    };
+}
+float_elem!(f32, |x: f32| x, |x: f32| x);
+float_elem!(f16, |x: f16| x.to_f32(), f16::from_f32);
+float_elem!(bf16, |x: bf16| x.to_f32(), bf16::from_f32);
+
+impl TestElem for f64 {
+    fn from_i64(v: i64) -> Self {
+        v as f64
+    }
+    fn reference(op: ReduceOp, a: Self, b: Self) -> Self {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => a + b,
+            ReduceOp::Prod => a * b,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            _ => unreachable!("bitwise ops are refused on floats"),
+        }
+    }
+    fn divide(a: Self, n: usize) -> Self {
+        a / n as f64
+    }
+    fn same(a: Self, b: Self) -> bool {
+        a.to_bits() == b.to_bits()
+    }
+}
+
+/// Rank `rank`'s input element `i`: small integers, chosen so that every
+/// reduction over up to 16 ranks is exact in every dtype (products use
+/// ±1 and a few 2s).
+pub fn input<T: TestElem>(seed: u64, rank: usize, i: usize, op: ReduceOp) -> T {
+    let h = (seed ^ 0x9E37_79B9_7F4A_7C15)
+        .wrapping_mul(rank as u64 + 1)
+        .wrapping_add((i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9))
+        .rotate_left(17)
+        .wrapping_mul(0x94D0_49BB_1331_11EB);
+    let v = match op {
+        ReduceOp::Prod => match h % 8 {
+            0 => 2,
+            1..=3 => -1,
+            _ => 1,
+        },
+        _ => (h % 15) as i64 - 7,
+    };
+    // Unsigned types see small non-negative values.
+    let v = if matches!(T::DTYPE, DType::U8 | DType::U32 | DType::U64) {
+        v.abs()
+    } else {
+        v
+    };
+    T::from_i64(v)
+}
+
+/// The reduction of every rank's input, element by element, in rank order.
+pub fn reference<T: TestElem>(seed: u64, n: usize, len: usize, op: ReduceOp) -> Vec<T> {
+    (0..len)
+        .map(|i| {
+            let mut acc = input::<T>(seed, 0, i, op);
+            for r in 1..n {
+                acc = T::reference(op, acc, input::<T>(seed, r, i, op));
+            }
+            if op == ReduceOp::Avg {
+                T::divide(acc, n)
+            } else {
+                acc
+            }
+        })
+        .collect()
+}
+
+/// Asserts two slices are equal element by element (NaN-safe).
+pub fn assert_same<T: TestElem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            T::same(*g, *w),
+            "{what}: element {i}: got {g:?}, want {w:?}"
+        );
+    }
+}
+
+/// A reduce op a dtype supports (bitwise only on integers).
+pub fn op_for(dtype: DType, pick: usize) -> ReduceOp {
+    let ops: &[ReduceOp] = if dtype.is_float() {
+        &[
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Prod,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ]
+    } else {
+        &ReduceOp::ALL
+    };
+    ops[pick % ops.len()]
+}
+
+/// Calls `$body` with `$t` bound to the Rust type of `$dtype`.
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {{
+        use $crate::__private::*;
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::U64 => {
+                type $t = u64;
+                $body
+            }
+        }
+    }};
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use consort_comm::{
+        DType,
+        half::{bf16, f16},
+    };
+}
+
+pub mod checks;
+
+/// Whether an error is a collective mismatch.
+pub fn is_mismatch(e: &CommError) -> bool {
+    matches!(e, CommError::Mismatch { .. })
+}
+
+/// Instantiates the whole conformance suite for a backend: `$factory` is a
+/// [`Factory`].
+///
+/// ```ignore
+/// consort_tests::conformance!(my_backend_world);
+/// ```
+#[macro_export]
+macro_rules! conformance {
+    ($factory:path) => {
+        mod conformance {
+            use $crate::checks;
+            use $crate::proptest::prelude::*;
+
+            fn dtype() -> impl Strategy<Value = $crate::__private::DType> {
+                prop::sample::select($crate::__private::DType::ALL.to_vec())
+            }
+
+            /// Lengths from 0 up to several segments (the factory's worlds
+            /// use small segments), including ones `world` does not divide.
+            fn len() -> impl Strategy<Value = usize> {
+                prop_oneof![Just(0usize), Just(1), 0usize..40, 0usize..400]
+            }
+
+            proptest! {
+                #[test]
+                fn all_reduce(n in 1usize..=16, len in len(), dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
+                    checks::all_reduce($factory, n, len, dtype, op, seed);
+                }
+
+                #[test]
+                fn broadcast(n in 1usize..=16, len in len(), dtype in dtype(), root in any::<usize>(), seed in any::<u64>()) {
+                    checks::broadcast($factory, n, len, dtype, root % n, seed);
+                }
+
+                #[test]
+                fn reduce(n in 1usize..=16, len in len(), dtype in dtype(), op in 0usize..8, root in any::<usize>(), seed in any::<u64>()) {
+                    checks::reduce($factory, n, len, dtype, op, root % n, seed);
+                }
+
+                #[test]
+                fn all_gather(n in 1usize..=16, len in 0usize..60, dtype in dtype(), seed in any::<u64>()) {
+                    checks::all_gather($factory, n, len, dtype, seed);
+                }
+
+                #[test]
+                fn gather_and_scatter(n in 1usize..=16, len in 0usize..60, dtype in dtype(), root in any::<usize>(), seed in any::<u64>()) {
+                    checks::gather_scatter($factory, n, len, dtype, root % n, seed);
+                }
+
+                #[test]
+                fn reduce_scatter(n in 1usize..=16, len in 0usize..60, dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
+                    checks::reduce_scatter($factory, n, len, dtype, op, seed);
+                }
+
+                #[test]
+                fn all_to_all(n in 1usize..=16, dtype in dtype(), uneven in any::<bool>(), seed in any::<u64>()) {
+                    checks::all_to_all($factory, n, dtype, uneven, seed);
+                }
+
+                #[test]
+                fn barrier_and_point_to_point(n in 1usize..=16, len in len(), seed in any::<u64>()) {
+                    checks::barrier_and_p2p($factory, n, len, seed);
+                }
+
+                #[test]
+                fn mismatched_calls_give_mismatch_on_every_rank(n in 2usize..=12, odd in any::<usize>(), kind in 0usize..4, len in 1usize..50) {
+                    checks::mismatch($factory, n, odd % n, kind, len);
+                }
+            }
+
+            #[test]
+            fn bitwise_reductions_on_floats_are_unsupported_everywhere() {
+                checks::unsupported($factory);
+            }
+
+            #[test]
+            fn bad_arguments_are_invalid_on_every_rank_without_hanging() {
+                checks::invalid_arguments($factory);
+            }
+
+            #[test]
+            fn calls_after_a_failure_fail_fast_with_the_first_cause() {
+                checks::sticky($factory);
+            }
+
+            #[test]
+            fn many_calls_in_a_row_keep_their_order() {
+                checks::sequence($factory);
+            }
+        }
+    };
+}

@@ -169,7 +169,7 @@ pub struct Schedule {
     next_lane: usize,
     /// Round-robin cursor into `active`.
     cursor: usize,
-    posted: HashMap<(usize, u32), usize>,
+    posted: HashMap<(usize, u32), (usize, Receive)>,
 }
 
 impl Schedule {
@@ -227,7 +227,7 @@ impl Schedule {
             match &a {
                 Action::Receive(r) => {
                     self.lanes[l].blocked = true;
-                    let prev = self.posted.insert((r.from, r.tag), l);
+                    let prev = self.posted.insert((r.from, r.tag), (l, r.clone()));
                     debug_assert!(prev.is_none(), "two receives posted with one (from, tag)");
                     self.cursor += 1;
                 }
@@ -256,7 +256,7 @@ impl Schedule {
 
     /// Reports that the posted receive `(from, tag)` has been applied.
     pub fn handle_recv(&mut self, from: usize, tag: u32) -> Result<(), ScheduleError> {
-        let l = self
+        let (l, _) = self
             .posted
             .remove(&(from, tag))
             .ok_or(ScheduleError::NotPosted { from, tag })?;
@@ -269,6 +269,11 @@ impl Schedule {
     /// it to check that an early message is expected at all).
     pub fn is_posted(&self, from: usize, tag: u32) -> bool {
         self.posted.contains_key(&(from, tag))
+    }
+
+    /// The posted receive for `(from, tag)`, to apply an arriving message.
+    pub fn posted_receive(&self, from: usize, tag: u32) -> Option<&Receive> {
+        self.posted.get(&(from, tag)).map(|(_, r)| r)
     }
 
     /// Whether every action of every lane has completed.

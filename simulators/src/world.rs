@@ -1,0 +1,1751 @@
+//! Functional mode: [`SimWorld`] and its rank handles, [`SimRank`], which
+//! implement `Backend` with real payloads on a virtual clock.
+//!
+//! # How it stays deterministic
+//!
+//! Every rank's call registers its schedule and buffers with the world, and
+//! one engine (whichever rank's thread holds the world lock) processes
+//! message events in virtual-time order. It only processes an event earlier
+//! than the clock of every rank that is *not* inside a call: such a rank may
+//! still send, but never earlier than its clock. So the order of events,
+//! and therefore the trace and every result bit, depend only on the
+//! programs, the configuration and the seed; not on how the OS schedules
+//! the rank threads.
+//!
+//! # Timeouts and faults
+//!
+//! Each call has a virtual deadline (its start plus its timeout). A
+//! receive that can never complete (a dropped message, a partition, a rank
+//! that never calls) meets its deadline as a `Timeout` naming the peers it
+//! waits on, unless comparing fingerprints with the other ranks finds one
+//! in a different call at the same sequence number, which is a `Mismatch`
+//! (mismatched ranks can wait on each other without a frame ever crossing). Virtual time
+//! makes that wait free; a rank that never returns to the world at all is caught by the
+//! same timeout in real time. A failed rank tells every peer (abort
+//! propagation) and its group is poisoned: later calls fail fast with the
+//! first cause.
+
+use std::{
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap, HashSet, VecDeque},
+    pin::pin,
+    sync::{Arc, Mutex, MutexGuard},
+    task::Poll,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use consort_comm::{
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
+    OpKind, ReduceOp, Result,
+    algo::{Action, AlgoConfig, Buf, CallSpec, Receive, Schedule, Transmit, build},
+    validate,
+};
+use tokio::sync::Notify;
+
+use crate::{
+    cost::{Link, Topology},
+    fault::{Fault, Rng, Trigger},
+};
+
+/// How a simulated world is built.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Seed of every random choice (probabilistic faults).
+    pub seed: u64,
+    /// Link model; `None`: every link is loopback TCP on the reference
+    /// machine.
+    pub topology: Option<Topology>,
+    /// Segment size, window and algorithm overrides.
+    pub algo: AlgoConfig,
+    /// Default deadline of every call (virtual, and in real time for a rank
+    /// that never arrives).
+    pub timeout: Duration,
+    /// The fault plan.
+    pub faults: Vec<Fault>,
+    /// Record the message trace.
+    pub record_trace: bool,
+}
+
+impl SimConfig {
+    /// `world_size` ranks, seed 0, no faults, a 60 s timeout, trace on.
+    pub fn new(world_size: usize) -> Self {
+        SimConfig {
+            world_size,
+            seed: 0,
+            topology: None,
+            algo: AlgoConfig::default(),
+            timeout: Duration::from_secs(60),
+            faults: Vec::new(),
+            record_trace: true,
+        }
+    }
+
+    /// Returns the config with `seed`.
+    #[must_use]
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Returns the config with one more fault.
+    #[must_use]
+    pub fn fault(mut self, f: Fault) -> Self {
+        self.faults.push(f);
+        self
+    }
+
+    /// Returns the config with a default timeout.
+    #[must_use]
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+}
+
+/// What happened to a message, for the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TraceKind {
+    /// Left the sender.
+    Send,
+    /// Reached the receiver.
+    Deliver,
+    /// Lost (drop fault, partition, dead receiver).
+    Drop,
+    /// A rank crashed (`from == to == rank`).
+    Crash,
+    /// A failed rank told a peer.
+    Abort,
+}
+
+/// One entry of the message trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TraceEvent {
+    /// Virtual time, nanoseconds since the world started.
+    pub time_ns: u64,
+    /// What happened.
+    pub kind: TraceKind,
+    /// Sender.
+    pub from: usize,
+    /// Receiver.
+    pub to: usize,
+    /// The call's sequence number (0 for point-to-point).
+    pub seq: u64,
+    /// The schedule's tag (the user tag for point-to-point).
+    pub tag: u32,
+    /// Payload bytes.
+    pub bytes: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Raw {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a Raw is only dereferenced under the world lock, while the call
+// that lent the memory is registered (see `CallGuard`).
+unsafe impl Send for Raw {}
+
+impl Raw {
+    const EMPTY: Raw = Raw {
+        ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+        len: 0,
+    };
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum MailKey {
+    Coll { from: usize, seq: u64, tag: u32 },
+    P2p { from: usize, tag: u32 },
+}
+
+#[derive(Clone, Debug)]
+enum Payload {
+    Data(Vec<u8>),
+    Abort(CommError, Fingerprint),
+    Reset,
+}
+
+#[derive(Clone, Debug)]
+struct Msg {
+    from: usize,
+    key: MailKey,
+    fp: Fingerprint,
+    payload: Payload,
+    checksum: Option<u64>,
+}
+
+struct Call {
+    id: u64,
+    fp: Fingerprint,
+    ctx: ErrorContext,
+    schedule: Schedule,
+    p2p: bool,
+    reduce: Option<ReduceOp>,
+    dtype: DType,
+    input: Raw,
+    output: Raw,
+    scratch: Vec<u64>,
+    consumed: HashSet<(usize, u32)>,
+    finalize: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Alive,
+    Crashed,
+    Exited,
+}
+
+struct RankState {
+    clock: u64,
+    seq: u64,
+    call: Option<Call>,
+    /// The outcome of the last call, for its future to take.
+    outcome: Option<Result<()>>,
+    mailbox: HashMap<MailKey, VecDeque<Msg>>,
+    poisoned: Option<CommError>,
+    /// Peers whose connection reset (crashed or exited).
+    lost: Vec<usize>,
+    /// The fingerprint of the latest collective this rank entered.
+    last_fp: Option<Fingerprint>,
+    status: Status,
+    nic_free: u64,
+    sent: u64,
+    events: u64,
+    calls: u64,
+    timeout: Duration,
+}
+
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct EventKey {
+    time: u64,
+    src: usize,
+    counter: u64,
+}
+
+enum Event {
+    Arrive { to: usize, msg: Box<Msg> },
+    Deadline { rank: usize, call: u64 },
+    Crash { rank: usize },
+}
+
+struct State {
+    n: usize,
+    topo: Topology,
+    algo: AlgoConfig,
+    ranks: Vec<RankState>,
+    queue: BinaryHeap<Reverse<(EventKey, u64)>>,
+    pending: HashMap<u64, Event>,
+    next_event: u64,
+    faults: Vec<(Fault, u64)>,
+    checksums: bool,
+    rng: Rng,
+    trace: Option<Vec<TraceEvent>>,
+    wake: Vec<usize>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    notify: Vec<Notify>,
+}
+
+fn ns(secs: f64) -> u64 {
+    (secs * 1e9).round() as u64
+}
+
+fn dur_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+impl State {
+    fn push(&mut self, time: u64, src: usize, ev: Event) {
+        let counter = if src < self.n {
+            let r = &mut self.ranks[src];
+            r.events += 1;
+            r.events
+        } else {
+            self.next_event
+        };
+        let id = self.next_event;
+        self.next_event += 1;
+        self.queue
+            .push(Reverse((EventKey { time, src, counter }, id)));
+        self.pending.insert(id, ev);
+    }
+
+    fn record(&mut self, e: TraceEvent) {
+        if let Some(t) = &mut self.trace {
+            t.push(e);
+        }
+    }
+
+    /// Earliest time an idle rank could still send at.
+    fn horizon(&self) -> u64 {
+        self.ranks
+            .iter()
+            .filter(|r| r.status == Status::Alive && r.call.is_none())
+            .map(|r| r.clock)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    /// Processes every event that is safe to process.
+    fn progress(&mut self) {
+        loop {
+            let horizon = self.horizon();
+            let Some(Reverse((key, _))) = self.queue.peek() else {
+                return;
+            };
+            if key.time >= horizon {
+                return;
+            }
+            let Reverse((key, id)) = self.queue.pop().expect("peeked");
+            let ev = self.pending.remove(&id).expect("event body");
+            match ev {
+                Event::Arrive { to, msg } => self.arrive(to, *msg, key.time),
+                Event::Deadline { rank, call } => self.deadline(rank, call, key.time),
+                Event::Crash { rank } => self.crash(rank, key.time),
+            }
+        }
+    }
+
+    fn arrive(&mut self, to: usize, msg: Msg, t: u64) {
+        let (seq, tag, bytes) = match (&msg.key, &msg.payload) {
+            (MailKey::Coll { seq, tag, .. }, Payload::Data(d)) => (*seq, *tag, d.len()),
+            (MailKey::P2p { tag, .. }, Payload::Data(d)) => (0, *tag, d.len()),
+            _ => (msg.fp.seq, 0, 0),
+        };
+        if self.ranks[to].status != Status::Alive {
+            self.record(TraceEvent {
+                time_ns: t,
+                kind: TraceKind::Drop,
+                from: msg.from,
+                to,
+                seq,
+                tag,
+                bytes,
+            });
+            return;
+        }
+        self.record(TraceEvent {
+            time_ns: t,
+            kind: TraceKind::Deliver,
+            from: msg.from,
+            to,
+            seq,
+            tag,
+            bytes,
+        });
+        match msg.payload {
+            Payload::Reset => {
+                let rank = &mut self.ranks[to];
+                rank.lost.push(msg.from);
+                // Only a call that still needs that peer fails now; the next
+                // call fails at once (the group is broken).
+                let needs = rank
+                    .call
+                    .as_ref()
+                    .is_some_and(|c| c.schedule.waiting_on().contains(&msg.from));
+                if needs {
+                    self.fail(to, lost(msg.from), t, true);
+                }
+            }
+            Payload::Abort(cause, remote_fp) => self.aborted(to, msg.from, cause, remote_fp, t),
+            Payload::Data(ref data) => {
+                if let Some(sum) = msg.checksum
+                    && fnv(data) != sum
+                {
+                    let e = CommError::protocol(
+                        Some(msg.from),
+                        "payload checksum mismatch: the message was corrupted in transit",
+                    );
+                    self.fail(to, e, t, true);
+                    return;
+                }
+                self.accept(to, msg, t);
+            }
+        }
+    }
+
+    /// A data message: match it with the current call or keep it.
+    fn accept(&mut self, to: usize, msg: Msg, t: u64) {
+        let r = &mut self.ranks[to];
+        match msg.key {
+            MailKey::Coll { from, seq, tag } => {
+                let current = r.call.as_ref().filter(|c| !c.p2p).map(|c| c.fp.seq);
+                if current == Some(seq) {
+                    let call = r.call.as_ref().expect("current call");
+                    if msg.fp != call.fp {
+                        let e = CommError::Mismatch {
+                            ctx: ErrorContext::default(),
+                            local: call.fp,
+                            remote: msg.fp,
+                            remote_rank: from,
+                        };
+                        self.fail(to, e, t, true);
+                        return;
+                    }
+                    if call.consumed.contains(&(from, tag)) {
+                        let e = CommError::protocol(
+                            Some(from),
+                            format!("duplicate frame (seq {seq}, tag {tag})"),
+                        );
+                        self.fail(to, e, t, true);
+                        return;
+                    }
+                    if call.schedule.is_posted(from, tag) {
+                        self.complete_receive(to, from, tag, msg, t);
+                        return;
+                    }
+                } else if seq < r.seq {
+                    let e = CommError::protocol(
+                        Some(from),
+                        format!("stale or duplicate frame for finished call {seq}"),
+                    );
+                    self.fail(to, e, t, true);
+                    return;
+                }
+                r.mailbox.entry(msg.key).or_default().push_back(msg);
+            }
+            MailKey::P2p { from, tag } => {
+                let expecting = r
+                    .call
+                    .as_ref()
+                    .is_some_and(|c| c.p2p && c.schedule.is_posted(from, tag));
+                if expecting {
+                    self.complete_receive(to, from, tag, msg, t);
+                } else {
+                    r.mailbox.entry(msg.key).or_default().push_back(msg);
+                }
+            }
+        }
+    }
+
+    /// Applies a message to its posted receive and runs the schedule on.
+    fn complete_receive(&mut self, r: usize, from: usize, tag: u32, msg: Msg, t: u64) {
+        if self.take(r, from, tag, msg, t) {
+            self.pump(r, t);
+        }
+    }
+
+    /// Applies a message to its posted receive; on failure fails the rank
+    /// and returns false.
+    fn take(&mut self, r: usize, from: usize, tag: u32, msg: Msg, t: u64) -> bool {
+        let Payload::Data(data) = msg.payload else {
+            return false;
+        };
+        if msg.fp.dtype
+            != self.ranks[r]
+                .call
+                .as_ref()
+                .map_or(msg.fp.dtype, |c| c.dtype)
+        {
+            let local = self.ranks[r].call.as_ref().expect("call").fp;
+            let e = CommError::Mismatch {
+                ctx: ErrorContext::default(),
+                local,
+                remote: msg.fp,
+                remote_rank: from,
+            };
+            self.fail(r, e, t, true);
+            return false;
+        }
+        match self.apply(r, from, tag, &data) {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail(r, e, t, true);
+                false
+            }
+        }
+    }
+
+    fn apply(&mut self, r: usize, from: usize, tag: u32, data: &[u8]) -> Result<()> {
+        let call = self.ranks[r].call.as_mut().expect("call");
+        let elem = call.dtype.size_bytes();
+        let rv = pending_receive(&call.schedule, from, tag);
+        let Some(rv) = rv else {
+            return Err(CommError::protocol(
+                Some(from),
+                "internal: receive vanished",
+            ));
+        };
+        if data.len() != rv.range.len() * elem {
+            return Err(CommError::invalid(format!(
+                "rank {from} sent {} elements where this rank expects {} ({}): the ranks disagree on \
+                 lengths or split sizes",
+                data.len() / elem,
+                rv.range.len(),
+                call.fp.op
+            )));
+        }
+        let (op, dtype) = (call.reduce.unwrap_or(ReduceOp::Sum), call.dtype);
+        let dst = buf_mut(call, rv.buf, &rv.range, elem);
+        if rv.reduce {
+            op.apply_bytes(dtype, dst, data)?;
+        } else {
+            dst.copy_from_slice(data);
+        }
+        call.consumed.insert((from, tag));
+        call.schedule
+            .handle_recv(from, tag)
+            .map_err(|e| CommError::protocol(Some(from), e.to_string()))
+    }
+
+    /// Runs rank `r`'s schedule from time `t` until it blocks or finishes.
+    fn pump(&mut self, r: usize, t: u64) {
+        loop {
+            let Some(call) = self.ranks[r].call.as_mut() else {
+                return;
+            };
+            let Some(action) = call.schedule.poll() else {
+                if call.schedule.is_done() {
+                    self.finish(r, t);
+                }
+                return;
+            };
+            match action {
+                Action::Transmit(tx) => {
+                    if self.ranks[r].lost.contains(&tx.to) {
+                        self.fail(r, lost(tx.to), t, true);
+                        return;
+                    }
+                    self.transmit(r, tx, t);
+                }
+                Action::Copy(c) => {
+                    let elem = call.dtype.size_bytes();
+                    let src = buf_ref(call, c.src_buf, &c.src, elem).to_vec();
+                    buf_mut(call, c.dst_buf, &c.dst, elem).copy_from_slice(&src);
+                }
+                Action::Receive(rv) => {
+                    let key = if call.p2p {
+                        MailKey::P2p {
+                            from: rv.from,
+                            tag: rv.tag,
+                        }
+                    } else {
+                        MailKey::Coll {
+                            from: rv.from,
+                            seq: call.fp.seq,
+                            tag: rv.tag,
+                        }
+                    };
+                    let early = self.ranks[r]
+                        .mailbox
+                        .get_mut(&key)
+                        .and_then(VecDeque::pop_front);
+                    if let Some(msg) = early {
+                        if self.ranks[r]
+                            .mailbox
+                            .get(&key)
+                            .is_some_and(VecDeque::is_empty)
+                        {
+                            self.ranks[r].mailbox.remove(&key);
+                        }
+                        if !self.take(r, rv.from, rv.tag, msg, t) {
+                            return;
+                        }
+                    } else if self.ranks[r].lost.contains(&rv.from) {
+                        self.fail(r, lost(rv.from), t, true);
+                        return;
+                    }
+                }
+            }
+            if self.ranks[r].status != Status::Alive {
+                return;
+            }
+        }
+    }
+
+    fn transmit(&mut self, r: usize, tx: Transmit, t: u64) {
+        let call = self.ranks[r].call.as_ref().expect("call");
+        let elem = call.dtype.size_bytes();
+        let data = buf_ref(call, tx.buf, &tx.range, elem).to_vec();
+        let (key, seq) = if call.p2p {
+            (
+                MailKey::P2p {
+                    from: r,
+                    tag: tx.tag,
+                },
+                0,
+            )
+        } else {
+            (
+                MailKey::Coll {
+                    from: r,
+                    seq: call.fp.seq,
+                    tag: tx.tag,
+                },
+                call.fp.seq,
+            )
+        };
+        let fp = call.fp;
+        let bytes = data.len();
+        let link: Link = self.topo.link(r, tx.to);
+        let rank = &mut self.ranks[r];
+        let start = t.max(rank.nic_free);
+        rank.nic_free = start + ns(link.beta * bytes as f64);
+        let mut arrive = rank.nic_free + ns(link.alpha);
+        rank.sent += 1;
+        let sent = rank.sent;
+        self.record(TraceEvent {
+            time_ns: t,
+            kind: TraceKind::Send,
+            from: r,
+            to: tx.to,
+            seq,
+            tag: tx.tag,
+            bytes,
+        });
+
+        // The fault plan.
+        let mut copies = 1;
+        let mut corrupt = false;
+        let mut dropped = false;
+        for i in 0..self.faults.len() {
+            let (fault, _) = &self.faults[i];
+            let filter = match fault {
+                Fault::Drop(f)
+                | Fault::Duplicate(f)
+                | Fault::Corrupt(f)
+                | Fault::Delay { filter: f, .. } => Some(*f),
+                _ => None,
+            };
+            if let Some(f) = filter {
+                if !f.matches_link(r, tx.to) {
+                    continue;
+                }
+                let seen = self.faults[i].1;
+                self.faults[i].1 += 1;
+                if f.nth.is_some_and(|n| n != seen) {
+                    continue;
+                }
+                if let Some(p) = f.probability
+                    && self.rng.unit() >= p
+                {
+                    continue;
+                }
+                match &self.faults[i].0 {
+                    Fault::Drop(_) => dropped = true,
+                    Fault::Duplicate(_) => copies = 2,
+                    Fault::Corrupt(_) => corrupt = true,
+                    Fault::Delay { by, .. } => arrive += dur_ns(*by),
+                    _ => {}
+                }
+                continue;
+            }
+            match fault {
+                Fault::Partition {
+                    a,
+                    b,
+                    from,
+                    heal_at,
+                } => {
+                    let cut = (a.contains(&r) && b.contains(&tx.to))
+                        || (b.contains(&r) && a.contains(&tx.to));
+                    if cut && t >= dur_ns(*from) && heal_at.is_none_or(|h| t < dur_ns(h)) {
+                        dropped = true;
+                    }
+                }
+                Fault::Hold {
+                    from,
+                    to,
+                    at,
+                    release_at,
+                } if *from == r && *to == tx.to && t >= dur_ns(*at) && t < dur_ns(*release_at) => {
+                    arrive = arrive.max(dur_ns(*release_at));
+                }
+                _ => {}
+            }
+        }
+        if dropped {
+            self.record(TraceEvent {
+                time_ns: t,
+                kind: TraceKind::Drop,
+                from: r,
+                to: tx.to,
+                seq,
+                tag: tx.tag,
+                bytes,
+            });
+        } else {
+            let checksum = self.checksums.then(|| fnv(&data));
+            let mut data = data;
+            if corrupt {
+                match data.first_mut() {
+                    Some(b) => *b ^= 0x40,
+                    None => data.push(0), // an empty payload gains a byte: still detected
+                }
+            }
+            let msg = Msg {
+                from: r,
+                key,
+                fp,
+                payload: Payload::Data(data),
+                checksum,
+            };
+            for _ in 0..copies {
+                self.push(
+                    arrive,
+                    r,
+                    Event::Arrive {
+                        to: tx.to,
+                        msg: Box::new(msg.clone()),
+                    },
+                );
+            }
+        }
+        // A crash triggered by message count happens right after the send.
+        let crash_now = self.faults.iter().any(|(f, _)| matches!(f, Fault::Crash { rank, at: Trigger::AfterMessages(k) } if *rank == r && *k == sent));
+        if crash_now {
+            self.crash(r, t);
+        }
+    }
+
+    fn finish(&mut self, r: usize, t: u64) {
+        let n = self.n;
+        let rank = &mut self.ranks[r];
+        let mut call = rank.call.take().expect("call");
+        let mut out = Ok(());
+        if call.finalize
+            && let Some(op) = call.reduce
+        {
+            let elem = call.dtype.size_bytes();
+            let len = call.output.len / elem;
+            let (dtype, ctx) = (call.dtype, call.ctx);
+            let dst = buf_mut(&mut call, Buf::Output, &(0..len), elem);
+            out = op
+                .finalize_bytes(dtype, dst, n)
+                .map_err(|e| e.with_context(ctx));
+        }
+        rank.clock = rank.clock.max(t);
+        rank.outcome = Some(out);
+        self.wake.push(r);
+    }
+
+    /// Fails rank `r`'s current call (if any) and poisons its group; with
+    /// `propagate`, tells every live peer.
+    fn fail(&mut self, r: usize, err: CommError, t: u64, propagate: bool) {
+        let rank = &mut self.ranks[r];
+        if rank.poisoned.is_some() && rank.call.is_none() {
+            return;
+        }
+        let ctx = rank.call.as_ref().map(|c| c.ctx).unwrap_or_default();
+        let fp = rank.call.as_ref().map(|c| c.fp);
+        let err = err.with_context(ctx).with_context(ErrorContext {
+            rank: Some(r),
+            ..Default::default()
+        });
+        if rank.poisoned.is_none() {
+            rank.poisoned = Some(err.clone());
+        }
+        if rank.call.take().is_some() {
+            rank.outcome = Some(Err(err.clone()));
+            rank.clock = rank.clock.max(t);
+            self.wake.push(r);
+        }
+        if propagate {
+            let fp = fp.unwrap_or(Fingerprint {
+                group: GroupId::WORLD,
+                seq: 0,
+                op: OpKind::Barrier,
+                dtype: DType::U8,
+                count: 0,
+                root: 0,
+                reduce_op: None,
+            });
+            for q in 0..self.n {
+                if q != r && self.ranks[q].status == Status::Alive {
+                    let at = t + ns(self.topo.link(r, q).alpha);
+                    self.record(TraceEvent {
+                        time_ns: t,
+                        kind: TraceKind::Abort,
+                        from: r,
+                        to: q,
+                        seq: fp.seq,
+                        tag: 0,
+                        bytes: 0,
+                    });
+                    let msg = Msg {
+                        from: r,
+                        key: MailKey::P2p {
+                            from: r,
+                            tag: u32::MAX,
+                        },
+                        fp,
+                        payload: Payload::Abort(err.clone(), fp),
+                        checksum: None,
+                    };
+                    self.push(
+                        at,
+                        r,
+                        Event::Arrive {
+                            to: q,
+                            msg: Box::new(msg),
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// A peer failed and said so.
+    fn aborted(&mut self, r: usize, from: usize, cause: CommError, remote_fp: Fingerprint, t: u64) {
+        if self.ranks[r].poisoned.is_some() {
+            return;
+        }
+        let own = self.ranks[r].call.as_ref().map(|c| c.fp);
+        let err = match (&cause, own) {
+            (
+                CommError::Mismatch {
+                    local,
+                    remote,
+                    remote_rank,
+                    ..
+                },
+                Some(mine),
+            ) => {
+                if mine == *local {
+                    CommError::Mismatch {
+                        ctx: ErrorContext::default(),
+                        local: mine,
+                        remote: *remote,
+                        remote_rank: *remote_rank,
+                    }
+                } else {
+                    CommError::Mismatch {
+                        ctx: ErrorContext::default(),
+                        local: mine,
+                        remote: remote_fp,
+                        remote_rank: from,
+                    }
+                }
+            }
+            (CommError::PeerLost { peer, reason, .. }, _) => CommError::PeerLost {
+                ctx: ErrorContext::default(),
+                peer: *peer,
+                reason: reason.clone(),
+            },
+            (CommError::Timeout { after, .. }, Some(_)) => {
+                let waiting_on = self.ranks[r]
+                    .call
+                    .as_ref()
+                    .map(|c| c.schedule.waiting_on())
+                    .unwrap_or_default();
+                CommError::Timeout {
+                    ctx: ErrorContext::default(),
+                    after: *after,
+                    waiting_on,
+                }
+            }
+            _ => CommError::Aborted {
+                ctx: ErrorContext::default(),
+                cause: format!("rank {from} failed: {cause}"),
+            },
+        };
+        self.fail(r, err, t, false);
+    }
+
+    fn deadline(&mut self, r: usize, id: u64, t: u64) {
+        let rank = &self.ranks[r];
+        let Some(call) = rank.call.as_ref() else {
+            return;
+        };
+        if call.id != id {
+            return;
+        }
+        // A stalled call compares fingerprints with every rank's call at the
+        // same sequence number (a backend does this through the store): a
+        // rank inside a different call is a mismatch that no frame revealed,
+        // because mismatched ranks can each wait on the other, directly or
+        // down a chain. The peers it waits on are checked first.
+        let waiting_on = call.schedule.waiting_on();
+        let others = (0..self.n).filter(|p| *p != r && !waiting_on.contains(p));
+        let probe = waiting_on.iter().copied().chain(others).find_map(|p| {
+            let pfp = self.ranks[p].last_fp?;
+            (!call.p2p && pfp.seq == call.fp.seq && pfp != call.fp).then_some((p, pfp))
+        });
+        let e = match probe {
+            Some((p, remote)) => CommError::Mismatch {
+                ctx: ErrorContext::default(),
+                local: call.fp,
+                remote,
+                remote_rank: p,
+            },
+            None => CommError::Timeout {
+                ctx: ErrorContext::default(),
+                after: rank.timeout,
+                waiting_on,
+            },
+        };
+        self.fail(r, e, t, true);
+    }
+
+    fn crash(&mut self, r: usize, t: u64) {
+        if self.ranks[r].status != Status::Alive {
+            return;
+        }
+        self.record(TraceEvent {
+            time_ns: t,
+            kind: TraceKind::Crash,
+            from: r,
+            to: r,
+            seq: self.ranks[r].seq,
+            tag: 0,
+            bytes: 0,
+        });
+        let e = CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: format!("rank {r} was crashed by the simulator's fault plan"),
+        };
+        self.fail(r, e, t, false);
+        self.ranks[r].status = Status::Crashed;
+        self.reset_peers(r, t);
+    }
+
+    /// The process of rank `r` is gone: every survivor's connection resets.
+    fn reset_peers(&mut self, r: usize, t: u64) {
+        // The reset follows whatever the rank had already queued, as a FIN
+        // follows the data on a TCP connection.
+        let t = t.max(self.ranks[r].nic_free);
+        let fp = Fingerprint {
+            group: GroupId::WORLD,
+            seq: 0,
+            op: OpKind::Barrier,
+            dtype: DType::U8,
+            count: 0,
+            root: 0,
+            reduce_op: None,
+        };
+        for q in 0..self.n {
+            if q != r && self.ranks[q].status == Status::Alive {
+                let at = t + ns(self.topo.link(r, q).alpha);
+                let msg = Msg {
+                    from: r,
+                    key: MailKey::P2p {
+                        from: r,
+                        tag: u32::MAX,
+                    },
+                    fp,
+                    payload: Payload::Reset,
+                    checksum: None,
+                };
+                self.push(
+                    at,
+                    r,
+                    Event::Arrive {
+                        to: q,
+                        msg: Box::new(msg),
+                    },
+                );
+            }
+        }
+    }
+}
+
+fn lost(peer: usize) -> CommError {
+    CommError::PeerLost {
+        ctx: ErrorContext::default(),
+        peer,
+        reason: "connection reset: its process exited or crashed".into(),
+    }
+}
+
+/// The posted receive `(from, tag)` of a schedule, recomputed: schedules do
+/// not hand receives out twice, so the driver keeps them.
+fn pending_receive(s: &Schedule, from: usize, tag: u32) -> Option<Receive> {
+    s.posted_receive(from, tag).cloned()
+}
+
+fn buf_ref<'a>(call: &'a Call, b: Buf, r: &std::ops::Range<usize>, elem: usize) -> &'a [u8] {
+    let range = r.start * elem..r.end * elem;
+    match b {
+        // SAFETY: the call is registered, so the lender's future is blocked
+        // in it and its buffers are valid; the world lock is held.
+        Buf::Input => unsafe { &std::slice::from_raw_parts(call.input.ptr, call.input.len)[range] },
+        // SAFETY: as above.
+        Buf::Output => unsafe {
+            &std::slice::from_raw_parts(call.output.ptr, call.output.len)[range]
+        },
+        Buf::Scratch => &bytemuck_bytes(&call.scratch)[range],
+    }
+}
+
+fn buf_mut<'a>(
+    call: &'a mut Call,
+    b: Buf,
+    r: &std::ops::Range<usize>,
+    elem: usize,
+) -> &'a mut [u8] {
+    let range = r.start * elem..r.end * elem;
+    match b {
+        // SAFETY: the call is registered, so the lender's future is blocked
+        // in it; only outputs are written; the world lock is held.
+        Buf::Output => unsafe {
+            &mut std::slice::from_raw_parts_mut(call.output.ptr, call.output.len)[range]
+        },
+        Buf::Scratch => &mut bytemuck_bytes_mut(&mut call.scratch)[range],
+        Buf::Input => panic!("schedules never write the input buffer"),
+    }
+}
+
+fn bytemuck_bytes(v: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding and every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 8) }
+}
+
+fn bytemuck_bytes_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as above; the borrow of `v` is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
+}
+
+/// A simulated world of N ranks in one process.
+///
+/// ```
+/// # async fn demo() -> consort_comm::Result<()> {
+/// use consort_comm::{ProcessGroup, ReduceOp};
+/// use consort_sim::{SimConfig, SimWorld};
+///
+/// let world = SimWorld::new(SimConfig::new(4))?;
+/// let tasks: Vec<_> = world.ranks().into_iter().map(|rank| async move {
+///     let pg = ProcessGroup::new(std::sync::Arc::new(rank));
+///     let mut x = vec![pg.rank() as f32; 8];
+///     pg.all_reduce(&mut x, ReduceOp::Sum).await?;
+///     assert_eq!(x, vec![6.0; 8]);
+///     Ok::<_, consort_comm::CommError>(())
+/// }).collect();
+/// for t in tasks { t.await?; } // (run them concurrently in real code)
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SimWorld {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SimWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimWorld")
+            .field("world_size", &self.shared.notify.len())
+            .finish()
+    }
+}
+
+impl SimWorld {
+    /// Builds the world. Errors on an empty world or a fault naming a rank
+    /// that does not exist.
+    pub fn new(cfg: SimConfig) -> Result<Self> {
+        let n = cfg.world_size;
+        if n == 0 {
+            return Err(CommError::invalid(
+                "a simulated world needs at least one rank",
+            ));
+        }
+        let topo = cfg
+            .topology
+            .unwrap_or_else(|| Topology::flat(n, Link::loopback_tcp()));
+        if topo.world_size() != n {
+            return Err(CommError::invalid(format!(
+                "topology has {} ranks ({} nodes x {}) but the world has {n}",
+                topo.world_size(),
+                topo.nodes,
+                topo.ranks_per_node
+            )));
+        }
+        for f in &cfg.faults {
+            let bad = match f {
+                Fault::Crash { rank, .. } => *rank >= n,
+                Fault::Hold { from, to, .. } => *from >= n || *to >= n,
+                Fault::Partition { a, b, .. } => a.iter().chain(b).any(|r| *r >= n),
+                _ => false,
+            };
+            if bad {
+                return Err(CommError::invalid(format!(
+                    "fault {f:?} names a rank outside a world of {n}"
+                )));
+            }
+        }
+        let ranks = (0..n)
+            .map(|_| RankState {
+                clock: 0,
+                seq: 0,
+                call: None,
+                outcome: None,
+                mailbox: HashMap::new(),
+                poisoned: None,
+                lost: Vec::new(),
+                last_fp: None,
+                status: Status::Alive,
+                nic_free: 0,
+                sent: 0,
+                events: 0,
+                calls: 0,
+                timeout: cfg.timeout,
+            })
+            .collect();
+        let checksums = cfg.faults.iter().any(|f| matches!(f, Fault::Corrupt(_)));
+        let mut state = State {
+            n,
+            topo,
+            algo: cfg.algo.clone(),
+            ranks,
+            queue: BinaryHeap::new(),
+            pending: HashMap::new(),
+            next_event: 0,
+            faults: cfg.faults.iter().cloned().map(|f| (f, 0)).collect(),
+            checksums,
+            rng: Rng::new(cfg.seed),
+            trace: cfg.record_trace.then(Vec::new),
+            wake: Vec::new(),
+        };
+        for f in &cfg.faults {
+            if let Fault::Crash {
+                rank,
+                at: Trigger::At(t),
+            } = f
+            {
+                state.push(dur_ns(*t), n, Event::Crash { rank: *rank });
+            }
+        }
+        Ok(SimWorld {
+            shared: Arc::new(Shared {
+                state: Mutex::new(state),
+                notify: (0..n).map(|_| Notify::new()).collect(),
+            }),
+        })
+    }
+
+    /// One handle per rank, in rank order. Each handle implements `Backend`
+    /// and can be moved to its own task or thread.
+    pub fn ranks(&self) -> Vec<SimRank> {
+        (0..self.shared.notify.len())
+            .map(|rank| SimRank {
+                shared: self.shared.clone(),
+                rank,
+            })
+            .collect()
+    }
+
+    /// The message trace so far (empty when recording is off).
+    pub fn trace(&self) -> Vec<TraceEvent> {
+        lock(&self.shared).trace.clone().unwrap_or_default()
+    }
+
+    /// The latest rank clock: the simulated time the program has taken.
+    pub fn elapsed(&self) -> Duration {
+        Duration::from_nanos(
+            lock(&self.shared)
+                .ranks
+                .iter()
+                .map(|r| r.clock)
+                .max()
+                .unwrap_or(0),
+        )
+    }
+}
+
+fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    // A panic under the lock leaves the world in an unknown state; the
+    // panic itself is the report, so later users just proceed.
+    shared.state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `fut` until `deadline`; `None` if the deadline came first.
+async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
+    let mut fut = pin!(fut);
+    let mut delay = futures_timer::Delay::new(deadline.saturating_duration_since(Instant::now()));
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(v));
+        }
+        match std::pin::Pin::new(&mut delay).poll(cx) {
+            Poll::Ready(()) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// One rank of a [`SimWorld`]. Dropping it is the rank's process exiting:
+/// peers that still need it see `PeerLost`.
+pub struct SimRank {
+    shared: Arc<Shared>,
+    rank: usize,
+}
+
+impl std::fmt::Debug for SimRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimRank").field("rank", &self.rank).finish()
+    }
+}
+
+impl Drop for SimRank {
+    fn drop(&mut self) {
+        let mut s = lock(&self.shared);
+        let r = self.rank;
+        if s.ranks[r].status == Status::Alive {
+            s.ranks[r].status = Status::Exited;
+            let t = s.ranks[r].clock;
+            s.reset_peers(r, t);
+            s.progress();
+            wake(&self.shared, &mut s);
+        }
+    }
+}
+
+fn wake(shared: &Shared, s: &mut State) {
+    for r in s.wake.drain(..) {
+        shared.notify[r].notify_one();
+    }
+}
+
+/// Unregisters a call whose future is dropped before it completes, so the
+/// world never touches its buffers again.
+struct CallGuard<'a> {
+    shared: &'a Shared,
+    rank: usize,
+    armed: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut s = lock(self.shared);
+        if s.ranks[self.rank].call.is_some() {
+            let t = s.ranks[self.rank].clock;
+            let e = CommError::Aborted {
+                ctx: ErrorContext::default(),
+                cause: "a call was cancelled (its future dropped) before it finished".into(),
+            };
+            s.fail(self.rank, e, t, true);
+            s.ranks[self.rank].outcome = None;
+            s.progress();
+            wake(self.shared, &mut s);
+        }
+    }
+}
+
+/// What one call needs registered.
+struct Request<'a> {
+    op: OpKind,
+    reduce: Option<ReduceOp>,
+    dtype: DType,
+    count: u64,
+    root: usize,
+    spec_count: usize,
+    peer_or_root: usize,
+    tag: u32,
+    input: Raw,
+    output: Raw,
+    splits: (&'a [usize], &'a [usize]),
+    opts: &'a CallOptions,
+    finalize: bool,
+}
+
+impl SimRank {
+    fn ctx(&self, op: OpKind, seq: u64) -> ErrorContext {
+        ErrorContext::new(op, self.rank, seq, GroupId::WORLD)
+    }
+
+    async fn run(&self, req: Request<'_>) -> Result<()> {
+        let r = self.rank;
+        let p2p = matches!(req.op, OpKind::Send | OpKind::Recv);
+        let deadline_real;
+        {
+            let mut s = lock(&self.shared);
+            let n = s.n;
+            let seq = if p2p { 0 } else { s.ranks[r].seq };
+            let ctx = self.ctx(req.op, seq);
+            if let Some(e) = &s.ranks[r].poisoned {
+                return Err(e.to_aborted().with_context(ctx));
+            }
+            if s.ranks[r].status != Status::Alive {
+                return Err(CommError::Aborted {
+                    ctx,
+                    cause: "this rank has crashed".into(),
+                });
+            }
+            if let Some(&peer) = s.ranks[r].lost.first() {
+                let e = lost(peer).with_context(ctx);
+                s.ranks[r].poisoned = Some(e.clone());
+                return Err(e);
+            }
+            if s.ranks[r].call.is_some() {
+                return Err(CommError::invalid(
+                    "this rank already has a call in flight; await each op before starting the next \
+                     (every rank must issue its collectives in one order)",
+                )
+                .with_context(ctx));
+            }
+            let bytes = req.spec_count.saturating_mul(req.dtype.size_bytes());
+            let spec = CallSpec {
+                op: req.op,
+                rank: r,
+                world: n,
+                count: req.spec_count,
+                elem_size: req.dtype.size_bytes(),
+                root: req.peer_or_root,
+                tag: req.tag,
+                input_splits: req.splits.0,
+                output_splits: req.splits.1,
+            };
+            let algo = s.algo.select(req.op, spec.bytes().max(bytes), n);
+            let schedule = build(&spec, algo, &s.algo).map_err(|e| e.with_context(ctx))?;
+            let scratch = vec![0u64; (schedule.scratch_len() * req.dtype.size_bytes()).div_ceil(8)];
+            let fp = Fingerprint {
+                group: GroupId::WORLD,
+                seq,
+                op: req.op,
+                dtype: req.dtype,
+                count: req.count,
+                root: req.root as u32,
+                reduce_op: req.reduce,
+            };
+            let timeout = req.opts.timeout_or(s.ranks[r].timeout);
+            if !p2p {
+                s.ranks[r].seq += 1;
+                s.ranks[r].last_fp = Some(fp);
+            }
+            let t = s.ranks[r].clock;
+            s.ranks[r].outcome = None;
+            s.ranks[r].calls += 1;
+            let id = s.ranks[r].calls;
+            s.ranks[r].call = Some(Call {
+                id,
+                fp,
+                ctx,
+                schedule,
+                p2p,
+                reduce: req.reduce,
+                dtype: req.dtype,
+                input: req.input,
+                output: req.output,
+                scratch,
+                consumed: HashSet::new(),
+                finalize: req.finalize,
+            });
+            s.push(
+                t.saturating_add(dur_ns(timeout)),
+                r,
+                Event::Deadline { rank: r, call: id },
+            );
+            s.pump(r, t);
+            s.progress();
+            wake(&self.shared, &mut s);
+            deadline_real = Instant::now() + timeout;
+        }
+        let mut guard = CallGuard {
+            shared: &self.shared,
+            rank: r,
+            armed: true,
+        };
+        loop {
+            let notified = self.shared.notify[r].notified();
+            {
+                let mut s = lock(&self.shared);
+                if s.ranks[r].call.is_none() {
+                    guard.armed = false;
+                    return s.ranks[r].outcome.take().unwrap_or(Ok(()));
+                }
+            }
+            if before(deadline_real, notified).await.is_none() {
+                let mut s = lock(&self.shared);
+                if let Some(call) = s.ranks[r].call.as_ref() {
+                    let e = CommError::Timeout {
+                        ctx: ErrorContext::default(),
+                        after: req.opts.timeout_or(s.ranks[r].timeout),
+                        waiting_on: call.schedule.waiting_on(),
+                    };
+                    let t = s.ranks[r].clock;
+                    s.fail(r, e, t, true);
+                    s.progress();
+                    wake(&self.shared, &mut s);
+                }
+            }
+        }
+    }
+}
+
+fn raw_in(b: &[u8]) -> Raw {
+    Raw {
+        ptr: b.as_ptr().cast_mut(),
+        len: b.len(),
+    }
+}
+
+fn raw_out(b: &mut [u8]) -> Raw {
+    Raw {
+        ptr: b.as_mut_ptr(),
+        len: b.len(),
+    }
+}
+
+#[async_trait]
+impl Backend for SimRank {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.notify.len()
+    }
+
+    fn default_timeout(&self) -> Duration {
+        lock(&self.shared).ranks[self.rank].timeout
+    }
+
+    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+        let ctx = self.ctx(OpKind::AllReduce, 0);
+        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
+        op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        self.run(Request {
+            op: OpKind::AllReduce,
+            reduce: Some(op),
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: 0,
+            tag: 0,
+            input: Raw::EMPTY,
+            output: raw_out(b.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: true,
+        })
+        .await
+    }
+
+    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
+        let ctx = self.ctx(OpKind::Broadcast, 0);
+        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::root(opts.root, self.world_size()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        self.run(Request {
+            op: OpKind::Broadcast,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: opts.root,
+            spec_count: len,
+            peer_or_root: opts.root,
+            tag: 0,
+            input: Raw::EMPTY,
+            output: raw_out(b.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+        let ctx = self.ctx(OpKind::Reduce, 0);
+        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::root(opts.root, self.world_size()).map_err(|e| e.with_context(ctx))?;
+        op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        self.run(Request {
+            op: OpKind::Reduce,
+            reduce: Some(op),
+            dtype,
+            count: len as u64,
+            root: opts.root,
+            spec_count: len,
+            peer_or_root: opts.root,
+            tag: 0,
+            input: Raw::EMPTY,
+            output: raw_out(b.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: self.rank == opts.root,
+        })
+        .await
+    }
+
+    async fn all_gather(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let ctx = self.ctx(OpKind::AllGather, 0);
+        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
+        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
+        validate::whole_times_world(o.len(), i.len(), self.world_size(), "all_gather output")
+            .map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (i.dtype(), i.len());
+        self.run(Request {
+            op: OpKind::AllGather,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: 0,
+            tag: 0,
+            input: raw_in(i.bytes()),
+            output: raw_out(o.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn gather(
+        &self,
+        output: Option<BufferMut<'_>>,
+        input: Buffer<'_>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let ctx = self.ctx(OpKind::Gather, 0);
+        let n = self.world_size();
+        validate::root(opts.root, n).map_err(|e| e.with_context(ctx))?;
+        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
+        let out =
+            match (output, self.rank == opts.root) {
+                (Some(o), true) => {
+                    let mut o = o.host("sim").map_err(|e| e.with_context(ctx))?;
+                    validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
+                    validate::whole_times_world(o.len(), i.len(), n, "gather output")
+                        .map_err(|e| e.with_context(ctx))?;
+                    raw_out(o.bytes_mut())
+                }
+                (None, false) => Raw::EMPTY,
+                (None, true) => {
+                    return Err(CommError::invalid(format!(
+                        "gather: the root (rank {}) must pass an output buffer",
+                        opts.root
+                    ))
+                    .with_context(ctx));
+                }
+                (Some(_), false) => return Err(CommError::invalid(format!(
+                    "gather: only the root (rank {}) passes an output buffer; pass None on rank {}",
+                    opts.root, self.rank
+                ))
+                .with_context(ctx)),
+            };
+        let (dtype, len) = (i.dtype(), i.len());
+        self.run(Request {
+            op: OpKind::Gather,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: opts.root,
+            spec_count: len,
+            peer_or_root: opts.root,
+            tag: 0,
+            input: raw_in(i.bytes()),
+            output: out,
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn scatter(
+        &self,
+        output: BufferMut<'_>,
+        input: Option<Buffer<'_>>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let ctx = self.ctx(OpKind::Scatter, 0);
+        let n = self.world_size();
+        validate::root(opts.root, n).map_err(|e| e.with_context(ctx))?;
+        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
+        let inp =
+            match (input, self.rank == opts.root) {
+                (Some(i), true) => {
+                    let i = i.host("sim").map_err(|e| e.with_context(ctx))?;
+                    validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
+                    validate::whole_times_world(i.len(), o.len(), n, "scatter input")
+                        .map_err(|e| e.with_context(ctx))?;
+                    raw_in(i.bytes())
+                }
+                (None, false) => Raw::EMPTY,
+                (None, true) => {
+                    return Err(CommError::invalid(format!(
+                        "scatter: the root (rank {}) must pass an input buffer",
+                        opts.root
+                    ))
+                    .with_context(ctx));
+                }
+                (Some(_), false) => return Err(CommError::invalid(format!(
+                    "scatter: only the root (rank {}) passes an input buffer; pass None on rank {}",
+                    opts.root, self.rank
+                ))
+                .with_context(ctx)),
+            };
+        let (dtype, len) = (o.dtype(), o.len());
+        self.run(Request {
+            op: OpKind::Scatter,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: opts.root,
+            spec_count: len,
+            peer_or_root: opts.root,
+            tag: 0,
+            input: inp,
+            output: raw_out(o.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn reduce_scatter(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let ctx = self.ctx(OpKind::ReduceScatter, 0);
+        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
+        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
+        validate::whole_times_world(i.len(), o.len(), self.world_size(), "reduce_scatter input")
+            .map_err(|e| e.with_context(ctx))?;
+        op.check(o.dtype()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (o.dtype(), o.len());
+        self.run(Request {
+            op: OpKind::ReduceScatter,
+            reduce: Some(op),
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: 0,
+            tag: 0,
+            input: raw_in(i.bytes()),
+            output: raw_out(o.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: true,
+        })
+        .await
+    }
+
+    async fn all_to_all_single(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let ctx = self.ctx(OpKind::AllToAll, 0);
+        let n = self.world_size();
+        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
+        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
+        let ins = validate::splits(input_split_sizes, i.len(), n, "input")
+            .map_err(|e| e.with_context(ctx))?;
+        let outs = validate::splits(output_split_sizes, o.len(), n, "output")
+            .map_err(|e| e.with_context(ctx))?;
+        let dtype = i.dtype();
+        self.run(Request {
+            op: OpKind::AllToAll,
+            reduce: None,
+            dtype,
+            count: 0,
+            root: 0,
+            spec_count: i.len(),
+            peer_or_root: 0,
+            tag: 0,
+            input: raw_in(i.bytes()),
+            output: raw_out(o.bytes_mut()),
+            splits: (&ins, &outs),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
+        self.run(Request {
+            op: OpKind::Barrier,
+            reduce: None,
+            dtype: DType::U8,
+            count: 0,
+            root: 0,
+            spec_count: 0,
+            peer_or_root: 0,
+            tag: 0,
+            input: Raw::EMPTY,
+            output: Raw::EMPTY,
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
+        let ctx = self.ctx(OpKind::Send, 0);
+        let b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::peer(dst, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        self.run(Request {
+            op: OpKind::Send,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: dst,
+            tag: opts.tag,
+            input: raw_in(b.bytes()),
+            output: Raw::EMPTY,
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+
+    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
+        let ctx = self.ctx(OpKind::Recv, 0);
+        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
+        validate::peer(src, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        self.run(Request {
+            op: OpKind::Recv,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: src,
+            tag: opts.tag,
+            input: Raw::EMPTY,
+            output: raw_out(b.bytes_mut()),
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        })
+        .await
+    }
+}

@@ -1,0 +1,47 @@
+//! The conformance suite on the simulator, three times: with the default
+//! selection policy, and with the choices forced to the other algorithms
+//! (ring for small all_reduce, chain broadcast; binomial-tree all_reduce),
+//! so that every schedule in `comm::algo` passes the whole suite.
+
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use consort_comm::{Backend, algo::AlgoConfig};
+use consort_sim::{SimConfig, SimWorld};
+
+fn world(n: usize, overrides: &str) -> Vec<Arc<dyn Backend>> {
+    let mut cfg = SimConfig::new(n).timeout(Duration::from_secs(30));
+    // Small segments so that short buffers exercise multi-segment
+    // pipelines.
+    cfg.algo.segment_bytes = 64;
+    cfg.algo.overrides = AlgoConfig::parse_overrides(overrides).unwrap();
+    SimWorld::new(cfg)
+        .unwrap()
+        .ranks()
+        .into_iter()
+        .map(|r| Arc::new(r) as Arc<dyn Backend>)
+        .collect()
+}
+
+fn default_policy(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+    Box::pin(async move { world(n, "") })
+}
+
+fn other_algorithms(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+    Box::pin(async move { world(n, "all_reduce=ring,broadcast=chain") })
+}
+
+fn tree_all_reduce(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+    Box::pin(async move { world(n, "all_reduce=binomial_tree") })
+}
+
+mod default_policy {
+    consort_tests::conformance!(crate::default_policy);
+}
+
+mod other_algorithms {
+    consort_tests::conformance!(crate::other_algorithms);
+}
+
+mod tree_all_reduce {
+    consort_tests::conformance!(crate::tree_all_reduce);
+}
