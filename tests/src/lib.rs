@@ -17,8 +17,11 @@ use consort_comm::{
 
 pub use proptest;
 
+/// The future a [`Factory`] returns: the world's handles, in rank order.
+pub type WorldFuture = Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>>;
+
 /// Makes a world of `n` connected ranks, in rank order.
-pub type Factory = fn(usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>>;
+pub type Factory = fn(usize) -> WorldFuture;
 
 /// Runs `f` on every rank of a fresh world of `n`, each rank on its own
 /// task, and returns the results in rank order.

@@ -3,10 +3,11 @@
 //! (ring for small all_reduce, chain broadcast; binomial-tree all_reduce),
 //! so that every schedule in `comm::algo` passes the whole suite.
 
-use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use consort_comm::{Backend, algo::AlgoConfig};
 use consort_sim::{SimConfig, SimWorld};
+use consort_tests::WorldFuture;
 
 fn world(n: usize, overrides: &str) -> Vec<Arc<dyn Backend>> {
     let mut cfg = SimConfig::new(n).timeout(Duration::from_secs(30));
@@ -22,15 +23,15 @@ fn world(n: usize, overrides: &str) -> Vec<Arc<dyn Backend>> {
         .collect()
 }
 
-fn default_policy(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+fn default_policy(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "") })
 }
 
-fn other_algorithms(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+fn other_algorithms(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "all_reduce=ring,broadcast=chain") })
 }
 
-fn tree_all_reduce(n: usize) -> Pin<Box<dyn Future<Output = Vec<Arc<dyn Backend>>> + Send>> {
+fn tree_all_reduce(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "all_reduce=binomial_tree") })
 }
 
