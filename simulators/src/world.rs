@@ -180,6 +180,9 @@ struct Msg {
 
 struct Call {
     id: u64,
+    /// Whether the call's start event has been processed (before that,
+    /// arriving frames wait in the mailbox).
+    started: bool,
     fp: Fingerprint,
     ctx: ErrorContext,
     schedule: Schedule,
@@ -229,6 +232,7 @@ struct EventKey {
 
 enum Event {
     Arrive { to: usize, msg: Box<Msg> },
+    Start { rank: usize, call: u64 },
     Deadline { rank: usize, call: u64 },
     Crash { rank: usize },
 }
@@ -315,6 +319,7 @@ impl State {
             let ev = self.pending.remove(&id).expect("event body");
             match ev {
                 Event::Arrive { to, msg } => self.arrive(to, *msg, key.time),
+                Event::Start { rank, call } => self.start(rank, call, key.time),
                 Event::Deadline { rank, call } => self.deadline(rank, call, key.time),
                 Event::Crash { rank } => self.crash(rank, key.time),
             }
@@ -384,7 +389,11 @@ impl State {
         let r = &mut self.ranks[to];
         match msg.key {
             MailKey::Coll { from, seq, tag } => {
-                let current = r.call.as_ref().filter(|c| !c.p2p).map(|c| c.fp.seq);
+                let current = r
+                    .call
+                    .as_ref()
+                    .filter(|c| !c.p2p && c.started)
+                    .map(|c| c.fp.seq);
                 if current == Some(seq) {
                     let call = r.call.as_ref().expect("current call");
                     if msg.fp != call.fp {
@@ -409,7 +418,12 @@ impl State {
                         self.complete_receive(to, from, tag, msg, t);
                         return;
                     }
-                } else if seq < r.seq {
+                } else if seq
+                    < r.call
+                        .as_ref()
+                        .filter(|c| !c.p2p)
+                        .map_or(r.seq, |c| c.fp.seq)
+                {
                     let e = CommError::protocol(
                         Some(from),
                         format!("stale or duplicate frame for finished call {seq}"),
@@ -423,7 +437,7 @@ impl State {
                 let expecting = r
                     .call
                     .as_ref()
-                    .is_some_and(|c| c.p2p && c.schedule.is_posted(from, tag));
+                    .is_some_and(|c| c.p2p && c.started && c.schedule.is_posted(from, tag));
                 if expecting {
                     self.complete_receive(to, from, tag, msg, t);
                 } else {
@@ -446,13 +460,18 @@ impl State {
         let Payload::Data(data) = msg.payload else {
             return false;
         };
-        if msg.fp.dtype
-            != self.ranks[r]
-                .call
-                .as_ref()
-                .map_or(msg.fp.dtype, |c| c.dtype)
-        {
-            let local = self.ranks[r].call.as_ref().expect("call").fp;
+        let Some(call) = self.ranks[r].call.as_ref() else {
+            return false;
+        };
+        // Collectives compare whole fingerprints; point-to-point messages
+        // (whose fingerprints differ by op) compare dtypes.
+        let differs = if call.p2p {
+            msg.fp.dtype != call.dtype
+        } else {
+            msg.fp != call.fp
+        };
+        if differs {
+            let local = call.fp;
             let e = CommError::Mismatch {
                 ctx: ErrorContext::default(),
                 local,
@@ -546,12 +565,18 @@ impl State {
                         .get_mut(&key)
                         .and_then(VecDeque::pop_front);
                     if let Some(msg) = early {
-                        if self.ranks[r]
-                            .mailbox
-                            .get(&key)
-                            .is_some_and(VecDeque::is_empty)
-                        {
+                        let left = self.ranks[r].mailbox.get(&key).map_or(0, VecDeque::len);
+                        if left == 0 {
                             self.ranks[r].mailbox.remove(&key);
+                        } else if matches!(key, MailKey::Coll { .. }) {
+                            // A collective's (from, seq, tag) is unique: a
+                            // second frame for it is a duplicate.
+                            let e = CommError::protocol(
+                                Some(rv.from),
+                                format!("duplicate frame (seq {}, tag {})", msg.fp.seq, rv.tag),
+                            );
+                            self.fail(r, e, t, true);
+                            return;
                         }
                         if !self.take(r, rv.from, rv.tag, msg, t) {
                             return;
@@ -855,6 +880,14 @@ impl State {
             },
         };
         self.fail(r, err, t, false);
+    }
+
+    fn start(&mut self, r: usize, id: u64, t: u64) {
+        match self.ranks[r].call.as_mut() {
+            Some(call) if call.id == id => call.started = true,
+            _ => return,
+        }
+        self.pump(r, t);
     }
 
     fn deadline(&mut self, r: usize, id: u64, t: u64) {
@@ -1324,6 +1357,7 @@ impl SimRank {
             let id = s.ranks[r].calls;
             s.ranks[r].call = Some(Call {
                 id,
+                started: false,
                 fp,
                 ctx,
                 schedule,
@@ -1341,7 +1375,9 @@ impl SimRank {
                 r,
                 Event::Deadline { rank: r, call: id },
             );
-            s.pump(r, t);
+            // The call starts at this rank's clock, in virtual-time order
+            // with everything else (not now, in real time).
+            s.push(t, r, Event::Start { rank: r, call: id });
             s.progress();
             wake(&self.shared, &mut s);
             deadline_real = Instant::now() + timeout;

@@ -1,0 +1,282 @@
+//! Every fault surfaces as the right error on every affected rank, never
+//! as a hang or a wrong result reported as success; and a scenario replays
+//! identically from its seed.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{CommError, ProcessGroup, ReduceOp};
+use consort_sim::{
+    SimConfig, SimWorld, TraceEvent, TraceKind,
+    fault::{Fault, MsgFilter, Trigger},
+};
+
+const N: usize = 4;
+const LEN: usize = 64;
+
+type Outcome = Vec<Result<Vec<f32>, CommError>>;
+
+/// Every rank runs `calls` all_reduces of `[rank + 1; LEN]` on a
+/// multi-threaded runtime (so real-time interleaving varies).
+fn run(cfg: SimConfig, calls: usize) -> (Outcome, Vec<TraceEvent>, Duration) {
+    let world = SimWorld::new(cfg).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt.block_on(async {
+        let tasks: Vec<_> = world
+            .ranks()
+            .into_iter()
+            .map(|rank| {
+                tokio::spawn(async move {
+                    let pg = ProcessGroup::new(Arc::new(rank));
+                    let mut x = vec![(pg.rank() + 1) as f32; LEN];
+                    for _ in 0..calls {
+                        pg.all_reduce(&mut x, ReduceOp::Sum).await?;
+                    }
+                    Ok(x)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    (out, world.trace(), world.elapsed())
+}
+
+fn cfg() -> SimConfig {
+    SimConfig::new(N).timeout(Duration::from_secs(60))
+}
+
+#[test]
+fn no_faults_gives_the_right_answer() {
+    let (out, trace, elapsed) = run(cfg(), 3);
+    // Sum of 1..=4 is 10; three rounds: 10 * 4^2 ... each round sums the
+    // previous round's equal vectors: 10, 40, 160.
+    for r in out {
+        assert_eq!(r.unwrap(), vec![160.0; LEN]);
+    }
+    assert!(trace.iter().any(|e| e.kind == TraceKind::Send));
+    assert!(elapsed > Duration::ZERO);
+}
+
+#[test]
+fn a_crashed_rank_is_peer_lost_on_every_survivor() {
+    let (out, trace, _) = run(
+        cfg().fault(Fault::Crash {
+            rank: 2,
+            at: Trigger::AfterMessages(1),
+        }),
+        1,
+    );
+    for (r, o) in out.into_iter().enumerate() {
+        match (r, o) {
+            (2, Err(CommError::Aborted { cause, .. })) => {
+                assert!(cause.contains("crashed"), "{cause}")
+            }
+            (_, Err(CommError::PeerLost { peer: 2, .. })) => {}
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(
+        trace
+            .iter()
+            .any(|e| e.kind == TraceKind::Crash && e.from == 2)
+    );
+}
+
+#[test]
+fn a_crash_at_a_time_before_any_call() {
+    let (out, _, _) = run(
+        cfg().fault(Fault::Crash {
+            rank: 1,
+            at: Trigger::At(Duration::ZERO),
+        }),
+        2,
+    );
+    for (r, o) in out.into_iter().enumerate() {
+        match (r, o) {
+            (1, Err(CommError::Aborted { .. })) => {}
+            (_, Err(CommError::PeerLost { peer: 1, .. })) => {}
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_dropped_message_is_a_timeout_naming_the_peer() {
+    let (out, trace, elapsed) = run(cfg().fault(Fault::Drop(MsgFilter::link(0, 1).nth(0))), 1);
+    for (r, o) in out.into_iter().enumerate() {
+        match o {
+            Err(CommError::Timeout { waiting_on, .. }) => {
+                if r == 1 {
+                    assert!(
+                        waiting_on.contains(&0),
+                        "rank 1 waits on rank 0: {waiting_on:?}"
+                    );
+                }
+            }
+            other => panic!("rank {r}: want Timeout, got {other:?}"),
+        }
+    }
+    assert!(trace.iter().any(|e| e.kind == TraceKind::Drop));
+    assert!(
+        elapsed >= Duration::from_secs(60),
+        "the timeout is virtual: {elapsed:?}"
+    );
+}
+
+#[test]
+fn a_corrupted_message_is_a_protocol_error() {
+    let (out, _, _) = run(cfg().fault(Fault::Corrupt(MsgFilter::link(0, 1).nth(0))), 1);
+    for (r, o) in out.into_iter().enumerate() {
+        match (r, o) {
+            (
+                1,
+                Err(CommError::Protocol {
+                    peer: Some(0),
+                    reason,
+                    ..
+                }),
+            ) => assert!(reason.contains("corrupted"), "{reason}"),
+            (1, other) => panic!("rank 1: want Protocol, got {other:?}"),
+            (_, Err(CommError::Aborted { cause, .. })) => {
+                assert!(cause.contains("protocol error"), "{cause}")
+            }
+            (_, other) => panic!("rank {r}: want Aborted naming the protocol error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_duplicated_message_is_a_protocol_error() {
+    // The duplicate may land after rank 0's call already finished with the
+    // right data; then it poisons the group and the next call reports it.
+    let (out, _, _) = run(
+        cfg().fault(Fault::Duplicate(MsgFilter::link(1, 0).nth(0))),
+        2,
+    );
+    match &out[0] {
+        Err(CommError::Protocol {
+            peer: Some(1),
+            reason,
+            ..
+        }) => assert!(reason.contains("duplicate"), "{reason}"),
+        Err(CommError::Aborted { cause, .. }) => assert!(cause.contains("duplicate"), "{cause}"),
+        other => panic!("rank 0: want Protocol, got {other:?}"),
+    }
+    assert!(
+        out.iter().all(Result::is_err),
+        "no rank reports success: {out:?}"
+    );
+}
+
+#[test]
+fn a_partition_times_out_everyone() {
+    let f = Fault::Partition {
+        a: vec![0, 1],
+        b: vec![2, 3],
+        from: Duration::ZERO,
+        heal_at: None,
+    };
+    let (out, _, _) = run(cfg().fault(f), 1);
+    for (r, o) in out.into_iter().enumerate() {
+        assert!(
+            matches!(o, Err(CommError::Timeout { .. })),
+            "rank {r}: {o:?}"
+        );
+    }
+}
+
+#[test]
+fn a_healed_partition_and_a_released_hold_only_cost_time() {
+    let base = run(cfg(), 2).2;
+    let f = Fault::Hold {
+        from: 0,
+        to: 1,
+        at: Duration::ZERO,
+        release_at: Duration::from_secs(5),
+    };
+    let (out, _, elapsed) = run(cfg().fault(f), 2);
+    for o in out {
+        assert_eq!(o.unwrap(), vec![40.0; LEN]);
+    }
+    assert!(
+        elapsed >= Duration::from_secs(5) && elapsed > base,
+        "{elapsed:?} vs {base:?}"
+    );
+
+    // Cut for the first microsecond only: the first messages are lost.
+    let f = Fault::Partition {
+        a: vec![0],
+        b: vec![1, 2, 3],
+        from: Duration::ZERO,
+        heal_at: Some(Duration::from_micros(1)),
+    };
+    let (out, _, _) = run(cfg().fault(f), 1);
+    assert!(
+        out.iter().all(Result::is_err),
+        "messages sent during the cut are lost"
+    );
+}
+
+#[test]
+fn a_delay_past_the_deadline_is_a_timeout() {
+    let f = Fault::Delay {
+        filter: MsgFilter::link(2, 3),
+        by: Duration::from_secs(120),
+    };
+    let (out, _, _) = run(cfg().fault(f), 1);
+    assert!(
+        matches!(out[3], Err(CommError::Timeout { .. })),
+        "{:?}",
+        out[3]
+    );
+    let f = Fault::Delay {
+        filter: MsgFilter::link(2, 3),
+        by: Duration::from_millis(5),
+    };
+    let (out, _, _) = run(cfg().fault(f), 1);
+    assert!(
+        out.iter().all(Result::is_ok),
+        "a short delay is only slower"
+    );
+}
+
+#[test]
+fn a_fault_scenario_replays_identically_from_its_seed() {
+    let scenario = |seed| {
+        cfg()
+            .seed(seed)
+            .fault(Fault::Drop(MsgFilter::default().with_probability(0.02)))
+            .fault(Fault::Delay {
+                filter: MsgFilter::default().with_probability(0.3),
+                by: Duration::from_micros(50),
+            })
+    };
+    let show = |o: &Outcome| o.iter().map(|r| format!("{r:?}")).collect::<Vec<_>>();
+    let (a, ta, ea) = run(scenario(7), 6);
+    for _ in 0..3 {
+        let (b, tb, eb) = run(scenario(7), 6);
+        assert_eq!(show(&a), show(&b), "same seed, same results");
+        assert_eq!(ta, tb, "same seed, same trace");
+        assert_eq!(ea, eb);
+    }
+    let distinct = (8..16).any(|s| run(scenario(s), 6).1 != ta);
+    assert!(distinct, "other seeds make other traces");
+}
+
+#[test]
+fn bad_fault_plans_and_worlds_are_rejected() {
+    assert!(SimWorld::new(SimConfig::new(0)).is_err());
+    let e = SimWorld::new(SimConfig::new(2).fault(Fault::Crash {
+        rank: 5,
+        at: Trigger::At(Duration::ZERO),
+    }))
+    .unwrap_err();
+    assert!(e.to_string().contains("outside a world of 2"), "{e}");
+}
