@@ -105,8 +105,8 @@ pub enum CommError {
     /// A peer's process or connection went away.
     #[error(
         "[{ctx}] lost rank {peer}: {reason}. That rank's process probably died; look at its \
-         log for the first error, then restart the job (consort run --max-restarts restarts it \
-         for you)"
+         log for the first error, then restart the job (a launcher such as torchrun \
+         --max-restarts restarts it for you)"
     )]
     PeerLost {
         /// Where.

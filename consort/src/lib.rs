@@ -2,8 +2,9 @@
 //!
 //! This facade is what users depend on. It re-exports the vocabulary of
 //! [`consort_comm`] (the [`Backend`] trait, [`ProcessGroup`], [`ReduceOp`],
-//! dtypes, errors, stores), owns the rendezvous ([`init_from_env`], which
-//! reads torchrun's or Slurm's variables), and ships the `consort` binary.
+//! dtypes, errors, stores, the [`algo`] schedules) and the simulator
+//! ([`sim`]), owns the rendezvous ([`init_from_env`], which reads
+//! torchrun's or Slurm's variables), and ships the `consort` binary.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,5 +24,11 @@ pub use consort_comm::{
     Fingerprint, GroupId, OpKind, ProcessGroup, ReduceOp, Result, half, store,
 };
 pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+
+/// The deterministic in-process simulator (functional and cost-only).
+pub use consort_sim as sim;
+
+/// Collective algorithms as sans-IO schedules, and their selection policy.
+pub use consort_comm::algo;
 pub use env::{DistEnv, EnvError, Launcher};
 pub use init::{Dist, InitError, InitOptions, init, init_from_env};

@@ -474,3 +474,32 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod exhaustive {
+    use super::*;
+
+    /// Every world size from 2 to 4096, both algorithms. Minutes in a debug
+    /// build; run with `cargo test --release -p consort-sim -- --ignored`.
+    #[test]
+    #[ignore = "exhaustive sweep: run in release with --ignored"]
+    fn closed_form_within_one_percent_for_every_world_from_2_to_4096() {
+        let cfg = AlgoConfig::default();
+        let mut worst = (0.0f64, 0usize, Algorithm::Ring);
+        for n in 2..=4096usize {
+            for algo in [Algorithm::Ring, Algorithm::HalvingDoubling] {
+                let topo = Topology::flat(n, Link::loopback_tcp());
+                let r = simulate(OpKind::AllReduce, algo, n * 64 * 1024, &topo, &cfg).unwrap();
+                let err = (r.time - r.closed_form).abs() / r.closed_form;
+                assert!(err < 0.01, "{algo} n={n}: {err}");
+                if err > worst.0 {
+                    worst = (err, n, algo);
+                }
+            }
+        }
+        eprintln!(
+            "worst relative error {:.2e} at n={} ({})",
+            worst.0, worst.1, worst.2
+        );
+    }
+}

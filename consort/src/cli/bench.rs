@@ -72,3 +72,75 @@ pub(crate) fn reduce(sizes: &[usize], dtypes: &[DType], iters: usize) -> Table {
     }
     t
 }
+
+/// Functional-mode all_reduce of `bytes` of f32 per rank across `world`
+/// simulated ranks in this process: median wall time, busbw (nccl-tests:
+/// algbw × 2(n−1)/n) and memcpy of the same bytes beside it.
+pub(crate) async fn sim_all_reduce(
+    sizes: &[usize],
+    world: usize,
+    iters: usize,
+) -> Result<Table, Box<dyn std::error::Error>> {
+    use std::sync::Arc;
+
+    use consort_comm::ProcessGroup;
+    use consort_sim::{SimConfig, SimWorld};
+
+    let mut t = Table::new(&[
+        "world",
+        "bytes",
+        "time_ms",
+        "algbw_gbs",
+        "busbw_gbs",
+        "memcpy_gbs",
+    ]);
+    for &bytes in sizes {
+        let n = bytes / 4;
+        let mut times = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) + 1 {
+            let mut cfg = SimConfig::new(world);
+            cfg.record_trace = false;
+            let sim = SimWorld::new(cfg)?;
+            let bufs: Vec<Vec<f32>> = (0..world).map(|r| vec![r as f32; n]).collect();
+            let start = Instant::now();
+            let tasks: Vec<_> = sim
+                .ranks()
+                .into_iter()
+                .zip(bufs)
+                .map(|(rank, mut buf)| {
+                    tokio::spawn(async move {
+                        let pg = ProcessGroup::new(Arc::new(rank));
+                        pg.all_reduce(&mut buf, ReduceOp::Sum)
+                            .await
+                            .map(|()| buf[0])
+                    })
+                })
+                .collect();
+            for task in tasks {
+                let first = task.await??;
+                let want = (0..world).sum::<usize>() as f32;
+                if first != want {
+                    return Err(format!("all_reduce gave {first}, want {want}").into());
+                }
+            }
+            times.push(start.elapsed().as_secs_f64());
+        }
+        times.remove(0); // warm-up
+        times.sort_by(f64::total_cmp);
+        let secs = times[times.len() / 2];
+        let algbw = bytes as f64 / secs / 1e9;
+        let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
+        let src = vec![1u8; bytes];
+        let mut dst = vec![0u8; bytes];
+        let copy = median_secs(iters.max(3), || dst.copy_from_slice(black_box(&src)));
+        t.push(vec![
+            json!(world),
+            json!(bytes),
+            json!(secs * 1e3),
+            json!(algbw),
+            json!(busbw),
+            json!(bytes as f64 / copy / 1e9),
+        ]);
+    }
+    Ok(t)
+}

@@ -1,6 +1,7 @@
 //! The `consort` command line: subcommands, flag parsing, and output.
 
 mod bench;
+mod sim;
 mod table;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +32,44 @@ enum Command {
     /// Measure this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Predict collective time on an α–β model of a cluster (cost-only
+    /// simulator), nccl-tests style, with the closed form beside each row.
+    Sim {
+        /// The collective.
+        #[arg(long, default_value = "all_reduce", value_parser = sim::parse_op)]
+        op: consort::OpKind,
+        /// Algorithm (snake_case, as CONSORT_ALGO); default: the selection
+        /// policy for each size.
+        #[arg(long)]
+        algo: Option<consort_comm::algo::Algorithm>,
+        /// Number of ranks.
+        #[arg(long, default_value_t = 8)]
+        world_size: usize,
+        /// Ranks per node (default: all on one node).
+        #[arg(long)]
+        ranks_per_node: Option<usize>,
+        /// Message sizes, with K/M/G suffixes.
+        #[arg(long, default_value = "4K,64K,1M,16M,256M,1G", value_parser = parse_sizes)]
+        sizes: SizeList,
+        /// Intra-node latency, microseconds (default: loopback TCP here).
+        #[arg(long, default_value_t = 9.4)]
+        alpha_intra_us: f64,
+        /// Intra-node bandwidth, GB/s.
+        #[arg(long, default_value_t = 4.76)]
+        bw_intra_gbs: f64,
+        /// Inter-node latency, microseconds.
+        #[arg(long, default_value_t = 25.0)]
+        alpha_inter_us: f64,
+        /// Inter-node bandwidth, GB/s (12.5 = 100 Gb/s).
+        #[arg(long, default_value_t = 12.5)]
+        bw_inter_gbs: f64,
+        /// Largest pipelined segment, bytes.
+        #[arg(long, default_value = "256K", value_parser = parse_sizes)]
+        segment: SizeList,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -48,6 +87,22 @@ enum StoreCommand {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Functional-mode simulator: all_reduce of f32 across simulated ranks
+    /// in this process (real payloads), in busbw beside memcpy.
+    SimAllReduce {
+        /// Bytes per rank, with K/M/G suffixes.
+        #[arg(long, default_value = "64M", value_parser = parse_sizes)]
+        size: SizeList,
+        /// Simulated ranks.
+        #[arg(long, default_value_t = 4)]
+        world_size: usize,
+        /// Timed runs (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
     /// ReduceOp::Sum apply throughput per dtype, beside memcpy.
     Reduce {
         /// Buffer sizes in bytes of dst, with K/M/G suffixes.
@@ -109,7 +164,7 @@ fn parse_dtypes(s: &str) -> Result<DTypeList, String> {
 
 /// Backends compiled into this build.
 fn backends() -> Vec<&'static str> {
-    vec!["tcp-store"]
+    vec!["sim", "tcp-store"]
 }
 
 pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
@@ -140,6 +195,41 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let t: Table =
                 tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
                     .await?;
+            print!("{}", t.render(json));
+        }
+        Command::Bench(BenchCommand::SimAllReduce {
+            size,
+            world_size,
+            iters,
+            json,
+        }) => {
+            let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
+            print!("{}", t.render(json));
+        }
+        Command::Sim {
+            op,
+            algo,
+            world_size,
+            ranks_per_node,
+            sizes,
+            alpha_intra_us,
+            bw_intra_gbs,
+            alpha_inter_us,
+            bw_inter_gbs,
+            segment,
+            json,
+        } => {
+            let args = sim::SimArgs {
+                op,
+                algo,
+                world: world_size,
+                ranks_per_node,
+                sizes: sizes.0,
+                intra: consort_sim::cost::Link::new(alpha_intra_us, bw_intra_gbs),
+                inter: consort_sim::cost::Link::new(alpha_inter_us, bw_inter_gbs),
+                segment_bytes: segment.0.first().copied().unwrap_or(256 * 1024),
+            };
+            let t = tokio::task::spawn_blocking(move || sim::run(&args)).await??;
             print!("{}", t.render(json));
         }
     }
