@@ -135,6 +135,62 @@ element! {
     i8 => I8, u8 => U8, i32 => I32, i64 => I64, u32 => U32, u64 => U64,
 }
 
+/// Runs `$body` with `$t` bound to the Rust type of the [`DType`] value
+/// `$dtype`: the one place that maps run-time dtypes to types.
+///
+/// ```
+/// use consort_comm::{DType, with_dtype};
+/// let size = with_dtype!(DType::BF16, T => size_of::<T>());
+/// assert_eq!(size, 2);
+/// ```
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $t = $crate::half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = $crate::half::bf16;
+                $body
+            }
+            $crate::DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            $crate::DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            $crate::DType::U64 => {
+                type $t = u64;
+                $body
+            }
+        }
+    };
+}
+
 /// Views a typed slice as its bytes (native endianness, no copy).
 pub fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
     bytemuck::cast_slice(s)

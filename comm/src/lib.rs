@@ -28,6 +28,7 @@ pub mod frame;
 mod group;
 pub mod reduce;
 pub mod store;
+pub mod time;
 pub mod validate;
 
 pub use backend::{Backend, CallOptions};

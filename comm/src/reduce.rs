@@ -145,7 +145,7 @@ impl ReduceOp {
                 src.len()
             )));
         }
-        dispatch!(dtype, T => {
+        crate::with_dtype!(dtype, T => {
             let aligned = |p: *const u8| p.align_offset(align_of::<T>()) == 0;
             if aligned(dst.as_ptr()) && aligned(src.as_ptr()) {
                 T::combine(self, bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
@@ -171,7 +171,7 @@ impl ReduceOp {
         if world_size == 0 {
             return Err(CommError::invalid("Avg over a world of 0 ranks"));
         }
-        dispatch!(dtype, T => {
+        crate::with_dtype!(dtype, T => {
             let d = bytemuck::try_cast_slice_mut::<u8, T>(dst).map_err(|e| {
                 CommError::invalid(format!("finalize needs an aligned {dtype} buffer: {e}"))
             })?;
@@ -186,55 +186,6 @@ impl fmt::Display for ReduceOp {
         f.write_str(self.name())
     }
 }
-
-/// Runs `$body` with `$t` bound to the Rust type of `$dtype`.
-macro_rules! dispatch {
-    ($dtype:expr, $t:ident => $body:block) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::U64 => {
-                type $t = u64;
-                $body
-            }
-        }
-    };
-}
-use dispatch;
 
 /// Combines through aligned stack chunks when a slice is unaligned.
 fn unaligned<T: Kernel>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {

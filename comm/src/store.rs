@@ -15,7 +15,6 @@ use std::{
     fmt, io,
     pin::pin,
     sync::{Arc, Mutex},
-    task::Poll,
     time::{Duration, Instant},
 };
 
@@ -263,22 +262,6 @@ pub trait Store: Send + Sync + fmt::Debug {
     fn timeout(&self) -> Duration;
 }
 
-/// Runs `fut` until `deadline`; `None` if the deadline came first.
-async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
-    let mut fut = pin!(fut);
-    let mut delay = futures_timer::Delay::new(deadline.saturating_duration_since(Instant::now()));
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
-            return Poll::Ready(Some(v));
-        }
-        match std::pin::Pin::new(&mut delay).poll(cx) {
-            Poll::Ready(()) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    })
-    .await
-}
-
 /// An in-process store: a world of one, unit tests, and the simulator.
 #[derive(Debug)]
 pub struct MemStore {
@@ -379,7 +362,7 @@ impl Store for MemStore {
             if self.check(keys).await? {
                 return Ok(());
             }
-            if before(deadline, notified).await.is_none() {
+            if crate::time::before(deadline, notified).await.is_none() {
                 return Err(StoreError::Timeout {
                     keys: keys.iter().map(|k| k.to_string()).collect(),
                     after: timeout,

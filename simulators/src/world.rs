@@ -28,9 +28,7 @@
 use std::{
     cmp::Reverse,
     collections::{BinaryHeap, HashMap, HashSet, VecDeque},
-    pin::pin,
     sync::{Arc, Mutex, MutexGuard},
-    task::Poll,
     time::{Duration, Instant},
 };
 
@@ -1193,22 +1191,6 @@ fn lock(shared: &Shared) -> MutexGuard<'_, State> {
     shared.state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs `fut` until `deadline`; `None` if the deadline came first.
-async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
-    let mut fut = pin!(fut);
-    let mut delay = futures_timer::Delay::new(deadline.saturating_duration_since(Instant::now()));
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
-            return Poll::Ready(Some(v));
-        }
-        match std::pin::Pin::new(&mut delay).poll(cx) {
-            Poll::Ready(()) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    })
-    .await
-}
-
 /// One rank of a [`SimWorld`]. Dropping it is the rank's process exiting:
 /// peers that still need it see `PeerLost`.
 pub struct SimRank {
@@ -1285,6 +1267,27 @@ struct Request<'a> {
     splits: (&'a [usize], &'a [usize]),
     opts: &'a CallOptions,
     finalize: bool,
+}
+
+impl<'a> Request<'a> {
+    /// A call of `len` elements with every other field at its default.
+    fn new(op: OpKind, dtype: DType, len: usize, opts: &'a CallOptions) -> Self {
+        Request {
+            op,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: 0,
+            tag: 0,
+            input: Raw::EMPTY,
+            output: Raw::EMPTY,
+            splits: (&[], &[]),
+            opts,
+            finalize: false,
+        }
+    }
 }
 
 impl SimRank {
@@ -1396,7 +1399,10 @@ impl SimRank {
                     return s.ranks[r].outcome.take().unwrap_or(Ok(()));
                 }
             }
-            if before(deadline_real, notified).await.is_none() {
+            if consort_comm::time::before(deadline_real, notified)
+                .await
+                .is_none()
+            {
                 let mut s = lock(&self.shared);
                 if let Some(call) = s.ranks[r].call.as_ref() {
                     let e = CommError::Timeout {
@@ -1452,19 +1458,10 @@ impl Backend for SimRank {
         op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (b.dtype(), b.len());
         self.run(Request {
-            op: OpKind::AllReduce,
             reduce: Some(op),
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
-            peer_or_root: 0,
-            tag: 0,
-            input: Raw::EMPTY,
             output: raw_out(b.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
             finalize: true,
+            ..Request::new(OpKind::AllReduce, dtype, len, opts)
         })
         .await
     }
@@ -1475,19 +1472,10 @@ impl Backend for SimRank {
         validate::root(opts.root, self.world_size()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (b.dtype(), b.len());
         self.run(Request {
-            op: OpKind::Broadcast,
-            reduce: None,
-            dtype,
-            count: len as u64,
             root: opts.root,
-            spec_count: len,
             peer_or_root: opts.root,
-            tag: 0,
-            input: Raw::EMPTY,
             output: raw_out(b.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Broadcast, dtype, len, opts)
         })
         .await
     }
@@ -1499,19 +1487,12 @@ impl Backend for SimRank {
         op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (b.dtype(), b.len());
         self.run(Request {
-            op: OpKind::Reduce,
             reduce: Some(op),
-            dtype,
-            count: len as u64,
             root: opts.root,
-            spec_count: len,
             peer_or_root: opts.root,
-            tag: 0,
-            input: Raw::EMPTY,
             output: raw_out(b.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
             finalize: self.rank == opts.root,
+            ..Request::new(OpKind::Reduce, dtype, len, opts)
         })
         .await
     }
@@ -1530,19 +1511,9 @@ impl Backend for SimRank {
             .map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (i.dtype(), i.len());
         self.run(Request {
-            op: OpKind::AllGather,
-            reduce: None,
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
-            peer_or_root: 0,
-            tag: 0,
             input: raw_in(i.bytes()),
             output: raw_out(o.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::AllGather, dtype, len, opts)
         })
         .await
     }
@@ -1582,19 +1553,11 @@ impl Backend for SimRank {
             };
         let (dtype, len) = (i.dtype(), i.len());
         self.run(Request {
-            op: OpKind::Gather,
-            reduce: None,
-            dtype,
-            count: len as u64,
             root: opts.root,
-            spec_count: len,
             peer_or_root: opts.root,
-            tag: 0,
             input: raw_in(i.bytes()),
             output: out,
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Gather, dtype, len, opts)
         })
         .await
     }
@@ -1634,19 +1597,11 @@ impl Backend for SimRank {
             };
         let (dtype, len) = (o.dtype(), o.len());
         self.run(Request {
-            op: OpKind::Scatter,
-            reduce: None,
-            dtype,
-            count: len as u64,
             root: opts.root,
-            spec_count: len,
             peer_or_root: opts.root,
-            tag: 0,
             input: inp,
             output: raw_out(o.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Scatter, dtype, len, opts)
         })
         .await
     }
@@ -1667,19 +1622,11 @@ impl Backend for SimRank {
         op.check(o.dtype()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (o.dtype(), o.len());
         self.run(Request {
-            op: OpKind::ReduceScatter,
             reduce: Some(op),
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
-            peer_or_root: 0,
-            tag: 0,
             input: raw_in(i.bytes()),
             output: raw_out(o.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
             finalize: true,
+            ..Request::new(OpKind::ReduceScatter, dtype, len, opts)
         })
         .await
     }
@@ -1703,38 +1650,19 @@ impl Backend for SimRank {
             .map_err(|e| e.with_context(ctx))?;
         let dtype = i.dtype();
         self.run(Request {
-            op: OpKind::AllToAll,
-            reduce: None,
-            dtype,
-            count: 0,
-            root: 0,
-            spec_count: i.len(),
-            peer_or_root: 0,
-            tag: 0,
             input: raw_in(i.bytes()),
             output: raw_out(o.bytes_mut()),
             splits: (&ins, &outs),
-            opts,
-            finalize: false,
+            count: 0,
+            ..Request::new(OpKind::AllToAll, dtype, i.len(), opts)
         })
         .await
     }
 
     async fn barrier(&self, opts: &CallOptions) -> Result<()> {
         self.run(Request {
-            op: OpKind::Barrier,
-            reduce: None,
-            dtype: DType::U8,
             count: 0,
-            root: 0,
-            spec_count: 0,
-            peer_or_root: 0,
-            tag: 0,
-            input: Raw::EMPTY,
-            output: Raw::EMPTY,
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Barrier, DType::U8, 0, opts)
         })
         .await
     }
@@ -1745,19 +1673,10 @@ impl Backend for SimRank {
         validate::peer(dst, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (b.dtype(), b.len());
         self.run(Request {
-            op: OpKind::Send,
-            reduce: None,
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
             peer_or_root: dst,
             tag: opts.tag,
             input: raw_in(b.bytes()),
-            output: Raw::EMPTY,
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Send, dtype, len, opts)
         })
         .await
     }
@@ -1768,19 +1687,10 @@ impl Backend for SimRank {
         validate::peer(src, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
         let (dtype, len) = (b.dtype(), b.len());
         self.run(Request {
-            op: OpKind::Recv,
-            reduce: None,
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
             peer_or_root: src,
             tag: opts.tag,
-            input: Raw::EMPTY,
             output: raw_out(b.bytes_mut()),
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
+            ..Request::new(OpKind::Recv, dtype, len, opts)
         })
         .await
     }

@@ -18,7 +18,7 @@ fn ok<T>(r: Result<T, CommError>, rank: usize, what: &str) -> T {
 /// all_reduce in place, every dtype × op (Avg included), against the
 /// reference; bitwise ops on floats are checked in `unsupported`.
 pub fn all_reduce(factory: Factory, n: usize, len: usize, dtype: DType, op: usize, seed: u64) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let op = op_for(dtype, op);
         let want: Vec<T> = reference(seed, n, len, op);
         let got = run_world(factory, n, move |pg| async move {
@@ -35,7 +35,7 @@ pub fn all_reduce(factory: Factory, n: usize, len: usize, dtype: DType, op: usiz
 
 /// broadcast from `root`: every rank ends with the root's buffer.
 pub fn broadcast(factory: Factory, n: usize, len: usize, dtype: DType, root: usize, seed: u64) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let want: Vec<T> = (0..len).map(|i| input(seed, root, i, ReduceOp::Sum)).collect();
         let got = run_world(factory, n, move |pg| async move {
             let r = pg.rank();
@@ -59,7 +59,7 @@ pub fn reduce(
     root: usize,
     seed: u64,
 ) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let op = op_for(dtype, op);
         let want: Vec<T> = reference(seed, n, len, op);
         let got = run_world(factory, n, move |pg| async move {
@@ -79,7 +79,7 @@ pub fn reduce(
 
 /// all_gather: every rank ends with all inputs in rank order.
 pub fn all_gather(factory: Factory, n: usize, len: usize, dtype: DType, seed: u64) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let want: Vec<T> = (0..n)
             .flat_map(|r| (0..len).map(move |i| input(seed, r, i, ReduceOp::Sum)))
             .collect();
@@ -105,7 +105,7 @@ pub fn gather_scatter(
     root: usize,
     seed: u64,
 ) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let want: Vec<T> = (0..n)
             .flat_map(|r| (0..len).map(move |i| input(seed, r, i, ReduceOp::Sum)))
             .collect();
@@ -133,7 +133,7 @@ pub fn gather_scatter(
 
 /// reduce_scatter: rank `r` ends with part `r` of the reduction.
 pub fn reduce_scatter(factory: Factory, n: usize, len: usize, dtype: DType, op: usize, seed: u64) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let op = op_for(dtype, op);
         let whole: Vec<T> = reference(seed, n, n * len, op);
         let got = run_world(factory, n, move |pg| async move {
@@ -152,7 +152,7 @@ pub fn reduce_scatter(factory: Factory, n: usize, len: usize, dtype: DType, op: 
 /// all_to_all_single with equal or uneven splits: block `i → j` lands in
 /// rank `j`'s output, in rank order of `i`.
 pub fn all_to_all(factory: Factory, n: usize, dtype: DType, uneven: bool, seed: u64) {
-    with_dtype!(dtype, T => {
+    consort_comm::with_dtype!(dtype, T => {
         let size = move |i: usize, j: usize| -> usize {
             if uneven { ((seed as usize) ^ (i * 7 + j * 13)) % 4 } else { 3 }
         };
@@ -254,7 +254,7 @@ pub fn unsupported(factory: Factory) {
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
             let got = run_world(factory, 3, move |pg| async move {
-                with_dtype!(dtype, T => {
+                consort_comm::with_dtype!(dtype, T => {
                     let mut buf = vec![T::from_i64(1); 4];
                     pg.all_reduce(&mut buf, op).await
                 })

@@ -10,8 +10,11 @@
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
+/// The dtype tag, re-exported for the suite's strategies.
+pub use consort_comm::DType;
+
 use consort_comm::{
-    Backend, CommError, DType, Element, ProcessGroup, ReduceOp,
+    Backend, CommError, Element, ProcessGroup, ReduceOp,
     half::{bf16, f16},
 };
 
@@ -204,63 +207,7 @@ pub fn op_for(dtype: DType, pick: usize) -> ReduceOp {
     ops[pick % ops.len()]
 }
 
-/// Calls `$body` with `$t` bound to the Rust type of `$dtype`.
-#[macro_export]
-macro_rules! with_dtype {
-    ($dtype:expr, $t:ident => $body:expr) => {{
-        use $crate::__private::*;
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::U64 => {
-                type $t = u64;
-                $body
-            }
-        }
-    }};
-}
-
-#[doc(hidden)]
-pub mod __private {
-    pub use consort_comm::{
-        DType,
-        half::{bf16, f16},
-    };
-}
+pub use consort_comm::with_dtype;
 
 pub mod checks;
 
@@ -282,8 +229,8 @@ macro_rules! conformance {
             use $crate::checks;
             use $crate::proptest::prelude::*;
 
-            fn dtype() -> impl Strategy<Value = $crate::__private::DType> {
-                prop::sample::select($crate::__private::DType::ALL.to_vec())
+            fn dtype() -> impl Strategy<Value = $crate::DType> {
+                prop::sample::select($crate::DType::ALL.to_vec())
             }
 
             /// Lengths from 0 up to several segments (the factory's worlds
