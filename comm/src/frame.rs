@@ -195,12 +195,9 @@ impl FrameHeader {
                         "payload is not a whole number of elements",
                     ));
                 }
-                let end = offset.checked_add(payload_len / size);
-                if end.is_none_or(|end| end > count) {
-                    return Err(FrameError::Inconsistent(
-                        "payload runs past the call's count",
-                    ));
-                }
+                // The receiver checks the length against the range it
+                // posted (`count` is the fingerprint's; all_to_all leaves
+                // it at 0).
             }
             FrameKind::Abort => {
                 if payload_len > MAX_ABORT_MESSAGE {
@@ -231,6 +228,106 @@ impl FrameHeader {
 
 fn bad(field: &'static str, value: u64) -> FrameError {
     FrameError::BadField { field, value }
+}
+
+/// What a failed rank tells its peers in an [`FrameKind::Abort`] payload:
+/// enough to rebuild the error's kind (so a mismatch is a `Mismatch`, a
+/// lost peer a `PeerLost`, on every rank) plus its message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AbortInfo {
+    /// The sender saw a mismatch with `remote` (called on `remote_rank`).
+    Mismatch {
+        /// The differing fingerprint.
+        remote: Fingerprint,
+        /// The rank that called it.
+        remote_rank: u32,
+        /// The sender's error message.
+        message: String,
+    },
+    /// The sender lost `peer`.
+    PeerLost {
+        /// The lost rank.
+        peer: u32,
+        /// The sender's error message.
+        message: String,
+    },
+    /// The sender timed out.
+    Timeout {
+        /// The sender's error message.
+        message: String,
+    },
+    /// Anything else.
+    Other {
+        /// The sender's error message.
+        message: String,
+    },
+}
+
+impl AbortInfo {
+    /// Encodes as an abort payload (at most [`MAX_ABORT_MESSAGE`] bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let (kind, rank, fp, message) = match self {
+            AbortInfo::Mismatch {
+                remote,
+                remote_rank,
+                message,
+            } => (1u8, *remote_rank, Some(remote), message),
+            AbortInfo::PeerLost { peer, message } => (2, *peer, None, message),
+            AbortInfo::Timeout { message } => (3, 0, None, message),
+            AbortInfo::Other { message } => (0, 0, None, message),
+        };
+        let mut v = vec![kind];
+        v.extend_from_slice(&rank.to_le_bytes());
+        if let Some(fp) = fp {
+            let h = FrameHeader {
+                kind: FrameKind::Data,
+                fingerprint: *fp,
+                tag: 0,
+                offset: 0,
+                payload_len: 0,
+            };
+            v.extend_from_slice(&h.encode());
+        }
+        let room = MAX_ABORT_MESSAGE as usize - v.len();
+        let mut end = message.len().min(room);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        v.extend_from_slice(&message.as_bytes()[..end]);
+        v
+    }
+
+    /// Decodes an abort payload; never panics.
+    pub fn decode(b: &[u8]) -> Result<AbortInfo, FrameError> {
+        let (&kind, rest) = b.split_first().ok_or(FrameError::Truncated { have: 0 })?;
+        let r = rest
+            .get(..4)
+            .ok_or(FrameError::Truncated { have: b.len() })?;
+        let rank = u32::from_le_bytes([r[0], r[1], r[2], r[3]]);
+        let rest = &rest[4..];
+        let text = |t: &[u8]| String::from_utf8_lossy(t).into_owned();
+        Ok(match kind {
+            1 => {
+                let h = FrameHeader::decode(rest, &FrameLimits { max_payload: 0 })?;
+                AbortInfo::Mismatch {
+                    remote: h.fingerprint,
+                    remote_rank: rank,
+                    message: text(&rest[HEADER_LEN..]),
+                }
+            }
+            2 => AbortInfo::PeerLost {
+                peer: rank,
+                message: text(rest),
+            },
+            3 => AbortInfo::Timeout {
+                message: text(rest),
+            },
+            0 => AbortInfo::Other {
+                message: text(rest),
+            },
+            k => return Err(bad("abort kind", k.into())),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -337,7 +434,7 @@ mod tests {
     }
 
     #[test]
-    fn inconsistent_lengths_are_rejected() {
+    fn partial_elements_are_rejected() {
         let mut h = FrameHeader {
             kind: FrameKind::Data,
             fingerprint: Fingerprint {
@@ -351,20 +448,53 @@ mod tests {
             },
             tag: 0,
             offset: 2,
-            payload_len: 12,
+            payload_len: 6,
         };
         let l = FrameLimits::default();
         assert_eq!(
             FrameHeader::decode(&h.encode(), &l),
             Err(FrameError::Inconsistent(
-                "payload runs past the call's count"
+                "payload is not a whole number of elements"
             ))
         );
-        h.payload_len = 6;
-        assert!(FrameHeader::decode(&h.encode(), &l).is_err());
         h.payload_len = 8;
         assert!(FrameHeader::decode(&h.encode(), &l).is_ok());
-        h.offset = u64::MAX;
-        assert!(FrameHeader::decode(&h.encode(), &l).is_err());
+    }
+    #[test]
+    fn abort_info_round_trips_and_never_panics() {
+        let fp = Fingerprint {
+            group: GroupId(7),
+            seq: 9,
+            op: OpKind::AllGather,
+            dtype: DType::BF16,
+            count: 3,
+            root: 0,
+            reduce_op: None,
+        };
+        for a in [
+            AbortInfo::Mismatch {
+                remote: fp,
+                remote_rank: 4,
+                message: "m".into(),
+            },
+            AbortInfo::PeerLost {
+                peer: 2,
+                message: "gone".into(),
+            },
+            AbortInfo::Timeout {
+                message: "slow".into(),
+            },
+        ] {
+            assert_eq!(AbortInfo::decode(&a.encode()).unwrap(), a);
+        }
+        let long = AbortInfo::Other {
+            message: "é".repeat(70_000),
+        };
+        assert!(long.encode().len() as u64 <= MAX_ABORT_MESSAGE);
+        assert!(AbortInfo::decode(&long.encode()).is_ok());
+        for cut in 0..8 {
+            let _ = AbortInfo::decode(&[1, 0, 0, 0, 0, 0, 0, 0][..cut]);
+        }
+        assert!(AbortInfo::decode(&[9, 0, 0, 0, 0]).is_err());
     }
 }

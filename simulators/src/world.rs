@@ -36,7 +36,10 @@ use async_trait::async_trait;
 use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
     OpKind, ReduceOp, Result,
-    algo::{Action, AlgoConfig, Buf, CallSpec, Receive, Schedule, Transmit, build},
+    algo::{
+        Action, AlgoConfig, CallSpec, Schedule, Transmit, build,
+        exec::{CallBuffers, scratch, scratch_bytes},
+    },
     validate,
 };
 use tokio::sync::Notify;
@@ -192,6 +195,29 @@ struct Call {
     scratch: Vec<u64>,
     consumed: HashSet<(usize, u32)>,
     finalize: bool,
+}
+
+impl Call {
+    /// The call's buffers. Only under the world lock while the call is
+    /// registered.
+    fn buffers(&mut self) -> CallBuffers<'_> {
+        // SAFETY: the call is registered, so the lender's future is blocked
+        // in it and its buffers are valid; the world lock is held, so no one
+        // else touches them; `input` and `output` never overlap (they come
+        // from a `&[u8]` and a `&mut [u8]` of one call).
+        let (input, output) = unsafe {
+            (
+                std::slice::from_raw_parts(self.input.ptr, self.input.len),
+                std::slice::from_raw_parts_mut(self.output.ptr, self.output.len),
+            )
+        };
+        CallBuffers {
+            dtype: self.dtype,
+            input,
+            output,
+            scratch: scratch_bytes(&mut self.scratch),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -490,30 +516,13 @@ impl State {
 
     fn apply(&mut self, r: usize, from: usize, tag: u32, data: &[u8]) -> Result<()> {
         let call = self.ranks[r].call.as_mut().expect("call");
-        let elem = call.dtype.size_bytes();
-        let rv = pending_receive(&call.schedule, from, tag);
-        let Some(rv) = rv else {
-            return Err(CommError::protocol(
-                Some(from),
-                "internal: receive vanished",
-            ));
-        };
-        if data.len() != rv.range.len() * elem {
-            return Err(CommError::invalid(format!(
-                "rank {from} sent {} elements where this rank expects {} ({}): the ranks disagree on \
-                 lengths or split sizes",
-                data.len() / elem,
-                rv.range.len(),
-                call.fp.op
-            )));
-        }
-        let (op, dtype) = (call.reduce.unwrap_or(ReduceOp::Sum), call.dtype);
-        let dst = buf_mut(call, rv.buf, &rv.range, elem);
-        if rv.reduce {
-            op.apply_bytes(dtype, dst, data)?;
-        } else {
-            dst.copy_from_slice(data);
-        }
+        let rv = call
+            .schedule
+            .posted_receive(from, tag)
+            .cloned()
+            .ok_or_else(|| CommError::protocol(Some(from), "internal: receive vanished"))?;
+        let op = call.reduce;
+        call.buffers().apply(&rv, data, op, from)?;
         call.consumed.insert((from, tag));
         call.schedule
             .handle_recv(from, tag)
@@ -541,9 +550,10 @@ impl State {
                     self.transmit(r, tx, t);
                 }
                 Action::Copy(c) => {
-                    let elem = call.dtype.size_bytes();
-                    let src = buf_ref(call, c.src_buf, &c.src, elem).to_vec();
-                    buf_mut(call, c.dst_buf, &c.dst, elem).copy_from_slice(&src);
+                    if let Err(e) = call.buffers().copy(&c) {
+                        self.fail(r, e, t, true);
+                        return;
+                    }
                 }
                 Action::Receive(rv) => {
                     let key = if call.p2p {
@@ -592,9 +602,8 @@ impl State {
     }
 
     fn transmit(&mut self, r: usize, tx: Transmit, t: u64) {
-        let call = self.ranks[r].call.as_ref().expect("call");
-        let elem = call.dtype.size_bytes();
-        let data = buf_ref(call, tx.buf, &tx.range, elem).to_vec();
+        let call = self.ranks[r].call.as_mut().expect("call");
+        let data = call.buffers().bytes(tx.buf, &tx.range).to_vec();
         let (key, seq) = if call.p2p {
             (
                 MailKey::P2p {
@@ -744,12 +753,10 @@ impl State {
         if call.finalize
             && let Some(op) = call.reduce
         {
-            let elem = call.dtype.size_bytes();
-            let len = call.output.len / elem;
-            let (dtype, ctx) = (call.dtype, call.ctx);
-            let dst = buf_mut(&mut call, Buf::Output, &(0..len), elem);
-            out = op
-                .finalize_bytes(dtype, dst, n)
+            let ctx = call.ctx;
+            out = call
+                .buffers()
+                .finalize(op, n)
                 .map_err(|e| e.with_context(ctx));
         }
         rank.clock = rank.clock.max(t);
@@ -991,54 +998,6 @@ fn lost(peer: usize) -> CommError {
         peer,
         reason: "connection reset: its process exited or crashed".into(),
     }
-}
-
-/// The posted receive `(from, tag)` of a schedule, recomputed: schedules do
-/// not hand receives out twice, so the driver keeps them.
-fn pending_receive(s: &Schedule, from: usize, tag: u32) -> Option<Receive> {
-    s.posted_receive(from, tag).cloned()
-}
-
-fn buf_ref<'a>(call: &'a Call, b: Buf, r: &std::ops::Range<usize>, elem: usize) -> &'a [u8] {
-    let range = r.start * elem..r.end * elem;
-    match b {
-        // SAFETY: the call is registered, so the lender's future is blocked
-        // in it and its buffers are valid; the world lock is held.
-        Buf::Input => unsafe { &std::slice::from_raw_parts(call.input.ptr, call.input.len)[range] },
-        // SAFETY: as above.
-        Buf::Output => unsafe {
-            &std::slice::from_raw_parts(call.output.ptr, call.output.len)[range]
-        },
-        Buf::Scratch => &bytemuck_bytes(&call.scratch)[range],
-    }
-}
-
-fn buf_mut<'a>(
-    call: &'a mut Call,
-    b: Buf,
-    r: &std::ops::Range<usize>,
-    elem: usize,
-) -> &'a mut [u8] {
-    let range = r.start * elem..r.end * elem;
-    match b {
-        // SAFETY: the call is registered, so the lender's future is blocked
-        // in it; only outputs are written; the world lock is held.
-        Buf::Output => unsafe {
-            &mut std::slice::from_raw_parts_mut(call.output.ptr, call.output.len)[range]
-        },
-        Buf::Scratch => &mut bytemuck_bytes_mut(&mut call.scratch)[range],
-        Buf::Input => panic!("schedules never write the input buffer"),
-    }
-}
-
-fn bytemuck_bytes(v: &[u64]) -> &[u8] {
-    // SAFETY: u64 has no padding and every byte pattern is a valid u8.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 8) }
-}
-
-fn bytemuck_bytes_mut(v: &mut [u64]) -> &mut [u8] {
-    // SAFETY: as above; the borrow of `v` is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
 }
 
 /// A simulated world of N ranks in one process.
@@ -1339,7 +1298,7 @@ impl SimRank {
             };
             let algo = s.algo.select(req.op, spec.bytes().max(bytes), n);
             let schedule = build(&spec, algo, &s.algo).map_err(|e| e.with_context(ctx))?;
-            let scratch = vec![0u64; (schedule.scratch_len() * req.dtype.size_bytes()).div_ceil(8)];
+            let scratch = scratch(schedule.scratch_len(), req.dtype);
             let fp = Fingerprint {
                 group: GroupId::WORLD,
                 seq,

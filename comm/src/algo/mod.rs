@@ -19,6 +19,7 @@
 //! computed on demand), so a schedule for 65,536 ranks costs O(window)
 //! memory.
 
+pub mod exec;
 mod programs;
 mod select;
 
