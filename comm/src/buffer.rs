@@ -93,6 +93,11 @@ impl<'a> HostSliceMut<'a> {
         self.bytes
     }
 
+    /// The raw bytes, mutably, for the whole borrow.
+    pub fn into_bytes_mut(self) -> &'a mut [u8] {
+        self.bytes
+    }
+
     /// A read-only view of the same memory.
     pub fn as_slice(&self) -> HostSlice<'_> {
         HostSlice {

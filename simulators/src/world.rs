@@ -37,10 +37,9 @@ use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
     OpKind, ReduceOp, Result,
     algo::{
-        Action, AlgoConfig, CallSpec, Schedule, Transmit, build,
-        exec::{CallBuffers, scratch, scratch_bytes},
+        Action, AlgoConfig, Schedule, Transmit, build,
+        exec::{Call as CallReq, CallBuffers, scratch, scratch_bytes},
     },
-    validate,
 };
 use tokio::sync::Notify;
 
@@ -149,13 +148,6 @@ struct Raw {
 // SAFETY: a Raw is only dereferenced under the world lock, while the call
 // that lent the memory is registered (see `CallGuard`).
 unsafe impl Send for Raw {}
-
-impl Raw {
-    const EMPTY: Raw = Raw {
-        ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
-        len: 0,
-    };
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum MailKey {
@@ -1211,52 +1203,14 @@ impl Drop for CallGuard<'_> {
     }
 }
 
-/// What one call needs registered.
-struct Request<'a> {
-    op: OpKind,
-    reduce: Option<ReduceOp>,
-    dtype: DType,
-    count: u64,
-    root: usize,
-    spec_count: usize,
-    peer_or_root: usize,
-    tag: u32,
-    input: Raw,
-    output: Raw,
-    splits: (&'a [usize], &'a [usize]),
-    opts: &'a CallOptions,
-    finalize: bool,
-}
-
-impl<'a> Request<'a> {
-    /// A call of `len` elements with every other field at its default.
-    fn new(op: OpKind, dtype: DType, len: usize, opts: &'a CallOptions) -> Self {
-        Request {
-            op,
-            reduce: None,
-            dtype,
-            count: len as u64,
-            root: 0,
-            spec_count: len,
-            peer_or_root: 0,
-            tag: 0,
-            input: Raw::EMPTY,
-            output: Raw::EMPTY,
-            splits: (&[], &[]),
-            opts,
-            finalize: false,
-        }
-    }
-}
-
 impl SimRank {
     fn ctx(&self, op: OpKind, seq: u64) -> ErrorContext {
         ErrorContext::new(op, self.rank, seq, GroupId::WORLD)
     }
 
-    async fn run(&self, req: Request<'_>) -> Result<()> {
+    async fn run(&self, req: CallReq<'_>, opts: &CallOptions) -> Result<()> {
         let r = self.rank;
-        let p2p = matches!(req.op, OpKind::Send | OpKind::Recv);
+        let p2p = req.is_p2p();
         let deadline_real;
         {
             let mut s = lock(&self.shared);
@@ -1284,31 +1238,12 @@ impl SimRank {
                 )
                 .with_context(ctx));
             }
-            let bytes = req.spec_count.saturating_mul(req.dtype.size_bytes());
-            let spec = CallSpec {
-                op: req.op,
-                rank: r,
-                world: n,
-                count: req.spec_count,
-                elem_size: req.dtype.size_bytes(),
-                root: req.peer_or_root,
-                tag: req.tag,
-                input_splits: req.splits.0,
-                output_splits: req.splits.1,
-            };
-            let algo = s.algo.select(req.op, spec.bytes().max(bytes), n);
+            let spec = req.spec(r, n);
+            let algo = s.algo.select(req.op, spec.bytes(), n);
             let schedule = build(&spec, algo, &s.algo).map_err(|e| e.with_context(ctx))?;
             let scratch = scratch(schedule.scratch_len(), req.dtype);
-            let fp = Fingerprint {
-                group: GroupId::WORLD,
-                seq,
-                op: req.op,
-                dtype: req.dtype,
-                count: req.count,
-                root: req.root as u32,
-                reduce_op: req.reduce,
-            };
-            let timeout = req.opts.timeout_or(s.ranks[r].timeout);
+            let fp = req.fingerprint(GroupId::WORLD, seq);
+            let timeout = opts.timeout_or(s.ranks[r].timeout);
             if !p2p {
                 s.ranks[r].seq += 1;
                 s.ranks[r].last_fp = Some(fp);
@@ -1326,8 +1261,8 @@ impl SimRank {
                 p2p,
                 reduce: req.reduce,
                 dtype: req.dtype,
-                input: req.input,
-                output: req.output,
+                input: raw_in(req.input),
+                output: raw_out(req.output),
                 scratch,
                 consumed: HashSet::new(),
                 finalize: req.finalize,
@@ -1366,7 +1301,7 @@ impl SimRank {
                 if let Some(call) = s.ranks[r].call.as_ref() {
                     let e = CommError::Timeout {
                         ctx: ErrorContext::default(),
-                        after: req.opts.timeout_or(s.ranks[r].timeout),
+                        after: opts.timeout_or(s.ranks[r].timeout),
                         waiting_on: call.schedule.waiting_on(),
                     };
                     let t = s.ranks[r].clock;
@@ -1412,48 +1347,20 @@ impl Backend for SimRank {
     }
 
     async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        let ctx = self.ctx(OpKind::AllReduce, 0);
-        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
-        op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (b.dtype(), b.len());
-        self.run(Request {
-            reduce: Some(op),
-            output: raw_out(b.bytes_mut()),
-            finalize: true,
-            ..Request::new(OpKind::AllReduce, dtype, len, opts)
-        })
-        .await
+        self.run(CallReq::all_reduce("sim", self.rank, buf, op)?, opts)
+            .await
     }
 
     async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
-        let ctx = self.ctx(OpKind::Broadcast, 0);
-        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::root(opts.root, self.world_size()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (b.dtype(), b.len());
-        self.run(Request {
-            root: opts.root,
-            peer_or_root: opts.root,
-            output: raw_out(b.bytes_mut()),
-            ..Request::new(OpKind::Broadcast, dtype, len, opts)
-        })
-        .await
+        let n = self.world_size();
+        self.run(CallReq::broadcast("sim", self.rank, n, buf, opts)?, opts)
+            .await
     }
 
     async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        let ctx = self.ctx(OpKind::Reduce, 0);
-        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::root(opts.root, self.world_size()).map_err(|e| e.with_context(ctx))?;
-        op.check(b.dtype()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (b.dtype(), b.len());
-        self.run(Request {
-            reduce: Some(op),
-            root: opts.root,
-            peer_or_root: opts.root,
-            output: raw_out(b.bytes_mut()),
-            finalize: self.rank == opts.root,
-            ..Request::new(OpKind::Reduce, dtype, len, opts)
-        })
-        .await
+        let n = self.world_size();
+        self.run(CallReq::reduce("sim", self.rank, n, buf, op, opts)?, opts)
+            .await
     }
 
     async fn all_gather(
@@ -1462,18 +1369,11 @@ impl Backend for SimRank {
         input: Buffer<'_>,
         opts: &CallOptions,
     ) -> Result<()> {
-        let ctx = self.ctx(OpKind::AllGather, 0);
-        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
-        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
-        validate::whole_times_world(o.len(), i.len(), self.world_size(), "all_gather output")
-            .map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (i.dtype(), i.len());
-        self.run(Request {
-            input: raw_in(i.bytes()),
-            output: raw_out(o.bytes_mut()),
-            ..Request::new(OpKind::AllGather, dtype, len, opts)
-        })
+        let n = self.world_size();
+        self.run(
+            CallReq::all_gather("sim", self.rank, n, output, input)?,
+            opts,
+        )
         .await
     }
 
@@ -1483,41 +1383,11 @@ impl Backend for SimRank {
         input: Buffer<'_>,
         opts: &CallOptions,
     ) -> Result<()> {
-        let ctx = self.ctx(OpKind::Gather, 0);
         let n = self.world_size();
-        validate::root(opts.root, n).map_err(|e| e.with_context(ctx))?;
-        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
-        let out =
-            match (output, self.rank == opts.root) {
-                (Some(o), true) => {
-                    let mut o = o.host("sim").map_err(|e| e.with_context(ctx))?;
-                    validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
-                    validate::whole_times_world(o.len(), i.len(), n, "gather output")
-                        .map_err(|e| e.with_context(ctx))?;
-                    raw_out(o.bytes_mut())
-                }
-                (None, false) => Raw::EMPTY,
-                (None, true) => {
-                    return Err(CommError::invalid(format!(
-                        "gather: the root (rank {}) must pass an output buffer",
-                        opts.root
-                    ))
-                    .with_context(ctx));
-                }
-                (Some(_), false) => return Err(CommError::invalid(format!(
-                    "gather: only the root (rank {}) passes an output buffer; pass None on rank {}",
-                    opts.root, self.rank
-                ))
-                .with_context(ctx)),
-            };
-        let (dtype, len) = (i.dtype(), i.len());
-        self.run(Request {
-            root: opts.root,
-            peer_or_root: opts.root,
-            input: raw_in(i.bytes()),
-            output: out,
-            ..Request::new(OpKind::Gather, dtype, len, opts)
-        })
+        self.run(
+            CallReq::gather("sim", self.rank, n, output, input, opts)?,
+            opts,
+        )
         .await
     }
 
@@ -1527,41 +1397,11 @@ impl Backend for SimRank {
         input: Option<Buffer<'_>>,
         opts: &CallOptions,
     ) -> Result<()> {
-        let ctx = self.ctx(OpKind::Scatter, 0);
         let n = self.world_size();
-        validate::root(opts.root, n).map_err(|e| e.with_context(ctx))?;
-        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
-        let inp =
-            match (input, self.rank == opts.root) {
-                (Some(i), true) => {
-                    let i = i.host("sim").map_err(|e| e.with_context(ctx))?;
-                    validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
-                    validate::whole_times_world(i.len(), o.len(), n, "scatter input")
-                        .map_err(|e| e.with_context(ctx))?;
-                    raw_in(i.bytes())
-                }
-                (None, false) => Raw::EMPTY,
-                (None, true) => {
-                    return Err(CommError::invalid(format!(
-                        "scatter: the root (rank {}) must pass an input buffer",
-                        opts.root
-                    ))
-                    .with_context(ctx));
-                }
-                (Some(_), false) => return Err(CommError::invalid(format!(
-                    "scatter: only the root (rank {}) passes an input buffer; pass None on rank {}",
-                    opts.root, self.rank
-                ))
-                .with_context(ctx)),
-            };
-        let (dtype, len) = (o.dtype(), o.len());
-        self.run(Request {
-            root: opts.root,
-            peer_or_root: opts.root,
-            input: inp,
-            output: raw_out(o.bytes_mut()),
-            ..Request::new(OpKind::Scatter, dtype, len, opts)
-        })
+        self.run(
+            CallReq::scatter("sim", self.rank, n, output, input, opts)?,
+            opts,
+        )
         .await
     }
 
@@ -1572,21 +1412,11 @@ impl Backend for SimRank {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<()> {
-        let ctx = self.ctx(OpKind::ReduceScatter, 0);
-        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
-        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
-        validate::whole_times_world(i.len(), o.len(), self.world_size(), "reduce_scatter input")
-            .map_err(|e| e.with_context(ctx))?;
-        op.check(o.dtype()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (o.dtype(), o.len());
-        self.run(Request {
-            reduce: Some(op),
-            input: raw_in(i.bytes()),
-            output: raw_out(o.bytes_mut()),
-            finalize: true,
-            ..Request::new(OpKind::ReduceScatter, dtype, len, opts)
-        })
+        let n = self.world_size();
+        self.run(
+            CallReq::reduce_scatter("sim", self.rank, n, output, input, op)?,
+            opts,
+        )
         .await
     }
 
@@ -1598,59 +1428,32 @@ impl Backend for SimRank {
         input_split_sizes: Option<&[usize]>,
         opts: &CallOptions,
     ) -> Result<()> {
-        let ctx = self.ctx(OpKind::AllToAll, 0);
         let n = self.world_size();
-        let mut o = output.host("sim").map_err(|e| e.with_context(ctx))?;
-        let i = input.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(ctx))?;
-        let ins = validate::splits(input_split_sizes, i.len(), n, "input")
-            .map_err(|e| e.with_context(ctx))?;
-        let outs = validate::splits(output_split_sizes, o.len(), n, "output")
-            .map_err(|e| e.with_context(ctx))?;
-        let dtype = i.dtype();
-        self.run(Request {
-            input: raw_in(i.bytes()),
-            output: raw_out(o.bytes_mut()),
-            splits: (&ins, &outs),
-            count: 0,
-            ..Request::new(OpKind::AllToAll, dtype, i.len(), opts)
-        })
-        .await
+        let call = CallReq::all_to_all(
+            "sim",
+            self.rank,
+            n,
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+        )?;
+        self.run(call, opts).await
     }
 
     async fn barrier(&self, opts: &CallOptions) -> Result<()> {
-        self.run(Request {
-            count: 0,
-            ..Request::new(OpKind::Barrier, DType::U8, 0, opts)
-        })
-        .await
+        self.run(CallReq::barrier(), opts).await
     }
 
     async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
-        let ctx = self.ctx(OpKind::Send, 0);
-        let b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::peer(dst, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (b.dtype(), b.len());
-        self.run(Request {
-            peer_or_root: dst,
-            tag: opts.tag,
-            input: raw_in(b.bytes()),
-            ..Request::new(OpKind::Send, dtype, len, opts)
-        })
-        .await
+        let n = self.world_size();
+        self.run(CallReq::send("sim", self.rank, n, buf, dst, opts)?, opts)
+            .await
     }
 
     async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
-        let ctx = self.ctx(OpKind::Recv, 0);
-        let mut b = buf.host("sim").map_err(|e| e.with_context(ctx))?;
-        validate::peer(src, self.rank, self.world_size()).map_err(|e| e.with_context(ctx))?;
-        let (dtype, len) = (b.dtype(), b.len());
-        self.run(Request {
-            peer_or_root: src,
-            tag: opts.tag,
-            output: raw_out(b.bytes_mut()),
-            ..Request::new(OpKind::Recv, dtype, len, opts)
-        })
-        .await
+        let n = self.world_size();
+        self.run(CallReq::recv("sim", self.rank, n, buf, src, opts)?, opts)
+            .await
     }
 }

@@ -116,3 +116,372 @@ impl CallBuffers<'_> {
         op.finalize_bytes(self.dtype, self.output, world_size)
     }
 }
+
+use crate::{Buffer, BufferMut, CallOptions, ErrorContext, Fingerprint, GroupId, OpKind, validate};
+
+use super::CallSpec;
+
+/// One call of one rank, checked and type-erased: what every backend's
+/// `Backend` methods build before they drive a schedule. The argument rules
+/// (lengths, roots, splits, peers, op × dtype) live here, once.
+#[derive(Debug)]
+pub struct Call<'a> {
+    /// The op.
+    pub op: OpKind,
+    /// The reduce op of reducing collectives.
+    pub reduce: Option<ReduceOp>,
+    /// Element type.
+    pub dtype: DType,
+    /// The fingerprint's count.
+    pub count: u64,
+    /// The fingerprint's root (0 for unrooted ops).
+    pub root: usize,
+    /// The schedule's count (see [`CallSpec::count`]).
+    pub spec_count: usize,
+    /// The root, or the peer of send/recv.
+    pub peer_or_root: usize,
+    /// The send/recv tag.
+    pub tag: u32,
+    /// The read-only input bytes.
+    pub input: &'a [u8],
+    /// The output (or in-place) bytes.
+    pub output: &'a mut [u8],
+    /// all_to_all: elements sent to each rank.
+    pub input_splits: Vec<usize>,
+    /// all_to_all: elements received from each rank.
+    pub output_splits: Vec<usize>,
+    /// Whether this rank finishes the reduce op (Avg) on its output.
+    pub finalize: bool,
+}
+
+fn ctx(op: OpKind, rank: usize) -> ErrorContext {
+    ErrorContext {
+        op: Some(op),
+        rank: Some(rank),
+        ..Default::default()
+    }
+}
+
+impl<'a> Call<'a> {
+    fn new(op: OpKind, dtype: DType, len: usize) -> Self {
+        Call {
+            op,
+            reduce: None,
+            dtype,
+            count: len as u64,
+            root: 0,
+            spec_count: len,
+            peer_or_root: 0,
+            tag: 0,
+            input: &[],
+            output: &mut [],
+            input_splits: Vec::new(),
+            output_splits: Vec::new(),
+            finalize: false,
+        }
+    }
+
+    /// Whether this is a point-to-point call.
+    pub fn is_p2p(&self) -> bool {
+        matches!(self.op, OpKind::Send | OpKind::Recv)
+    }
+
+    /// The call's fingerprint at sequence number `seq` of `group`.
+    pub fn fingerprint(&self, group: GroupId, seq: u64) -> Fingerprint {
+        Fingerprint {
+            group,
+            seq,
+            op: self.op,
+            dtype: self.dtype,
+            count: self.count,
+            root: self.root as u32,
+            reduce_op: self.reduce,
+        }
+    }
+
+    /// What the schedule builder needs.
+    pub fn spec(&self, rank: usize, world: usize) -> CallSpec<'_> {
+        CallSpec {
+            op: self.op,
+            rank,
+            world,
+            count: self.spec_count,
+            elem_size: self.dtype.size_bytes(),
+            root: self.peer_or_root,
+            tag: self.tag,
+            input_splits: &self.input_splits,
+            output_splits: &self.output_splits,
+        }
+    }
+
+    /// `all_reduce`.
+    pub fn all_reduce(
+        backend: &str,
+        rank: usize,
+        buf: BufferMut<'a>,
+        op: ReduceOp,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::AllReduce, rank);
+        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
+        op.check(b.dtype()).map_err(|e| e.with_context(c))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        Ok(Call {
+            reduce: Some(op),
+            output: b.into_bytes_mut(),
+            finalize: true,
+            ..Call::new(OpKind::AllReduce, dtype, len)
+        })
+    }
+
+    /// `broadcast` from `opts.root`.
+    pub fn broadcast(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        buf: BufferMut<'a>,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Broadcast, rank);
+        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
+        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        Ok(Call {
+            root: opts.root,
+            peer_or_root: opts.root,
+            output: b.into_bytes_mut(),
+            ..Call::new(OpKind::Broadcast, dtype, len)
+        })
+    }
+
+    /// `reduce` into `opts.root`.
+    pub fn reduce(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        buf: BufferMut<'a>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Reduce, rank);
+        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
+        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
+        op.check(b.dtype()).map_err(|e| e.with_context(c))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        Ok(Call {
+            reduce: Some(op),
+            root: opts.root,
+            peer_or_root: opts.root,
+            output: b.into_bytes_mut(),
+            finalize: rank == opts.root,
+            ..Call::new(OpKind::Reduce, dtype, len)
+        })
+    }
+
+    /// `all_gather`.
+    pub fn all_gather(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::AllGather, rank);
+        let o = output.host(backend).map_err(|e| e.with_context(c))?;
+        let i = input.host(backend).map_err(|e| e.with_context(c))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
+        validate::whole_times_world(o.len(), i.len(), world, "all_gather output")
+            .map_err(|e| e.with_context(c))?;
+        Ok(Call {
+            input: i.bytes(),
+            output: o.into_bytes_mut(),
+            ..Call::new(OpKind::AllGather, i.dtype(), i.len())
+        })
+    }
+
+    /// `gather` into `opts.root` (only the root passes an output).
+    pub fn gather(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        output: Option<BufferMut<'a>>,
+        input: Buffer<'a>,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Gather, rank);
+        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
+        let i = input.host(backend).map_err(|e| e.with_context(c))?;
+        let out: &'a mut [u8] = match (output, rank == opts.root) {
+            (Some(o), true) => {
+                let o = o.host(backend).map_err(|e| e.with_context(c))?;
+                validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
+                validate::whole_times_world(o.len(), i.len(), world, "gather output")
+                    .map_err(|e| e.with_context(c))?;
+                o.into_bytes_mut()
+            }
+            (None, false) => &mut [],
+            (None, true) => {
+                return Err(CommError::invalid(format!(
+                    "gather: the root (rank {}) must pass an output buffer",
+                    opts.root
+                ))
+                .with_context(c));
+            }
+            (Some(_), false) => return Err(CommError::invalid(format!(
+                "gather: only the root (rank {}) passes an output buffer; pass None on rank {rank}",
+                opts.root
+            ))
+            .with_context(c)),
+        };
+        Ok(Call {
+            root: opts.root,
+            peer_or_root: opts.root,
+            input: i.bytes(),
+            output: out,
+            ..Call::new(OpKind::Gather, i.dtype(), i.len())
+        })
+    }
+
+    /// `scatter` from `opts.root` (only the root passes an input).
+    pub fn scatter(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        output: BufferMut<'a>,
+        input: Option<Buffer<'a>>,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Scatter, rank);
+        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
+        let o = output.host(backend).map_err(|e| e.with_context(c))?;
+        let inp: &'a [u8] = match (input, rank == opts.root) {
+            (Some(i), true) => {
+                let i = i.host(backend).map_err(|e| e.with_context(c))?;
+                validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
+                validate::whole_times_world(i.len(), o.len(), world, "scatter input")
+                    .map_err(|e| e.with_context(c))?;
+                i.bytes()
+            }
+            (None, false) => &[],
+            (None, true) => {
+                return Err(CommError::invalid(format!(
+                    "scatter: the root (rank {}) must pass an input buffer",
+                    opts.root
+                ))
+                .with_context(c));
+            }
+            (Some(_), false) => return Err(CommError::invalid(format!(
+                "scatter: only the root (rank {}) passes an input buffer; pass None on rank {rank}",
+                opts.root
+            ))
+            .with_context(c)),
+        };
+        let (dtype, len) = (o.dtype(), o.len());
+        Ok(Call {
+            root: opts.root,
+            peer_or_root: opts.root,
+            input: inp,
+            output: o.into_bytes_mut(),
+            ..Call::new(OpKind::Scatter, dtype, len)
+        })
+    }
+
+    /// `reduce_scatter`.
+    pub fn reduce_scatter(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
+        op: ReduceOp,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::ReduceScatter, rank);
+        let o = output.host(backend).map_err(|e| e.with_context(c))?;
+        let i = input.host(backend).map_err(|e| e.with_context(c))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
+        validate::whole_times_world(i.len(), o.len(), world, "reduce_scatter input")
+            .map_err(|e| e.with_context(c))?;
+        op.check(o.dtype()).map_err(|e| e.with_context(c))?;
+        let (dtype, len) = (o.dtype(), o.len());
+        Ok(Call {
+            reduce: Some(op),
+            input: i.bytes(),
+            output: o.into_bytes_mut(),
+            finalize: true,
+            ..Call::new(OpKind::ReduceScatter, dtype, len)
+        })
+    }
+
+    /// `all_to_all_single`, equal parts when a split list is `None`.
+    pub fn all_to_all(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::AllToAll, rank);
+        let o = output.host(backend).map_err(|e| e.with_context(c))?;
+        let i = input.host(backend).map_err(|e| e.with_context(c))?;
+        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
+        let ins = validate::splits(input_split_sizes, i.len(), world, "input")
+            .map_err(|e| e.with_context(c))?;
+        let outs = validate::splits(output_split_sizes, o.len(), world, "output")
+            .map_err(|e| e.with_context(c))?;
+        Ok(Call {
+            count: 0,
+            input: i.bytes(),
+            output: o.into_bytes_mut(),
+            input_splits: ins,
+            output_splits: outs,
+            ..Call::new(OpKind::AllToAll, i.dtype(), i.len())
+        })
+    }
+
+    /// `barrier`.
+    pub fn barrier() -> Self {
+        Call::new(OpKind::Barrier, DType::U8, 0)
+    }
+
+    /// `send` to `dst` with `opts.tag`.
+    pub fn send(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        buf: Buffer<'a>,
+        dst: usize,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Send, rank);
+        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
+        validate::peer(dst, rank, world).map_err(|e| e.with_context(c))?;
+        Ok(Call {
+            peer_or_root: dst,
+            tag: opts.tag,
+            input: b.bytes(),
+            ..Call::new(OpKind::Send, b.dtype(), b.len())
+        })
+    }
+
+    /// `recv` from `src` with `opts.tag`.
+    pub fn recv(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        buf: BufferMut<'a>,
+        src: usize,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        let c = ctx(OpKind::Recv, rank);
+        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
+        validate::peer(src, rank, world).map_err(|e| e.with_context(c))?;
+        let (dtype, len) = (b.dtype(), b.len());
+        Ok(Call {
+            peer_or_root: src,
+            tag: opts.tag,
+            output: b.into_bytes_mut(),
+            ..Call::new(OpKind::Recv, dtype, len)
+        })
+    }
+}
