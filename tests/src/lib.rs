@@ -217,7 +217,9 @@ pub fn is_mismatch(e: &CommError) -> bool {
 }
 
 /// Instantiates the whole conformance suite for a backend: `$factory` is a
-/// [`Factory`].
+/// [`Factory`]. `cases = N` sets the proptest cases per property (default:
+/// proptest's, 256 unless `PROPTEST_CASES` says otherwise); backends whose
+/// worlds are expensive to build (real sockets) pass fewer.
 ///
 /// ```ignore
 /// consort_tests::conformance!(my_backend_world);
@@ -225,6 +227,9 @@ pub fn is_mismatch(e: &CommError) -> bool {
 #[macro_export]
 macro_rules! conformance {
     ($factory:path) => {
+        $crate::conformance!($factory, cases = $crate::proptest::test_runner::Config::default().cases);
+    };
+    ($factory:path, cases = $cases:expr) => {
         mod conformance {
             use $crate::checks;
             use $crate::proptest::prelude::*;
@@ -240,6 +245,8 @@ macro_rules! conformance {
             }
 
             proptest! {
+                #![proptest_config(ProptestConfig::with_cases($cases))]
+
                 #[test]
                 fn all_reduce(n in 1usize..=16, len in len(), dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
                     checks::all_reduce($factory, n, len, dtype, op, seed);

@@ -5,9 +5,11 @@
 //! - [`store`]: a TCPStore server and client that speak PyTorch's wire
 //!   protocol byte for byte, so that torch processes and consort processes
 //!   rendezvous through one store;
-//! - (to come) the TCP driver that runs `consort_comm`'s sans-IO schedules
-//!   over a full mesh of loopback or network sockets.
+//! - [`TcpBackend`]: the driver that runs `consort_comm`'s sans-IO
+//!   schedules over a full mesh of TCP connections.
 
+mod pg;
 pub mod store;
 
+pub use pg::{TcpBackend, TcpOptions};
 pub use store::{TcpStore, TcpStoreOptions, TcpStoreServer};

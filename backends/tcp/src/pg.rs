@@ -1,0 +1,938 @@
+//! The TCP backend: [`TcpBackend`] drives `consort_comm::algo`'s schedules
+//! over a full mesh of TCP connections, one per pair of ranks.
+//!
+//! This module owns the transport: rendezvous of listen addresses through
+//! the store, the connection handshake, one reader task per peer that
+//! decodes frames into an inbox, vectored writes straight from the caller's
+//! buffer, and the failure rules (abort propagation, `PeerLost` from EOF,
+//! sticky errors, stall probes). It owns no algorithm.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    io::IoSlice,
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use consort_comm::{
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
+    OpKind, ReduceOp, Result,
+    algo::{
+        Action, AlgoConfig, Receive, build,
+        exec::{Call, CallBuffers, scratch, scratch_bytes},
+    },
+    frame::{AbortInfo, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
+    store::Store,
+    time::before,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    net::{
+        TcpListener, TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+    sync::Notify,
+    task::JoinHandle,
+};
+
+/// The first bytes of a data connection: magic, version, rank, world size.
+const HELLO_MAGIC: [u8; 4] = *b"CSRH";
+const HELLO_LEN: usize = 4 + 1 + 4 + 4;
+/// Socket buffer size: a few segments in flight each way.
+const SOCKET_BUFFER: usize = 4 << 20;
+
+/// How a [`TcpBackend`] connects and runs.
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// Default deadline of every op (torch's process-group default: 30 min).
+    pub timeout: Duration,
+    /// Deadline for building the mesh.
+    pub connect_timeout: Duration,
+    /// Address to listen on and advertise; `None`: the address this process
+    /// uses to reach the store (it is routable from the store's host).
+    pub bind_addr: Option<IpAddr>,
+    /// Segment size, window and algorithm overrides.
+    pub algo: AlgoConfig,
+    /// How long a call may make no progress before it probes its peers.
+    pub stall_probe: Duration,
+    /// Largest frame payload accepted.
+    pub limits: FrameLimits,
+    /// Store key namespace of this group's addresses.
+    pub namespace: String,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            timeout: Duration::from_secs(30 * 60),
+            connect_timeout: Duration::from_secs(300),
+            bind_addr: None,
+            algo: AlgoConfig {
+                segment_bytes: 1 << 20,
+                window: 4,
+                overrides: Vec::new(),
+            },
+            stall_probe: Duration::from_millis(500),
+            limits: FrameLimits::default(),
+            namespace: "consort/tcp/world".into(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Frame {
+    fp: Fingerprint,
+    payload: Vec<u8>,
+}
+
+/// What the reader tasks deliver to the rank's calls.
+#[derive(Debug, Default)]
+struct Inbox {
+    /// Collective frames by (from, seq, tag).
+    coll: HashMap<(usize, u64, u32), Frame>,
+    /// Point-to-point frames by (from, tag), in order.
+    p2p: HashMap<(usize, u32), VecDeque<Frame>>,
+    /// Aborts from peers, in arrival order.
+    aborts: Vec<(usize, AbortInfo)>,
+    /// Peers whose connection ended, with why.
+    lost: Vec<(usize, String)>,
+    /// A frame that broke the protocol, with the peer.
+    protocol: Option<(usize, String)>,
+    /// Answers to stall probes: (peer, its current fingerprint).
+    probes: Vec<(usize, Option<Fingerprint>)>,
+}
+
+struct Inner {
+    rank: usize,
+    world: usize,
+    writers: Vec<Option<tokio::sync::Mutex<OwnedWriteHalf>>>,
+    inbox: Mutex<Inbox>,
+    notify: Notify,
+    /// The collective this rank is in (answered to probes).
+    current: Mutex<Option<Fingerprint>>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Per-rank call state: the sequence number and the sticky failure.
+#[derive(Debug, Default)]
+struct CallState {
+    seq: u64,
+    poisoned: Option<CommError>,
+    in_call: bool,
+}
+
+/// One rank of a TCP process group.
+pub struct TcpBackend {
+    inner: Arc<Inner>,
+    opts: TcpOptions,
+    state: Mutex<CallState>,
+}
+
+impl std::fmt::Debug for TcpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpBackend")
+            .field("rank", &self.inner.rank)
+            .field("world_size", &self.inner.world)
+            .finish()
+    }
+}
+
+impl Drop for TcpBackend {
+    fn drop(&mut self) {
+        for h in lock(&self.inner.readers).drain(..) {
+            h.abort();
+        }
+    }
+}
+
+fn setup_err(rank: usize, what: impl std::fmt::Display) -> CommError {
+    CommError::BackendUnavailable {
+        backend: "tcp".into(),
+        reason: format!("rank {rank}: {what}"),
+    }
+}
+
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let s = socket2::SockRef::from(stream);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER);
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
+}
+
+fn hello(rank: usize, world: usize) -> [u8; HELLO_LEN] {
+    let mut h = [0u8; HELLO_LEN];
+    h[..4].copy_from_slice(&HELLO_MAGIC);
+    h[4] = consort_comm::frame::VERSION;
+    h[5..9].copy_from_slice(&(rank as u32).to_le_bytes());
+    h[9..13].copy_from_slice(&(world as u32).to_le_bytes());
+    h
+}
+
+fn parse_hello(h: &[u8; HELLO_LEN], world: usize) -> std::result::Result<usize, String> {
+    if h[..4] != HELLO_MAGIC {
+        return Err("not a consort peer (bad hello)".into());
+    }
+    if h[4] != consort_comm::frame::VERSION {
+        return Err(format!(
+            "peer speaks frame version {}, this build {}",
+            h[4],
+            consort_comm::frame::VERSION
+        ));
+    }
+    let rank = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as usize;
+    let their_world = u32::from_le_bytes([h[9], h[10], h[11], h[12]]) as usize;
+    if their_world != world {
+        return Err(format!(
+            "peer rank {rank} thinks the world has {their_world} ranks, this rank {world}"
+        ));
+    }
+    if rank >= world {
+        return Err(format!("peer claims rank {rank} in a world of {world}"));
+    }
+    Ok(rank)
+}
+
+impl TcpBackend {
+    /// Joins a group of `world` ranks as `rank`: listens, publishes the
+    /// address in `store`, and connects to every other rank (lower ranks are
+    /// dialed, higher ranks dial in).
+    pub async fn connect(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world: usize,
+        opts: TcpOptions,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(CommError::invalid(format!(
+                "rank {rank} does not fit a world of {world}"
+            )));
+        }
+        let ip = opts.bind_addr.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .await
+            .map_err(|e| setup_err(rank, format_args!("cannot listen on {ip}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| setup_err(rank, e))?;
+        let key = |r: usize| format!("{}/addr/{r}", opts.namespace);
+        store
+            .set(&key(rank), addr.to_string().as_bytes())
+            .await
+            .map_err(|e| setup_err(rank, format_args!("publishing the listen address: {e}")))?;
+
+        let deadline = Instant::now() + opts.connect_timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let dial = async {
+            for peer in 0..rank {
+                let raw = store
+                    .get(&key(peer))
+                    .await
+                    .map_err(|e| setup_err(rank, format_args!("finding rank {peer}: {e}")))?;
+                let peer_addr = String::from_utf8_lossy(&raw).into_owned();
+                let mut s = TcpStream::connect(peer_addr.as_str()).await.map_err(|e| {
+                    setup_err(
+                        rank,
+                        format_args!("connecting to rank {peer} at {peer_addr}: {e}"),
+                    )
+                })?;
+                tune(&s);
+                s.write_all(&hello(rank, world))
+                    .await
+                    .map_err(|e| setup_err(rank, e))?;
+                streams[peer] = Some(s);
+            }
+            let mut accepted = 0;
+            while accepted < world - rank - 1 {
+                let (mut s, from) = listener.accept().await.map_err(|e| setup_err(rank, e))?;
+                tune(&s);
+                let mut h = [0u8; HELLO_LEN];
+                if let Err(e) = s.read_exact(&mut h).await {
+                    tracing::warn!(%from, "dropped a connection that sent no hello: {e}");
+                    continue;
+                }
+                match parse_hello(&h, world) {
+                    Ok(p) if p > rank && streams[p].is_none() => {
+                        streams[p] = Some(s);
+                        accepted += 1;
+                    }
+                    Ok(p) => {
+                        tracing::warn!(%from, "unexpected connection claiming rank {p}; dropped")
+                    }
+                    Err(e) => tracing::warn!(%from, "refused a connection: {e}"),
+                }
+            }
+            Ok::<_, CommError>(streams)
+        };
+        let streams = before(deadline, dial).await.ok_or_else(|| {
+            setup_err(
+                rank,
+                format_args!(
+                    "timed out after {:?} building the connection mesh; check that every rank \
+                 started with the same WORLD_SIZE and can reach the others",
+                    opts.connect_timeout
+                ),
+            )
+        })??;
+
+        let mut writers = Vec::with_capacity(world);
+        let mut reads = Vec::with_capacity(world);
+        for s in streams {
+            match s {
+                Some(s) => {
+                    let (r, w) = s.into_split();
+                    reads.push(Some(r));
+                    writers.push(Some(tokio::sync::Mutex::new(w)));
+                }
+                None => {
+                    reads.push(None);
+                    writers.push(None);
+                }
+            }
+        }
+        let inner = Arc::new(Inner {
+            rank,
+            world,
+            writers,
+            inbox: Mutex::new(Inbox::default()),
+            notify: Notify::new(),
+            current: Mutex::new(None),
+            readers: Mutex::new(Vec::new()),
+        });
+        let handles: Vec<JoinHandle<()>> = reads
+            .into_iter()
+            .enumerate()
+            .filter_map(|(peer, r)| {
+                r.map(|r| tokio::spawn(read_loop(inner.clone(), peer, r, opts.limits)))
+            })
+            .collect();
+        *lock(&inner.readers) = handles;
+        Ok(TcpBackend {
+            inner,
+            opts,
+            state: Mutex::new(CallState::default()),
+        })
+    }
+}
+
+/// Writes every slice, looping over partial vectored writes.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    parts: &[&[u8]],
+) -> std::io::Result<()> {
+    let mut idx = 0;
+    let mut off = 0;
+    while idx < parts.len() {
+        if parts[idx].len() == off {
+            idx += 1;
+            off = 0;
+            continue;
+        }
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() - idx);
+        slices.push(IoSlice::new(&parts[idx][off..]));
+        for p in &parts[idx + 1..] {
+            slices.push(IoSlice::new(p));
+        }
+        let mut n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 && idx < parts.len() {
+            let left = parts[idx].len() - off;
+            if n >= left {
+                n -= left;
+                idx += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads frames from one peer into the inbox until the connection ends.
+async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits: FrameLimits) {
+    let mut head = [0u8; HEADER_LEN];
+    let why = loop {
+        if let Err(e) = r.read_exact(&mut head).await {
+            break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "connection closed (EOF): its process exited or crashed".to_string()
+            } else {
+                format!("connection error: {e}")
+            };
+        }
+        let h = match FrameHeader::decode(&head, &limits) {
+            Ok(h) => h,
+            Err(e) => {
+                lock(&inner.inbox)
+                    .protocol
+                    .get_or_insert((peer, e.to_string()));
+                inner.notify.notify_one();
+                break format!("bad frame: {e}");
+            }
+        };
+        let mut payload = vec![0u8; h.payload_len as usize];
+        if let Err(e) = r.read_exact(&mut payload).await {
+            break format!("connection error mid-frame: {e}");
+        }
+        match h.kind {
+            FrameKind::Abort => match h.tag {
+                // Probe request: answer with the current fingerprint.
+                PROBE_TAG => {
+                    let cur = *lock(&inner.current);
+                    let reply = probe_frame(PROBE_REPLY_TAG, cur);
+                    if let Some(w) = inner.writers[peer].as_ref() {
+                        let _ = w.lock().await.write_all(&reply).await;
+                    }
+                }
+                PROBE_REPLY_TAG => {
+                    let fp = (h.fingerprint.op != OpKind::NewGroup).then_some(h.fingerprint);
+                    lock(&inner.inbox).probes.push((peer, fp));
+                    inner.notify.notify_one();
+                }
+                _ => match AbortInfo::decode(&payload) {
+                    Ok(a) => {
+                        lock(&inner.inbox).aborts.push((peer, a));
+                        inner.notify.notify_one();
+                    }
+                    Err(e) => {
+                        lock(&inner.inbox)
+                            .protocol
+                            .get_or_insert((peer, format!("bad abort frame: {e}")));
+                        inner.notify.notify_one();
+                    }
+                },
+            },
+            FrameKind::Data => {
+                let frame = Frame {
+                    fp: h.fingerprint,
+                    payload,
+                };
+                let mut inbox = lock(&inner.inbox);
+                if matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv) {
+                    inbox.p2p.entry((peer, h.tag)).or_default().push_back(frame);
+                } else if inbox
+                    .coll
+                    .insert((peer, h.fingerprint.seq, h.tag), frame)
+                    .is_some()
+                {
+                    inbox.protocol.get_or_insert((
+                        peer,
+                        format!("duplicate frame (seq {}, tag {})", h.fingerprint.seq, h.tag),
+                    ));
+                }
+                drop(inbox);
+                inner.notify.notify_one();
+            }
+        }
+    };
+    lock(&inner.inbox).lost.push((peer, why));
+    inner.notify.notify_one();
+}
+
+const PROBE_TAG: u32 = u32::MAX;
+const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
+
+/// A probe (or probe reply) frame: an Abort-kind header whose fingerprint
+/// is the sender's current call (op NewGroup when it is in none).
+fn probe_frame(tag: u32, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
+    let fingerprint = fp.unwrap_or(Fingerprint {
+        group: GroupId::WORLD,
+        seq: 0,
+        op: OpKind::NewGroup,
+        dtype: DType::U8,
+        count: 0,
+        root: 0,
+        reduce_op: None,
+    });
+    FrameHeader {
+        kind: FrameKind::Abort,
+        fingerprint,
+        tag,
+        offset: 0,
+        payload_len: 0,
+    }
+    .encode()
+}
+
+/// Converts a peer's abort into this rank's error.
+fn from_abort(peer: usize, a: AbortInfo, own: Fingerprint, waiting_on: Vec<usize>) -> CommError {
+    let ctx = ErrorContext::default();
+    match a {
+        AbortInfo::Mismatch {
+            remote,
+            remote_rank,
+            ..
+        } => {
+            if remote == own {
+                CommError::Mismatch {
+                    ctx,
+                    local: own,
+                    remote: own,
+                    remote_rank: peer,
+                }
+            } else {
+                CommError::Mismatch {
+                    ctx,
+                    local: own,
+                    remote,
+                    remote_rank: remote_rank as usize,
+                }
+            }
+        }
+        AbortInfo::PeerLost {
+            peer: lost,
+            message,
+        } => CommError::PeerLost {
+            ctx,
+            peer: lost as usize,
+            reason: message,
+        },
+        AbortInfo::Timeout { .. } => CommError::Timeout {
+            ctx,
+            after: Duration::ZERO,
+            waiting_on,
+        },
+        AbortInfo::Other { message } => CommError::Aborted {
+            ctx,
+            cause: format!("rank {peer} failed: {message}"),
+        },
+    }
+}
+
+fn abort_info(e: &CommError, own: Option<Fingerprint>) -> AbortInfo {
+    let message = e.to_string();
+    match e {
+        CommError::Mismatch {
+            remote,
+            remote_rank,
+            local,
+            ..
+        } => AbortInfo::Mismatch {
+            // Peers compare with their own call: send the side that is not
+            // the common one (ours, if the peer called what we called).
+            remote: if Some(*local) == own { *remote } else { *local },
+            remote_rank: *remote_rank as u32,
+            message,
+        },
+        CommError::PeerLost { peer, .. } => AbortInfo::PeerLost {
+            peer: *peer as u32,
+            message,
+        },
+        CommError::Timeout { .. } => AbortInfo::Timeout { message },
+        _ => AbortInfo::Other { message },
+    }
+}
+
+impl TcpBackend {
+    async fn send_frame(&self, to: usize, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
+        let w = self.inner.writers[to]
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("no connection to self"))?;
+        let mut w = w.lock().await;
+        write_all_vectored(&mut *w, &[header, payload]).await
+    }
+
+    /// Tells every peer about `e` (best effort).
+    async fn propagate(&self, e: &CommError, fp: Fingerprint) {
+        let info = abort_info(e, Some(fp)).encode();
+        let h = FrameHeader {
+            kind: FrameKind::Abort,
+            fingerprint: fp,
+            tag: 0,
+            offset: 0,
+            payload_len: info.len() as u64,
+        }
+        .encode();
+        for q in 0..self.inner.world {
+            if q != self.inner.rank {
+                let _ = before(
+                    Instant::now() + Duration::from_secs(2),
+                    self.send_frame(q, &h, &info),
+                )
+                .await;
+            }
+        }
+    }
+
+    async fn run(&self, mut req: Call<'_>, opts: &CallOptions) -> Result<()> {
+        let inner = &self.inner;
+        let r = inner.rank;
+        let p2p = req.is_p2p();
+        let seq = {
+            let mut st = lock(&self.state);
+            let seq = if p2p { 0 } else { st.seq };
+            let ctx = ErrorContext::new(req.op, r, seq, GroupId::WORLD);
+            if let Some(e) = &st.poisoned {
+                return Err(e.to_aborted().with_context(ctx));
+            }
+            if st.in_call {
+                return Err(CommError::invalid("this rank already has a call in flight; await each op before starting the next").with_context(ctx));
+            }
+            if let Some((peer, why)) = lock(&inner.inbox).lost.first().cloned() {
+                let e = CommError::PeerLost {
+                    ctx,
+                    peer,
+                    reason: why,
+                };
+                st.poisoned = Some(e.clone());
+                return Err(e);
+            }
+            st.in_call = true;
+            if !p2p {
+                st.seq += 1;
+            }
+            seq
+        };
+        let ctx = ErrorContext::new(req.op, r, seq, GroupId::WORLD);
+        let fp = req.fingerprint(GroupId::WORLD, seq);
+        if !p2p {
+            *lock(&inner.current) = Some(fp);
+        }
+        let result = self
+            .drive(&mut req, opts, fp, seq)
+            .await
+            .map_err(|e| e.with_context(ctx));
+        if !p2p {
+            *lock(&inner.current) = None;
+        }
+        let mut st = lock(&self.state);
+        st.in_call = false;
+        if let Err(e) = &result {
+            if !matches!(
+                e,
+                CommError::InvalidArgument { .. } | CommError::Unsupported { .. }
+            ) || st.poisoned.is_none()
+            {
+                st.poisoned.get_or_insert(e.clone());
+            }
+        }
+        result
+    }
+
+    async fn drive(
+        &self,
+        req: &mut Call<'_>,
+        opts: &CallOptions,
+        fp: Fingerprint,
+        seq: u64,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let (r, n) = (inner.rank, inner.world);
+        let p2p = fp.op == OpKind::Send || fp.op == OpKind::Recv;
+        let spec = req.spec(r, n);
+        let algo = self.opts.algo.select(req.op, spec.bytes(), n);
+        let mut schedule = build(&spec, algo, &self.opts.algo)?;
+        drop(spec);
+        let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
+        let (reduce, finalize) = (req.reduce, req.finalize);
+        let mut bufs = CallBuffers {
+            dtype: req.dtype,
+            input: req.input,
+            output: &mut *req.output,
+            scratch: scratch_bytes(&mut scratch_store),
+        };
+        let timeout = opts.timeout_or(self.opts.timeout);
+        let deadline = Instant::now() + timeout;
+        let mut posted: Vec<Receive> = Vec::new();
+        let mut last_progress = Instant::now();
+        let mut probed = false;
+        let outcome: Result<()> = 'call: loop {
+            while let Some(a) = schedule.poll() {
+                match a {
+                    Action::Transmit(tx) => {
+                        let payload = bufs.bytes(tx.buf, &tx.range);
+                        let h = FrameHeader {
+                            kind: FrameKind::Data,
+                            fingerprint: fp,
+                            tag: tx.tag,
+                            offset: tx.range.start as u64,
+                            payload_len: payload.len() as u64,
+                        }
+                        .encode();
+                        let sent = before(deadline, self.send_frame(tx.to, &h, payload)).await;
+                        match sent {
+                            Some(Ok(())) => {}
+                            Some(Err(e)) => {
+                                break 'call Err(CommError::PeerLost {
+                                    ctx: ErrorContext::default(),
+                                    peer: tx.to,
+                                    reason: format!("send failed: {e}"),
+                                });
+                            }
+                            None => {
+                                break 'call Err(CommError::Timeout {
+                                    ctx: ErrorContext::default(),
+                                    after: timeout,
+                                    waiting_on: vec![tx.to],
+                                });
+                            }
+                        }
+                    }
+                    Action::Copy(c) => {
+                        if let Err(e) = bufs.copy(&c) {
+                            break 'call Err(e);
+                        }
+                    }
+                    Action::Receive(rv) => posted.push(rv),
+                }
+            }
+            if schedule.is_done() {
+                break Ok(());
+            }
+            let notified = inner.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            // Take whatever has arrived for the posted receives.
+            let mut got: Vec<(Receive, Frame)> = Vec::new();
+            {
+                let mut inbox = lock(&inner.inbox);
+                if let Some((peer, why)) = inbox.protocol.clone() {
+                    break 'call Err(CommError::protocol(Some(peer), why));
+                }
+                if let Some((peer, a)) = inbox.aborts.first().cloned() {
+                    break 'call Err(from_abort(peer, a, fp, schedule.waiting_on()));
+                }
+                if let Some((peer, Some(remote))) = inbox
+                    .probes
+                    .iter()
+                    .find(|(_, f)| f.is_some_and(|f| f.seq == seq && f != fp))
+                    .cloned()
+                {
+                    break 'call Err(CommError::Mismatch {
+                        ctx: ErrorContext::default(),
+                        local: fp,
+                        remote,
+                        remote_rank: peer,
+                    });
+                }
+                inbox.probes.clear();
+                posted.retain(|rv| {
+                    let frame = if p2p {
+                        inbox
+                            .p2p
+                            .get_mut(&(rv.from, rv.tag))
+                            .and_then(VecDeque::pop_front)
+                    } else {
+                        inbox.coll.remove(&(rv.from, seq, rv.tag))
+                    };
+                    match frame {
+                        Some(f) => {
+                            got.push((rv.clone(), f));
+                            false
+                        }
+                        None => true,
+                    }
+                });
+            }
+            if got.is_empty() {
+                // Nothing to apply: a peer this call still waits on that is
+                // gone will never send it. (Peers that finished and exited
+                // are fine: this call no longer needs them.)
+                let waiting = schedule.waiting_on();
+                let inbox = lock(&inner.inbox);
+                if let Some((peer, why)) = inbox
+                    .lost
+                    .iter()
+                    .find(|(p, _)| waiting.contains(p))
+                    .cloned()
+                {
+                    break 'call Err(CommError::PeerLost {
+                        ctx: ErrorContext::default(),
+                        peer,
+                        reason: why,
+                    });
+                }
+            }
+            if !got.is_empty() {
+                last_progress = Instant::now();
+                probed = false;
+                for (rv, f) in got {
+                    let differs = if p2p {
+                        f.fp.dtype != fp.dtype
+                    } else {
+                        f.fp != fp
+                    };
+                    if differs {
+                        break 'call Err(CommError::Mismatch {
+                            ctx: ErrorContext::default(),
+                            local: fp,
+                            remote: f.fp,
+                            remote_rank: rv.from,
+                        });
+                    }
+                    if let Err(e) = bufs.apply(&rv, &f.payload, reduce, rv.from) {
+                        break 'call Err(e);
+                    }
+                    if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
+                        break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
+                    }
+                }
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(CommError::Timeout {
+                    ctx: ErrorContext::default(),
+                    after: timeout,
+                    waiting_on: schedule.waiting_on(),
+                });
+            }
+            // A call that makes no progress asks the peers it waits on what
+            // they are doing: a peer in another call at this seq is a
+            // mismatch that no frame would reveal.
+            if !p2p && !probed && now.duration_since(last_progress) >= self.opts.stall_probe {
+                probed = true;
+                let probe = probe_frame(PROBE_TAG, Some(fp));
+                for q in schedule.waiting_on() {
+                    let _ = before(
+                        now + Duration::from_secs(1),
+                        self.send_frame(q, &probe, &[]),
+                    )
+                    .await;
+                }
+            }
+            let wake =
+                deadline.min(last_progress + self.opts.stall_probe.max(Duration::from_millis(10)));
+            let wake = if wake <= now { deadline } else { wake };
+            let _ = before(wake, notified).await;
+        };
+        match outcome {
+            Ok(()) => {
+                if finalize && let Some(op) = reduce {
+                    bufs.finalize(op, n)?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if !matches!(e, CommError::InvalidArgument { .. }) || !p2p {
+                    self.propagate(&e, fp).await;
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for TcpBackend {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.opts.timeout
+    }
+
+    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+        self.run(Call::all_reduce("tcp", self.rank(), buf, op)?, opts)
+            .await
+    }
+
+    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::broadcast("tcp", r, n, buf, opts)?, opts)
+            .await
+    }
+
+    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::reduce("tcp", r, n, buf, op, opts)?, opts)
+            .await
+    }
+
+    async fn all_gather(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::all_gather("tcp", r, n, output, input)?, opts)
+            .await
+    }
+
+    async fn gather(
+        &self,
+        output: Option<BufferMut<'_>>,
+        input: Buffer<'_>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::gather("tcp", r, n, output, input, opts)?, opts)
+            .await
+    }
+
+    async fn scatter(
+        &self,
+        output: BufferMut<'_>,
+        input: Option<Buffer<'_>>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::scatter("tcp", r, n, output, input, opts)?, opts)
+            .await
+    }
+
+    async fn reduce_scatter(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::reduce_scatter("tcp", r, n, output, input, op)?, opts)
+            .await
+    }
+
+    async fn all_to_all_single(
+        &self,
+        output: BufferMut<'_>,
+        input: Buffer<'_>,
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        let call = Call::all_to_all(
+            "tcp",
+            r,
+            n,
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+        )?;
+        self.run(call, opts).await
+    }
+
+    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
+        self.run(Call::barrier(), opts).await
+    }
+
+    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::send("tcp", r, n, buf, dst, opts)?, opts)
+            .await
+    }
+
+    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
+        let (r, n) = (self.rank(), self.world_size());
+        self.run(Call::recv("tcp", r, n, buf, src, opts)?, opts)
+            .await
+    }
+}

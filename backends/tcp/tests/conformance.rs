@@ -1,0 +1,38 @@
+//! The conformance suite on the TCP backend: every world is N real
+//! backends in this process, meeting through a store and talking over a
+//! full mesh of loopback sockets. (The multi-process tests run it across
+//! OS processes.)
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{Backend, algo::AlgoConfig, store::MemStore};
+use consort_tcp::{TcpBackend, TcpOptions};
+use consort_tests::WorldFuture;
+
+fn tcp_world(n: usize) -> WorldFuture {
+    Box::pin(async move {
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(20)));
+        let opts = TcpOptions {
+            timeout: Duration::from_secs(20),
+            connect_timeout: Duration::from_secs(20),
+            // Small segments so that short buffers exercise pipelining.
+            algo: AlgoConfig {
+                segment_bytes: 64,
+                window: 4,
+                overrides: Vec::new(),
+            },
+            stall_probe: Duration::from_millis(100),
+            ..TcpOptions::default()
+        };
+        let tasks: Vec<_> = (0..n)
+            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts.clone())))
+            .collect();
+        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+        }
+        out
+    })
+}
+
+consort_tests::conformance!(crate::tcp_world, cases = 32);
