@@ -227,7 +227,7 @@ impl TcpBackend {
         let deadline = Instant::now() + opts.connect_timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let dial = async {
-            for peer in 0..rank {
+            for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
                 let raw = store
                     .get(&key(peer))
                     .await
@@ -243,7 +243,7 @@ impl TcpBackend {
                 s.write_all(&hello(rank, world))
                     .await
                     .map_err(|e| setup_err(rank, e))?;
-                streams[peer] = Some(s);
+                *slot = Some(s);
             }
             let mut accepted = 0;
             while accepted < world - rank - 1 {
@@ -628,7 +628,6 @@ impl TcpBackend {
         let spec = req.spec(r, n);
         let algo = self.opts.algo.select(req.op, spec.bytes(), n);
         let mut schedule = build(&spec, algo, &self.opts.algo)?;
-        drop(spec);
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
         let (reduce, finalize) = (req.reduce, req.finalize);
         let mut bufs = CallBuffers {
