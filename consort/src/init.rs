@@ -9,7 +9,8 @@
 use std::{sync::Arc, time::Duration};
 
 use consort_comm::store::{DEFAULT_STORE_TIMEOUT, MemStore, PrefixStore, Store, StoreError};
-use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+use consort_comm::{CommError, ProcessGroup, algo::AlgoConfig};
+use consort_tcp::{TcpBackend, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 
 use crate::env::{DistEnv, EnvError, Launcher};
 
@@ -145,6 +146,34 @@ impl Dist {
     /// under `k`, this store reads under `k`).
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// The default process group: the TCP backend over a mesh between every
+    /// rank, rendezvoused through [`Dist::store`].
+    ///
+    /// `CONSORT_TIMEOUT` (seconds) sets the default op timeout (torch's 30
+    /// min otherwise); `CONSORT_BIND_ADDR` the address to listen on and
+    /// advertise (default: the address this host uses to reach
+    /// `MASTER_ADDR`, or loopback for a single-node job).
+    pub async fn process_group(&self) -> Result<ProcessGroup, CommError> {
+        let mut opts = TcpOptions {
+            namespace: format!("consort/tcp/{}/world", self.env.restart_count),
+            bind_addr: Some(bind_ip(&self.env).await?),
+            ..TcpOptions::default()
+        };
+        if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
+            opts.timeout = t;
+        }
+        opts.algo = AlgoConfig::from_env()
+            .map(|a| AlgoConfig {
+                segment_bytes: opts.algo.segment_bytes,
+                window: opts.algo.window,
+                ..a
+            })
+            .map_err(|e| CommError::invalid(format!("CONSORT_ALGO: {e}")))?;
+        let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
+            .await?;
+        Ok(ProcessGroup::new(Arc::new(b)))
     }
 
     /// Whether this process hosts the store server.
@@ -301,4 +330,66 @@ async fn bind_addr(env: &DistEnv) -> String {
     } else {
         format!("0.0.0.0:{}", env.master_port)
     }
+}
+
+/// A positive number of seconds from `var`, if set.
+fn seconds_var(var: &'static str) -> Result<Option<Duration>, CommError> {
+    match std::env::var(var).ok().filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(|s| Some(Duration::from_secs_f64(s)))
+            .ok_or_else(|| {
+                CommError::invalid(format!(
+                    "{var}={v:?} is not valid: expected a positive number of seconds"
+                ))
+            }),
+    }
+}
+
+/// The address the data mesh listens on and advertises.
+async fn bind_ip(env: &DistEnv) -> Result<std::net::IpAddr, CommError> {
+    if let Ok(v) = std::env::var("CONSORT_BIND_ADDR")
+        && !v.is_empty()
+    {
+        return v.trim().parse().map_err(|_| {
+            CommError::invalid(format!(
+                "CONSORT_BIND_ADDR={v:?} is not valid: expected an IPv4 or IPv6 address"
+            ))
+        });
+    }
+    let addrs: Vec<std::net::SocketAddr> = match tokio::net::lookup_host(env.store_addr()).await {
+        Ok(a) => a.collect(),
+        Err(_) => Vec::new(),
+    };
+    let Some(master) = addrs.first().copied() else {
+        return Ok(std::net::Ipv4Addr::LOCALHOST.into());
+    };
+    if master.ip().is_loopback() {
+        if env.world_size > env.local_world_size {
+            tracing::warn!(
+                "MASTER_ADDR={} resolves to loopback but the job spans several nodes; set MASTER_ADDR \
+                 to an address the other nodes can reach, or CONSORT_BIND_ADDR",
+                env.master_addr
+            );
+        }
+        return Ok(master.ip());
+    }
+    // The local address of a (never used) UDP "connection" to the master is
+    // the interface that routes there.
+    let local = std::net::UdpSocket::bind(if master.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })
+    .and_then(|s| s.connect(master).and_then(|()| s.local_addr()))
+    .map_err(|e| {
+        CommError::invalid(format!(
+            "cannot find a route to MASTER_ADDR {master}: {e}; set CONSORT_BIND_ADDR"
+        ))
+    })?;
+    Ok(local.ip())
 }

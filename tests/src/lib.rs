@@ -180,14 +180,22 @@ pub fn reference<T: TestElem>(seed: u64, n: usize, len: usize, op: ReduceOp) -> 
         .collect()
 }
 
-/// Asserts two slices are equal element by element (NaN-safe).
-pub fn assert_same<T: TestElem>(got: &[T], want: &[T], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            T::same(*g, *w),
-            "{what}: element {i}: got {g:?}, want {w:?}"
-        );
+/// Compares two slices element by element (NaN-safe); `Err` names the
+/// first difference.
+pub fn assert_same_result<T: TestElem>(got: &[T], want: &[T], what: &str) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: length {} where {} was expected",
+            got.len(),
+            want.len()
+        ));
+    }
+    match got.iter().zip(want).position(|(g, w)| !T::same(*g, *w)) {
+        Some(i) => Err(format!(
+            "{what}: element {i}: got {:?}, want {:?}",
+            got[i], want[i]
+        )),
+        None => Ok(()),
     }
 }
 

@@ -520,9 +520,9 @@ fn abort_info(e: &CommError, own: Option<Fingerprint>) -> AbortInfo {
             remote_rank: *remote_rank as u32,
             message,
         },
-        CommError::PeerLost { peer, .. } => AbortInfo::PeerLost {
+        CommError::PeerLost { peer, reason, .. } => AbortInfo::PeerLost {
             peer: *peer as u32,
-            message,
+            message: reason.clone(),
         },
         CommError::Timeout { .. } => AbortInfo::Timeout { message },
         _ => AbortInfo::Other { message },
@@ -658,10 +658,18 @@ impl TcpBackend {
                         match sent {
                             Some(Ok(())) => {}
                             Some(Err(e)) => {
-                                break 'call Err(CommError::PeerLost {
-                                    ctx: ErrorContext::default(),
-                                    peer: tx.to,
-                                    reason: format!("send failed: {e}"),
+                                // A peer that failed first usually said why
+                                // before closing: report that cause.
+                                let first = lock(&inner.inbox).aborts.first().cloned();
+                                break 'call Err(match first {
+                                    Some((peer, a)) => {
+                                        from_abort(peer, a, fp, schedule.waiting_on())
+                                    }
+                                    None => CommError::PeerLost {
+                                        ctx: ErrorContext::default(),
+                                        peer: tx.to,
+                                        reason: format!("send failed: {e}"),
+                                    },
                                 });
                             }
                             None => {
