@@ -21,7 +21,7 @@ mod init;
 
 pub use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, ErrorContext,
-    Fingerprint, GroupId, OpKind, ProcessGroup, ReduceOp, Result, half, store,
+    Fingerprint, GroupId, OpKind, ProcessGroup, ReduceOp, Result, half, store, with_dtype,
 };
 pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 

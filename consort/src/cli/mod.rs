@@ -1,6 +1,7 @@
 //! The `consort` command line: subcommands, flag parsing, and output.
 
 mod bench;
+mod collective;
 mod sim;
 mod table;
 
@@ -29,9 +30,15 @@ enum Command {
     /// Run a TCPStore server (PyTorch wire-compatible) until interrupted.
     #[command(subcommand)]
     Store(StoreCommand),
-    /// Measure this machine.
-    #[command(subcommand)]
-    Bench(BenchCommand),
+    /// Benchmark collectives (N ranks on loopback, nccl-tests style), or,
+    /// with a subcommand, measure this machine.
+    Bench(BenchArgs),
+    /// One rank of `consort bench --backend tcp` (started by it).
+    #[command(hide = true)]
+    BenchWorker {
+        /// The bench spec, as JSON.
+        spec: String,
+    },
     /// Predict collective time on an α–β model of a cluster (cost-only
     /// simulator), nccl-tests style, with the closed form beside each row.
     Sim {
@@ -85,6 +92,40 @@ enum StoreCommand {
     },
 }
 
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    #[command(subcommand)]
+    machine: Option<BenchCommand>,
+    /// Backend: tcp (one OS process per rank, on loopback) or sim.
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2)]
+    world_size: usize,
+    /// Ops: all_reduce, broadcast, reduce_scatter, all_gather, all_to_all.
+    #[arg(long, default_value = "all_reduce,broadcast,reduce_scatter,all_gather,all_to_all", value_parser = parse_op_list)]
+    ops: OpList,
+    /// Message sizes, with K/M/G suffixes.
+    #[arg(long, default_value = "4K,64K,1M,16M,64M", value_parser = parse_sizes)]
+    sizes: SizeList,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Timed iterations per row (default: as gloo_bench.py, 3..=200 by size).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// One JSON object per row.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone)]
+struct OpList(Vec<consort::OpKind>);
+
+fn parse_op_list(s: &str) -> Result<OpList, String> {
+    collective::parse_ops(s).map(OpList)
+}
+
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// Functional-mode simulator: all_reduce of f32 across simulated ranks
@@ -121,13 +162,13 @@ enum BenchCommand {
 }
 
 #[derive(Debug, Clone)]
-struct SizeList(Vec<usize>);
+pub(crate) struct SizeList(pub(crate) Vec<usize>);
 
 #[derive(Debug, Clone)]
-struct DTypeList(Vec<DType>);
+pub(crate) struct DTypeList(pub(crate) Vec<DType>);
 
 /// Parses `4K,64M,1G` (binary multiples) into byte counts.
-fn parse_sizes(s: &str) -> Result<SizeList, String> {
+pub(crate) fn parse_sizes(s: &str) -> Result<SizeList, String> {
     s.split(',')
         .map(|item| {
             let item = item.trim();
@@ -147,7 +188,7 @@ fn parse_sizes(s: &str) -> Result<SizeList, String> {
 }
 
 /// Parses a comma-separated dtype list (`f32` or `float32` style).
-fn parse_dtypes(s: &str) -> Result<DTypeList, String> {
+pub(crate) fn parse_dtypes(s: &str) -> Result<DTypeList, String> {
     s.split(',')
         .map(|item| {
             let item = item.trim();
@@ -186,26 +227,59 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             tokio::signal::ctrl_c().await?;
             server.shutdown().await;
         }
-        Command::Bench(BenchCommand::Reduce {
-            sizes,
-            dtypes,
-            iters,
-            json,
+        Command::Bench(BenchArgs {
+            machine:
+                Some(BenchCommand::Reduce {
+                    sizes,
+                    dtypes,
+                    iters,
+                    json,
+                }),
+            ..
         }) => {
             let t: Table =
                 tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
                     .await?;
             print!("{}", t.render(json));
         }
-        Command::Bench(BenchCommand::SimAllReduce {
-            size,
-            world_size,
-            iters,
-            json,
+        Command::Bench(BenchArgs {
+            machine:
+                Some(BenchCommand::SimAllReduce {
+                    size,
+                    world_size,
+                    iters,
+                    json,
+                }),
+            ..
         }) => {
             let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
             print!("{}", t.render(json));
         }
+        Command::Bench(BenchArgs {
+            machine: None,
+            backend,
+            world_size,
+            ops,
+            sizes,
+            dtype,
+            iters,
+            json,
+        }) => {
+            parse_dtypes(&dtype)?;
+            if world_size == 0 {
+                return Err("--world-size must be at least 1".into());
+            }
+            let spec = collective::BenchSpec {
+                backend,
+                world: world_size,
+                ops: ops.0.iter().map(|o| o.name().to_string()).collect(),
+                sizes: sizes.0,
+                dtype,
+                iters,
+            };
+            print!("{}", collective::run(spec).await?.render(json));
+        }
+        Command::BenchWorker { spec } => collective::worker(&spec).await?,
         Command::Sim {
             op,
             algo,
