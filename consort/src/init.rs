@@ -164,13 +164,15 @@ impl Dist {
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
         }
-        opts.algo = AlgoConfig::from_env()
-            .map(|a| AlgoConfig {
-                segment_bytes: opts.algo.segment_bytes,
-                window: opts.algo.window,
-                ..a
-            })
-            .map_err(|e| CommError::invalid(format!("CONSORT_ALGO: {e}")))?;
+        opts.algo.overrides = AlgoConfig::from_env()
+            .map_err(|e| CommError::invalid(format!("CONSORT_ALGO: {e}")))?
+            .overrides;
+        if let Some(b) = count_var("CONSORT_SEGMENT_BYTES")? {
+            opts.algo.segment_bytes = b;
+        }
+        if let Some(w) = count_var("CONSORT_WINDOW")? {
+            opts.algo.window = w;
+        }
         let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
             .await?;
         Ok(ProcessGroup::new(Arc::new(b)))
@@ -345,6 +347,24 @@ fn seconds_var(var: &'static str) -> Result<Option<Duration>, CommError> {
             .ok_or_else(|| {
                 CommError::invalid(format!(
                     "{var}={v:?} is not valid: expected a positive number of seconds"
+                ))
+            }),
+    }
+}
+
+/// A positive integer from `var`, if set.
+fn count_var(var: &'static str) -> Result<Option<usize>, CommError> {
+    match std::env::var(var).ok().filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                CommError::invalid(format!(
+                    "{var}={v:?} is not valid: expected a positive integer"
                 ))
             }),
     }

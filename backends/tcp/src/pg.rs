@@ -113,6 +113,30 @@ struct Inner {
     /// The collective this rank is in (answered to probes).
     current: Mutex<Option<Fingerprint>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
+    /// Payload buffers handed back after use: large frames would otherwise
+    /// cost an mmap, page faults and an munmap each.
+    pool: Mutex<Vec<Vec<u8>>>,
+}
+
+/// Buffers kept in the pool at most.
+const POOL_MAX: usize = 64;
+
+impl Inner {
+    fn buffer(&self, len: usize) -> Vec<u8> {
+        let mut pool = lock(&self.pool);
+        match pool.iter().position(|b| b.capacity() >= len) {
+            Some(i) => pool.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    fn recycle(&self, mut b: Vec<u8>) {
+        b.clear();
+        let mut pool = lock(&self.pool);
+        if pool.len() < POOL_MAX && b.capacity() > 0 {
+            pool.push(b);
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -301,6 +325,7 @@ impl TcpBackend {
             notify: Notify::new(),
             current: Mutex::new(None),
             readers: Mutex::new(Vec::new()),
+            pool: Mutex::new(Vec::new()),
         });
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
@@ -376,9 +401,27 @@ async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits:
                 break format!("bad frame: {e}");
             }
         };
-        let mut payload = vec![0u8; h.payload_len as usize];
-        if let Err(e) = r.read_exact(&mut payload).await {
-            break format!("connection error mid-frame: {e}");
+        // Read into spare capacity: no zeroing, and the buffer comes from
+        // the pool when one is big enough.
+        let len = h.payload_len as usize;
+        let mut payload = inner.buffer(len);
+        let mut short = None;
+        while payload.len() < len {
+            let mut limited = (&mut r).take((len - payload.len()) as u64);
+            match limited.read_buf(&mut payload).await {
+                Ok(0) => {
+                    short = Some("connection closed mid-frame".to_string());
+                    break;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    short = Some(format!("connection error mid-frame: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(why) = short {
+            break why;
         }
         match h.kind {
             FrameKind::Abort => match h.tag {
@@ -773,7 +816,9 @@ impl TcpBackend {
                             remote_rank: rv.from,
                         });
                     }
-                    if let Err(e) = bufs.apply(&rv, &f.payload, reduce, rv.from) {
+                    let applied = bufs.apply(&rv, &f.payload, reduce, rv.from);
+                    inner.recycle(f.payload);
+                    if let Err(e) = applied {
                         break 'call Err(e);
                     }
                     if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {

@@ -144,3 +144,107 @@ pub(crate) async fn sim_all_reduce(
     }
     Ok(t)
 }
+
+/// The loopback TCP ceiling: two OS processes copy `bytes` over one socket,
+/// one way, then both ways at once (as a ring step does). Returns GB/s.
+pub(crate) fn loopback(bytes: usize) -> Result<Table, Box<dyn std::error::Error>> {
+    use std::{
+        io::{Read, Write},
+        net::TcpListener,
+        process::Command,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    let mut t = Table::new(&["mode", "bytes", "time_ms", "gbs"]);
+    for duplex in [false, true] {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args([
+                "bench-loopback-peer",
+                &port.to_string(),
+                &bytes.to_string(),
+                if duplex { "duplex" } else { "oneway" },
+            ])
+            .spawn()?;
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let chunk = vec![7u8; 1 << 20];
+        let start = Instant::now();
+        let reader = duplex.then(|| {
+            let mut r = s.try_clone().expect("clone socket");
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 20];
+                let mut got = 0usize;
+                while got < bytes {
+                    match r.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got += n,
+                    }
+                }
+                got
+            })
+        });
+        let mut sent = 0usize;
+        while sent < bytes {
+            let n = chunk.len().min(bytes - sent);
+            s.write_all(&chunk[..n])?;
+            sent += n;
+        }
+        if let Some(r) = reader {
+            r.join().map_err(|_| "reader thread panicked")?;
+        }
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack)?;
+        let secs = start.elapsed().as_secs_f64();
+        child.wait()?;
+        t.push(vec![
+            json!(if duplex {
+                "full duplex (each way)"
+            } else {
+                "one way"
+            }),
+            json!(bytes),
+            json!(secs * 1e3),
+            json!(bytes as f64 / secs / 1e9),
+        ]);
+    }
+    Ok(t)
+}
+
+/// The child side of [`loopback`]: receives (and in duplex mode also
+/// sends) `bytes`, then acknowledges.
+pub(crate) fn loopback_peer(
+    port: u16,
+    bytes: usize,
+    duplex: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_nodelay(true)?;
+    let writer = duplex.then(|| {
+        let mut w = s.try_clone().expect("clone socket");
+        std::thread::spawn(move || {
+            let chunk = vec![9u8; 1 << 20];
+            let mut sent = 0usize;
+            while sent < bytes {
+                let n = chunk.len().min(bytes - sent);
+                if w.write_all(&chunk[..n]).is_err() {
+                    break;
+                }
+                sent += n;
+            }
+        })
+    });
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0usize;
+    while got < bytes {
+        match s.read(&mut buf)? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    if let Some(w) = writer {
+        w.join().map_err(|_| "writer thread panicked")?;
+    }
+    s.write_all(&[1])?;
+    Ok(())
+}

@@ -33,6 +33,16 @@ enum Command {
     /// Benchmark collectives (N ranks on loopback, nccl-tests style), or,
     /// with a subcommand, measure this machine.
     Bench(BenchArgs),
+    /// The peer process of `consort bench loopback` (started by it).
+    #[command(hide = true)]
+    BenchLoopbackPeer {
+        /// Port to connect to.
+        port: u16,
+        /// Bytes each way.
+        bytes: usize,
+        /// oneway or duplex.
+        mode: String,
+    },
     /// One rank of `consort bench --backend tcp` (started by it).
     #[command(hide = true)]
     BenchWorker {
@@ -140,6 +150,16 @@ enum BenchCommand {
         /// Timed runs (the median is reported).
         #[arg(long, default_value_t = 5)]
         iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The loopback TCP ceiling: two processes copying over one socket,
+    /// one way and full duplex.
+    Loopback {
+        /// Bytes to copy each way, with K/M/G suffixes.
+        #[arg(long, default_value = "1G", value_parser = parse_sizes)]
+        size: SizeList,
         /// One JSON object per row.
         #[arg(long)]
         json: bool,
@@ -280,6 +300,23 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             print!("{}", collective::run(spec).await?.render(json));
         }
         Command::BenchWorker { spec } => collective::worker(&spec).await?,
+        Command::Bench(BenchArgs {
+            machine: Some(BenchCommand::Loopback { size, json }),
+            ..
+        }) => {
+            let bytes = size.0.first().copied().unwrap_or(1 << 30);
+            let t = tokio::task::spawn_blocking(move || {
+                bench::loopback(bytes).map_err(|e| e.to_string())
+            })
+            .await??;
+            print!("{}", t.render(json));
+        }
+        Command::BenchLoopbackPeer { port, bytes, mode } => {
+            tokio::task::spawn_blocking(move || {
+                bench::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())
+            })
+            .await??;
+        }
         Command::Sim {
             op,
             algo,
