@@ -252,7 +252,9 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
     }
     let server = if env.hosts_store() {
         let bind = bind_addr(&env).await;
-        let server = TcpStoreServer::bind(bind.as_str()).await.map_err(err)?;
+        let server = TcpStoreServer::bind_with(bind.as_str(), consort_tcp::Secret::from_env())
+            .await
+            .map_err(err)?;
         tracing::info!(addr = %server.local_addr(), "rank 0 hosts the store");
         Some(server)
     } else {
@@ -263,6 +265,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
         TcpStoreOptions {
             timeout: opts.store_timeout,
             connect_timeout: opts.store_timeout,
+            ..Default::default()
         },
     )
     .await

@@ -8,8 +8,10 @@
 //! - [`TcpBackend`]: the driver that runs `consort_comm`'s sans-IO
 //!   schedules over a full mesh of TCP connections.
 
+pub mod auth;
 mod pg;
 pub mod store;
 
+pub use auth::Secret;
 pub use pg::{TcpBackend, TcpOptions};
 pub use store::{TcpStore, TcpStoreOptions, TcpStoreServer};

@@ -15,6 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 use async_trait::async_trait;
 use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
@@ -61,6 +62,9 @@ pub struct TcpOptions {
     pub limits: FrameLimits,
     /// Store key namespace of this group's addresses.
     pub namespace: String,
+    /// Shared secret: every connection starts with an HMAC challenge-response
+    /// ([`crate::auth`]); `None` leaves the port open to anyone who can reach it.
+    pub secret: Option<Secret>,
 }
 
 impl Default for TcpOptions {
@@ -77,6 +81,7 @@ impl Default for TcpOptions {
             stall_probe: Duration::from_millis(500),
             limits: FrameLimits::default(),
             namespace: "consort/tcp/world".into(),
+            secret: Secret::from_env(),
         }
     }
 }
@@ -264,6 +269,26 @@ impl TcpBackend {
                     )
                 })?;
                 tune(&s);
+                if let Some(k) = &opts.secret {
+                    match before(Instant::now() + HANDSHAKE_TIMEOUT, auth::connect(&mut s, k)).await
+                    {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => {
+                            return Err(setup_err(
+                                rank,
+                                format_args!("authenticating with rank {peer}: {e}"),
+                            ));
+                        }
+                        None => {
+                            return Err(setup_err(
+                                rank,
+                                format_args!(
+                                    "rank {peer} did not answer the CONSORT_SECRET handshake"
+                                ),
+                            ));
+                        }
+                    }
+                }
                 s.write_all(&hello(rank, world))
                     .await
                     .map_err(|e| setup_err(rank, e))?;
@@ -273,6 +298,20 @@ impl TcpBackend {
             while accepted < world - rank - 1 {
                 let (mut s, from) = listener.accept().await.map_err(|e| setup_err(rank, e))?;
                 tune(&s);
+                if let Some(k) = &opts.secret {
+                    match before(Instant::now() + HANDSHAKE_TIMEOUT, auth::accept(&mut s, k)).await
+                    {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => {
+                            tracing::warn!(%from, "refused a connection: {e}");
+                            continue;
+                        }
+                        None => {
+                            tracing::warn!(%from, "refused a connection: no answer to the CONSORT_SECRET challenge");
+                            continue;
+                        }
+                    }
+                }
                 let mut h = [0u8; HELLO_LEN];
                 if let Err(e) = s.read_exact(&mut h).await {
                     tracing::warn!(%from, "dropped a connection that sent no hello: {e}");

@@ -40,6 +40,7 @@ fn opts(timeout: Duration) -> TcpStoreOptions {
     TcpStoreOptions {
         timeout,
         connect_timeout: Duration::from_secs(10),
+        secret: None,
     }
 }
 
@@ -324,6 +325,7 @@ async fn unreachable_master_is_a_clear_error() {
         TcpStoreOptions {
             timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_millis(300),
+            secret: None,
         },
     )
     .await

@@ -29,6 +29,7 @@ fn opts() -> TcpStoreOptions {
     TcpStoreOptions {
         timeout: Duration::from_secs(20),
         connect_timeout: Duration::from_secs(20),
+        secret: None,
     }
 }
 

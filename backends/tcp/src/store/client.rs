@@ -19,13 +19,14 @@ use tokio::{
 };
 
 use super::wire::{self, ReadError, cmd};
+use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 
 /// Largest reply the client accepts for one value. Larger than the server's
 /// 8 MiB limit on a request because `append` can grow a value past it.
 const MAX_REPLY_VALUE: u64 = 1 << 30;
 
 /// How a [`TcpStore`] client connects and waits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpStoreOptions {
     /// Deadline of every request, and of `get`'s wait for its key
     /// (torch's `timeout`, 300 s by default).
@@ -33,6 +34,9 @@ pub struct TcpStoreOptions {
     /// How long to keep retrying the first connection while the server is
     /// not up yet.
     pub connect_timeout: Duration,
+    /// Shared secret for the [`crate::auth`] handshake (`CONSORT_SECRET`);
+    /// must match the server's.
+    pub secret: Option<Secret>,
 }
 
 impl Default for TcpStoreOptions {
@@ -40,6 +44,7 @@ impl Default for TcpStoreOptions {
         TcpStoreOptions {
             timeout: DEFAULT_STORE_TIMEOUT,
             connect_timeout: DEFAULT_STORE_TIMEOUT,
+            secret: Secret::from_env(),
         }
     }
 }
@@ -144,6 +149,26 @@ impl TcpStore {
             backoff = (backoff * 2).min(Duration::from_secs(1));
         };
         let _ = stream.set_nodelay(true);
+        let mut stream = stream;
+        if let Some(k) = &opts.secret {
+            match timeout(HANDSHAKE_TIMEOUT, auth::connect(&mut stream, k)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    return Err(StoreError::Connect {
+                        addr,
+                        after: opts.connect_timeout,
+                        reason: e.to_string(),
+                    });
+                }
+                Err(_) => {
+                    return Err(StoreError::Connect {
+                        addr,
+                        after: HANDSHAKE_TIMEOUT,
+                        reason: "the server did not start the CONSORT_SECRET handshake (is it a torch TCPStore, or started without the secret?)".into(),
+                    });
+                }
+            }
+        }
         let (r, w) = stream.into_split();
         let store = TcpStore {
             addr,

@@ -17,6 +17,7 @@ use tokio::{
 };
 
 use super::wire::{self, ReadError, cmd};
+use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 
 type ClientId = u64;
 type Reply = mpsc::UnboundedSender<Vec<u8>>;
@@ -95,8 +96,18 @@ pub struct TcpStoreServer {
 }
 
 impl TcpStoreServer {
-    /// Listens on `addr` (port 0 picks a free port).
+    /// Listens on `addr` (port 0 picks a free port), open to any client.
     pub async fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> StoreResult<Self> {
+        Self::bind_with(addr, None).await
+    }
+
+    /// Listens on `addr`; with a `secret`, every client must pass the
+    /// [`crate::auth`] handshake before its first request (torch's own
+    /// clients cannot: use a secret only when every client is consort).
+    pub async fn bind_with(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        secret: Option<Secret>,
+    ) -> StoreResult<Self> {
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(addr)
             .await
@@ -110,7 +121,7 @@ impl TcpStoreServer {
         })?;
         let state = Arc::new(Mutex::new(State::default()));
         let mut tasks = JoinSet::new();
-        tasks.spawn(accept_loop(listener, state));
+        tasks.spawn(accept_loop(listener, state, secret));
         tracing::debug!(%local_addr, "TCPStore server listening");
         Ok(TcpStoreServer { local_addr, tasks })
     }
@@ -127,7 +138,7 @@ impl TcpStoreServer {
     }
 }
 
-async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>) {
+async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, secret: Option<Secret>) {
     let mut clients = JoinSet::new();
     let mut next_id: ClientId = 0;
     loop {
@@ -135,7 +146,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>) {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     next_id += 1;
-                    clients.spawn(serve_client(stream, peer, next_id, state.clone()));
+                    clients.spawn(serve_client(stream, peer, next_id, state.clone(), secret.clone()));
                 }
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
@@ -154,8 +165,27 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-async fn serve_client(stream: TcpStream, peer: SocketAddr, id: ClientId, state: Arc<Mutex<State>>) {
+async fn serve_client(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    id: ClientId,
+    state: Arc<Mutex<State>>,
+    secret: Option<Secret>,
+) {
     let _ = stream.set_nodelay(true);
+    if let Some(k) = &secret {
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, auth::accept(&mut stream, k)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(%peer, "TCPStore refused a client: {e}");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(%peer, "TCPStore refused a client: no answer to the CONSORT_SECRET challenge");
+                return;
+            }
+        }
+    }
     let (r, mut w) = stream.into_split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let writer = tokio::spawn(async move {

@@ -1,0 +1,117 @@
+//! CONSORT_SECRET over real sockets: the store and the data mesh refuse
+//! peers that do not know the secret, and work for those that do.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{
+    ProcessGroup, ReduceOp,
+    store::{MemStore, Store, StoreError},
+};
+use consort_tcp::{Secret, TcpBackend, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
+use tokio::{io::AsyncWriteExt, net::TcpStream};
+
+fn client_opts(secret: Option<&str>) -> TcpStoreOptions {
+    TcpStoreOptions {
+        timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+        secret: secret.and_then(|s| Secret::new(s.as_bytes().to_vec())),
+    }
+}
+
+#[tokio::test]
+async fn the_store_serves_only_clients_with_the_secret() {
+    let server = TcpStoreServer::bind_with("127.0.0.1:0", Secret::new(b"s3cret".to_vec()))
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+
+    let good = TcpStore::connect(addr.clone(), client_opts(Some("s3cret")))
+        .await
+        .unwrap();
+    good.set("k", b"v").await.unwrap();
+    assert_eq!(good.get("k").await.unwrap(), b"v");
+
+    let wrong = TcpStore::connect(addr.clone(), client_opts(Some("guess"))).await;
+    assert!(
+        matches!(wrong, Err(StoreError::Connect { .. })),
+        "{wrong:?}"
+    );
+
+    // A client without the secret (a torch client, say) never gets an
+    // answer: its VALIDATE is not a handshake reply.
+    let none = TcpStore::connect(addr, client_opts(None)).await;
+    assert!(none.is_err(), "{none:?}");
+    assert_eq!(
+        good.get("k").await.unwrap(),
+        b"v",
+        "the server keeps serving"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_refuses_strangers_and_works_with_the_secret() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(10)));
+    let opts = TcpOptions {
+        timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(10),
+        secret: Secret::new(b"mesh-secret".to_vec()),
+        ..TcpOptions::default()
+    };
+    // Rank 0 listens first; a stranger dials it before rank 1 does and
+    // tries to pass as rank 1 without the handshake.
+    let s0 = store.clone();
+    let o0 = opts.clone();
+    let r0 = tokio::spawn(async move { TcpBackend::connect(s0, 0, 2, o0).await });
+    let addr = loop {
+        if let Ok(v) = store.get("consort/tcp/world/addr/0").await {
+            break String::from_utf8(v).unwrap();
+        }
+    };
+    let mut stranger = TcpStream::connect(&addr).await.unwrap();
+    let mut hello = b"CSRH\x01".to_vec();
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&[0u8; 64]);
+    let _ = stranger.write_all(&hello).await;
+
+    let r1 = TcpBackend::connect(store.clone(), 1, 2, opts)
+        .await
+        .unwrap();
+    let r0 = r0.await.unwrap().unwrap();
+    let (a, b) = (
+        ProcessGroup::new(Arc::new(r0)),
+        ProcessGroup::new(Arc::new(r1)),
+    );
+    let (x, y) = tokio::join!(
+        async {
+            let mut v = vec![1.0f32; 8];
+            a.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
+        },
+        async {
+            let mut v = vec![2.0f32; 8];
+            b.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
+        }
+    );
+    assert_eq!(x.unwrap(), vec![3.0; 8]);
+    assert_eq!(y.unwrap(), vec![3.0; 8]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_with_different_secrets_do_not_connect() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(10)));
+    let opts = |s: &str| TcpOptions {
+        connect_timeout: Duration::from_secs(2),
+        secret: Secret::new(s.as_bytes().to_vec()),
+        ..TcpOptions::default()
+    };
+    let s0 = store.clone();
+    let o0 = opts("one");
+    let r0 = tokio::spawn(async move { TcpBackend::connect(s0, 0, 2, o0).await });
+    let e1 = TcpBackend::connect(store, 1, 2, opts("two"))
+        .await
+        .unwrap_err();
+    assert!(e1.to_string().contains("authenticat"), "{e1}");
+    let e0 = r0.await.unwrap().unwrap_err();
+    assert!(e0.to_string().contains("timed out"), "{e0}");
+}
