@@ -152,9 +152,10 @@ impl Dist {
     /// rank, rendezvoused through [`Dist::store`].
     ///
     /// `CONSORT_TIMEOUT` (seconds) sets the default op timeout (torch's 30
-    /// min otherwise); `CONSORT_BIND_ADDR` the address to listen on and
-    /// advertise (default: the address this host uses to reach
-    /// `MASTER_ADDR`, or loopback for a single-node job).
+    /// min otherwise). The address to listen on and advertise is
+    /// `CONSORT_BIND_ADDR`, else the address of interface
+    /// `CONSORT_SOCKET_IFNAME`, else the address this host uses to reach
+    /// `MASTER_ADDR` (loopback for a single-node job).
     pub async fn process_group(&self) -> Result<ProcessGroup, CommError> {
         let mut opts = TcpOptions {
             namespace: format!("consort/tcp/{}/world", self.env.restart_count),
@@ -383,6 +384,12 @@ async fn bind_ip(env: &DistEnv) -> Result<std::net::IpAddr, CommError> {
                 "CONSORT_BIND_ADDR={v:?} is not valid: expected an IPv4 or IPv6 address"
             ))
         });
+    }
+    if let Ok(name) = std::env::var("CONSORT_SOCKET_IFNAME")
+        && !name.is_empty()
+    {
+        return consort_tcp::iface::interface_addr(name.trim())
+            .map_err(|e| CommError::invalid(format!("CONSORT_SOCKET_IFNAME={name:?}: {e}")));
     }
     let addrs: Vec<std::net::SocketAddr> = match tokio::net::lookup_host(env.store_addr()).await {
         Ok(a) => a.collect(),

@@ -1,5 +1,5 @@
-//! CONSORT_SECRET over real sockets: the store and the data mesh refuse
-//! peers that do not know the secret, and work for those that do.
+//! CONSORT_SECRET and addressing over real sockets: the store and the data
+//! mesh refuse peers that do not know the secret, and the mesh runs on IPv6.
 
 use std::{sync::Arc, time::Duration};
 
@@ -114,4 +114,30 @@ async fn ranks_with_different_secrets_do_not_connect() {
     assert!(e1.to_string().contains("authenticat"), "{e1}");
     let e0 = r0.await.unwrap().unwrap_err();
     assert!(e0.to_string().contains("timed out"), "{e0}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_works_over_ipv6() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(10)));
+    let opts = TcpOptions {
+        bind_addr: Some("::1".parse().unwrap()),
+        connect_timeout: Duration::from_secs(10),
+        secret: None,
+        ..TcpOptions::default()
+    };
+    let tasks: Vec<_> = (0..3)
+        .map(|r| {
+            let (s, o) = (store.clone(), opts.clone());
+            tokio::spawn(async move {
+                let pg = ProcessGroup::new(Arc::new(TcpBackend::connect(s, r, 3, o).await?));
+                let mut v = vec![r as f32; 4];
+                pg.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), vec![3.0; 4]);
+    }
+    let a = String::from_utf8(store.get("consort/tcp/world/addr/0").await.unwrap()).unwrap();
+    assert!(a.starts_with("[::1]:"), "{a}");
 }
