@@ -174,6 +174,9 @@ impl Dist {
         if let Some(w) = count_var("CONSORT_WINDOW")? {
             opts.algo.window = w;
         }
+        if let Some(k) = count_var("CONSORT_STREAMS")? {
+            opts.streams = k;
+        }
         let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
             .await?;
         Ok(ProcessGroup::new(Arc::new(b)))

@@ -40,7 +40,7 @@ use tokio::{
 
 /// The first bytes of a data connection: magic, version, rank, world size.
 const HELLO_MAGIC: [u8; 4] = *b"CSRH";
-const HELLO_LEN: usize = 4 + 1 + 4 + 4;
+const HELLO_LEN: usize = 4 + 1 + 4 + 4 + 1 + 1;
 /// Socket buffer size: a few segments in flight each way.
 const SOCKET_BUFFER: usize = 4 << 20;
 
@@ -62,6 +62,11 @@ pub struct TcpOptions {
     pub limits: FrameLimits,
     /// Store key namespace of this group's addresses.
     pub namespace: String,
+    /// TCP connections per pair of ranks (1 to 8); frames spread over them
+    /// by tag. On this project's loopback benches 2 streams measured no
+    /// better than 1 (the sender writes every stream from one task), so
+    /// the default is 1; it can help where one flow is capped.
+    pub streams: usize,
     /// Shared secret: every connection starts with an HMAC challenge-response
     /// ([`crate::auth`]); `None` leaves the port open to anyone who can reach it.
     pub secret: Option<Secret>,
@@ -81,6 +86,7 @@ impl Default for TcpOptions {
             stall_probe: Duration::from_millis(500),
             limits: FrameLimits::default(),
             namespace: "consort/tcp/world".into(),
+            streams: 1,
             secret: Secret::from_env(),
         }
     }
@@ -112,7 +118,8 @@ struct Inbox {
 struct Inner {
     rank: usize,
     world: usize,
-    writers: Vec<Option<tokio::sync::Mutex<OwnedWriteHalf>>>,
+    /// Write halves by [peer][stream] (empty for this rank).
+    writers: Vec<Vec<tokio::sync::Mutex<OwnedWriteHalf>>>,
     inbox: Mutex<Inbox>,
     notify: Notify,
     /// The collective this rank is in (answered to probes).
@@ -194,16 +201,23 @@ fn tune(stream: &TcpStream) {
     let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
 }
 
-fn hello(rank: usize, world: usize) -> [u8; HELLO_LEN] {
+fn hello(rank: usize, world: usize, stream: usize, streams: usize) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[..4].copy_from_slice(&HELLO_MAGIC);
     h[4] = consort_comm::frame::VERSION;
     h[5..9].copy_from_slice(&(rank as u32).to_le_bytes());
     h[9..13].copy_from_slice(&(world as u32).to_le_bytes());
+    h[13] = stream as u8;
+    h[14] = streams as u8;
     h
 }
 
-fn parse_hello(h: &[u8; HELLO_LEN], world: usize) -> std::result::Result<usize, String> {
+/// Checks a hello; returns the peer's rank and the stream index.
+fn parse_hello(
+    h: &[u8; HELLO_LEN],
+    world: usize,
+    streams: usize,
+) -> std::result::Result<(usize, usize), String> {
     if h[..4] != HELLO_MAGIC {
         return Err("not a consort peer (bad hello)".into());
     }
@@ -224,7 +238,14 @@ fn parse_hello(h: &[u8; HELLO_LEN], world: usize) -> std::result::Result<usize, 
     if rank >= world {
         return Err(format!("peer claims rank {rank} in a world of {world}"));
     }
-    Ok(rank)
+    if usize::from(h[14]) != streams || usize::from(h[13]) >= streams {
+        return Err(format!(
+            "peer rank {rank} opens {} streams per peer, this rank {streams}; every rank needs the \
+             same TcpOptions::streams",
+            h[14]
+        ));
+    }
+    Ok((rank, usize::from(h[13])))
 }
 
 impl TcpBackend {
@@ -253,53 +274,71 @@ impl TcpBackend {
             .await
             .map_err(|e| setup_err(rank, format_args!("publishing the listen address: {e}")))?;
 
+        if !(1..=8).contains(&opts.streams) {
+            return Err(CommError::invalid(format!(
+                "TcpOptions::streams must be 1 to 8, not {}",
+                opts.streams
+            )));
+        }
+        let k = opts.streams;
         let deadline = Instant::now() + opts.connect_timeout;
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut conns: Vec<Vec<Option<TcpStream>>> =
+            (0..world).map(|_| (0..k).map(|_| None).collect()).collect();
         let dial = async {
-            for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
+            for (peer, slots) in conns.iter_mut().enumerate().take(rank) {
                 let raw = store
                     .get(&key(peer))
                     .await
                     .map_err(|e| setup_err(rank, format_args!("finding rank {peer}: {e}")))?;
                 let peer_addr = String::from_utf8_lossy(&raw).into_owned();
-                let mut s = TcpStream::connect(peer_addr.as_str()).await.map_err(|e| {
-                    setup_err(
-                        rank,
-                        format_args!("connecting to rank {peer} at {peer_addr}: {e}"),
-                    )
-                })?;
-                tune(&s);
-                if let Some(k) = &opts.secret {
-                    match before(Instant::now() + HANDSHAKE_TIMEOUT, auth::connect(&mut s, k)).await
-                    {
-                        Some(Ok(())) => {}
-                        Some(Err(e)) => {
-                            return Err(setup_err(
-                                rank,
-                                format_args!("authenticating with rank {peer}: {e}"),
-                            ));
-                        }
-                        None => {
-                            return Err(setup_err(
-                                rank,
-                                format_args!(
-                                    "rank {peer} did not answer the CONSORT_SECRET handshake"
-                                ),
-                            ));
+                for (stream, slot) in slots.iter_mut().enumerate() {
+                    let mut s = TcpStream::connect(peer_addr.as_str()).await.map_err(|e| {
+                        setup_err(
+                            rank,
+                            format_args!("connecting to rank {peer} at {peer_addr}: {e}"),
+                        )
+                    })?;
+                    tune(&s);
+                    if let Some(secret) = &opts.secret {
+                        match before(
+                            Instant::now() + HANDSHAKE_TIMEOUT,
+                            auth::connect(&mut s, secret),
+                        )
+                        .await
+                        {
+                            Some(Ok(())) => {}
+                            Some(Err(e)) => {
+                                return Err(setup_err(
+                                    rank,
+                                    format_args!("authenticating with rank {peer}: {e}"),
+                                ));
+                            }
+                            None => {
+                                return Err(setup_err(
+                                    rank,
+                                    format_args!(
+                                        "rank {peer} did not answer the CONSORT_SECRET handshake"
+                                    ),
+                                ));
+                            }
                         }
                     }
+                    s.write_all(&hello(rank, world, stream, k))
+                        .await
+                        .map_err(|e| setup_err(rank, e))?;
+                    *slot = Some(s);
                 }
-                s.write_all(&hello(rank, world))
-                    .await
-                    .map_err(|e| setup_err(rank, e))?;
-                *slot = Some(s);
             }
             let mut accepted = 0;
-            while accepted < world - rank - 1 {
+            while accepted < (world - rank - 1) * k {
                 let (mut s, from) = listener.accept().await.map_err(|e| setup_err(rank, e))?;
                 tune(&s);
-                if let Some(k) = &opts.secret {
-                    match before(Instant::now() + HANDSHAKE_TIMEOUT, auth::accept(&mut s, k)).await
+                if let Some(secret) = &opts.secret {
+                    match before(
+                        Instant::now() + HANDSHAKE_TIMEOUT,
+                        auth::accept(&mut s, secret),
+                    )
+                    .await
                     {
                         Some(Ok(())) => {}
                         Some(Err(e)) => {
@@ -317,44 +356,40 @@ impl TcpBackend {
                     tracing::warn!(%from, "dropped a connection that sent no hello: {e}");
                     continue;
                 }
-                match parse_hello(&h, world) {
-                    Ok(p) if p > rank && streams[p].is_none() => {
-                        streams[p] = Some(s);
+                match parse_hello(&h, world, k) {
+                    Ok((p, j)) if p > rank && conns[p][j].is_none() => {
+                        conns[p][j] = Some(s);
                         accepted += 1;
                     }
-                    Ok(p) => {
-                        tracing::warn!(%from, "unexpected connection claiming rank {p}; dropped")
+                    Ok((p, j)) => {
+                        tracing::warn!(%from, "unexpected connection claiming rank {p} stream {j}; dropped")
                     }
                     Err(e) => tracing::warn!(%from, "refused a connection: {e}"),
                 }
             }
-            Ok::<_, CommError>(streams)
+            Ok::<_, CommError>(conns)
         };
-        let streams = before(deadline, dial).await.ok_or_else(|| {
+        let conns = before(deadline, dial).await.ok_or_else(|| {
             setup_err(
                 rank,
                 format_args!(
                     "timed out after {:?} building the connection mesh; check that every rank \
-                 started with the same WORLD_SIZE and can reach the others",
+                     started with the same WORLD_SIZE and can reach the others",
                     opts.connect_timeout
                 ),
             )
         })??;
 
         let mut writers = Vec::with_capacity(world);
-        let mut reads = Vec::with_capacity(world);
-        for s in streams {
-            match s {
-                Some(s) => {
-                    let (r, w) = s.into_split();
-                    reads.push(Some(r));
-                    writers.push(Some(tokio::sync::Mutex::new(w)));
-                }
-                None => {
-                    reads.push(None);
-                    writers.push(None);
-                }
+        let mut reads = Vec::new();
+        for (peer, streams) in conns.into_iter().enumerate() {
+            let mut ws = Vec::new();
+            for s in streams.into_iter().flatten() {
+                let (r, w) = s.into_split();
+                reads.push((peer, r));
+                ws.push(tokio::sync::Mutex::new(w));
             }
+            writers.push(ws);
         }
         let inner = Arc::new(Inner {
             rank,
@@ -368,10 +403,7 @@ impl TcpBackend {
         });
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
-            .enumerate()
-            .filter_map(|(peer, r)| {
-                r.map(|r| tokio::spawn(read_loop(inner.clone(), peer, r, opts.limits)))
-            })
+            .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r, opts.limits)))
             .collect();
         *lock(&inner.readers) = handles;
         Ok(TcpBackend {
@@ -468,7 +500,7 @@ async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits:
                 PROBE_TAG => {
                     let cur = *lock(&inner.current);
                     let reply = probe_frame(PROBE_REPLY_TAG, cur);
-                    if let Some(w) = inner.writers[peer].as_ref() {
+                    if let Some(w) = inner.writers[peer].first() {
                         let _ = w.lock().await.write_all(&reply).await;
                     }
                 }
@@ -612,10 +644,20 @@ fn abort_info(e: &CommError, own: Option<Fingerprint>) -> AbortInfo {
 }
 
 impl TcpBackend {
-    async fn send_frame(&self, to: usize, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
-        let w = self.inner.writers[to]
-            .as_ref()
-            .ok_or_else(|| std::io::Error::other("no connection to self"))?;
+    /// Sends a frame to `to` on stream `lane % streams` (frames of one lane
+    /// keep their order; lanes spread over the streams).
+    async fn send_frame(
+        &self,
+        to: usize,
+        lane: u32,
+        header: &[u8],
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let ws = &self.inner.writers[to];
+        if ws.is_empty() {
+            return Err(std::io::Error::other("no connection to self"));
+        }
+        let w = &ws[lane as usize % ws.len()];
         let mut w = w.lock().await;
         write_all_vectored(&mut *w, &[header, payload]).await
     }
@@ -635,7 +677,7 @@ impl TcpBackend {
             if q != self.inner.rank {
                 let _ = before(
                     Instant::now() + Duration::from_secs(2),
-                    self.send_frame(q, &h, &info),
+                    self.send_frame(q, 0, &h, &info),
                 )
                 .await;
             }
@@ -736,7 +778,8 @@ impl TcpBackend {
                             payload_len: payload.len() as u64,
                         }
                         .encode();
-                        let sent = before(deadline, self.send_frame(tx.to, &h, payload)).await;
+                        let sent =
+                            before(deadline, self.send_frame(tx.to, tx.tag, &h, payload)).await;
                         match sent {
                             Some(Ok(())) => {}
                             Some(Err(e)) => {
@@ -883,7 +926,7 @@ impl TcpBackend {
                 for q in schedule.waiting_on() {
                     let _ = before(
                         now + Duration::from_secs(1),
-                        self.send_frame(q, &probe, &[]),
+                        self.send_frame(q, 0, &probe, &[]),
                     )
                     .await;
                 }

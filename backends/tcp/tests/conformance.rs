@@ -10,6 +10,14 @@ use consort_tcp::{TcpBackend, TcpOptions};
 use consort_tests::WorldFuture;
 
 fn tcp_world(n: usize) -> WorldFuture {
+    world_with_streams(n, 1)
+}
+
+fn tcp_world_3_streams(n: usize) -> WorldFuture {
+    world_with_streams(n, 3)
+}
+
+fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
     Box::pin(async move {
         let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(20)));
         let opts = TcpOptions {
@@ -22,6 +30,7 @@ fn tcp_world(n: usize) -> WorldFuture {
                 overrides: Vec::new(),
             },
             stall_probe: Duration::from_millis(100),
+            streams,
             ..TcpOptions::default()
         };
         let tasks: Vec<_> = (0..n)
@@ -35,4 +44,10 @@ fn tcp_world(n: usize) -> WorldFuture {
     })
 }
 
-consort_tests::conformance!(crate::tcp_world, cases = 32);
+mod one_stream {
+    consort_tests::conformance!(crate::tcp_world, cases = 32);
+}
+
+mod three_streams {
+    consort_tests::conformance!(crate::tcp_world_3_streams, cases = 8);
+}
