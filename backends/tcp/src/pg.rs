@@ -26,7 +26,6 @@ use consort_comm::{
     },
     frame::{AbortInfo, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
     store::Store,
-    time::before,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWrite, AsyncWriteExt},
@@ -412,6 +411,12 @@ impl TcpBackend {
             state: Mutex::new(CallState::default()),
         })
     }
+}
+
+/// Runs `fut` until `deadline` on tokio's timer wheel (cheap enough for
+/// every send and every wait); `None` if the deadline came first.
+async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
+    tokio::time::timeout_at(deadline.into(), fut).await.ok()
 }
 
 /// Writes every slice, looping over partial vectored writes.
