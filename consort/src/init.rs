@@ -177,6 +177,9 @@ impl Dist {
         if let Some(k) = count_var("CONSORT_STREAMS")? {
             opts.streams = k;
         }
+        if let Some(b) = count_var("CONSORT_IN_PLACE_MIN")? {
+            opts.in_place_min = b;
+        }
         let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
             .await?;
         Ok(ProcessGroup::new(Arc::new(b)))

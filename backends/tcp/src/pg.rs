@@ -21,7 +21,7 @@ use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
     OpKind, ReduceOp, Result,
     algo::{
-        Action, AlgoConfig, Receive, build,
+        Action, AlgoConfig, Buf, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
     frame::{AbortInfo, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
@@ -61,6 +61,10 @@ pub struct TcpOptions {
     pub limits: FrameLimits,
     /// Store key namespace of this group's addresses.
     pub namespace: String,
+    /// Payloads of at least this many bytes are applied by the reader task
+    /// straight into the call's buffer when the receive is already posted
+    /// (no second copy); smaller ones are buffered. Default 64 KiB.
+    pub in_place_min: usize,
     /// TCP connections per pair of ranks (1 to 8); frames spread over them
     /// by tag. On this project's loopback benches 2 streams measured no
     /// better than 1 (the sender writes every stream from one task), so
@@ -85,6 +89,7 @@ impl Default for TcpOptions {
             stall_probe: Duration::from_millis(500),
             limits: FrameLimits::default(),
             namespace: "consort/tcp/world".into(),
+            in_place_min: 64 * 1024,
             streams: 1,
             secret: Secret::from_env(),
         }
@@ -97,9 +102,45 @@ struct Frame {
     payload: Vec<u8>,
 }
 
+/// Bounce-buffer chunk of in-place receives: L2-sized, so the kernel's copy
+/// and the reduce that follows meet in cache.
+const BOUNCE: usize = 256 * 1024;
+
+/// A posted receive that a reader may apply in place.
+struct Direct {
+    fp: Fingerprint,
+    dst: *mut u8,
+    len: usize,
+    reduce: Option<(ReduceOp, DType)>,
+}
+
+// SAFETY: `dst` is only written under the registry lock while the call that
+// registered it is the registry's current call (see `Registry`).
+unsafe impl Send for Direct {}
+// SAFETY: as above; a shared `&Direct` only reads its fields.
+unsafe impl Sync for Direct {}
+
+/// The receives of the running call that readers may apply in place.
+///
+/// Soundness: a reader writes through `Direct::dst` only while holding this
+/// lock and only if `call` still names the call that registered the entry;
+/// the call clears the registry (under the lock) before its buffers go out
+/// of scope, on every path including cancellation. While readers may write,
+/// the call itself touches its buffers either under this lock or through
+/// ranges disjoint from every registered receive (a schedule never uses a
+/// posted receive's range until that receive completes).
+#[derive(Default)]
+struct Registry {
+    call: u64,
+    next_call: u64,
+    posted: HashMap<(usize, u64, u32), Direct>,
+}
+
 /// What the reader tasks deliver to the rank's calls.
 #[derive(Debug, Default)]
 struct Inbox {
+    /// Receives a reader applied in place: (from, seq, tag).
+    done: std::collections::HashSet<(usize, u64, u32)>,
     /// Collective frames by (from, seq, tag).
     coll: HashMap<(usize, u64, u32), Frame>,
     /// Point-to-point frames by (from, tag), in order.
@@ -127,6 +168,8 @@ struct Inner {
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.
     pool: Mutex<Vec<Vec<u8>>>,
+    /// Receives the readers may apply in place.
+    direct: Mutex<Registry>,
 }
 
 /// Buffers kept in the pool at most.
@@ -399,10 +442,19 @@ impl TcpBackend {
             current: Mutex::new(None),
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
+            direct: Mutex::new(Registry::default()),
         });
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
-            .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r, opts.limits)))
+            .map(|(peer, r)| {
+                tokio::spawn(read_loop(
+                    inner.clone(),
+                    peer,
+                    r,
+                    opts.limits,
+                    opts.in_place_min,
+                ))
+            })
             .collect();
         *lock(&inner.readers) = handles;
         Ok(TcpBackend {
@@ -457,8 +509,15 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
 }
 
 /// Reads frames from one peer into the inbox until the connection ends.
-async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits: FrameLimits) {
+async fn read_loop(
+    inner: Arc<Inner>,
+    peer: usize,
+    mut r: OwnedReadHalf,
+    limits: FrameLimits,
+    in_place_min: usize,
+) {
     let mut head = [0u8; HEADER_LEN];
+    let mut bounce = vec![0u64; BOUNCE / 8];
     let why = loop {
         if let Err(e) = r.read_exact(&mut head).await {
             break if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -477,9 +536,35 @@ async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits:
                 break format!("bad frame: {e}");
             }
         };
+        let len = h.payload_len as usize;
+        if h.kind == FrameKind::Data
+            && len >= in_place_min
+            && !matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv)
+        {
+            let key = (peer, h.fingerprint.seq, h.tag);
+            let taken = {
+                let mut reg = lock(&inner.direct);
+                match reg.posted.get(&key) {
+                    Some(d) if d.fp == h.fingerprint && d.len == len => {
+                        let call = reg.call;
+                        reg.posted.remove(&key).map(|d| (call, d))
+                    }
+                    _ => None,
+                }
+            };
+            if let Some((call, d)) = taken {
+                match read_in_place(&inner, &mut r, &mut bounce, call, &d).await {
+                    Ok(()) => {
+                        lock(&inner.inbox).done.insert(key);
+                        inner.notify.notify_one();
+                        continue;
+                    }
+                    Err(e) => break format!("connection error mid-frame: {e}"),
+                }
+            }
+        }
         // Read into spare capacity: no zeroing, and the buffer comes from
         // the pool when one is big enough.
-        let len = h.payload_len as usize;
         let mut payload = inner.buffer(len);
         let mut short = None;
         while payload.len() < len {
@@ -554,6 +639,47 @@ async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: OwnedReadHalf, limits:
     inner.notify.notify_one();
 }
 
+/// Streams a payload into a registered receive, chunk by chunk: each chunk
+/// is read into the (cache-hot) bounce buffer, then copied or reduced into
+/// place under the registry lock, if the call is still the current one
+/// (otherwise it is read and dropped, keeping the stream in step).
+async fn read_in_place(
+    inner: &Inner,
+    r: &mut OwnedReadHalf,
+    bounce: &mut [u64],
+    call: u64,
+    d: &Direct,
+) -> std::io::Result<()> {
+    let buf: &mut [u8] = bytemuck_bytes_mut(bounce);
+    let mut off = 0;
+    while off < d.len {
+        let n = (d.len - off).min(buf.len());
+        r.read_exact(&mut buf[..n]).await?;
+        let reg = lock(&inner.direct);
+        if reg.call == call {
+            // SAFETY: the registering call is current and holds no other
+            // reference to this range (see `Registry`), `off + n <= d.len`
+            // bytes from `dst` lie inside its buffer, and we hold the lock.
+            let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
+            match d.reduce {
+                Some((op, dtype)) => {
+                    // Chunks are whole elements: BOUNCE is a multiple of 8.
+                    let _ = op.apply_bytes(dtype, dst, &buf[..n]);
+                }
+                None => dst.copy_from_slice(&buf[..n]),
+            }
+        }
+        drop(reg);
+        off += n;
+    }
+    Ok(())
+}
+
+fn bytemuck_bytes_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u64 has no padding; every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
+}
+
 const PROBE_TAG: u32 = u32::MAX;
 const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
 
@@ -577,6 +703,78 @@ fn probe_frame(tag: u32, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
         payload_len: 0,
     }
     .encode()
+}
+
+/// A call's buffers as raw parts, so that reader tasks can write posted
+/// receives in place while the call runs (see `Registry`).
+struct RawBufs {
+    dtype: DType,
+    input: (*const u8, usize),
+    output: (*mut u8, usize),
+    scratch: (*mut u8, usize),
+}
+
+// SAFETY: the parts point into buffers that the call's future borrows for
+// its whole life; they are dereferenced only under the rules of `Registry`.
+unsafe impl Send for RawBufs {}
+// SAFETY: as above.
+unsafe impl Sync for RawBufs {}
+
+impl RawBufs {
+    /// The start of `range` in `buf`, if it lies inside it.
+    fn ptr(&self, buf: Buf, range: &std::ops::Range<usize>) -> Option<*mut u8> {
+        let e = self.dtype.size_bytes();
+        let (base, len) = match buf {
+            Buf::Input => (self.input.0.cast_mut(), self.input.1),
+            Buf::Output => self.output,
+            Buf::Scratch => self.scratch,
+        };
+        (range.end * e <= len).then(|| base.wrapping_add(range.start * e))
+    }
+
+    /// The bytes of `range` in `buf`.
+    ///
+    /// # Safety
+    ///
+    /// No one may write that range while the slice lives.
+    unsafe fn bytes(&self, buf: Buf, range: &std::ops::Range<usize>) -> &[u8] {
+        let e = self.dtype.size_bytes();
+        match self.ptr(buf, range) {
+            // SAFETY: in bounds (checked by `ptr`); the caller excludes writers.
+            Some(p) => unsafe { std::slice::from_raw_parts(p, range.len() * e) },
+            None => &[],
+        }
+    }
+
+    /// Every buffer, for a copy, an apply or finalize.
+    ///
+    /// # Safety
+    ///
+    /// The registry lock must be held (no reader writes meanwhile).
+    unsafe fn buffers(&self) -> CallBuffers<'_> {
+        // SAFETY: the parts come from the call's live buffers, which do not
+        // overlap; the caller holds the lock that keeps readers out.
+        unsafe {
+            CallBuffers {
+                dtype: self.dtype,
+                input: std::slice::from_raw_parts(self.input.0, self.input.1),
+                output: std::slice::from_raw_parts_mut(self.output.0, self.output.1),
+                scratch: std::slice::from_raw_parts_mut(self.scratch.0, self.scratch.1),
+            }
+        }
+    }
+}
+
+/// Clears the in-place registry when a call ends (returns, fails, or is
+/// cancelled), before its buffers can go away.
+struct DirectGuard<'a>(&'a Inner);
+
+impl Drop for DirectGuard<'_> {
+    fn drop(&mut self) {
+        let mut reg = lock(&self.0.direct);
+        reg.call = 0;
+        reg.posted.clear();
+    }
 }
 
 /// Converts a peer's abort into this rank's error.
@@ -758,13 +956,25 @@ impl TcpBackend {
         let algo = self.opts.algo.select(req.op, spec.bytes(), n);
         let mut schedule = build(&spec, algo, &self.opts.algo)?;
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
-        let (reduce, finalize) = (req.reduce, req.finalize);
-        let mut bufs = CallBuffers {
-            dtype: req.dtype,
-            input: req.input,
-            output: &mut *req.output,
-            scratch: scratch_bytes(&mut scratch_store),
+        let (reduce, finalize, dtype) = (req.reduce, req.finalize, req.dtype);
+        let raw = RawBufs {
+            dtype,
+            input: (req.input.as_ptr(), req.input.len()),
+            output: (req.output.as_mut_ptr(), req.output.len()),
+            scratch: {
+                let b = scratch_bytes(&mut scratch_store);
+                (b.as_mut_ptr(), b.len())
+            },
         };
+        let call_id = {
+            let mut reg = lock(&inner.direct);
+            reg.next_call += 1;
+            reg.call = reg.next_call;
+            reg.posted.clear();
+            reg.call
+        };
+        // Clears the registry when the call ends, however it ends.
+        let _direct = DirectGuard(inner);
         let timeout = opts.timeout_or(self.opts.timeout);
         let deadline = Instant::now() + timeout;
         let mut posted: Vec<Receive> = Vec::new();
@@ -774,7 +984,9 @@ impl TcpBackend {
             while let Some(a) = schedule.poll() {
                 match a {
                     Action::Transmit(tx) => {
-                        let payload = bufs.bytes(tx.buf, &tx.range);
+                        // SAFETY: a range being sent is never a posted
+                        // receive's range (see `Registry`).
+                        let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
                         let h = FrameHeader {
                             kind: FrameKind::Data,
                             fingerprint: fp,
@@ -812,11 +1024,36 @@ impl TcpBackend {
                         }
                     }
                     Action::Copy(c) => {
-                        if let Err(e) = bufs.copy(&c) {
+                        let reg = lock(&inner.direct);
+                        // SAFETY: readers are excluded by the lock.
+                        let copied = unsafe { raw.buffers() }.copy(&c);
+                        drop(reg);
+                        if let Err(e) = copied {
                             break 'call Err(e);
                         }
                     }
-                    Action::Receive(rv) => posted.push(rv),
+                    Action::Receive(rv) => {
+                        let bytes = rv.range.len() * dtype.size_bytes();
+                        if !p2p && bytes >= self.opts.in_place_min {
+                            if let Some(dst) = raw.ptr(rv.buf, &rv.range) {
+                                let mut reg = lock(&inner.direct);
+                                if reg.call == call_id {
+                                    reg.posted.insert(
+                                        (rv.from, seq, rv.tag),
+                                        Direct {
+                                            fp,
+                                            dst,
+                                            len: bytes,
+                                            reduce: rv
+                                                .reduce
+                                                .then(|| (reduce.unwrap_or(ReduceOp::Sum), dtype)),
+                                        },
+                                    );
+                                }
+                            }
+                        }
+                        posted.push(rv);
+                    }
                 }
             }
             if schedule.is_done() {
@@ -827,6 +1064,7 @@ impl TcpBackend {
             notified.as_mut().enable();
             // Take whatever has arrived for the posted receives.
             let mut got: Vec<(Receive, Frame)> = Vec::new();
+            let mut done: Vec<Receive> = Vec::new();
             {
                 let mut inbox = lock(&inner.inbox);
                 if let Some((peer, why)) = inbox.protocol.clone() {
@@ -850,6 +1088,10 @@ impl TcpBackend {
                 }
                 inbox.probes.clear();
                 posted.retain(|rv| {
+                    if !p2p && inbox.done.remove(&(rv.from, seq, rv.tag)) {
+                        done.push(rv.clone());
+                        return false;
+                    }
                     let frame = if p2p {
                         inbox
                             .p2p
@@ -866,6 +1108,18 @@ impl TcpBackend {
                         None => true,
                     }
                 });
+            }
+            for rv in &done {
+                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
+                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
+                }
+            }
+            if !done.is_empty() {
+                last_progress = Instant::now();
+                probed = false;
+                if got.is_empty() {
+                    continue;
+                }
             }
             if got.is_empty() {
                 // Nothing to apply: a peer this call still waits on that is
@@ -903,7 +1157,14 @@ impl TcpBackend {
                             remote_rank: rv.from,
                         });
                     }
-                    let applied = bufs.apply(&rv, &f.payload, reduce, rv.from);
+                    let applied = {
+                        let mut reg = lock(&inner.direct);
+                        // The frame came the buffered way: its in-place
+                        // registration must go before the range is reused.
+                        reg.posted.remove(&(rv.from, seq, rv.tag));
+                        // SAFETY: readers are excluded by the lock.
+                        unsafe { raw.buffers() }.apply(&rv, &f.payload, reduce, rv.from)
+                    };
                     inner.recycle(f.payload);
                     if let Err(e) = applied {
                         break 'call Err(e);
@@ -944,7 +1205,9 @@ impl TcpBackend {
         match outcome {
             Ok(()) => {
                 if finalize && let Some(op) = reduce {
-                    bufs.finalize(op, n)?;
+                    let _reg = lock(&inner.direct);
+                    // SAFETY: readers are excluded by the lock.
+                    unsafe { raw.buffers() }.finalize(op, n)?;
                 }
                 Ok(())
             }

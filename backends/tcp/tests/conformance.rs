@@ -17,7 +17,17 @@ fn tcp_world_3_streams(n: usize) -> WorldFuture {
     world_with_streams(n, 3)
 }
 
+fn tcp_world_in_place(n: usize) -> WorldFuture {
+    world_with(n, 1, 0)
+}
+
 fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
+    world_with(n, streams, usize::MAX)
+}
+
+/// `in_place_min = 0` sends every posted receive down the in-place path;
+/// `usize::MAX` none.
+fn world_with(n: usize, streams: usize, in_place_min: usize) -> WorldFuture {
     Box::pin(async move {
         let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(20)));
         let opts = TcpOptions {
@@ -31,6 +41,7 @@ fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
             },
             stall_probe: Duration::from_millis(100),
             streams,
+            in_place_min,
             ..TcpOptions::default()
         };
         let tasks: Vec<_> = (0..n)
@@ -46,6 +57,10 @@ fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
 
 mod one_stream {
     consort_tests::conformance!(crate::tcp_world, cases = 32);
+}
+
+mod in_place {
+    consort_tests::conformance!(crate::tcp_world_in_place, cases = 32);
 }
 
 mod three_streams {
