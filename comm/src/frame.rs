@@ -12,7 +12,7 @@
 //! | 0 | 4 | magic `b"CSRT"` |
 //! | 4 | 1 | version (1) |
 //! | 5 | 1 | kind ([`FrameKind`]) |
-//! | 6 | 2 | flags (must be 0 in version 1) |
+//! | 6 | 2 | flags ([`FLAG_SHM`]; other bits must be 0) |
 //! | 8 | 4 | group id |
 //! | 12 | 4 | root |
 //! | 16 | 8 | seq |
@@ -37,6 +37,11 @@ pub const HEADER_LEN: usize = 56;
 pub const MAX_ABORT_MESSAGE: u64 = 64 * 1024;
 
 const NO_REDUCE_OP: u8 = 0xFF;
+
+/// Flag: the payload is not on the stream; it sits in the sender's
+/// shared-memory slot number `offset` (same-host peers). `payload_len` still
+/// gives its length.
+pub const FLAG_SHM: u16 = 1;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -115,9 +120,29 @@ pub struct FrameHeader {
     pub offset: u64,
     /// Payload length in bytes.
     pub payload_len: u64,
+    /// Flags ([`FLAG_SHM`]).
+    pub flags: u16,
 }
 
 impl FrameHeader {
+    /// A data frame header for `payload_len` bytes on the stream.
+    pub fn data(fingerprint: Fingerprint, tag: u32, offset: u64, payload_len: u64) -> Self {
+        FrameHeader {
+            kind: FrameKind::Data,
+            fingerprint,
+            tag,
+            offset,
+            payload_len,
+            flags: 0,
+        }
+    }
+
+    /// Whether the payload sits in a shared-memory slot (`offset`), not on
+    /// the stream.
+    pub fn in_shm(&self) -> bool {
+        self.flags & FLAG_SHM != 0
+    }
+
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let f = &self.fingerprint;
@@ -125,7 +150,7 @@ impl FrameHeader {
         b[0..4].copy_from_slice(&MAGIC);
         b[4] = VERSION;
         b[5] = self.kind as u8;
-        // 6..8 flags: zero
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..12].copy_from_slice(&f.group.0.to_le_bytes());
         b[12..16].copy_from_slice(&f.root.to_le_bytes());
         b[16..24].copy_from_slice(&f.seq.to_le_bytes());
@@ -166,7 +191,7 @@ impl FrameHeader {
             u64::from_le_bytes(a)
         };
         let flags = u16_at(6);
-        if flags != 0 {
+        if flags & !FLAG_SHM != 0 || (flags != 0 && kind != FrameKind::Data) {
             return Err(bad("flags", flags.into()));
         }
         if b[35] != 0 {
@@ -222,6 +247,7 @@ impl FrameHeader {
             tag: u32_at(36),
             offset,
             payload_len,
+            flags,
         })
     }
 }
@@ -285,6 +311,7 @@ impl AbortInfo {
                 tag: 0,
                 offset: 0,
                 payload_len: 0,
+                flags: 0,
             };
             v.extend_from_slice(&h.encode());
         }
@@ -363,6 +390,7 @@ mod tests {
                     tag,
                     offset: count - n,
                     payload_len: n * dtype.size_bytes() as u64,
+                    flags: 0,
                 }
             })
     }
@@ -425,6 +453,7 @@ mod tests {
             tag: 0,
             offset: 0,
             payload_len: 1 << 40,
+            flags: 0,
         };
         let e = FrameHeader::decode(&h.encode(), &FrameLimits::default()).unwrap_err();
         assert!(matches!(e, FrameError::PayloadTooLarge { .. }), "{e}");
@@ -449,6 +478,7 @@ mod tests {
             tag: 0,
             offset: 2,
             payload_len: 6,
+            flags: 0,
         };
         let l = FrameLimits::default();
         assert_eq!(

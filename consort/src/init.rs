@@ -180,6 +180,15 @@ impl Dist {
         if let Some(b) = count_var("CONSORT_IN_PLACE_MIN")? {
             opts.in_place_min = b;
         }
+        match std::env::var("CONSORT_SHM").ok().as_deref().map(str::trim) {
+            None | Some("" | "1" | "true" | "True") => {}
+            Some("0" | "false" | "False") => opts.shm = false,
+            Some(v) => {
+                return Err(CommError::invalid(format!(
+                    "CONSORT_SHM={v:?} is not valid: expected 1 or 0"
+                )));
+            }
+        }
         let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
             .await?;
         Ok(ProcessGroup::new(Arc::new(b)))

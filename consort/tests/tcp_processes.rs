@@ -61,8 +61,16 @@ async fn worker() {
     dist.shutdown().await.expect("shutdown");
 }
 
-fn spawn(rank: usize, world: usize, port: u16, mode: &str, timeout_s: u32) -> Child {
+fn spawn_with(
+    rank: usize,
+    world: usize,
+    port: u16,
+    mode: &str,
+    timeout_s: u32,
+    shm: bool,
+) -> Child {
     Command::new(std::env::current_exe().unwrap())
+        .env("CONSORT_SHM", if shm { "1" } else { "0" })
         .args([
             "--ignored",
             "--exact",
@@ -100,9 +108,13 @@ fn lines_of(child: &mut Child) -> std::sync::mpsc::Receiver<Value> {
 }
 
 fn battery(world: usize) {
+    battery_with(world, true);
+}
+
+fn battery_with(world: usize, shm: bool) {
     let port = free_port();
     let mut children: Vec<Child> = (0..world)
-        .map(|r| spawn(r, world, port, "battery", 60))
+        .map(|r| spawn_with(r, world, port, "battery", 60, shm))
         .collect();
     let rxs: Vec<_> = children.iter_mut().map(lines_of).collect();
     for (r, rx) in rxs.iter().enumerate() {
@@ -139,11 +151,25 @@ fn conformance_battery_across_8_processes() {
 }
 
 #[test]
+fn conformance_battery_across_3_processes_without_shared_memory() {
+    battery_with(3, false);
+}
+
+#[test]
+fn a_killed_rank_is_noticed_within_2_seconds_without_shared_memory() {
+    killed(false);
+}
+
+#[test]
 fn a_killed_rank_is_noticed_by_every_survivor_within_2_seconds() {
+    killed(true);
+}
+
+fn killed(shm: bool) {
     let world = 4;
     let port = free_port();
     let mut children: Vec<Child> = (0..world)
-        .map(|r| spawn(r, world, port, "loop", 30))
+        .map(|r| spawn_with(r, world, port, "loop", 30, shm))
         .collect();
     let rxs: Vec<_> = children.iter_mut().map(lines_of).collect();
     for rx in &rxs {

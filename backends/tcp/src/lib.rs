@@ -11,6 +11,7 @@
 pub mod auth;
 pub mod iface;
 mod pg;
+mod shm;
 pub mod store;
 
 pub use auth::Secret;

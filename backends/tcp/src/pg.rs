@@ -24,7 +24,7 @@ use consort_comm::{
         Action, AlgoConfig, Buf, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
-    frame::{AbortInfo, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
+    frame::{AbortInfo, FLAG_SHM, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
     store::Store,
 };
 use tokio::{
@@ -65,6 +65,10 @@ pub struct TcpOptions {
     /// straight into the call's buffer when the receive is already posted
     /// (no second copy); smaller ones are buffered. Default 64 KiB.
     pub in_place_min: usize,
+    /// Same-host peers pass payloads through shared memory (`/dev/shm`)
+    /// and only headers over TCP; falls back to TCP per pair when that is
+    /// not possible. Default on.
+    pub shm: bool,
     /// TCP connections per pair of ranks (1 to 8); frames spread over them
     /// by tag. On this project's loopback benches 2 streams measured no
     /// better than 1 (the sender writes every stream from one task), so
@@ -90,6 +94,7 @@ impl Default for TcpOptions {
             limits: FrameLimits::default(),
             namespace: "consort/tcp/world".into(),
             in_place_min: 64 * 1024,
+            shm: true,
             streams: 1,
             secret: Secret::from_env(),
         }
@@ -100,6 +105,9 @@ impl Default for TcpOptions {
 struct Frame {
     fp: Fingerprint,
     payload: Vec<u8>,
+    /// The payload is still in the peer's shared-memory slot: (slot, bytes).
+    /// The call applies it from there and then returns the slot.
+    slot: Option<(usize, usize)>,
 }
 
 /// Bounce-buffer chunk of in-place receives: L2-sized, so the kernel's copy
@@ -170,6 +178,12 @@ struct Inner {
     pool: Mutex<Vec<Vec<u8>>>,
     /// Receives the readers may apply in place.
     direct: Mutex<Registry>,
+    /// Shared-memory slots this rank sends into, per same-host peer.
+    shm_tx: Vec<Option<crate::shm::Tx>>,
+    /// Shared-memory slots peers send into, per same-host peer.
+    shm_rx: Vec<Option<crate::shm::Region>>,
+    /// Bytes per slot.
+    slot_bytes: usize,
 }
 
 /// Buffers kept in the pool at most.
@@ -422,6 +436,24 @@ impl TcpBackend {
             )
         })??;
 
+        let mut conns = conns;
+        let slot_bytes = opts.algo.segment_bytes.clamp(64 * 1024, 16 << 20);
+        let (shm_tx, shm_rx) = if opts.shm && world > 1 {
+            before(deadline, shm_setup(rank, &mut conns, slot_bytes))
+                .await
+                .ok_or_else(|| {
+                    setup_err(
+                        rank,
+                        "timed out setting up shared memory with same-host peers",
+                    )
+                })?
+                .map_err(|e| setup_err(rank, format_args!("setting up shared memory: {e}")))?
+        } else {
+            (
+                (0..world).map(|_| None).collect(),
+                (0..world).map(|_| None).collect(),
+            )
+        };
         let mut writers = Vec::with_capacity(world);
         let mut reads = Vec::new();
         for (peer, streams) in conns.into_iter().enumerate() {
@@ -443,6 +475,9 @@ impl TcpBackend {
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),
+            shm_tx,
+            shm_rx,
+            slot_bytes,
         });
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
@@ -463,6 +498,96 @@ impl TcpBackend {
             state: Mutex::new(CallState::default()),
         })
     }
+}
+
+type ShmPair = (Vec<Option<crate::shm::Tx>>, Vec<Option<crate::shm::Region>>);
+
+async fn write_blob(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    let len =
+        u16::try_from(b.len()).map_err(|_| std::io::Error::other("setup message too long"))?;
+    s.write_all(&len.to_le_bytes()).await?;
+    s.write_all(b).await
+}
+
+async fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let len = s.read_u16_le().await? as usize;
+    let mut b = vec![0u8; len];
+    s.read_exact(&mut b).await?;
+    Ok(b)
+}
+
+/// Agrees with every peer, over stream 0, on shared-memory slots: host ids
+/// first, then region names for same-host peers, then whether each side
+/// could map the other's region. Every phase writes to all peers before
+/// reading from any, so no phase waits on another rank's later phase.
+async fn shm_setup(
+    rank: usize,
+    conns: &mut [Vec<Option<TcpStream>>],
+    slot_bytes: usize,
+) -> std::io::Result<ShmPair> {
+    use crate::shm::{Region, SLOTS, Tx, host_id};
+    let world = conns.len();
+    let me = host_id();
+    let peers: Vec<usize> = (0..world).filter(|p| *p != rank).collect();
+    for &p in &peers {
+        write_blob(conns[p][0].as_mut().expect("stream 0"), me.as_bytes()).await?;
+    }
+    let mut same = vec![false; world];
+    for &p in &peers {
+        same[p] = read_blob(conns[p][0].as_mut().expect("stream 0")).await? == me.as_bytes();
+    }
+    let mut mine: Vec<Option<(String, Region)>> = (0..world).map(|_| None).collect();
+    for &p in &peers {
+        let mut name = String::new();
+        if same[p] {
+            let mut nonce = [0u8; 8];
+            getrandom::fill(&mut nonce).map_err(|e| std::io::Error::other(e.to_string()))?;
+            let n = format!(
+                "consort-{}-{rank}to{p}-{:016x}",
+                std::process::id(),
+                u64::from_le_bytes(nonce)
+            );
+            match Region::create(&n, SLOTS * slot_bytes) {
+                Ok(r) => {
+                    name = n.clone();
+                    mine[p] = Some((n, r));
+                }
+                Err(e) => tracing::debug!("no shared memory toward rank {p}: {e}"),
+            }
+        }
+        write_blob(conns[p][0].as_mut().expect("stream 0"), name.as_bytes()).await?;
+    }
+    let mut rx: Vec<Option<Region>> = (0..world).map(|_| None).collect();
+    for &p in &peers {
+        let name = read_blob(conns[p][0].as_mut().expect("stream 0")).await?;
+        let name = String::from_utf8_lossy(&name).into_owned();
+        let valid = !name.is_empty() && name.starts_with("consort-") && !name.contains('/');
+        if same[p] && valid {
+            match Region::open(&name, SLOTS * slot_bytes) {
+                Ok(r) => rx[p] = Some(r),
+                Err(e) => tracing::debug!("cannot map rank {p}'s shared memory: {e}"),
+            }
+        }
+    }
+    for &p in &peers {
+        let ok = u8::from(rx[p].is_some());
+        conns[p][0]
+            .as_mut()
+            .expect("stream 0")
+            .write_all(&[ok])
+            .await?;
+    }
+    let mut tx: Vec<Option<Tx>> = (0..world).map(|_| None).collect();
+    for &p in &peers {
+        let ok = conns[p][0].as_mut().expect("stream 0").read_u8().await? == 1;
+        if let Some((name, region)) = mine[p].take() {
+            Region::unlink(&name);
+            if ok {
+                tx[p] = Some(Tx::new(region, slot_bytes));
+            }
+        }
+    }
+    Ok((tx, rx))
 }
 
 /// Runs `fut` until `deadline` on tokio's timer wheel (cheap enough for
@@ -537,6 +662,18 @@ async fn read_loop(
             }
         };
         let len = h.payload_len as usize;
+        if h.in_shm() {
+            match take_from_slot(&inner, peer, &h).await {
+                Ok(()) => continue,
+                Err(why) => {
+                    lock(&inner.inbox)
+                        .protocol
+                        .get_or_insert((peer, why.clone()));
+                    inner.notify.notify_one();
+                    break why;
+                }
+            }
+        }
         if h.kind == FrameKind::Data
             && len >= in_place_min
             && !matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv)
@@ -594,6 +731,11 @@ async fn read_loop(
                         let _ = w.lock().await.write_all(&reply).await;
                     }
                 }
+                CREDIT_TAG => {
+                    if let Some(tx) = inner.shm_tx[peer].as_ref() {
+                        tx.give_back(h.offset as usize);
+                    }
+                }
                 PROBE_REPLY_TAG => {
                     let fp = (h.fingerprint.op != OpKind::NewGroup).then_some(h.fingerprint);
                     lock(&inner.inbox).probes.push((peer, fp));
@@ -616,6 +758,7 @@ async fn read_loop(
                 let frame = Frame {
                     fp: h.fingerprint,
                     payload,
+                    slot: None,
                 };
                 let mut inbox = lock(&inner.inbox);
                 if matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv) {
@@ -680,6 +823,92 @@ fn bytemuck_bytes_mut(v: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
 }
 
+/// Applies a frame whose payload sits in the peer's shared-memory slot
+/// `h.offset`, then hands the slot back with a credit frame.
+async fn take_from_slot(
+    inner: &Inner,
+    peer: usize,
+    h: &FrameHeader,
+) -> std::result::Result<(), String> {
+    let len = h.payload_len as usize;
+    let slot = h.offset as usize;
+    let src = inner.shm_rx[peer]
+        .as_ref()
+        .filter(|_| len <= inner.slot_bytes)
+        .and_then(|r| r.slot(slot, inner.slot_bytes))
+        .ok_or_else(|| format!("bad shared-memory frame (slot {slot}, {len} bytes)"))?;
+    // SAFETY: the sender filled the slot and then sent this header; it does
+    // not touch the slot again until our credit (see `crate::shm`).
+    let data = unsafe { std::slice::from_raw_parts(src.cast_const(), len) };
+    let p2p = matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv);
+    let key = (peer, h.fingerprint.seq, h.tag);
+    let applied = !p2p && {
+        let mut reg = lock(&inner.direct);
+        let fits = reg
+            .posted
+            .get(&key)
+            .is_some_and(|d| d.fp == h.fingerprint && d.len == len);
+        if fits {
+            let d = reg.posted.remove(&key).expect("checked");
+            // SAFETY: the registering call is current, the range is its
+            // own, and we hold the registry lock (see `Registry`).
+            let dst = unsafe { std::slice::from_raw_parts_mut(d.dst, len) };
+            match d.reduce {
+                Some((op, dtype)) => {
+                    let _ = op.apply_bytes(dtype, dst, data);
+                }
+                None => dst.copy_from_slice(data),
+            }
+        }
+        fits
+    };
+    if applied {
+        lock(&inner.inbox).done.insert(key);
+    } else {
+        // Not posted yet: leave the payload in the slot; the call applies it
+        // from there when it posts the receive, then returns the slot.
+        let frame = Frame {
+            fp: h.fingerprint,
+            payload: Vec::new(),
+            slot: Some((slot, len)),
+        };
+        let mut inbox = lock(&inner.inbox);
+        if p2p {
+            inbox.p2p.entry((peer, h.tag)).or_default().push_back(frame);
+        } else if inbox.coll.insert(key, frame).is_some() {
+            inbox.protocol.get_or_insert((
+                peer,
+                format!("duplicate frame (seq {}, tag {})", key.1, key.2),
+            ));
+        }
+        drop(inbox);
+        inner.notify.notify_one();
+        return Ok(());
+    }
+    inner.notify.notify_one();
+    send_credit(inner, peer, h.fingerprint, slot).await;
+    Ok(())
+}
+
+/// Hands slot `slot` back to `peer`.
+async fn send_credit(inner: &Inner, peer: usize, fp: Fingerprint, slot: usize) {
+    let credit = FrameHeader {
+        kind: FrameKind::Abort,
+        fingerprint: fp,
+        tag: CREDIT_TAG,
+        offset: slot as u64,
+        payload_len: 0,
+        flags: 0,
+    }
+    .encode();
+    if let Some(w) = inner.writers[peer].first() {
+        // A peer that has finished and exited needs no credit back; a
+        // broken connection shows up as EOF on this reader anyway.
+        let _ = w.lock().await.write_all(&credit).await;
+    }
+}
+
+const CREDIT_TAG: u32 = u32::MAX - 2;
 const PROBE_TAG: u32 = u32::MAX;
 const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
 
@@ -701,6 +930,7 @@ fn probe_frame(tag: u32, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
         tag,
         offset: 0,
         payload_len: 0,
+        flags: 0,
     }
     .encode()
 }
@@ -865,6 +1095,51 @@ impl TcpBackend {
         write_all_vectored(&mut *w, &[header, payload]).await
     }
 
+    /// Sends one data frame to `to`: through a shared-memory slot when the
+    /// peer is on this host and the payload fits, else on the TCP stream.
+    async fn send(
+        &self,
+        to: usize,
+        tag: u32,
+        fp: Fingerprint,
+        offset: usize,
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        if let Some(tx) = self.inner.shm_tx.get(to).and_then(Option::as_ref)
+            && payload.len() <= tx.slot_bytes
+        {
+            let slot = loop {
+                let credit = tx.credit.notified();
+                let mut credit = std::pin::pin!(credit);
+                credit.as_mut().enable();
+                if let Some(i) = tx.take() {
+                    break i;
+                }
+                if lock(&self.inner.inbox).lost.iter().any(|(p, _)| *p == to) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::BrokenPipe,
+                        "peer gone",
+                    ));
+                }
+                // Credits come from the reader task; wake now and then to
+                // notice a lost peer.
+                let _ = tokio::time::timeout(Duration::from_millis(50), credit).await;
+            };
+            let dst = tx
+                .region
+                .slot(slot, tx.slot_bytes)
+                .ok_or_else(|| std::io::Error::other("bad slot"))?;
+            // SAFETY: this side owns `slot` until the peer's credit; the slot
+            // holds `slot_bytes >= payload.len()` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), dst, payload.len()) };
+            let mut h = FrameHeader::data(fp, tag, slot as u64, payload.len() as u64);
+            h.flags = FLAG_SHM;
+            return self.send_frame(to, tag, &h.encode(), &[]).await;
+        }
+        let h = FrameHeader::data(fp, tag, offset as u64, payload.len() as u64).encode();
+        self.send_frame(to, tag, &h, payload).await
+    }
+
     /// Tells every peer about `e` (best effort).
     async fn propagate(&self, e: &CommError, fp: Fingerprint) {
         let info = abort_info(e, Some(fp)).encode();
@@ -874,6 +1149,7 @@ impl TcpBackend {
             tag: 0,
             offset: 0,
             payload_len: info.len() as u64,
+            flags: 0,
         }
         .encode();
         for q in 0..self.inner.world {
@@ -901,7 +1177,14 @@ impl TcpBackend {
             if st.in_call {
                 return Err(CommError::invalid("this rank already has a call in flight; await each op before starting the next").with_context(ctx));
             }
-            if let Some((peer, why)) = lock(&inner.inbox).lost.first().cloned() {
+            // A lost peer breaks every collective; a point-to-point call
+            // only needs its own peer.
+            let gone = lock(&inner.inbox)
+                .lost
+                .iter()
+                .find(|(p, _)| !p2p || *p == req.peer_or_root)
+                .cloned();
+            if let Some((peer, why)) = gone {
                 let e = CommError::PeerLost {
                     ctx,
                     peer,
@@ -987,16 +1270,11 @@ impl TcpBackend {
                         // SAFETY: a range being sent is never a posted
                         // receive's range (see `Registry`).
                         let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
-                        let h = FrameHeader {
-                            kind: FrameKind::Data,
-                            fingerprint: fp,
-                            tag: tx.tag,
-                            offset: tx.range.start as u64,
-                            payload_len: payload.len() as u64,
-                        }
-                        .encode();
-                        let sent =
-                            before(deadline, self.send_frame(tx.to, tx.tag, &h, payload)).await;
+                        let sent = before(
+                            deadline,
+                            self.send(tx.to, tx.tag, fp, tx.range.start, payload),
+                        )
+                        .await;
                         match sent {
                             Some(Ok(())) => {}
                             Some(Err(e)) => {
@@ -1162,9 +1440,27 @@ impl TcpBackend {
                         // The frame came the buffered way: its in-place
                         // registration must go before the range is reused.
                         reg.posted.remove(&(rv.from, seq, rv.tag));
+                        let data: &[u8] = match f.slot {
+                            Some((slot, len)) => match inner.shm_rx[rv.from]
+                                .as_ref()
+                                .and_then(|r| r.slot(slot, inner.slot_bytes))
+                            {
+                                // SAFETY: the peer filled the slot before
+                                // sending its header and waits for our
+                                // credit before touching it again.
+                                Some(p) => unsafe {
+                                    std::slice::from_raw_parts(p.cast_const(), len)
+                                },
+                                None => &[],
+                            },
+                            None => &f.payload,
+                        };
                         // SAFETY: readers are excluded by the lock.
-                        unsafe { raw.buffers() }.apply(&rv, &f.payload, reduce, rv.from)
+                        unsafe { raw.buffers() }.apply(&rv, data, reduce, rv.from)
                     };
+                    if let Some((slot, _)) = f.slot {
+                        send_credit(inner, rv.from, f.fp, slot).await;
+                    }
                     inner.recycle(f.payload);
                     if let Err(e) = applied {
                         break 'call Err(e);

@@ -1,6 +1,8 @@
 //! The conformance suite on the TCP backend: every world is N real
 //! backends in this process, meeting through a store and talking over a
-//! full mesh of loopback sockets. (The multi-process tests run it across
+//! full mesh of loopback sockets; once with every byte on TCP (as between
+//! hosts), once through shared memory (same host), and with the in-place
+//! and multi-stream paths forced. (The multi-process tests run it across
 //! OS processes.)
 
 use std::{sync::Arc, time::Duration};
@@ -10,7 +12,11 @@ use consort_tcp::{TcpBackend, TcpOptions};
 use consort_tests::WorldFuture;
 
 fn tcp_world(n: usize) -> WorldFuture {
-    world_with_streams(n, 1)
+    world_with(n, 1, usize::MAX, false)
+}
+
+fn tcp_world_shm(n: usize) -> WorldFuture {
+    world_with(n, 1, 0, true)
 }
 
 fn tcp_world_3_streams(n: usize) -> WorldFuture {
@@ -18,16 +24,18 @@ fn tcp_world_3_streams(n: usize) -> WorldFuture {
 }
 
 fn tcp_world_in_place(n: usize) -> WorldFuture {
-    world_with(n, 1, 0)
+    world_with(n, 1, 0, false)
 }
 
 fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
-    world_with(n, streams, usize::MAX)
+    world_with(n, streams, usize::MAX, false)
 }
 
 /// `in_place_min = 0` sends every posted receive down the in-place path;
-/// `usize::MAX` none.
-fn world_with(n: usize, streams: usize, in_place_min: usize) -> WorldFuture {
+/// `usize::MAX` none. `shm` passes payloads through shared memory (every
+/// rank of these worlds is on this host); without it, every byte crosses
+/// a TCP socket, as between hosts.
+fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> WorldFuture {
     Box::pin(async move {
         let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(20)));
         let opts = TcpOptions {
@@ -42,6 +50,7 @@ fn world_with(n: usize, streams: usize, in_place_min: usize) -> WorldFuture {
             stall_probe: Duration::from_millis(100),
             streams,
             in_place_min,
+            shm,
             ..TcpOptions::default()
         };
         let tasks: Vec<_> = (0..n)
@@ -57,6 +66,10 @@ fn world_with(n: usize, streams: usize, in_place_min: usize) -> WorldFuture {
 
 mod one_stream {
     consort_tests::conformance!(crate::tcp_world, cases = 32);
+}
+
+mod shared_memory {
+    consort_tests::conformance!(crate::tcp_world_shm, cases = 32);
 }
 
 mod in_place {

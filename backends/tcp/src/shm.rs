@@ -1,0 +1,167 @@
+//! Shared-memory slots for peers on the same host: the fast path that lets
+//! a frame's payload skip the kernel's two TCP copies.
+//!
+//! For each ordered pair of same-host ranks, the sender creates a region
+//! under `/dev/shm` (mode 0600, exclusive create, unlinked as soon as the
+//! peer has mapped it) holding [`SLOTS`] slots. To send, it copies the
+//! payload into a free slot and sends only the frame header over TCP, with
+//! [`consort_comm::frame::FLAG_SHM`] and the slot number. The receiver
+//! applies the payload straight from the slot (reducing or copying into
+//! place) and hands the slot back with a credit frame. A slot is owned by
+//! exactly one side at a time, and ownership changes hands through the TCP
+//! stream (a system call on each side), which orders the memory accesses.
+
+use std::{fs::OpenOptions, io, os::unix::fs::OpenOptionsExt, path::PathBuf, sync::Mutex};
+
+use tokio::sync::Notify;
+
+/// Slots per direction of a pair.
+pub(crate) const SLOTS: usize = 16;
+
+/// A mapping of a shared region.
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is process-wide memory; access follows the slot
+// ownership protocol above.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are the mapping made in `map`.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn map(file: &std::fs::File, len: usize) -> io::Result<Region> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh shared mapping of a file we hold open; checked below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Region {
+        ptr: ptr.cast(),
+        len,
+    })
+}
+
+/// Where regions live.
+fn path(name: &str) -> PathBuf {
+    PathBuf::from("/dev/shm").join(name)
+}
+
+impl Region {
+    /// Creates region `name` of `len` bytes (fails if it exists).
+    pub(crate) fn create(name: &str, len: usize) -> io::Result<Region> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path(name))?;
+        f.set_len(len as u64)?;
+        map(&f, len)
+    }
+
+    /// Maps the existing region `name` of `len` bytes.
+    pub(crate) fn open(name: &str, len: usize) -> io::Result<Region> {
+        let f = OpenOptions::new().read(true).write(true).open(path(name))?;
+        if f.metadata()?.len() < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "shared region too small",
+            ));
+        }
+        map(&f, len)
+    }
+
+    /// Removes the name (the mappings stay valid).
+    pub(crate) fn unlink(name: &str) {
+        let _ = std::fs::remove_file(path(name));
+    }
+
+    /// Slot `i` of `slot_bytes` each, as a raw pointer (`None` out of range).
+    pub(crate) fn slot(&self, i: usize, slot_bytes: usize) -> Option<*mut u8> {
+        (i < SLOTS && (i + 1) * slot_bytes <= self.len)
+            .then(|| self.ptr.wrapping_add(i * slot_bytes))
+    }
+}
+
+/// The sending side of a pair: the region and which slots are free.
+pub(crate) struct Tx {
+    pub(crate) region: Region,
+    pub(crate) slot_bytes: usize,
+    free: Mutex<Vec<usize>>,
+    pub(crate) credit: Notify,
+}
+
+impl Tx {
+    pub(crate) fn new(region: Region, slot_bytes: usize) -> Self {
+        Tx {
+            region,
+            slot_bytes,
+            free: Mutex::new((0..SLOTS).rev().collect()),
+            credit: Notify::new(),
+        }
+    }
+
+    /// Takes a free slot, if any.
+    pub(crate) fn take(&self) -> Option<usize> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    /// Returns slot `i` (a credit from the receiver).
+    pub(crate) fn give_back(&self, i: usize) {
+        let mut f = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if i < SLOTS && !f.contains(&i) {
+            f.push(i);
+        }
+        drop(f);
+        self.credit.notify_one();
+    }
+}
+
+/// This host's identity: peers with the same one can share memory (boot id
+/// and hostname; a container with its own /dev/shm fails the open and falls
+/// back to TCP).
+pub(crate) fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}/{}", boot.trim(), host.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_see_the_same_bytes() {
+        let name = format!("consort-test-{}", std::process::id());
+        let a = Region::create(&name, 4096 * SLOTS).unwrap();
+        let b = Region::open(&name, 4096 * SLOTS).unwrap();
+        Region::unlink(&name);
+        let pa = a.slot(3, 4096).unwrap();
+        // SAFETY: in-bounds writes and reads of one mapping seen through two.
+        unsafe {
+            pa.write(42);
+            assert_eq!(b.slot(3, 4096).unwrap().read(), 42);
+        }
+        assert!(a.slot(SLOTS, 4096).is_none());
+        assert!(Region::create(&name, 10).is_ok(), "the name was unlinked");
+        Region::unlink(&name);
+    }
+}
