@@ -259,10 +259,10 @@ impl BatchSampler {
     }
 }
 
-impl Iterator for BatchSampler {
-    type Item = Vec<u64>;
-
-    fn next(&mut self) -> Option<Vec<u64>> {
+impl BatchSampler {
+    /// The next batch of this rank's indices, or `None` at the end of the
+    /// epoch.
+    pub fn next_batch(&mut self) -> Option<Vec<u64>> {
         let n = self.sampler.len();
         if self.next >= n {
             return None;
@@ -276,6 +276,11 @@ impl Iterator for BatchSampler {
             .collect();
         self.next = end;
         Some(batch)
+    }
+
+    /// The remaining batches of the epoch.
+    pub fn batches(&mut self) -> impl Iterator<Item = Vec<u64>> + '_ {
+        std::iter::from_fn(move || self.next_batch())
     }
 }
 
@@ -311,5 +316,198 @@ impl EvalSampler {
     /// This rank's indices.
     pub fn indices(&self) -> impl Iterator<Item = u64> + '_ {
         (0..self.count()).map(move |i| self.rank + i * self.num_replicas)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configurations_are_errors_not_panics() {
+        assert_eq!(
+            DistributedSampler::new(10, 0, 0, true, 0, false).unwrap_err(),
+            SamplerError::NoReplicas
+        );
+        let e = DistributedSampler::new(10, 4, 4, true, 0, false).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank 4 is out of range for num_replicas 4 (valid: 0..=3)"
+        );
+        assert!(EvalSampler::new(10, 2, 2).is_err());
+        let s = DistributedSampler::new(10, 2, 0, false, 0, false).unwrap();
+        assert_eq!(
+            BatchSampler::new(s, 0, false).unwrap_err(),
+            SamplerError::NoBatch
+        );
+    }
+
+    #[test]
+    fn streaming_is_a_bijection_for_every_n_below_10_000() {
+        for key in [0u64, 0xdead_beef] {
+            let mut seen = vec![false; 10_000];
+            for n in 0..10_000u64 {
+                let f = Feistel::new(n, key ^ n);
+                seen[..n as usize].iter_mut().for_each(|s| *s = false);
+                for i in 0..n {
+                    let x = f.permute(i) as usize;
+                    assert!(x < n as usize && !seen[x], "n={n}: {i} -> {x}");
+                    seen[x] = true;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn padding_duplicates_samples_and_the_eval_sampler_does_not() {
+        // 10 samples over 4 ranks: 3 each, 2 samples counted twice.
+        let all: Vec<u64> = (0..4)
+            .flat_map(|r| {
+                DistributedSampler::new(10, 4, r, false, 0, false)
+                    .unwrap()
+                    .indices()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(all.len(), 12);
+        let eval: Vec<u64> = (0..4)
+            .flat_map(|r| {
+                EvalSampler::new(10, 4, r)
+                    .unwrap()
+                    .indices()
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut sorted = eval.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        let counts: Vec<u64> = (0..4)
+            .map(|r| EvalSampler::new(10, 4, r).unwrap().count())
+            .collect();
+        assert_eq!(counts, vec![3, 3, 2, 2]);
+    }
+
+    #[test]
+    fn batches_resume_from_a_sample_offset() {
+        let s = || DistributedSampler::new(103, 3, 1, true, 9, false).unwrap();
+        let full: Vec<u64> = BatchSampler::new(s(), 5, false)
+            .unwrap()
+            .batches()
+            .flatten()
+            .collect();
+        assert_eq!(full, s().indices().unwrap());
+        let mut b = BatchSampler::new(s(), 5, false).unwrap();
+        b.skip(12);
+        let rest: Vec<u64> = b.batches().flatten().collect();
+        assert_eq!(rest, full[12..]);
+        let mut dropped = BatchSampler::new(s(), 5, true).unwrap();
+        assert_eq!(dropped.len(), 35 / 5);
+        assert!(dropped.batches().all(|b| b.len() == 5));
+        assert_eq!(s().iter_from(30).collect::<Vec<_>>(), full[30..]);
+    }
+
+    mod proptests {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn config() -> impl Strategy<Value = (u64, usize, bool, u64, bool, bool)> {
+            (
+                0u64..2000,
+                1usize..9,
+                any::<bool>(),
+                any::<u64>(),
+                any::<bool>(),
+                any::<bool>(),
+            )
+        }
+
+        fn shards(
+            n: u64,
+            r: usize,
+            shuffle: bool,
+            seed: u64,
+            drop_last: bool,
+            streaming: bool,
+            epoch: u64,
+        ) -> Vec<Vec<u64>> {
+            (0..r)
+                .map(|k| {
+                    let mode = if streaming {
+                        Mode::Streaming
+                    } else {
+                        Mode::Exact
+                    };
+                    let mut s = DistributedSampler::new(n, r, k, shuffle, seed, drop_last)
+                        .unwrap()
+                        .with_mode(mode);
+                    s.set_epoch(epoch);
+                    s.indices().unwrap()
+                })
+                .collect()
+        }
+
+        proptest! {
+            #[test]
+            fn every_rank_gets_the_same_count((n, r, shuffle, seed, drop_last, streaming) in config()) {
+                let sh = shards(n, r, shuffle, seed, drop_last, streaming, 0);
+                let want = DistributedSampler::new(n, r, 0, shuffle, seed, drop_last).unwrap().len();
+                for s in &sh {
+                    prop_assert_eq!(s.len() as u64, want);
+                }
+            }
+
+            #[test]
+            fn coverage_is_exact_or_padded_with_the_leading_indices(
+                (n, r, shuffle, seed, drop_last, streaming) in config()
+            ) {
+                let sh = shards(n, r, shuffle, seed, drop_last, streaming, 1);
+                // Reassemble the global order: rank k holds positions k, k+r, ...
+                let total = sh[0].len() * r;
+                let mut order = vec![0u64; total];
+                for (k, s) in sh.iter().enumerate() {
+                    for (i, x) in s.iter().enumerate() {
+                        order[k + i * r] = *x;
+                    }
+                }
+                if n % r as u64 == 0 || drop_last {
+                    let mut seen = order.clone();
+                    seen.sort_unstable();
+                    seen.dedup();
+                    prop_assert_eq!(seen.len(), total, "each index at most once");
+                    prop_assert!(order.iter().all(|x| *x < n));
+                    if n % r as u64 == 0 {
+                        prop_assert_eq!(total as u64, n, "everything covered");
+                    }
+                } else {
+                    // The first n entries are a permutation; the rest repeat
+                    // its leading entries.
+                    let n = n as usize;
+                    let mut head = order[..n].to_vec();
+                    head.sort_unstable();
+                    prop_assert_eq!(head, (0..n as u64).collect::<Vec<_>>());
+                    for j in n..total {
+                        prop_assert_eq!(order[j], order[j % n]);
+                    }
+                }
+            }
+
+            #[test]
+            fn order_is_deterministic_per_seed_and_epoch(
+                n in 50u64..2000, r in 1usize..5, seed in any::<u64>(), streaming in any::<bool>()
+            ) {
+                let a = shards(n, r, true, seed, false, streaming, 3);
+                prop_assert_eq!(&a, &shards(n, r, true, seed, false, streaming, 3));
+                prop_assert_ne!(a, shards(n, r, true, seed, false, streaming, 4), "another epoch, another order");
+            }
+
+            #[test]
+            fn eval_sharding_covers_everything_once(n in 0u64..3000, r in 1usize..9) {
+                let mut all: Vec<u64> = (0..r).flat_map(|k| EvalSampler::new(n, r, k).unwrap().indices().collect::<Vec<_>>()).collect();
+                let counts: Vec<u64> = (0..r).map(|k| EvalSampler::new(n, r, k).unwrap().count()).collect();
+                prop_assert!(counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1);
+                all.sort_unstable();
+                prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
+            }
+        }
     }
 }
