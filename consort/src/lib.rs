@@ -28,6 +28,9 @@ pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 /// The deterministic in-process simulator (functional and cost-only).
 pub use consort_sim as sim;
 
+/// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
+pub use consort_sampler as sampler;
+
 /// Collective algorithms as sans-IO schedules, and their selection policy.
 pub use consort_comm::algo;
 pub use env::{DistEnv, EnvError, Launcher};

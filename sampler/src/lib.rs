@@ -87,6 +87,8 @@ pub struct DistributedSampler {
     mode: Mode,
     /// The epoch's permutation (exact mode, shuffled), built on first use.
     perm: Option<(u64, Vec<u64>)>,
+    /// The epoch's keyed permutation (streaming mode).
+    feistel: Option<(u64, Feistel)>,
 }
 
 impl DistributedSampler {
@@ -112,6 +114,7 @@ impl DistributedSampler {
             epoch: 0,
             mode: Mode::Exact,
             perm: None,
+            feistel: None,
         })
     }
 
@@ -171,7 +174,7 @@ impl DistributedSampler {
             return j;
         }
         match self.mode {
-            Mode::Streaming => Feistel::new(self.len, self.key()).permute(j),
+            Mode::Streaming => self.feistel().permute(j),
             Mode::Exact => {
                 let key = self.key();
                 if self.perm.as_ref().is_none_or(|(k, _)| *k != key) {
@@ -179,6 +182,19 @@ impl DistributedSampler {
                     self.perm = Some((key, randperm(n, key)));
                 }
                 self.perm.as_ref().expect("just built").1[j as usize]
+            }
+        }
+    }
+
+    /// The streaming permutation of the current epoch.
+    fn feistel(&mut self) -> Feistel {
+        let key = self.key();
+        match self.feistel {
+            Some((k, f)) if k == key => f,
+            _ => {
+                let f = Feistel::new(self.len, key);
+                self.feistel = Some((key, f));
+                f
             }
         }
     }
@@ -198,8 +214,28 @@ impl DistributedSampler {
 
     /// An iterator over this rank's indices from position `start` (for a run
     /// resumed mid-epoch).
-    pub fn iter_from(&mut self, start: u64) -> impl Iterator<Item = u64> + '_ {
-        (start..self.len()).map(move |i| self.get(i).expect("i < len"))
+    pub fn iter_from(&mut self, start: u64) -> Box<dyn Iterator<Item = u64> + '_> {
+        let count = self.len();
+        if self.mode == Mode::Streaming && self.shuffle {
+            // O(1) per index: walk the global positions by num_replicas,
+            // wrapping (padding) only at the tail.
+            let f = self.feistel();
+            let (n, r) = (self.len, self.num_replicas);
+            let mut j = if start < count {
+                (self.rank + start * r) % n.max(1)
+            } else {
+                0
+            };
+            return Box::new((start..count).map(move |_| {
+                let x = f.permute(j);
+                j += r;
+                if j >= n {
+                    j %= n;
+                }
+                x
+            }));
+        }
+        Box::new((start..count).map(move |i| self.get(i).expect("i < len")))
     }
 }
 
@@ -498,6 +534,17 @@ mod tests {
                 let a = shards(n, r, true, seed, false, streaming, 3);
                 prop_assert_eq!(&a, &shards(n, r, true, seed, false, streaming, 3));
                 prop_assert_ne!(a, shards(n, r, true, seed, false, streaming, 4), "another epoch, another order");
+            }
+
+            #[test]
+            fn resuming_mid_epoch_matches_random_access(
+                (n, r, shuffle, seed, drop_last, streaming) in config(), start in 0u64..3000
+            ) {
+                let mode = if streaming { Mode::Streaming } else { Mode::Exact };
+                let mut s = DistributedSampler::new(n, r, r - 1, shuffle, seed, drop_last).unwrap().with_mode(mode);
+                let all = s.indices().unwrap();
+                let from = (start as usize).min(all.len());
+                prop_assert_eq!(s.iter_from(start).collect::<Vec<_>>(), all[from..].to_vec());
             }
 
             #[test]

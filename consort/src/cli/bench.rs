@@ -248,3 +248,54 @@ pub(crate) fn loopback_peer(
     s.write_all(&[1])?;
     Ok(())
 }
+
+/// Peak resident set size of this process, bytes (`VmHWM`).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Time to produce rank 0's indices (summed, so nothing is optimised away),
+/// indices per second, and this process's peak RSS.
+pub(crate) fn sampler(
+    len: u64,
+    num_replicas: usize,
+    mode: consort::sampler::Mode,
+) -> Result<Table, Box<dyn std::error::Error>> {
+    use consort::sampler::DistributedSampler;
+    let mut s = DistributedSampler::new(len, num_replicas, 0, true, 0, false)?.with_mode(mode);
+    s.set_epoch(1);
+    let start = Instant::now();
+    let count = s.len();
+    let mut checksum = 0u64;
+    for x in s.iter_from(0) {
+        checksum = checksum.wrapping_add(x);
+    }
+    black_box(checksum);
+    let secs = start.elapsed().as_secs_f64();
+    let mut t = Table::new(&[
+        "mode",
+        "len",
+        "num_replicas",
+        "indices",
+        "time_ms",
+        "indices_per_s",
+        "peak_rss_mib",
+    ]);
+    t.push(vec![
+        json!(format!("{mode:?}").to_lowercase()),
+        json!(len),
+        json!(num_replicas),
+        json!(count),
+        json!(secs * 1e3),
+        json!(count as f64 / secs),
+        json!(peak_rss() as f64 / (1 << 20) as f64),
+    ]);
+    Ok(t)
+}

@@ -43,6 +43,33 @@ enum Command {
         /// oneway or duplex.
         mode: String,
     },
+    /// Print one rank's sample indices as a JSON array (DistributedSampler).
+    Sampler {
+        /// Dataset length.
+        #[arg(long)]
+        len: u64,
+        /// World size.
+        #[arg(long)]
+        num_replicas: usize,
+        /// This rank.
+        #[arg(long)]
+        rank: usize,
+        /// Seed (torch's default is 0).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Epoch (set_epoch).
+        #[arg(long, default_value_t = 0)]
+        epoch: u64,
+        /// Shuffle (true|false).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        shuffle: bool,
+        /// Drop the tail instead of padding (true|false).
+        #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+        drop_last: bool,
+        /// exact (PyTorch's order) or streaming (Feistel, O(1) memory).
+        #[arg(long, default_value = "exact")]
+        mode: String,
+    },
     /// One rank of `consort bench --backend tcp` (started by it).
     #[command(hide = true)]
     BenchWorker {
@@ -164,6 +191,21 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Sampler throughput: one rank's indices for a dataset of `len`.
+    Sampler {
+        /// Dataset length, with K/M/G suffixes (decimal here: 10M = 10,000,000).
+        #[arg(long, default_value = "10000000")]
+        len: u64,
+        /// World size.
+        #[arg(long, default_value_t = 1)]
+        num_replicas: usize,
+        /// exact or streaming.
+        #[arg(long, default_value = "exact")]
+        mode: String,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
     /// ReduceOp::Sum apply throughput per dtype, beside memcpy.
     Reduce {
         /// Buffer sizes in bytes of dst, with K/M/G suffixes.
@@ -221,6 +263,16 @@ pub(crate) fn parse_dtypes(s: &str) -> Result<DTypeList, String> {
         })
         .collect::<Result<_, _>>()
         .map(DTypeList)
+}
+
+fn parse_mode(s: &str) -> Result<consort::sampler::Mode, String> {
+    match s {
+        "exact" => Ok(consort::sampler::Mode::Exact),
+        "streaming" => Ok(consort::sampler::Mode::Streaming),
+        other => Err(format!(
+            "unknown --mode {other:?}: expected exact or streaming"
+        )),
+    }
 }
 
 /// Backends compiled into this build.
@@ -300,6 +352,45 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             print!("{}", collective::run(spec).await?.render(json));
         }
         Command::BenchWorker { spec } => collective::worker(&spec).await?,
+        Command::Sampler {
+            len,
+            num_replicas,
+            rank,
+            seed,
+            epoch,
+            shuffle,
+            drop_last,
+            mode,
+        } => {
+            let mut s = consort::sampler::DistributedSampler::new(
+                len,
+                num_replicas,
+                rank,
+                shuffle,
+                seed,
+                drop_last,
+            )?
+            .with_mode(parse_mode(&mode)?);
+            s.set_epoch(epoch);
+            println!("{}", serde_json::to_string(&s.indices()?)?);
+        }
+        Command::Bench(BenchArgs {
+            machine:
+                Some(BenchCommand::Sampler {
+                    len,
+                    num_replicas,
+                    mode,
+                    json,
+                }),
+            ..
+        }) => {
+            let mode = parse_mode(&mode)?;
+            let t = tokio::task::spawn_blocking(move || {
+                bench::sampler(len, num_replicas, mode).map_err(|e| e.to_string())
+            })
+            .await??;
+            print!("{}", t.render(json));
+        }
         Command::Bench(BenchArgs {
             machine: Some(BenchCommand::Loopback { size, json }),
             ..

@@ -1,0 +1,114 @@
+//! The `consort` binary as a user runs it.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn consort(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_consort"))
+        .args(args)
+        .output()
+        .expect("run consort")
+}
+
+#[test]
+fn sampler_prints_one_ranks_indices_as_json() {
+    let out = consort(&[
+        "sampler",
+        "--len",
+        "10",
+        "--num-replicas",
+        "3",
+        "--rank",
+        "1",
+        "--seed",
+        "0",
+        "--epoch",
+        "0",
+        "--shuffle",
+        "true",
+        "--drop-last",
+        "false",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    // torch 2.15: list(DistributedSampler(range(10), 3, 1, shuffle=True, seed=0))
+    assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), "[1,3,8,4]");
+    let out = consort(&[
+        "sampler",
+        "--len",
+        "100",
+        "--num-replicas",
+        "4",
+        "--rank",
+        "2",
+        "--mode",
+        "streaming",
+    ]);
+    let v: Vec<u64> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v.len(), 25);
+}
+
+#[test]
+fn sampler_refuses_a_bad_rank_clearly() {
+    let out = consort(&[
+        "sampler",
+        "--len",
+        "10",
+        "--num-replicas",
+        "3",
+        "--rank",
+        "3",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("rank 3 is out of range for num_replicas 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sim_json_rows_carry_the_documented_fields() {
+    let out = consort(&[
+        "sim",
+        "--op",
+        "all_reduce",
+        "--algo",
+        "ring",
+        "--world-size",
+        "16",
+        "--sizes",
+        "4K,1M",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for f in [
+        "op",
+        "algo",
+        "world",
+        "bytes",
+        "time_us",
+        "algbw_gbs",
+        "busbw_gbs",
+        "closed_form_us",
+    ] {
+        assert!(rows[0].get(f).is_some(), "missing {f}: {}", rows[0]);
+    }
+    assert_eq!(rows[1]["bytes"], 1 << 20);
+}
+
+#[test]
+fn version_and_help() {
+    let v: Value = serde_json::from_slice(&consort(&["version", "--json"]).stdout).unwrap();
+    assert_eq!(v["name"], "consort");
+    let help = String::from_utf8(consort(&["--help"]).stdout).unwrap();
+    for sub in ["version", "store", "bench", "sim", "sampler"] {
+        assert!(help.contains(sub), "{help}");
+    }
+}
