@@ -214,28 +214,94 @@ impl DistributedSampler {
 
     /// An iterator over this rank's indices from position `start` (for a run
     /// resumed mid-epoch).
-    pub fn iter_from(&mut self, start: u64) -> Box<dyn Iterator<Item = u64> + '_> {
+    pub fn iter_from(&mut self, start: u64) -> ShardIter<'_> {
         let count = self.len();
         if self.mode == Mode::Streaming && self.shuffle {
             // O(1) per index: walk the global positions by num_replicas,
             // wrapping (padding) only at the tail.
             let f = self.feistel();
-            let (n, r) = (self.len, self.num_replicas);
-            let mut j = if start < count {
-                (self.rank + start * r) % n.max(1)
+            let n = self.len;
+            let j = if start < count {
+                (self.rank + start * self.num_replicas) % n.max(1)
             } else {
                 0
             };
-            return Box::new((start..count).map(move |_| {
-                let x = f.permute(j);
-                j += r;
-                if j >= n {
-                    j %= n;
-                }
-                x
-            }));
+            return ShardIter::Streaming {
+                f,
+                n,
+                step: self.num_replicas,
+                j,
+                left: count.saturating_sub(start),
+            };
         }
-        Box::new((start..count).map(move |i| self.get(i).expect("i < len")))
+        ShardIter::Indexed {
+            sampler: self,
+            next: start,
+            end: count,
+        }
+    }
+}
+
+/// The iterator [`DistributedSampler::iter_from`] returns.
+#[derive(Debug)]
+pub enum ShardIter<'a> {
+    /// Streaming mode: the keyed permutation, walked in O(1) per index.
+    Streaming {
+        /// The epoch's permutation.
+        f: Feistel,
+        /// Dataset length.
+        n: u64,
+        /// num_replicas.
+        step: u64,
+        /// Next global position.
+        j: u64,
+        /// Indices left.
+        left: u64,
+    },
+    /// Exact mode (or no shuffle): positions looked up one by one.
+    Indexed {
+        /// The sampler.
+        sampler: &'a mut DistributedSampler,
+        /// Next shard position.
+        next: u64,
+        /// One past the last shard position.
+        end: u64,
+    },
+}
+
+impl Iterator for ShardIter<'_> {
+    type Item = u64;
+
+    #[inline]
+    fn next(&mut self) -> Option<u64> {
+        match self {
+            ShardIter::Streaming {
+                f,
+                n,
+                step,
+                j,
+                left,
+            } => {
+                if *left == 0 {
+                    return None;
+                }
+                *left -= 1;
+                let x = f.permute(*j);
+                *j += *step;
+                if *j >= *n {
+                    *j %= *n;
+                }
+                Some(x)
+            }
+            ShardIter::Indexed { sampler, next, end } => {
+                if *next >= *end {
+                    return None;
+                }
+                let x = sampler.get(*next);
+                *next += 1;
+                x
+            }
+        }
     }
 }
 
