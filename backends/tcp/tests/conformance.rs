@@ -37,10 +37,12 @@ fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
 /// a TCP socket, as between hosts.
 fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> WorldFuture {
     Box::pin(async move {
-        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(20)));
+        // Generous hang guards: up to 16 ranks build a full mesh on a
+        // 2-core machine, where CI may be busy with other work.
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
         let opts = TcpOptions {
             timeout: Duration::from_secs(20),
-            connect_timeout: Duration::from_secs(20),
+            connect_timeout: Duration::from_secs(60),
             // Small segments so that short buffers exercise pipelining.
             algo: AlgoConfig {
                 segment_bytes: 64,

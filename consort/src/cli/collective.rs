@@ -194,6 +194,23 @@ pub(crate) async fn worker(spec_json: &str) -> Result<(), Box<dyn std::error::Er
     Ok(())
 }
 
+/// Runs the bench as one rank of a launched job (`consort run ... --
+/// consort bench --from-env`): the world comes from the environment, and
+/// rank 0 returns the table.
+pub(crate) async fn from_env(
+    mut spec: BenchSpec,
+) -> Result<Option<Table>, Box<dyn std::error::Error>> {
+    let dist = consort::init_from_env().await?;
+    let pg = dist.process_group().await?;
+    spec.world = pg.world_size();
+    spec.backend = "tcp".into();
+    let rows = bench_rank(pg.clone(), &spec).await?;
+    let rank = pg.rank();
+    drop(pg);
+    dist.shutdown().await?;
+    Ok((rank == 0).then(|| table(&spec, rows)))
+}
+
 /// Runs the bench and returns the table.
 pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Error>> {
     let rows: Vec<Row> = match spec.backend.as_str() {
@@ -219,6 +236,11 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
         }
         other => return Err(format!("unknown backend {other:?}: expected tcp or sim").into()),
     };
+    Ok(table(&spec, rows))
+}
+
+/// One row per (op, size), nccl-tests columns.
+fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
     let mut t = Table::new(&[
         "op",
         "backend",
@@ -259,7 +281,7 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
             json!(r.wrong),
         ]);
     }
-    Ok(t)
+    t
 }
 
 /// Starts `spec.world` worker processes on loopback and collects rank 0's

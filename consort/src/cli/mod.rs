@@ -2,6 +2,7 @@
 
 mod bench;
 mod collective;
+mod run;
 mod sim;
 mod table;
 
@@ -28,8 +29,17 @@ enum Command {
         json: bool,
     },
     /// Run a TCPStore server (PyTorch wire-compatible) until interrupted.
-    #[command(subcommand)]
-    Store(StoreCommand),
+    Store {
+        /// Address to listen on (0.0.0.0 for every interface).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port to listen on (0 picks a free one and prints it).
+        #[arg(long, default_value_t = 29500)]
+        port: u16,
+    },
+    /// Launch workers like torchrun: `consort run --nproc-per-node 4 --
+    /// program args...` (RANK, WORLD_SIZE, MASTER_ADDR, ... set for each).
+    Run(run::RunArgs),
     /// Benchmark collectives (N ranks on loopback, nccl-tests style), or,
     /// with a subcommand, measure this machine.
     Bench(BenchArgs),
@@ -116,19 +126,6 @@ enum Command {
     },
 }
 
-#[derive(Debug, Subcommand)]
-enum StoreCommand {
-    /// Serve a store that torch and consort processes can both use.
-    Serve {
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1")]
-        host: String,
-        /// Port to listen on (0 picks a free one and prints it).
-        #[arg(long, default_value_t = 29500)]
-        port: u16,
-    },
-}
-
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
     #[command(subcommand)]
@@ -154,6 +151,11 @@ struct BenchArgs {
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
+    /// Be one rank of a launched job (`consort run -- consort bench
+    /// --from-env`): the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
+    /// ... and rank 0 prints the table.
+    #[arg(long)]
+    from_env: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -280,8 +282,14 @@ fn backends() -> Vec<&'static str> {
     vec!["sim", "tcp-store"]
 }
 
-pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+/// Runs one command; the exit code is the launcher's (a failed worker's
+/// code) for `consort run`, and success for the others.
+pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Run(args) => {
+            let code = run::run(args).await?;
+            return Ok(std::process::ExitCode::from(code.clamp(0, 255) as u8));
+        }
         Command::Version { json } => {
             let v = env!("CARGO_PKG_VERSION");
             if json {
@@ -293,9 +301,11 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("consort {v} (backends: {})", backends().join(", "));
             }
         }
-        Command::Store(StoreCommand::Serve { host, port }) => {
+        Command::Store { host, port } => {
             let server = TcpStoreServer::bind(format!("{host}:{port}").as_str()).await?;
             println!("TCPStore listening on {}", server.local_addr());
+            use std::io::Write;
+            std::io::stdout().flush()?;
             tokio::signal::ctrl_c().await?;
             server.shutdown().await;
         }
@@ -336,6 +346,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             dtype,
             iters,
             json,
+            from_env,
         }) => {
             parse_dtypes(&dtype)?;
             if world_size == 0 {
@@ -349,7 +360,13 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 dtype,
                 iters,
             };
-            print!("{}", collective::run(spec).await?.render(json));
+            if from_env {
+                if let Some(t) = collective::from_env(spec).await? {
+                    print!("{}", t.render(json));
+                }
+            } else {
+                print!("{}", collective::run(spec).await?.render(json));
+            }
         }
         Command::BenchWorker { spec } => collective::worker(&spec).await?,
         Command::Sampler {
@@ -435,7 +452,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             print!("{}", t.render(json));
         }
     }
-    Ok(())
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

@@ -1,0 +1,499 @@
+//! `consort run`: a torchrun-compatible launcher (the elastic agent).
+//!
+//! One agent per node. Node 0's agent hosts the TCPStore as the agent
+//! store; every agent meets the others through it, once per restart round,
+//! then starts `--nproc-per-node` workers with the variables torchrun sets.
+//! It prefixes their output with the rank, watches them, and on a failure
+//! stops the whole group (SIGTERM, then SIGKILL), and restarts every node's
+//! workers with `TORCHELASTIC_RESTART_COUNT + 1`, up to `--max-restarts`.
+
+use std::{
+    collections::VecDeque,
+    path::PathBuf,
+    process::{ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use consort::{TcpStore, TcpStoreOptions, TcpStoreServer, store::Store};
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::{Child, Command},
+    signal::unix::{SignalKind, signal},
+};
+
+/// The flags, as torchrun names them.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Workers on this node.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Number of nodes.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's rank among the nodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0 (the store).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the store.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// A single node on a free local port.
+    #[arg(long)]
+    standalone: bool,
+    /// Restarts of the whole group after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// Seconds between checks on the workers.
+    #[arg(long, default_value_t = 0.1)]
+    monitor_interval: f64,
+    /// Id of this run (TORCHELASTIC_RUN_ID).
+    #[arg(long, default_value = "none")]
+    rdzv_id: String,
+    /// Directory for per-rank log files (attempt_N/RANK/stdout.log, stderr.log).
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// Run the program as given even if it ends in .py (torchrun's flag).
+    #[arg(long)]
+    no_python: bool,
+    /// Seconds between SIGTERM and SIGKILL when stopping the group.
+    #[arg(long, default_value_t = 5.0)]
+    grace_period: f64,
+    /// Seconds to wait for the master's store and for every node to join
+    /// (torchrun's rendezvous `join_timeout`, 600 s by default).
+    #[arg(long, default_value_t = 600.0)]
+    rdzv_timeout: f64,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    program: Vec<String>,
+}
+
+/// The signals the agent forwards to its workers.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+/// How one worker ended.
+#[derive(Debug, Clone)]
+struct Exit {
+    rank: usize,
+    status: ExitStatus,
+    tail: Vec<String>,
+}
+
+impl Exit {
+    fn describe(&self) -> String {
+        use std::os::unix::process::ExitStatusExt;
+        match (self.status.code(), self.status.signal()) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("signal {s}"),
+            _ => "unknown status".into(),
+        }
+    }
+
+    fn code(&self) -> i32 {
+        use std::os::unix::process::ExitStatusExt;
+        self.status
+            .code()
+            .unwrap_or_else(|| 128 + self.status.signal().unwrap_or(1))
+    }
+}
+
+fn validate(a: &RunArgs) -> Result<(), String> {
+    if a.nproc_per_node == 0 {
+        return Err("--nproc-per-node must be at least 1".into());
+    }
+    if a.nnodes == 0 {
+        return Err("--nnodes must be at least 1".into());
+    }
+    if a.node_rank >= a.nnodes {
+        return Err(format!(
+            "--node-rank {} is out of range for --nnodes {} (valid: 0..={})",
+            a.node_rank,
+            a.nnodes,
+            a.nnodes - 1
+        ));
+    }
+    if a.standalone && a.nnodes > 1 {
+        return Err("--standalone means a single node; it cannot go with --nnodes > 1".into());
+    }
+    if !(a.rdzv_timeout.is_finite() && a.rdzv_timeout > 0.0) {
+        return Err("--rdzv-timeout must be a positive number of seconds".into());
+    }
+    if !(a.grace_period.is_finite() && a.grace_period >= 0.0) {
+        return Err("--grace-period must be a number of seconds, 0 or more".into());
+    }
+    if !(a.monitor_interval.is_finite() && a.monitor_interval > 0.0) {
+        return Err("--monitor-interval must be a positive number of seconds".into());
+    }
+    Ok(())
+}
+
+fn command(a: &RunArgs) -> Vec<String> {
+    let mut p = a.program.clone();
+    if p.first().is_some_and(|s| s == "--") {
+        p.remove(0);
+    }
+    if !a.no_python && p.first().is_some_and(|s| s.ends_with(".py")) {
+        p.insert(0, "python3".into());
+    }
+    p
+}
+
+/// Runs the agent; returns the process exit code.
+pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error>> {
+    validate(&a)?;
+    // Installed before any worker starts, so no signal slips past them.
+    let mut signals = Signals {
+        int: signal(SignalKind::interrupt())?,
+        term: signal(SignalKind::terminate())?,
+    };
+    let program = command(&a);
+    if program.is_empty() {
+        return Err("no program given: consort run [flags] -- program [args...]".into());
+    }
+    if a.standalone {
+        a.master_addr = "127.0.0.1".into();
+        a.master_port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+    }
+    let addr = format!("{}:{}", a.master_addr, a.master_port);
+    let rdzv_timeout = Duration::from_secs_f64(a.rdzv_timeout);
+    // Node 0 hosts the agent store.
+    let server = if a.node_rank == 0 {
+        let bind = if a.standalone || a.master_addr == "127.0.0.1" || a.master_addr == "localhost" {
+            addr.clone()
+        } else {
+            format!("0.0.0.0:{}", a.master_port)
+        };
+        Some(
+            TcpStoreServer::bind_with(bind.as_str(), TcpStoreOptions::default().secret)
+                .await
+                .map_err(|e| format!("{e} (or use --standalone for a free port)"))?,
+        )
+    } else {
+        None
+    };
+    let store: Arc<dyn Store> = Arc::new(
+        TcpStore::connect(
+            addr.clone(),
+            TcpStoreOptions {
+                connect_timeout: rdzv_timeout,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| {
+            format!(
+                "node {} of the launcher cannot reach the agent store (--rdzv-timeout {}s): {e}. \
+                 Start node 0 (it hosts the store) with the same --master-addr/--master-port",
+                a.node_rank, a.rdzv_timeout
+            )
+        })?,
+    );
+    let world = a.nnodes * a.nproc_per_node;
+    let ns = format!("consort/agent/{}", a.rdzv_id);
+    let mut restart = 0u32;
+    let code = loop {
+        // Every node's agent meets the others for this round.
+        let round = format!("{ns}/{restart}");
+        store
+            .set(&format!("{round}/node/{}", a.node_rank), b"1")
+            .await?;
+        let keys: Vec<String> = (0..a.nnodes).map(|n| format!("{round}/node/{n}")).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        store
+            .wait(&keys, rdzv_timeout)
+            .await
+            .map_err(|e| {
+                format!(
+                    "rendezvous of {} nodes (round {restart}) failed: {e}. Start `consort run --node-rank N` \
+                     on every node, with the same --nnodes, --master-addr, --master-port and --rdzv-id",
+                    a.nnodes
+                )
+            })?;
+
+        let failure = run_round(&a, &program, &store, &round, restart, world, &mut signals).await?;
+        match failure {
+            None => break 0,
+            Some(f) if restart < a.max_restarts => {
+                eprintln!(
+                    "[consort run] rank {} failed ({}); restarting the group (attempt {} of {})",
+                    f.rank,
+                    f.describe(),
+                    restart + 1,
+                    a.max_restarts
+                );
+                restart += 1;
+            }
+            Some(f) => {
+                eprintln!(
+                    "[consort run] rank {} failed with {} after {} restart(s). Its last output:",
+                    f.rank,
+                    f.describe(),
+                    restart
+                );
+                for l in &f.tail {
+                    eprintln!("[consort run]   {l}");
+                }
+                break f.code();
+            }
+        }
+    };
+    if a.log_dir.is_none() {
+        let _ = std::fs::remove_dir_all(
+            std::env::temp_dir().join(format!("consort-run-{}", std::process::id())),
+        );
+    }
+    // Node 0 keeps the store up until every node has finished.
+    store
+        .set(&format!("{ns}/done/{}", a.node_rank), b"1")
+        .await?;
+    if let Some(server) = server {
+        let keys: Vec<String> = (0..a.nnodes).map(|n| format!("{ns}/done/{n}")).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let _ = store.wait(&keys, Duration::from_secs(60)).await;
+        drop(store);
+        server.shutdown().await;
+    }
+    Ok(code)
+}
+
+/// Starts this node's workers for one round and watches them. Returns the
+/// first failure (here or, through the store, on another node), or `None`
+/// when every local worker exited 0.
+async fn run_round(
+    a: &RunArgs,
+    program: &[String],
+    store: &Arc<dyn Store>,
+    round: &str,
+    restart: u32,
+    world: usize,
+    signals: &mut Signals,
+) -> Result<Option<Exit>, Box<dyn std::error::Error>> {
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let tails: Vec<Arc<Mutex<VecDeque<String>>>> = (0..a.nproc_per_node)
+        .map(|_| Arc::new(Mutex::new(VecDeque::new())))
+        .collect();
+    let mut pumps = Vec::new();
+    let mut error_files = Vec::with_capacity(a.nproc_per_node);
+    for (local, tail) in tails.iter().enumerate() {
+        let rank = a.node_rank * a.nproc_per_node + local;
+        // Per-rank directory: log files (with --log-dir) and the error
+        // file torch's @record writes (TORCHELASTIC_ERROR_FILE).
+        let dir = a
+            .log_dir
+            .clone()
+            .unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("consort-run-{}", std::process::id()))
+            })
+            .join(format!("attempt_{restart}"))
+            .join(rank.to_string());
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create the log directory {}: {e}", dir.display()))?;
+        let error_file = dir.join("error.json");
+        let _ = std::fs::remove_file(&error_file);
+        error_files.push(error_file.clone());
+        let logs = a.log_dir.is_some().then_some(dir);
+        let mut cmd = Command::new(&program[0]);
+        cmd.args(&program[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_NAME", "default")
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
+            .env("ROLE_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", a.master_port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
+            .env("TORCHELASTIC_RUN_ID", &a.rdzv_id)
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("TORCHELASTIC_ERROR_FILE", &error_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group, so stopping a worker stops what it
+            // started too (a shell's children hold its pipes open).
+            .process_group(0)
+            .kill_on_drop(true);
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            cmd.env("OMP_NUM_THREADS", "1");
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {:?}: {e}", program[0]))?;
+        let log = |name: &str| logs.as_ref().map(|d| d.join(name));
+        if let Some(out) = child.stdout.take() {
+            pumps.push(tokio::spawn(pump(
+                out,
+                false,
+                rank,
+                tail.clone(),
+                log("stdout.log"),
+            )));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(tokio::spawn(pump(
+                err,
+                true,
+                rank,
+                tail.clone(),
+                log("stderr.log"),
+            )));
+        }
+        children.push((rank, child));
+    }
+
+    let failed_key = format!("{round}/failed");
+    let interval = Duration::from_secs_f64(a.monitor_interval);
+    let mut done = vec![false; children.len()];
+    let failure = loop {
+        let mut failure = None;
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                done[i] = true;
+                if !status.success() && failure.is_none() {
+                    failure = Some(Exit {
+                        rank: *rank,
+                        status,
+                        tail: Vec::new(),
+                    });
+                }
+            }
+        }
+        if let Some(f) = failure {
+            let _ = store
+                .set(&failed_key, format!("{} {}", f.rank, f.code()).as_bytes())
+                .await;
+            break Some(f);
+        }
+        if done.iter().all(|d| *d) {
+            break None;
+        }
+        // Another node's failure stops this node's workers too.
+        if store.check(&[&failed_key]).await.unwrap_or(false) {
+            let who = store.get(&failed_key).await.unwrap_or_default();
+            let who = String::from_utf8_lossy(&who).into_owned();
+            let mut parts = who.split(' ').map(|p| p.parse::<i64>().ok());
+            let rank = parts.next().flatten().unwrap_or(-1);
+            let code = parts.next().flatten().unwrap_or(1).clamp(1, 255) as i32;
+            use std::os::unix::process::ExitStatusExt;
+            break Some(Exit {
+                rank: usize::try_from(rank).unwrap_or(usize::MAX),
+                status: ExitStatus::from_raw(code << 8),
+                tail: vec![format!(
+                    "(rank {rank} failed on another node; its output is in that node's log)"
+                )],
+            });
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = signals.int.recv() => {
+                stop(&mut children, a.grace_period).await;
+                return Err("interrupted (SIGINT): stopped every worker".into());
+            }
+            _ = signals.term.recv() => {
+                stop(&mut children, a.grace_period).await;
+                return Err("terminated (SIGTERM): stopped every worker".into());
+            }
+        }
+    };
+    if failure.is_some() {
+        stop(&mut children, a.grace_period).await;
+    }
+    // The pipes close when the workers (and what they started) are gone;
+    // don't wait forever on a grandchild that escaped its process group.
+    for p in pumps {
+        let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
+    }
+    Ok(failure.map(|mut f| {
+        if let Some(local) = f
+            .rank
+            .checked_sub(a.node_rank * a.nproc_per_node)
+            .filter(|l| *l < a.nproc_per_node)
+        {
+            f.tail = tails[local]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect();
+            if let Ok(text) = std::fs::read_to_string(&error_files[local]) {
+                let text: String = text.chars().take(4000).collect();
+                f.tail.push(format!(
+                    "error file {}: {text}",
+                    error_files[local].display()
+                ));
+            }
+        }
+        f
+    }))
+}
+
+/// Copies one worker stream to ours, line by line with `[rankN]: `, keeps
+/// its last lines, and tees it to a log file.
+async fn pump<R: tokio::io::AsyncRead + Unpin>(
+    stream: R,
+    to_stderr: bool,
+    rank: usize,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    log: Option<PathBuf>,
+) {
+    use std::io::Write;
+    let mut file = log.and_then(|path| std::fs::File::create(path).ok());
+    let mut lines = BufReader::new(stream).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let text = format!("[rank{rank}]: {line}\n");
+        // One write per line, under the stream's lock, so ranks' lines
+        // never interleave mid-line.
+        let _ = if to_stderr {
+            std::io::stderr().lock().write_all(text.as_bytes())
+        } else {
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        };
+        if let Some(f) = file.as_mut() {
+            let _ = writeln!(f, "{line}");
+        }
+        let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+        t.push_back(line);
+        if t.len() > TAIL_LINES {
+            t.pop_front();
+        }
+    }
+}
+
+/// Lines of a failed worker's output repeated in the summary.
+const TAIL_LINES: usize = 20;
+
+/// Stops the group: SIGTERM to every worker, SIGKILL after the grace period.
+async fn stop(children: &mut [(usize, Child)], grace: f64) {
+    for (_, c) in children.iter_mut() {
+        if let Some(pid) = c.id() {
+            // SAFETY: signalling the process group of a child we spawned
+            // as its leader (`process_group(0)`).
+            unsafe { libc::kill(-(pid as i32), libc::SIGTERM) };
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(grace.max(0.0));
+    for (_, c) in children.iter_mut() {
+        if tokio::time::timeout_at(deadline, c.wait()).await.is_err() {
+            if let Some(pid) = c.id() {
+                // SAFETY: as above.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            }
+            let _ = c.kill().await;
+        }
+    }
+}

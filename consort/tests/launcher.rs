@@ -1,0 +1,510 @@
+//! `consort run`, the torchrun-style launcher, and `consort store`, driven
+//! as a user would: real agent processes, real worker processes, real
+//! sockets on loopback.
+//!
+//! The torch tests need a python with torch, named by
+//! `CONSORT_TORCH_PYTHON=/path/to/python`; without it they print why they
+//! skip and pass (the byte-exact transcript tests in consort-tcp cover the
+//! store protocol without torch).
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_consort");
+
+/// Waits for `child` with a deadline, so a hung launcher fails the test
+/// instead of hanging it.
+fn finish(mut child: Child, what: &str) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            return child.wait_with_output().expect("collect output");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collect output");
+            panic!("{what} did not finish in 120 s: {out:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn consort(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args(args)
+        .env("CONSORT_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start consort")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Rank 0's bench rows, from the launcher's `[rank0]: ` prefixed stdout.
+fn rank0_rows(out: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank0]: "))
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect()
+}
+
+fn bench_worker() -> Vec<&'static str> {
+    vec![
+        "--",
+        BIN,
+        "bench",
+        "--from-env",
+        "--ops",
+        "all_reduce,broadcast,all_gather",
+        "--sizes",
+        "4K,64K",
+        "--iters",
+        "2",
+        "--json",
+    ]
+}
+
+#[test]
+fn four_workers_all_reduce_and_exit_zero() {
+    let mut args = vec!["run", "--standalone", "--nproc-per-node", "4"];
+    args.extend(bench_worker());
+    let out = finish(consort(&args), "consort run");
+    assert!(out.status.success(), "{out:?}");
+    let rows = rank0_rows(&out);
+    assert_eq!(rows.len(), 6, "{out:?}");
+    for r in rows {
+        assert_eq!(r["world"], 4);
+        assert_eq!(r["wrong"], 0, "rank 0 saw wrong results: {r}");
+    }
+}
+
+/// A worker that prints its torchrun variables, and fails (exit 3) as
+/// rank 1 on the first attempt.
+const FLAKY: &str = r#"echo "env rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE local_world=$LOCAL_WORLD_SIZE group=$GROUP_RANK attempt=$TORCHELASTIC_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS master=$MASTER_ADDR:$MASTER_PORT"
+if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then echo "rank 1 crashing"; echo '{"message": "boom from rank 1"}' > "$TORCHELASTIC_ERROR_FILE"; exit 3; fi
+sleep 0.2"#;
+
+#[test]
+fn a_crash_restarts_the_group_when_restarts_remain() {
+    let out = finish(
+        consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            FLAKY,
+        ]),
+        "consort run",
+    );
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..3 {
+        assert!(
+            stdout.contains(&format!(
+                "[rank{rank}]: env rank={rank} local={rank} world=3 local_world=3 group=0 attempt=1 max=1 master=127.0.0.1:"
+            )),
+            "rank {rank} did not run a second attempt: {stdout}"
+        );
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 1 failed (exit code 3); restarting the group (attempt 1 of 1)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_crash_without_restarts_passes_the_exit_code_through() {
+    let dir = std::env::temp_dir().join(format!("consort-launcher-logs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = finish(
+        consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--log-dir",
+            dir.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            FLAKY,
+        ]),
+        "consort run",
+    );
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 1 failed with exit code 3 after 0 restart(s)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1 crashing"),
+        "the summary should quote the last output: {stderr}"
+    );
+    assert!(
+        stderr.contains(r#"error.json: {"message": "boom from rank 1"}"#),
+        "the summary should quote TORCHELASTIC_ERROR_FILE: {stderr}"
+    );
+    let log = std::fs::read_to_string(dir.join("attempt_0/1/stdout.log")).unwrap();
+    assert!(log.contains("rank 1 crashing"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_agents_form_one_world() {
+    let port = free_port().to_string();
+    let node = |rank: &'static str| {
+        let mut args = vec![
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+        ];
+        args.extend(bench_worker());
+        consort(&args)
+    };
+    let n1 = node("1");
+    let n0 = node("0");
+    let out0 = finish(n0, "node 0");
+    let out1 = finish(n1, "node 1");
+    assert!(out0.status.success(), "{out0:?}");
+    assert!(out1.status.success(), "{out1:?}");
+    let rows = rank0_rows(&out0);
+    assert_eq!(rows.len(), 6, "{out0:?}");
+    for r in rows {
+        assert_eq!(r["world"], 4);
+        assert_eq!(r["wrong"], 0, "{r}");
+    }
+}
+
+#[test]
+fn a_failure_on_one_node_stops_the_other() {
+    let port = free_port().to_string();
+    let worker = r#"if [ "$RANK" = 3 ]; then sleep 0.3; exit 7; fi; sleep 60"#;
+    let node = |rank: &'static str| {
+        consort(&[
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--grace-period",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            worker,
+        ])
+    };
+    let n0 = node("0");
+    let n1 = node("1");
+    let out0 = finish(n0, "node 0");
+    let out1 = finish(n1, "node 1");
+    assert_eq!(out1.status.code(), Some(7), "{out1:?}");
+    assert_eq!(out0.status.code(), Some(7), "{out0:?}");
+    let stderr0 = String::from_utf8_lossy(&out0.stderr);
+    assert!(
+        stderr0.contains("rank 3 failed on another node"),
+        "{stderr0}"
+    );
+}
+
+#[test]
+fn bad_flags_are_refused_with_a_reason() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["run", "--nnodes", "2", "--node-rank", "2", "--", "true"],
+            "--node-rank 2 is out of range for --nnodes 2",
+        ),
+        (
+            &["run", "--standalone", "--nnodes", "2", "--", "true"],
+            "--standalone means a single node",
+        ),
+        (
+            &["run", "--nproc-per-node", "0", "--", "true"],
+            "--nproc-per-node must be at least 1",
+        ),
+        (
+            &[
+                "run",
+                "--standalone",
+                "--",
+                "/nonexistent/consort-test-program",
+            ],
+            "cannot start \"/nonexistent/consort-test-program\"",
+        ),
+        (&["run", "--standalone"], "required"),
+    ];
+    for (args, want) in cases {
+        let out = finish(consort(args), "consort run");
+        assert!(!out.status.success(), "{args:?} should fail");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{args:?}: want {want:?} in {stderr}");
+    }
+}
+
+#[test]
+fn a_port_in_use_is_named() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    for args in [
+        vec!["run", "--master-port", &port, "--", "true"],
+        vec!["store", "--port", &port],
+    ] {
+        let out = finish(consort(&args), "consort");
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&port) && stderr.contains("in use"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+/// The python named by CONSORT_TORCH_PYTHON, or `None` after printing why
+/// the test skips.
+fn torch_python(test: &str) -> Option<String> {
+    match std::env::var("CONSORT_TORCH_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ => {
+            eprintln!(
+                "skipped {test}: set CONSORT_TORCH_PYTHON to a python with torch installed to run it"
+            );
+            None
+        }
+    }
+}
+
+/// torch's own TCPStore client against `consort store`.
+#[test]
+fn torch_client_talks_to_consort_store() {
+    let Some(python) = torch_python("torch_client_talks_to_consort_store") else {
+        return;
+    };
+    let mut server = Command::new(BIN)
+        .args(["store", "--port", "0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start consort store");
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line.trim().rsplit(':').next().unwrap().to_string();
+    let script = r#"
+import sys, json, datetime
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=20))
+s.set("k", "v")
+out = {"get": s.get("k").decode(), "add": s.add("n", 5), "add2": s.add("n", -2), "check": s.check(["k"]), "num_keys": s.num_keys()}
+print(json.dumps(out))
+"#;
+    let out = finish(
+        Command::new(python)
+            .args(["-c", script, &port])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start python"),
+        "python",
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["get"], "v");
+    assert_eq!(v["add"], 5);
+    assert_eq!(v["add2"], 3);
+    assert_eq!(v["check"], true);
+    assert_eq!(v["num_keys"], 2);
+}
+
+/// Real torchrun launches consort workers (`--no-python`): they find the
+/// world, and torchrun's agent store, through init_from_env.
+#[test]
+fn torchrun_launches_consort_bench() {
+    let Some(python) = torch_python("torchrun_launches_consort_bench") else {
+        return;
+    };
+    let port = free_port().to_string();
+    let mut args = vec![
+        "-m",
+        "torch.distributed.run",
+        "--no-python",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        &port,
+    ];
+    args.extend(bench_worker().into_iter().skip(1));
+    let out = finish(
+        Command::new(python)
+            .args(&args)
+            .env("CONSORT_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start torchrun"),
+        "torchrun",
+    );
+    assert!(out.status.success(), "{out:?}");
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 6, "{out:?}");
+    for r in rows {
+        assert_eq!(r["world"], 2);
+        assert_eq!(r["wrong"], 0, "{r}");
+    }
+}
+
+/// A torch script written for torchrun (init_process_group("gloo") from
+/// env://) runs unchanged under `consort run`, against its agent store.
+#[test]
+fn torch_workers_run_under_consort_run() {
+    let Some(python) = torch_python("torch_workers_run_under_consort_run") else {
+        return;
+    };
+    let script = r#"
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(3) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", t.tolist(), "world", dist.get_world_size(), "local", os.environ["LOCAL_RANK"])
+dist.destroy_process_group()
+"#;
+    let out = finish(
+        consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--",
+            &python,
+            "-c",
+            script,
+        ]),
+        "consort run",
+    );
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..2 {
+        assert!(
+            stdout.contains(&format!(
+                "[rank{rank}]: sum [3.0, 3.0, 3.0] world 2 local {rank}"
+            )),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn an_unreachable_master_fails_after_the_rendezvous_timeout() {
+    let port = free_port().to_string();
+    let out = finish(
+        consort(&[
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &port,
+            "--rdzv-timeout",
+            "1",
+            "--",
+            "true",
+        ]),
+        "consort run",
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot reach the agent store") && stderr.contains(&port),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn sigterm_reaches_every_worker() {
+    let worker =
+        r#"trap 'echo "rank $RANK got SIGTERM"; exit 0' TERM; echo ready; sleep 60 & wait"#;
+    let mut child = consort(&[
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        worker,
+    ]);
+    // Read the agent's stdout as it comes, and signal only once both
+    // workers have installed their traps.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    while seen
+        .iter()
+        .filter(|l: &&String| l.ends_with(": ready"))
+        .count()
+        < 2
+    {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => seen.push(line),
+            Err(e) => {
+                let _ = child.kill();
+                panic!("workers never became ready ({e}): {seen:?}");
+            }
+        }
+    }
+    let pid = child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let out = finish(child, "consort run");
+    reader.join().unwrap();
+    seen.extend(rx.try_iter());
+    assert!(!out.status.success(), "{out:?}");
+    for rank in 0..2 {
+        let want = format!("[rank{rank}]: rank {rank} got SIGTERM");
+        assert!(seen.contains(&want), "{seen:?}");
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("terminated (SIGTERM)"), "{stderr}");
+}
