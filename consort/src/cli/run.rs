@@ -24,47 +24,56 @@ use tokio::{
 
 /// The flags, as torchrun names them.
 #[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "torchrun's underscore spellings (--nproc_per_node, ...) are accepted too.")]
 pub(crate) struct RunArgs {
     /// Workers on this node.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, alias = "nproc_per_node", default_value_t = 1)]
     nproc_per_node: usize,
     /// Number of nodes.
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
     /// This node's rank among the nodes.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "node_rank", default_value_t = 0)]
     node_rank: usize,
     /// Address of node 0 (the store).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
     master_addr: String,
     /// Port of the store.
-    #[arg(long, default_value_t = 29500)]
+    #[arg(long, alias = "master_port", default_value_t = 29500)]
     master_port: u16,
     /// A single node on a free local port.
     #[arg(long)]
     standalone: bool,
     /// Restarts of the whole group after a failure.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "max_restarts", default_value_t = 0)]
     max_restarts: u32,
     /// Seconds between checks on the workers.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, alias = "monitor_interval", default_value_t = 0.1)]
     monitor_interval: f64,
     /// Id of this run (TORCHELASTIC_RUN_ID).
-    #[arg(long, default_value = "none")]
+    #[arg(long, alias = "rdzv_id", default_value = "none")]
     rdzv_id: String,
     /// Directory for per-rank log files (attempt_N/RANK/stdout.log, stderr.log).
-    #[arg(long)]
+    #[arg(long, alias = "log_dir")]
     log_dir: Option<PathBuf>,
     /// Run the program as given even if it ends in .py (torchrun's flag).
-    #[arg(long)]
+    #[arg(long, alias = "no_python")]
     no_python: bool,
     /// Seconds between SIGTERM and SIGKILL when stopping the group.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, alias = "grace_period", default_value_t = 5.0)]
     grace_period: f64,
     /// Seconds to wait for the master's store and for every node to join
     /// (torchrun's rendezvous `join_timeout`, 600 s by default).
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(long, alias = "rdzv_timeout", default_value_t = 600.0)]
     rdzv_timeout: f64,
+    /// Rendezvous backend: static or c10d (both meet on the agent store at
+    /// the endpoint; membership is fixed at --nnodes).
+    #[arg(long, alias = "rdzv_backend", default_value = "static")]
+    rdzv_backend: String,
+    /// Rendezvous endpoint HOST[:PORT]; overrides --master-addr and
+    /// --master-port (torchrun's c10d default port is 29400).
+    #[arg(long, alias = "rdzv_endpoint")]
+    rdzv_endpoint: Option<String>,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<String>,
@@ -120,6 +129,12 @@ fn validate(a: &RunArgs) -> Result<(), String> {
     if a.standalone && a.nnodes > 1 {
         return Err("--standalone means a single node; it cannot go with --nnodes > 1".into());
     }
+    if !matches!(a.rdzv_backend.as_str(), "static" | "c10d") {
+        return Err(format!(
+            "--rdzv-backend {:?} is not supported: use static or c10d (etcd is not built in)",
+            a.rdzv_backend
+        ));
+    }
     if !(a.rdzv_timeout.is_finite() && a.rdzv_timeout > 0.0) {
         return Err("--rdzv-timeout must be a positive number of seconds".into());
     }
@@ -130,6 +145,31 @@ fn validate(a: &RunArgs) -> Result<(), String> {
         return Err("--monitor-interval must be a positive number of seconds".into());
     }
     Ok(())
+}
+
+/// `host`, `host:port`, or `[v6]:port`; the port defaults to 29400, as
+/// torchrun's c10d endpoint.
+fn split_endpoint(ep: &str) -> Result<(String, u16), String> {
+    let bad = || format!("--rdzv-endpoint {ep:?} is not HOST[:PORT] (for IPv6: [ADDR]:PORT)");
+    let (host, port) = if let Some(rest) = ep.strip_prefix('[') {
+        let (h, tail) = rest.split_once(']').ok_or_else(bad)?;
+        (h.to_string(), tail.strip_prefix(':'))
+    } else if ep.matches(':').count() > 1 {
+        (ep.to_string(), None)
+    } else {
+        match ep.split_once(':') {
+            Some((h, p)) => (h.to_string(), Some(p)),
+            None => (ep.to_string(), None),
+        }
+    };
+    let port = match port {
+        Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(bad)?,
+        None => 29400,
+    };
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok((host, port))
 }
 
 fn command(a: &RunArgs) -> Vec<String> {
@@ -155,18 +195,33 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
     if program.is_empty() {
         return Err("no program given: consort run [flags] -- program [args...]".into());
     }
+    if let Some(ep) = a.rdzv_endpoint.take() {
+        let (host, port) = split_endpoint(&ep)?;
+        a.master_addr = host;
+        a.master_port = port;
+    }
     if a.standalone {
         a.master_addr = "127.0.0.1".into();
         a.master_port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
     }
-    let addr = format!("{}:{}", a.master_addr, a.master_port);
+    let addr = if a.master_addr.contains(':') {
+        format!("[{}]:{}", a.master_addr, a.master_port)
+    } else {
+        format!("{}:{}", a.master_addr, a.master_port)
+    };
     let rdzv_timeout = Duration::from_secs_f64(a.rdzv_timeout);
     // Node 0 hosts the agent store.
     let server = if a.node_rank == 0 {
-        let bind = if a.standalone || a.master_addr == "127.0.0.1" || a.master_addr == "localhost" {
+        // Loopback stays on loopback; otherwise every interface, so the
+        // other nodes can reach it whatever name they use for this host.
+        let bind = if a.standalone
+            || matches!(a.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1")
+        {
             addr.clone()
+        } else if a.master_addr.contains(':') {
+            format!("[::]:{}", a.master_port)
         } else {
             format!("0.0.0.0:{}", a.master_port)
         };
@@ -495,5 +550,38 @@ async fn stop(children: &mut [(usize, Child)], grace: f64) {
             }
             let _ = c.kill().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_like_torchrun() {
+        assert_eq!(split_endpoint("h:1234").unwrap(), ("h".into(), 1234));
+        assert_eq!(split_endpoint("h").unwrap(), ("h".into(), 29400));
+        assert_eq!(split_endpoint("[::1]:5").unwrap(), ("::1".into(), 5));
+        assert_eq!(split_endpoint("::1").unwrap(), ("::1".into(), 29400));
+        for bad in ["h:0", "h:http", ":80", "[::1", "h:70000"] {
+            assert!(split_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn python_programs_get_an_interpreter_unless_no_python() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct T {
+            #[command(flatten)]
+            a: RunArgs,
+        }
+        let a = T::parse_from(["t", "--nproc_per_node=2", "train.py", "--lr", "1"]).a;
+        assert_eq!(a.nproc_per_node, 2);
+        assert_eq!(command(&a), ["python3", "train.py", "--lr", "1"]);
+        let a = T::parse_from(["t", "--no-python", "train.py"]).a;
+        assert_eq!(command(&a), ["train.py"]);
+        let a = T::parse_from(["t", "--", "prog", "--flag"]).a;
+        assert_eq!(command(&a), ["prog", "--flag"]);
     }
 }
