@@ -257,6 +257,38 @@ fn tune(stream: &TcpStream) {
     let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
 }
 
+/// The accepting side of one connection: the CONSORT_SECRET challenge
+/// (with a secret) and the peer's hello, all within [`HANDSHAKE_TIMEOUT`].
+async fn accept_handshake(
+    mut s: TcpStream,
+    from: std::net::SocketAddr,
+    secret: Option<auth::Secret>,
+) -> std::result::Result<
+    (TcpStream, std::net::SocketAddr, [u8; HELLO_LEN]),
+    (std::net::SocketAddr, String),
+> {
+    let work = async {
+        if let Some(secret) = &secret {
+            auth::accept(&mut s, secret)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let mut h = [0u8; HELLO_LEN];
+        s.read_exact(&mut h)
+            .await
+            .map_err(|e| format!("no hello: {e}"))?;
+        Ok::<_, String>(h)
+    };
+    match before(Instant::now() + HANDSHAKE_TIMEOUT, work).await {
+        Some(Ok(h)) => Ok((s, from, h)),
+        Some(Err(e)) => Err((from, e)),
+        None => Err((
+            from,
+            format!("no hello (or CONSORT_SECRET answer) within {HANDSHAKE_TIMEOUT:?}"),
+        )),
+    }
+}
+
 fn hello(rank: usize, world: usize, stream: usize, streams: usize) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[..4].copy_from_slice(&HELLO_MAGIC);
@@ -341,6 +373,7 @@ impl TcpBackend {
         let mut conns: Vec<Vec<Option<TcpStream>>> =
             (0..world).map(|_| (0..k).map(|_| None).collect()).collect();
         let dial = async {
+            let conns = &mut conns;
             for (peer, slots) in conns.iter_mut().enumerate().take(rank) {
                 let raw = store
                     .get(&key(peer))
@@ -385,58 +418,65 @@ impl TcpBackend {
                     *slot = Some(s);
                 }
             }
+            // Handshakes run concurrently, each under its own deadline, so
+            // a stray connection (a port scanner, a stale client of an
+            // earlier job on a reused port) that sends nothing cannot hold
+            // up the peers behind it.
+            let need = (world - rank - 1) * k;
             let mut accepted = 0;
-            while accepted < (world - rank - 1) * k {
-                let (mut s, from) = listener.accept().await.map_err(|e| setup_err(rank, e))?;
-                tune(&s);
-                if let Some(secret) = &opts.secret {
-                    match before(
-                        Instant::now() + HANDSHAKE_TIMEOUT,
-                        auth::accept(&mut s, secret),
-                    )
-                    .await
-                    {
-                        Some(Ok(())) => {}
-                        Some(Err(e)) => {
-                            tracing::warn!(%from, "refused a connection: {e}");
-                            continue;
+            let mut handshakes = tokio::task::JoinSet::new();
+            while accepted < need {
+                tokio::select! {
+                    conn = listener.accept() => {
+                        let (s, from) = conn.map_err(|e| setup_err(rank, e))?;
+                        tune(&s);
+                        handshakes.spawn(accept_handshake(s, from, opts.secret.clone()));
+                    }
+                    Some(done) = handshakes.join_next(), if !handshakes.is_empty() => {
+                        let (s, from, h) = match done {
+                            Ok(Ok(conn)) => conn,
+                            Ok(Err((from, e))) => {
+                                tracing::warn!(%from, "refused a connection: {e}");
+                                continue;
+                            }
+                            Err(e) => {
+                                tracing::warn!("a connection handshake task failed: {e}");
+                                continue;
+                            }
+                        };
+                        match parse_hello(&h, world, k) {
+                            Ok((p, j)) if p > rank && conns[p][j].is_none() => {
+                                conns[p][j] = Some(s);
+                                accepted += 1;
+                            }
+                            Ok((p, j)) => {
+                                tracing::warn!(%from, "unexpected connection claiming rank {p} stream {j}; dropped")
+                            }
+                            Err(e) => tracing::warn!(%from, "refused a connection: {e}"),
                         }
-                        None => {
-                            tracing::warn!(%from, "refused a connection: no answer to the CONSORT_SECRET challenge");
-                            continue;
-                        }
                     }
-                }
-                let mut h = [0u8; HELLO_LEN];
-                if let Err(e) = s.read_exact(&mut h).await {
-                    tracing::warn!(%from, "dropped a connection that sent no hello: {e}");
-                    continue;
-                }
-                match parse_hello(&h, world, k) {
-                    Ok((p, j)) if p > rank && conns[p][j].is_none() => {
-                        conns[p][j] = Some(s);
-                        accepted += 1;
-                    }
-                    Ok((p, j)) => {
-                        tracing::warn!(%from, "unexpected connection claiming rank {p} stream {j}; dropped")
-                    }
-                    Err(e) => tracing::warn!(%from, "refused a connection: {e}"),
                 }
             }
-            Ok::<_, CommError>(conns)
+            Ok::<_, CommError>(())
         };
-        let conns = before(deadline, dial).await.ok_or_else(|| {
-            setup_err(
-                rank,
-                format_args!(
-                    "timed out after {:?} building the connection mesh; check that every rank \
-                     started with the same WORLD_SIZE and can reach the others",
-                    opts.connect_timeout
-                ),
-            )
-        })??;
+        match before(deadline, dial).await {
+            Some(r) => r?,
+            None => {
+                let missing: Vec<usize> = (0..world)
+                    .filter(|&p| p != rank && conns[p].iter().any(Option::is_none))
+                    .collect();
+                return Err(setup_err(
+                    rank,
+                    format_args!(
+                        "timed out after {:?} building the connection mesh, still missing \
+                         ranks {missing:?}; check that every rank started with the same \
+                         WORLD_SIZE and can reach the others",
+                        opts.connect_timeout
+                    ),
+                ));
+            }
+        }
 
-        let mut conns = conns;
         let slot_bytes = opts.algo.segment_bytes.clamp(64 * 1024, 16 << 20);
         let (shm_tx, shm_rx) = if opts.shm && world > 1 {
             before(deadline, shm_setup(rank, &mut conns, slot_bytes))

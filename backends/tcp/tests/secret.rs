@@ -141,3 +141,41 @@ async fn the_mesh_works_over_ipv6() {
     let a = String::from_utf8(store.get("consort/tcp/world/addr/0").await.unwrap()).unwrap();
     assert!(a.starts_with("[::1]:"), "{a}");
 }
+
+/// A stray connection to a rank's data port that never says hello (a port
+/// scanner, a stale client of an earlier job on a reused port) must not
+/// hold up the mesh: handshakes run side by side, each with a deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stray_connection_does_not_block_the_mesh() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let opts = TcpOptions {
+        connect_timeout: Duration::from_secs(30),
+        ..TcpOptions::default()
+    };
+    let rank0 = tokio::spawn(TcpBackend::connect(store.clone(), 0, 2, opts.clone()));
+    let addr = store
+        .get(&format!("{}/addr/0", opts.namespace))
+        .await
+        .unwrap();
+    // Connects first, and then sends nothing, for the whole test.
+    let _stray = TcpStream::connect(String::from_utf8(addr).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rank1 = tokio::spawn(TcpBackend::connect(store.clone(), 1, 2, opts));
+    let pgs = [rank0.await.unwrap(), rank1.await.unwrap()]
+        .map(|b| ProcessGroup::new(Arc::new(b.expect("mesh despite a silent stray connection"))));
+    let [a, b] = pgs;
+    let (ra, rb) = tokio::join!(
+        async move {
+            let mut v = vec![1.0f32; 3];
+            a.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
+        },
+        async move {
+            let mut v = vec![2.0f32; 3];
+            b.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
+        }
+    );
+    assert_eq!(ra.unwrap(), vec![3.0; 3]);
+    assert_eq!(rb.unwrap(), vec![3.0; 3]);
+}
