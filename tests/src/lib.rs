@@ -226,8 +226,11 @@ pub fn is_mismatch(e: &CommError) -> bool {
 
 /// Instantiates the whole conformance suite for a backend: `$factory` is a
 /// [`Factory`]. `cases = N` sets the proptest cases per property (default:
-/// proptest's, 256 unless `PROPTEST_CASES` says otherwise); backends whose
-/// worlds are expensive to build (real sockets) pass fewer.
+/// proptest's, 256); backends whose worlds are expensive to build (real
+/// sockets) pass fewer. `PROPTEST_CASES`, when set, overrides `cases` for
+/// every property (proptest applies it last), so set it only to run more
+/// or fewer cases on purpose: 256 cases of the TCP worlds open ~10^5
+/// loopback connections.
 ///
 /// ```ignore
 /// consort_tests::conformance!(my_backend_world);
