@@ -238,6 +238,7 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
             addr.clone(),
             TcpStoreOptions {
                 connect_timeout: rdzv_timeout,
+                timeout: rdzv_timeout.max(TcpStoreOptions::default().timeout),
                 ..Default::default()
             },
         )
