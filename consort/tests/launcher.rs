@@ -456,10 +456,12 @@ fn an_unreachable_master_fails_after_the_rendezvous_timeout() {
     );
 }
 
-#[test]
-fn sigterm_reaches_every_worker() {
-    let worker =
-        r#"trap 'echo "rank $RANK got SIGTERM"; exit 0' TERM; echo ready; sleep 60 & wait"#;
+/// Sends `signal` (TERM or INT) to the agent once both workers have
+/// trapped it, and checks that each worker got that same signal.
+fn signal_reaches_every_worker(signal: &str, agent_says: &str) {
+    let worker = format!(
+        r#"trap 'echo "rank $RANK got SIG{signal}"; exit 0' {signal}; echo ready; sleep 60 & wait"#
+    );
     let mut child = consort(&[
         "run",
         "--standalone",
@@ -468,7 +470,7 @@ fn sigterm_reaches_every_worker() {
         "--",
         "sh",
         "-c",
-        worker,
+        &worker,
     ]);
     // Read the agent's stdout as it comes, and signal only once both
     // workers have installed their traps.
@@ -495,16 +497,31 @@ fn sigterm_reaches_every_worker() {
         }
     }
     let pid = child.id().to_string();
-    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let killed = Command::new("kill")
+        .args([format!("-{signal}"), pid])
+        .status()
+        .unwrap();
     assert!(killed.success());
     let out = finish(child, "consort run");
     reader.join().unwrap();
     seen.extend(rx.try_iter());
     assert!(!out.status.success(), "{out:?}");
     for rank in 0..2 {
-        let want = format!("[rank{rank}]: rank {rank} got SIGTERM");
+        let want = format!("[rank{rank}]: rank {rank} got SIG{signal}");
         assert!(seen.contains(&want), "{seen:?}");
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("terminated (SIGTERM)"), "{stderr}");
+    assert!(stderr.contains(agent_says), "{stderr}");
+}
+
+#[test]
+fn sigterm_reaches_every_worker() {
+    signal_reaches_every_worker("TERM", "terminated (SIGTERM)");
+}
+
+/// Ctrl-C: the agent forwards SIGINT itself (a Python worker sees
+/// KeyboardInterrupt), not SIGTERM.
+#[test]
+fn sigint_reaches_every_worker_as_sigint() {
+    signal_reaches_every_worker("INT", "interrupted (SIGINT)");
 }

@@ -331,7 +331,7 @@ async fn run_round(
     world: usize,
     signals: &mut Signals,
 ) -> Result<Option<Exit>, Box<dyn std::error::Error>> {
-    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut children: Vec<(usize, Child, i32)> = Vec::new();
     let tails: Vec<Arc<Mutex<VecDeque<String>>>> = (0..a.nproc_per_node)
         .map(|_| Arc::new(Mutex::new(VecDeque::new())))
         .collect();
@@ -405,7 +405,8 @@ async fn run_round(
                 log("stderr.log"),
             )));
         }
-        children.push((rank, child));
+        let pgid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+        children.push((rank, child, pgid));
     }
 
     let failed_key = format!("{round}/failed");
@@ -413,7 +414,7 @@ async fn run_round(
     let mut done = vec![false; children.len()];
     let failure = loop {
         let mut failure = None;
-        for (i, (rank, child)) in children.iter_mut().enumerate() {
+        for (i, (rank, child, _)) in children.iter_mut().enumerate() {
             if done[i] {
                 continue;
             }
@@ -456,18 +457,18 @@ async fn run_round(
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = signals.int.recv() => {
-                stop(&mut children, a.grace_period).await;
-                return Err("interrupted (SIGINT): stopped every worker".into());
+                stop(&mut children, a.grace_period, libc::SIGINT).await;
+                return Err("interrupted (SIGINT): forwarded it to every worker and stopped them".into());
             }
             _ = signals.term.recv() => {
-                stop(&mut children, a.grace_period).await;
-                return Err("terminated (SIGTERM): stopped every worker".into());
+                stop(&mut children, a.grace_period, libc::SIGTERM).await;
+                return Err("terminated (SIGTERM): forwarded it to every worker and stopped them".into());
             }
         }
     };
-    if failure.is_some() {
-        stop(&mut children, a.grace_period).await;
-    }
+    // After a failure this stops the survivors; after a clean round it
+    // only clears what the workers left running in their groups.
+    stop(&mut children, a.grace_period, libc::SIGTERM).await;
     // The pipes close when the workers (and what they started) are gone;
     // don't wait forever on a grandchild that escaped its process group.
     for p in pumps {
@@ -533,24 +534,34 @@ async fn pump<R: tokio::io::AsyncRead + Unpin>(
 /// Lines of a failed worker's output repeated in the summary.
 const TAIL_LINES: usize = 20;
 
-/// Stops the group: SIGTERM to every worker, SIGKILL after the grace period.
-async fn stop(children: &mut [(usize, Child)], grace: f64) {
-    for (_, c) in children.iter_mut() {
-        if let Some(pid) = c.id() {
-            // SAFETY: signalling the process group of a child we spawned
-            // as its leader (`process_group(0)`).
-            unsafe { libc::kill(-(pid as i32), libc::SIGTERM) };
-        }
+/// Stops the group: `signal` (SIGTERM, or the SIGINT the agent got) to
+/// every worker's process group, then SIGKILL to whatever is left of them
+/// after the grace period. Also used after a clean round, so nothing a
+/// worker started outlives it (as torchrun closes its process contexts).
+async fn stop(children: &mut [(usize, Child, i32)], grace: f64, signal: libc::c_int) {
+    let alive = |pgid: i32| {
+        // SAFETY: signal 0 only checks that the group `pgid` (a worker we
+        // started as a group leader, `process_group(0)`) has a member.
+        pgid > 1 && unsafe { libc::kill(-pgid, 0) == 0 }
+    };
+    // A pgid of 0 would mean "our own group": never signal that.
+    for (_, _, pgid) in children.iter().filter(|(_, _, g)| *g > 1) {
+        // SAFETY: as above; sends `signal` to that group.
+        unsafe { libc::kill(-*pgid, signal) };
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(grace.max(0.0));
-    for (_, c) in children.iter_mut() {
-        if tokio::time::timeout_at(deadline, c.wait()).await.is_err() {
-            if let Some(pid) = c.id() {
-                // SAFETY: as above.
-                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-            }
-            let _ = c.kill().await;
+    for (_, c, _) in children.iter_mut() {
+        let _ = tokio::time::timeout_at(deadline, c.wait()).await;
+    }
+    while children.iter().any(|(_, _, g)| alive(*g)) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (_, c, pgid) in children.iter_mut() {
+        if alive(*pgid) {
+            // SAFETY: as above.
+            unsafe { libc::kill(-*pgid, libc::SIGKILL) };
         }
+        let _ = c.kill().await;
     }
 }
 
