@@ -1,6 +1,16 @@
-//! consort-ddp: data-parallel training (to be built).
+//! consort-ddp: data-parallel training.
 //!
-//! It will own `Ddp<B: Backend>`: parameter broadcast from rank 0, c10d's
-//! bucket assignment, overlapped bucket all-reduce, `no_sync`, comm hooks
-//! and join; state-dict `module.` prefix handling; and safetensors
-//! checkpoints.
+//! Built so far: [`state_dict`] (PyTorch's `module.` and `_orig_mod.` key
+//! prefixes, added and stripped in both directions, and loading that
+//! accepts either form) and [`checkpoint`] (safetensors files written
+//! atomically, which Python's `safetensors` and PyTorch load).
+//!
+//! Still to come here: `Ddp<B: Backend>` with parameter broadcast from
+//! rank 0, c10d's bucket assignment, overlapped bucket all-reduce,
+//! `no_sync`, comm hooks and join.
+
+pub mod checkpoint;
+pub mod state_dict;
+
+pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};
+pub use state_dict::{StateDict, StateDictError};
