@@ -28,11 +28,11 @@ pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 /// The deterministic in-process simulator (functional and cost-only).
 pub use consort_sim as sim;
 
-/// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
-pub use consort_sampler as sampler;
 /// State dicts (`module.`/`_orig_mod.` prefixes) and safetensors
 /// checkpoints; DistributedDataParallel itself is still to come.
 pub use consort_ddp as ddp;
+/// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
+pub use consort_sampler as sampler;
 
 /// Collective algorithms as sans-IO schedules, and their selection policy.
 pub use consort_comm::algo;
