@@ -38,6 +38,15 @@ impl fmt::Display for Launcher {
     }
 }
 
+/// `host:port`, bracketing an IPv6 literal (`[::1]:29500`).
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// The default `MASTER_PORT` (torchrun's).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
@@ -314,11 +323,7 @@ impl DistEnv {
 
     /// `MASTER_ADDR:MASTER_PORT`, bracketing IPv6 literals.
     pub fn store_addr(&self) -> String {
-        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
-            format!("[{}]:{}", self.master_addr, self.master_port)
-        } else {
-            format!("{}:{}", self.master_addr, self.master_port)
-        }
+        host_port(&self.master_addr, self.master_port)
     }
 
     /// Whether this process hosts the store: rank 0, unless the launcher's

@@ -267,7 +267,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
         });
     }
     let server = if env.hosts_store() {
-        let bind = bind_addr(&env).await;
+        let bind = store_bind_addr(&env.master_addr, env.master_port).await;
         let server = TcpStoreServer::bind_with(bind.as_str(), consort_tcp::Secret::from_env())
             .await
             .map_err(err)?;
@@ -337,19 +337,22 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
     })
 }
 
-/// Where rank 0 listens: the master address itself when it is a loopback
-/// address (a single-node job stays off the network), every interface
-/// otherwise (as torch's TCPStore does).
-async fn bind_addr(env: &DistEnv) -> String {
-    let addrs: Vec<_> = match tokio::net::lookup_host(env.store_addr()).await {
+/// Where a store for `host:port` should listen: on that address when it
+/// resolves to loopback only (a single-host job stays off the network),
+/// otherwise on every interface (`0.0.0.0`, or `[::]` for an IPv6 host),
+/// so the other hosts reach it whatever name they use for this one.
+pub async fn store_bind_addr(host: &str, port: u16) -> String {
+    let addr = crate::env::host_port(host, port);
+    let addrs: Vec<_> = match tokio::net::lookup_host(addr.as_str()).await {
         Ok(a) => a.collect(),
         Err(_) => Vec::new(),
     };
-    let loopback = !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback());
-    if loopback {
-        env.store_addr()
+    if !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback()) {
+        addr
+    } else if !addrs.is_empty() && addrs.iter().all(|a| a.is_ipv6()) {
+        format!("[::]:{port}")
     } else {
-        format!("0.0.0.0:{}", env.master_port)
+        format!("0.0.0.0:{port}")
     }
 }
 

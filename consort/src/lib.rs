@@ -37,4 +37,4 @@ pub use consort_sampler as sampler;
 /// Collective algorithms as sans-IO schedules, and their selection policy.
 pub use consort_comm::algo;
 pub use env::{DistEnv, EnvError, Launcher};
-pub use init::{Dist, InitError, InitOptions, init, init_from_env};
+pub use init::{Dist, InitError, InitOptions, init, init_from_env, store_bind_addr};

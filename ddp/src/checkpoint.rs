@@ -57,12 +57,14 @@ pub enum CheckpointError {
         reason: String,
     },
     /// A tensor's bytes do not match its dtype and shape.
-    #[error("tensor {name:?}: {reason}")]
-    Tensor {
-        /// The tensor.
-        name: String,
-        /// What is wrong.
-        reason: String,
+    #[error("{len} bytes do not fit shape {shape:?} of {dtype}")]
+    Size {
+        /// Bytes given.
+        len: usize,
+        /// The shape.
+        shape: Vec<usize>,
+        /// The dtype's name.
+        dtype: &'static str,
     },
 }
 
@@ -93,13 +95,10 @@ impl Tensor {
             .iter()
             .try_fold(dtype.size_bytes(), |acc, d| acc.checked_mul(*d));
         if want != Some(data.len()) {
-            return Err(CheckpointError::Tensor {
-                name: String::new(),
-                reason: format!(
-                    "{} bytes do not fit shape {shape:?} of {}",
-                    data.len(),
-                    dtype.name()
-                ),
+            return Err(CheckpointError::Size {
+                len: data.len(),
+                shape,
+                dtype: dtype.name(),
             });
         }
         Ok(Tensor { dtype, shape, data })
@@ -112,14 +111,6 @@ impl Tensor {
         values: &[T],
     ) -> Result<Self, CheckpointError> {
         Self::new(T::DTYPE, shape, bytemuck::cast_slice(values).to_vec())
-    }
-
-    /// Shorthand for [`Tensor::from_slice`] with f32 values.
-    ///
-    /// # Panics
-    /// If `values.len()` is not the product of `shape`.
-    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Self {
-        Self::from_slice(shape, values).expect("values.len() must match the shape")
     }
 
     /// The values, if `T` is this tensor's dtype.
@@ -290,7 +281,7 @@ mod tests {
         let mut sd = StateDict::new();
         sd.insert(
             "fc.weight",
-            Tensor::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]),
+            Tensor::from_slice::<f32>(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap(),
         );
         sd.insert("fc.bias", Tensor::from_slice(vec![2], &[7i64, -8]).unwrap());
         sd.insert(
@@ -332,7 +323,7 @@ mod tests {
         std::fs::create_dir(dir.join(format!(".model.safetensors.tmp-{}", std::process::id())))
             .unwrap();
         let mut bigger = sample();
-        bigger.insert("extra", Tensor::from_f32(vec![1], &[9.0]));
+        bigger.insert("extra", Tensor::from_slice::<f32>(vec![1], &[9.0]).unwrap());
         assert!(save_safetensors(&path, &bigger, &BTreeMap::new()).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), before);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -190,7 +190,7 @@ mod tests {
 
     fn t(v: f32, shape: &[usize]) -> Tensor {
         let n: usize = shape.iter().product();
-        Tensor::from_f32(shape.to_vec(), &vec![v; n])
+        Tensor::from_slice::<f32>(shape.to_vec(), &vec![v; n]).unwrap()
     }
 
     fn model() -> StateDict {

@@ -37,7 +37,7 @@ fn python_loads_what_we_write() {
     let mut sd = StateDict::new();
     sd.insert(
         "fc.weight",
-        Tensor::from_f32(vec![2, 3], &[1.0, -2.5, 3.0, 4.0, 5.0, 6.25]),
+        Tensor::from_slice::<f32>(vec![2, 3], &[1.0, -2.5, 3.0, 4.0, 5.0, 6.25]).unwrap(),
     );
     sd.insert(
         "fc.bias",
@@ -127,7 +127,10 @@ save_file(sd, sys.argv[1], metadata={"saved_by": "torch"})
     assert_eq!(meta["saved_by"], "torch");
     // Loads into a bare model: the prefix is handled.
     let mut model = StateDict::new();
-    model.insert("fc.weight", Tensor::from_f32(vec![2, 3], &[0.0; 6]));
+    model.insert(
+        "fc.weight",
+        Tensor::from_slice::<f32>(vec![2, 3], &[0.0; 6]).unwrap(),
+    );
     model.insert(
         "fc.bias",
         Tensor::from_slice(vec![2], &[0.0f64, 0.0]).unwrap(),

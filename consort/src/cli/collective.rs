@@ -178,37 +178,39 @@ small! {
     i8 => |v: u8| v as i8, u8 => |v: u8| v, i32 => i32::from, i64 => i64::from, u32 => u32::from, u64 => u64::from,
 }
 
-/// The hidden `bench-worker` subcommand: one rank of a tcp bench.
-pub(crate) async fn worker(spec_json: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let spec: BenchSpec = serde_json::from_str(spec_json)?;
-    let dist = consort::init_from_env().await?;
-    let pg = dist.process_group().await?;
-    let rows = bench_rank(pg.clone(), &spec).await?;
-    if pg.rank() == 0 {
-        for row in rows {
-            println!("ROW {}", serde_json::to_string(&row)?);
-        }
-    }
-    drop(pg);
-    dist.shutdown().await?;
-    Ok(())
-}
-
-/// Runs the bench as one rank of a launched job (`consort run ... --
-/// consort bench --from-env`): the world comes from the environment, and
-/// rank 0 returns the table.
-pub(crate) async fn from_env(
-    mut spec: BenchSpec,
-) -> Result<Option<Table>, Box<dyn std::error::Error>> {
+/// One rank of a world formed from the environment (torchrun's variables):
+/// joins, benches, leaves. Returns rank 0's rows, and `None` elsewhere.
+async fn rank_from_env(
+    spec: &mut BenchSpec,
+) -> Result<Option<Vec<Row>>, Box<dyn std::error::Error>> {
     let dist = consort::init_from_env().await?;
     let pg = dist.process_group().await?;
     spec.world = pg.world_size();
     spec.backend = "tcp".into();
-    let rows = bench_rank(pg.clone(), &spec).await?;
+    let rows = bench_rank(pg.clone(), spec).await?;
     let rank = pg.rank();
     drop(pg);
     dist.shutdown().await?;
-    Ok((rank == 0).then(|| table(&spec, rows)))
+    Ok((rank == 0).then_some(rows))
+}
+
+/// The hidden `bench-worker` subcommand: one rank of `consort bench
+/// --backend tcp`; rank 0 prints its rows for the parent to collect.
+pub(crate) async fn worker(spec_json: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let mut spec: BenchSpec = serde_json::from_str(spec_json)?;
+    for row in rank_from_env(&mut spec).await?.unwrap_or_default() {
+        println!("ROW {}", serde_json::to_string(&row)?);
+    }
+    Ok(())
+}
+
+/// `consort bench --from-env`: one rank of a launched job (`consort run
+/// -- consort bench --from-env`, or torchrun); rank 0 returns the table.
+pub(crate) async fn from_env(
+    mut spec: BenchSpec,
+) -> Result<Option<Table>, Box<dyn std::error::Error>> {
+    let rows = rank_from_env(&mut spec).await?;
+    Ok(rows.map(|rows| table(&spec, rows)))
 }
 
 /// Runs the bench and returns the table.

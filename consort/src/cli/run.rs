@@ -206,25 +206,11 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
             .local_addr()?
             .port();
     }
-    let addr = if a.master_addr.contains(':') {
-        format!("[{}]:{}", a.master_addr, a.master_port)
-    } else {
-        format!("{}:{}", a.master_addr, a.master_port)
-    };
+    let addr = consort::env::host_port(&a.master_addr, a.master_port);
     let rdzv_timeout = Duration::from_secs_f64(a.rdzv_timeout);
-    // Node 0 hosts the agent store.
+    // Node 0 hosts the agent store (where init_from_env's rank 0 would).
     let server = if a.node_rank == 0 {
-        // Loopback stays on loopback; otherwise every interface, so the
-        // other nodes can reach it whatever name they use for this host.
-        let bind = if a.standalone
-            || matches!(a.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1")
-        {
-            addr.clone()
-        } else if a.master_addr.contains(':') {
-            format!("[::]:{}", a.master_port)
-        } else {
-            format!("0.0.0.0:{}", a.master_port)
-        };
+        let bind = consort::store_bind_addr(&a.master_addr, a.master_port).await;
         Some(
             TcpStoreServer::bind_with(bind.as_str(), TcpStoreOptions::default().secret)
                 .await
