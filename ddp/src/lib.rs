@@ -1,18 +1,29 @@
-//! consort-ddp: data-parallel training.
+//! consort-ddp: DistributedDataParallel over any `Backend`.
 //!
-//! Built so far: [`buckets`] (c10d's bucket assignment), [`state_dict`]
-//! (PyTorch's `module.` and `_orig_mod.` key prefixes, added and stripped
-//! in both directions, and loading that accepts either form) and
-//! [`checkpoint`] (safetensors files written atomically, which Python's
-//! `safetensors` and PyTorch load).
-//!
-//! Still to come here: `Ddp<B: Backend>` with parameter broadcast from
-//! rank 0, bucket rebuilding after the first iteration, overlapped bucket
-//! all-reduce, `no_sync`, comm hooks and join.
+//! - [`Ddp`] ([`reducer`]): checks that every rank holds the same model,
+//!   broadcasts rank 0's parameters and buffers, reduces gradients in
+//!   c10d's buckets while backward runs (rebuilt in ready order after the
+//!   first step), with `no_sync`, `find_unused_parameters`, join for uneven
+//!   inputs, buffer broadcast, comm hooks ([`hook`]) and rank-0 checkpoints.
+//! - [`ParamSet`] ([`params`]): the parameter-set abstraction a framework
+//!   adapter implements; [`PlainModel`] is the adapter for plain slices.
+//! - [`buckets`]: c10d's bucket assignment.
+//! - [`state_dict`]: PyTorch's `module.` and `_orig_mod.` key prefixes,
+//!   added and stripped in both directions; loading accepts either form.
+//! - [`checkpoint`]: safetensors files written atomically, which Python's
+//!   `safetensors` and PyTorch load.
 
 pub mod buckets;
 pub mod checkpoint;
+pub mod hook;
+pub mod params;
+pub mod reducer;
+mod setup;
 pub mod state_dict;
+
+pub use hook::CommHook;
+pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
+pub use reducer::{Ddp, DdpError, DdpOptions, NoSync};
 
 pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};
 pub use state_dict::{StateDict, StateDictError};

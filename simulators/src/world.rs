@@ -220,7 +220,11 @@ enum Status {
 }
 
 struct RankState {
+    /// The communication stream's clock: when the rank's last call ended.
     clock: u64,
+    /// The host's clock, advanced by [`SimRank::compute`]; a call starts at
+    /// the later of the two.
+    host: u64,
     seq: u64,
     call: Option<Call>,
     /// The outcome of the last call, for its future to take.
@@ -271,6 +275,9 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     notify: Vec<Notify>,
+    /// Woken (all waiters) whenever the engine may have moved: hosts in
+    /// [`SimRank::compute`] wait on it.
+    moved: Notify,
 }
 
 fn ns(secs: f64) -> u64 {
@@ -316,7 +323,7 @@ impl State {
         self.ranks
             .iter()
             .filter(|r| r.status == Status::Alive && r.call.is_none())
-            .map(|r| r.clock)
+            .map(|r| r.clock.max(r.host))
             .min()
             .unwrap_or(u64::MAX)
     }
@@ -1060,6 +1067,7 @@ impl SimWorld {
         let ranks = (0..n)
             .map(|_| RankState {
                 clock: 0,
+                host: 0,
                 seq: 0,
                 call: None,
                 outcome: None,
@@ -1103,6 +1111,7 @@ impl SimWorld {
             shared: Arc::new(Shared {
                 state: Mutex::new(state),
                 notify: (0..n).map(|_| Notify::new()).collect(),
+                moved: Notify::new(),
             }),
         })
     }
@@ -1129,7 +1138,7 @@ impl SimWorld {
             lock(&self.shared)
                 .ranks
                 .iter()
-                .map(|r| r.clock)
+                .map(|r| r.clock.max(r.host))
                 .max()
                 .unwrap_or(0),
         )
@@ -1173,6 +1182,7 @@ fn wake(shared: &Shared, s: &mut State) {
     for r in s.wake.drain(..) {
         shared.notify[r].notify_one();
     }
+    shared.moved.notify_waiters();
 }
 
 /// Unregisters a call whose future is dropped before it completes, so the
@@ -1204,6 +1214,66 @@ impl Drop for CallGuard<'_> {
 }
 
 impl SimRank {
+    /// Models `d` of host computation (a layer's backward, say) on this
+    /// rank's virtual clock, concurrently with whatever call its
+    /// communication stream has in flight: calls issued later start no
+    /// earlier than the new host time.
+    ///
+    /// It first yields to the runtime, so that a communication task on the
+    /// same current-thread runtime (DDP's bucket worker) issues work handed
+    /// to it at the current host time; then it advances the host clock and
+    /// returns once every event before the new host time has been
+    /// processed, yielding once more so that the task sees calls that ended
+    /// in the meantime and issues its next one at the time it would have. Real-time limit: the
+    /// rank's default timeout, in case no other rank ever moves.
+    pub async fn compute(&self, d: Duration) {
+        // Work issued before this computation (a bucket handed to a
+        // communication task) starts at the current host time.
+        tokio::task::yield_now().await;
+        let deadline = {
+            let mut s = lock(&self.shared);
+            let rank = &mut s.ranks[self.rank];
+            rank.host = rank.host.saturating_add(dur_ns(d));
+            let timeout = rank.timeout;
+            s.progress();
+            wake(&self.shared, &mut s);
+            Instant::now() + timeout
+        };
+        loop {
+            let moved = self.shared.moved.notified();
+            {
+                let s = lock(&self.shared);
+                let host = s.ranks[self.rank].host;
+                let settled = s.ranks[self.rank].call.is_none()
+                    || s.queue.peek().is_none_or(|Reverse((k, _))| k.time >= host);
+                if settled {
+                    break;
+                }
+            }
+            if consort_comm::time::before(deadline, moved).await.is_none() {
+                break;
+            }
+        }
+        tokio::task::yield_now().await;
+    }
+
+    /// The host waits for its communication stream (like
+    /// `cudaStreamSynchronize`): the host clock catches up with the end of
+    /// the last call. Call it after awaiting work that another task issued.
+    pub fn synchronize(&self) {
+        let mut s = lock(&self.shared);
+        let rank = &mut s.ranks[self.rank];
+        rank.host = rank.host.max(rank.clock);
+    }
+
+    /// This rank's virtual time: the later of its host and communication
+    /// clocks.
+    pub fn now(&self) -> Duration {
+        let s = lock(&self.shared);
+        let rank = &s.ranks[self.rank];
+        Duration::from_nanos(rank.clock.max(rank.host))
+    }
+
     fn ctx(&self, op: OpKind, seq: u64) -> ErrorContext {
         ErrorContext::new(op, self.rank, seq, GroupId::WORLD)
     }
@@ -1248,7 +1318,7 @@ impl SimRank {
                 s.ranks[r].seq += 1;
                 s.ranks[r].last_fp = Some(fp);
             }
-            let t = s.ranks[r].clock;
+            let t = s.ranks[r].clock.max(s.ranks[r].host);
             s.ranks[r].outcome = None;
             s.ranks[r].calls += 1;
             let id = s.ranks[r].calls;

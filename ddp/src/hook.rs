@@ -1,0 +1,125 @@
+//! Communication hooks: what DDP does to one bucket of gradients (torch's
+//! `register_comm_hook`), and the aligned bucket storage they work on.
+//!
+//! Every built-in hook averages: it divides by the world size and sums.
+//! [`CommHook::AllReduce`] is the default (`allreduce_hook`);
+//! [`CommHook::Fp16Compress`] and [`CommHook::Bf16Compress`] cast an f32 or
+//! f64 bucket to 16 bits for the wire and back (`fp16_compress_hook`,
+//! `bf16_compress_hook`), halving the bytes at some precision cost.
+
+use consort_comm::{
+    Backend, BufferMut, CallOptions, CommError, DType, Element, ReduceOp, half, with_dtype,
+};
+
+/// Which reduction DDP runs on each bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CommHook {
+    /// Divide by the world size, then all-reduce (sum): torch's default.
+    #[default]
+    AllReduce,
+    /// Cast f32/f64 buckets to f16, divide, all-reduce, cast back
+    /// (torch's `fp16_compress_hook`). 16-bit buckets go as they are.
+    Fp16Compress,
+    /// The same through bf16 (torch's `bf16_compress_hook`): f32's range,
+    /// 8 bits of mantissa.
+    Bf16Compress,
+}
+
+impl CommHook {
+    /// The torch name of the hook.
+    pub fn name(self) -> &'static str {
+        match self {
+            CommHook::AllReduce => "allreduce_hook",
+            CommHook::Fp16Compress => "fp16_compress_hook",
+            CommHook::Bf16Compress => "bf16_compress_hook",
+        }
+    }
+}
+
+/// Bucket storage: bytes in 8-byte-aligned memory, so that the bucket can
+/// be viewed as any element type without copying.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Words {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Words {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        Words {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// The first `len / size_of::<T>()` elements as `T`.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> &mut [T] {
+        let n = self.len / size_of::<T>();
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
+    }
+}
+
+/// Runs `hook` on one bucket of `dtype` in place: afterwards `data` holds
+/// the average over the world (dividing by `world_size`).
+pub(crate) async fn run_hook<B: Backend + ?Sized>(
+    backend: &B,
+    hook: CommHook,
+    dtype: DType,
+    data: &mut Words,
+    opts: &CallOptions,
+) -> Result<(), CommError> {
+    let world = backend.world_size();
+    let wire = match (hook, dtype) {
+        (CommHook::Fp16Compress, DType::F32 | DType::F64) => Some(DType::F16),
+        (CommHook::Bf16Compress, DType::F32 | DType::F64) => Some(DType::BF16),
+        _ => None,
+    };
+    let Some(wire) = wire else {
+        ReduceOp::Avg.finalize_bytes(dtype, data.bytes_mut(), world)?;
+        return with_dtype!(dtype, T => {
+            backend
+                .all_reduce(BufferMut::from(data.typed_mut::<T>()), ReduceOp::Sum, opts)
+                .await
+        });
+    };
+    let w = world as f64;
+    let wide: Vec<f64> = match dtype {
+        DType::F32 => data
+            .typed_mut::<f32>()
+            .iter()
+            .map(|&v| f64::from(v) / w)
+            .collect(),
+        _ => data.typed_mut::<f64>().iter().map(|&v| v / w).collect(),
+    };
+    let narrow: Vec<f64> = if wire == DType::F16 {
+        let mut c: Vec<half::f16> = wide.iter().map(|&v| half::f16::from_f64(v)).collect();
+        backend
+            .all_reduce(BufferMut::from(&mut c), ReduceOp::Sum, opts)
+            .await?;
+        c.iter().map(|v| v.to_f64()).collect()
+    } else {
+        let mut c: Vec<half::bf16> = wide.iter().map(|&v| half::bf16::from_f64(v)).collect();
+        backend
+            .all_reduce(BufferMut::from(&mut c), ReduceOp::Sum, opts)
+            .await?;
+        c.iter().map(|v| v.to_f64()).collect()
+    };
+    match dtype {
+        DType::F32 => {
+            for (d, s) in data.typed_mut::<f32>().iter_mut().zip(narrow) {
+                *d = s as f32;
+            }
+        }
+        _ => {
+            for (d, s) in data.typed_mut::<f64>().iter_mut().zip(narrow) {
+                *d = s;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! A small MLP with hand-written backward, the reference for DDP's
+//! properties, and a helper that runs one task per simulated rank.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::{future::Future, sync::Arc};
+
+use consort_ddp::PlainModel;
+use consort_sim::{SimConfig, SimRank, SimWorld};
+
+/// Layer widths `[in, h1, ..., out]`; parameters are `w0, b0, w1, b1, …`
+/// (`w_l` is `dims[l+1] × dims[l]`, row-major), ReLU between layers.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub dims: Vec<usize>,
+}
+
+impl Mlp {
+    pub fn layers(&self) -> usize {
+        self.dims.len() - 1
+    }
+
+    /// A model with the given parameter values (`values[p]` for param p).
+    pub fn model(&self, values: &[Vec<f64>]) -> PlainModel {
+        let mut m = PlainModel::new();
+        for l in 0..self.layers() {
+            let (i, o) = (self.dims[l], self.dims[l + 1]);
+            m.add_param(format!("layers.{l}.weight"), vec![o, i], &values[2 * l])
+                .unwrap();
+            m.add_param(format!("layers.{l}.bias"), vec![o], &values[2 * l + 1])
+                .unwrap();
+        }
+        m
+    }
+
+    /// Parameter sizes in order.
+    pub fn sizes(&self) -> Vec<usize> {
+        (0..self.layers())
+            .flat_map(|l| [self.dims[l] * self.dims[l + 1], self.dims[l + 1]])
+            .collect()
+    }
+
+    /// Gradients of `scale * Σ_samples 0.5‖f(x) − y‖²` for each parameter,
+    /// produced layer by layer from the last (the order backward yields
+    /// them): calls `ready(param index, gradient)`.
+    pub fn backward(
+        &self,
+        params: &[Vec<f64>],
+        xs: &[Vec<f64>],
+        ys: &[Vec<f64>],
+        scale: f64,
+        mut ready: impl FnMut(usize, Vec<f64>),
+    ) {
+        let l_n = self.layers();
+        let mut grads: Vec<Vec<f64>> = self.sizes().iter().map(|&s| vec![0.0; s]).collect();
+        for (x, y) in xs.iter().zip(ys) {
+            // forward, keeping every layer's input
+            let mut acts = vec![x.clone()];
+            for l in 0..l_n {
+                let (i, o) = (self.dims[l], self.dims[l + 1]);
+                let w = &params[2 * l];
+                let b = &params[2 * l + 1];
+                let a = acts.last().unwrap();
+                let mut z: Vec<f64> = (0..o)
+                    .map(|r| b[r] + (0..i).map(|c| w[r * i + c] * a[c]).sum::<f64>())
+                    .collect();
+                if l + 1 < l_n {
+                    z.iter_mut().for_each(|v| *v = v.max(0.0));
+                }
+                acts.push(z);
+            }
+            let out = acts.last().unwrap();
+            let mut delta: Vec<f64> = out.iter().zip(y).map(|(o, t)| (o - t) * scale).collect();
+            for l in (0..l_n).rev() {
+                let (i, o) = (self.dims[l], self.dims[l + 1]);
+                let a = &acts[l];
+                for r in 0..o {
+                    grads[2 * l + 1][r] += delta[r];
+                    for c in 0..i {
+                        grads[2 * l][r * i + c] += delta[r] * a[c];
+                    }
+                }
+                if l > 0 {
+                    let w = &params[2 * l];
+                    delta = (0..i)
+                        .map(|c| {
+                            let d: f64 = (0..o).map(|r| w[r * i + c] * delta[r]).sum();
+                            if acts[l][c] > 0.0 { d } else { 0.0 }
+                        })
+                        .collect();
+                }
+            }
+        }
+        for l in (0..l_n).rev() {
+            ready(2 * l + 1, std::mem::take(&mut grads[2 * l + 1]));
+            ready(2 * l, std::mem::take(&mut grads[2 * l]));
+        }
+    }
+}
+
+/// Runs `f(rank handle)` for every rank of a simulated world of `n`, each
+/// on its own task of one current-thread runtime; results in rank order.
+pub fn run_sim<T, F, Fut>(cfg: SimConfig, f: F) -> (Vec<T>, SimWorld)
+where
+    T: Send + 'static,
+    F: Fn(Arc<SimRank>) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let world = SimWorld::new(cfg).expect("sim world");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let out = rt.block_on(async {
+        let tasks: Vec<_> = world
+            .ranks()
+            .into_iter()
+            .map(|r| tokio::spawn(f(Arc::new(r))))
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("rank task panicked"));
+        }
+        out
+    });
+    (out, world)
+}
