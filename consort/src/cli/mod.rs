@@ -2,6 +2,7 @@
 
 mod bench;
 mod collective;
+mod ddp_bench;
 mod run;
 mod sim;
 mod table;
@@ -193,6 +194,27 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// DDP's cost on a training step, as one rank of a launched job:
+    /// `consort run --standalone --nproc-per-node 2 -- consort bench ddp`.
+    /// Rank 0 prints the step time without DDP, with DDP, and with one
+    /// all_reduce after backward.
+    Ddp {
+        /// Parameters (f32), decimal with K/M suffixes.
+        #[arg(long, default_value = "25M", value_parser = parse_count)]
+        params: usize,
+        /// Equal layers the parameters are split into.
+        #[arg(long, default_value_t = 25)]
+        layers: usize,
+        /// Multiply-adds per parameter in the synthetic backward.
+        #[arg(long, default_value_t = 8)]
+        work: usize,
+        /// Timed steps per mode (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sampler throughput: one rank's indices for a dataset of `len`.
     Sampler {
         /// Dataset length, with K/M/G suffixes (decimal here: 10M = 10,000,000).
@@ -249,6 +271,23 @@ pub(crate) fn parse_sizes(s: &str) -> Result<SizeList, String> {
         })
         .collect::<Result<_, _>>()
         .map(SizeList)
+}
+
+/// Parses a count with an optional decimal K or M suffix (`25M` is
+/// 25,000,000, as model sizes are quoted).
+pub(crate) fn parse_count(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1_000usize),
+        Some('M') => (&t[..t.len() - 1], 1_000_000),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            format!("bad count {t:?}: expected a number with an optional K or M suffix, like 25M")
+        })
 }
 
 /// Parses a comma-separated dtype list (`f32` or `float32` style).
@@ -407,6 +446,21 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
             })
             .await??;
             print!("{}", t.render(json));
+        }
+        Command::Bench(BenchArgs {
+            machine:
+                Some(BenchCommand::Ddp {
+                    params,
+                    layers,
+                    work,
+                    iters,
+                    json,
+                }),
+            ..
+        }) => {
+            if let Some(t) = ddp_bench::run(params, layers, work, iters).await? {
+                print!("{}", t.render(json));
+            }
         }
         Command::Bench(BenchArgs {
             machine: Some(BenchCommand::Loopback { size, json }),
