@@ -7,6 +7,8 @@
 //!   inputs, buffer broadcast, comm hooks ([`hook`]) and rank-0 checkpoints.
 //! - [`ParamSet`] ([`params`]): the parameter-set abstraction a framework
 //!   adapter implements; [`PlainModel`] is the adapter for plain slices.
+//! - `candle` (feature `candle`): the adapter for candle's `VarMap` and
+//!   `GradStore`.
 //! - [`buckets`]: c10d's bucket assignment.
 //! - [`state_dict`]: PyTorch's `module.` and `_orig_mod.` key prefixes,
 //!   added and stripped in both directions; loading accepts either form.
@@ -14,6 +16,8 @@
 //!   `safetensors` and PyTorch load.
 
 pub mod buckets;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod checkpoint;
 pub mod hook;
 pub mod params;

@@ -126,6 +126,26 @@ impl PlainModel {
         Ok(self.params.len() - 1)
     }
 
+    /// Adds a parameter from raw little-endian bytes; returns its index.
+    pub fn add_param_bytes(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    ) -> Result<usize, PlainModelError> {
+        let name = name.into();
+        let mut value = Tensor::new(dtype, shape, bytes)
+            .map_err(|e| PlainModelError(format!("parameter {name}: {e}")))?;
+        value.data = aligned_copy(&value.data);
+        self.params.push(Entry {
+            name,
+            value,
+            grad: None,
+        });
+        Ok(self.params.len() - 1)
+    }
+
     /// Adds a buffer; returns its index among buffers.
     pub fn add_buffer<T: Element>(
         &mut self,
