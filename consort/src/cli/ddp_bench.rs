@@ -23,10 +23,11 @@ use serde_json::json;
 
 use super::table::Table;
 
-/// One layer's backward: `g = f(p)` with `work` multiply-adds per element.
-fn backward_layer(p: &[f32], g: &mut [f32], work: usize) {
+/// One layer's backward: `g = f(p)` with `work` multiply-adds per element
+/// (`bias` makes each rank's gradient its own).
+fn backward_layer(p: &[f32], g: &mut [f32], work: usize, bias: f32) {
     for (g, &p) in g.iter_mut().zip(p) {
-        let mut x = p;
+        let mut x = p + bias;
         for _ in 0..work {
             x = x * 0.999 + 0.001;
         }
@@ -73,17 +74,21 @@ pub(crate) async fn run(
     let backend: Arc<dyn Backend> = pg.backend().clone();
     let world = pg.world_size();
     let layers = layers.max(1);
+    let bias = pg.rank() as f32 * 1e-3;
     let per = params / layers;
     let mut model = PlainModel::new();
     for l in 0..layers {
-        let init: Vec<f32> = (0..per).map(|k| ((k + l) % 97) as f32 * 0.01).collect();
+        // Each rank starts elsewhere: Ddp::new must bring them together.
+        let init: Vec<f32> = (0..per)
+            .map(|k| ((k + l) % 97) as f32 * 0.01 + bias)
+            .collect();
         model.add_param(format!("layers.{l}.weight"), vec![per], &init)?;
     }
     let mut grads: Vec<Vec<f32>> = (0..layers).map(|_| vec![0.0; per]).collect();
 
     let local = median_ms!(iters, {
         for l in (0..layers).rev() {
-            backward_layer(model.param::<f32>(l)?, &mut grads[l], work);
+            backward_layer(model.param::<f32>(l)?, &mut grads[l], work, bias);
         }
         for (l, g) in grads.iter().enumerate() {
             sgd(model.param_mut::<f32>(l)?, g);
@@ -104,6 +109,7 @@ pub(crate) async fn run(
                 model.param::<f32>(l)?,
                 &mut flat[l * per..(l + 1) * per],
                 work,
+                bias,
             );
         }
         pg.all_reduce(&mut flat, ReduceOp::Avg).await?;
@@ -120,10 +126,10 @@ pub(crate) async fn run(
             for l in (0..layers).rev() {
                 if view {
                     let p = model.param::<f32>(l)?;
-                    backward_layer(p, ddp.grad_mut::<f32>(l)?, work);
+                    backward_layer(p, ddp.grad_mut::<f32>(l)?, work, bias);
                     ddp.mark_ready_in_place(l)?;
                 } else {
-                    backward_layer(model.param::<f32>(l)?, &mut grads[l], work);
+                    backward_layer(model.param::<f32>(l)?, &mut grads[l], work, bias);
                     ddp.mark_ready(l, &grads[l])?;
                 }
             }
@@ -136,6 +142,22 @@ pub(crate) async fn run(
         ms.push(t);
     }
     let buckets = ddp.bucket_assignment().len();
+    // Every rank must now hold the same parameters, bit for bit.
+    let mut digest = 0xcbf2_9ce4_8422_2325u64;
+    for l in 0..layers {
+        for &v in model.param::<f32>(l)? {
+            digest = (digest ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let digests = pg.all_gather_vec(&[digest]).await?;
+    if digests.iter().any(|&d| d != digests[0]) {
+        return Err(format!(
+            "rank {}: after the DDP steps the ranks' parameters differ (digests {digests:x?}); \
+             DDP did not keep the replicas in step",
+            pg.rank()
+        )
+        .into());
+    }
     drop(ddp);
     let rank = pg.rank();
     drop(pg);
