@@ -1,0 +1,347 @@
+//! The example trainer: an MLP on the UCI handwritten digits, trained with
+//! DistributedSampler and DDP, checkpointed every epoch, resumable.
+//!
+//! ```sh
+//! # 4 simulated ranks in this process (the default)
+//! cargo run --release -p consort --example train
+//! # 4 processes over TCP
+//! cargo build --release -p consort --examples
+//! target/release/consort run --standalone --nproc-per-node 4 -- target/release/examples/train
+//! ```
+//!
+//! The global batch (`--batch-size`) is split evenly across the ranks, so
+//! the result does not depend on the world size. Rank 0 shows progress,
+//! prints each epoch's loss and test accuracy, writes
+//! `OUT/checkpoint.safetensors` every epoch and `OUT/training.png` and
+//! `OUT/metrics.json` at the end.
+
+mod data;
+mod mlp;
+mod plot;
+
+use std::{collections::BTreeMap, path::PathBuf, process::ExitCode, sync::Arc};
+
+use clap::Parser;
+use consort::{
+    Backend, ProcessGroup, ReduceOp,
+    ddp::{Ddp, DdpOptions, PlainModel, load_safetensors},
+    sampler::{DistributedSampler, EvalSampler},
+    sim::{SimConfig, SimWorld},
+};
+use data::{Digits, Sample};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use mlp::{B1, B2, Params, W1, W2};
+use plot::Epoch;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Train an MLP on the UCI digits with DistributedSampler and DDP.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "train")]
+struct Args {
+    /// sim (N ranks in this process), tcp (one process per rank, launched
+    /// by `consort run` or torchrun) or nccl. Default: tcp when launched
+    /// (RANK is set), sim otherwise.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Ranks to simulate with `--backend sim`.
+    #[arg(long, default_value_t = 4)]
+    world_size: usize,
+    /// Epochs to train (with --resume: the total, counting those done).
+    #[arg(long, default_value_t = 20)]
+    epochs: usize,
+    /// Global batch size, split evenly across the ranks.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.2)]
+    lr: f32,
+    /// Hidden units.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Seed of the initial weights and the sampler's shuffle.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Where checkpoints, the plot and the metrics go.
+    #[arg(long, default_value = "runs/digits")]
+    out: PathBuf,
+    /// Continue from OUT/checkpoint.safetensors.
+    #[arg(long)]
+    resume: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    let data = Arc::new(data::load()?);
+    let launched = std::env::var_os("RANK").is_some();
+    let backend = args
+        .backend
+        .clone()
+        .unwrap_or_else(|| if launched { "tcp" } else { "sim" }.into());
+    let args = Arc::new(args);
+    match backend.as_str() {
+        "sim" => {
+            let world = SimWorld::new(SimConfig::new(args.world_size))?;
+            let tasks: Vec<_> = world
+                .ranks()
+                .into_iter()
+                .map(|r| {
+                    let b: Arc<dyn Backend> = Arc::new(r);
+                    tokio::spawn(train_rank(b, args.clone(), data.clone()))
+                })
+                .collect();
+            let mut first = None;
+            for t in tasks {
+                if let Err(e) = t.await.map_err(BoxError::from).and_then(|r| r) {
+                    first.get_or_insert(e);
+                }
+            }
+            first.map_or(Ok(()), Err)
+        }
+        "tcp" => {
+            let dist = consort::init_from_env().await?;
+            let pg = dist.process_group().await?;
+            let res = train_rank(pg.backend().clone(), args, data).await;
+            drop(pg);
+            dist.shutdown().await?;
+            res
+        }
+        "nccl" => Err(
+            "the NCCL backend is not part of this build yet (see the README's backend \
+                       table); train with --backend tcp, or --backend sim"
+                .into(),
+        ),
+        other => Err(format!("unknown --backend {other:?}: expected sim, tcp or nccl").into()),
+    }
+}
+
+/// What rank 0 reads back from a checkpoint to continue.
+fn read_checkpoint(args: &Args, model: &mut PlainModel) -> Result<(usize, Vec<Epoch>), BoxError> {
+    let path = args.out.join("checkpoint.safetensors");
+    if !path.exists() {
+        return Err(format!(
+            "--resume: no checkpoint at {}; run without --resume first (or pass the same --out)",
+            path.display()
+        )
+        .into());
+    }
+    let (sd, meta) = load_safetensors(&path)?;
+    model.load_state_dict(&sd)?;
+    let epoch = meta
+        .get("epoch")
+        .and_then(|e| e.parse().ok())
+        .ok_or_else(|| format!("{} has no epoch in its metadata", path.display()))?;
+    let history = meta
+        .get("history")
+        .map(|h| serde_json::from_str(h))
+        .transpose()?
+        .unwrap_or_default();
+    Ok((epoch, history))
+}
+
+struct Bars {
+    multi: MultiProgress,
+    epochs: ProgressBar,
+    steps: ProgressBar,
+}
+
+impl Bars {
+    fn new(epochs: usize, done: usize, steps: usize) -> Self {
+        let multi = MultiProgress::new();
+        let style = ProgressStyle::with_template("{prefix:>6} [{bar:40}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+        let epochs = multi.add(ProgressBar::new(epochs as u64).with_style(style.clone()));
+        epochs.set_prefix("epoch");
+        epochs.set_position(done as u64);
+        let steps = multi.add(ProgressBar::new(steps as u64).with_style(style));
+        steps.set_prefix("step");
+        Bars {
+            multi,
+            epochs,
+            steps,
+        }
+    }
+
+    /// A line above the bars (or plainly, when they are hidden: no TTY).
+    fn println(&self, line: &str) {
+        if self.multi.is_hidden() {
+            println!("{line}");
+        } else {
+            let _ = self.multi.println(line);
+        }
+    }
+}
+
+async fn train_rank(
+    backend: Arc<dyn Backend>,
+    args: Arc<Args>,
+    data: Arc<Digits>,
+) -> Result<(), BoxError> {
+    let pg = ProcessGroup::new(backend.clone());
+    let (rank, world) = (pg.rank(), pg.world_size());
+    if args.batch_size == 0 || args.batch_size % world != 0 {
+        return Err(format!(
+            "--batch-size {} must be a positive multiple of the world size {world}, so that \
+             every rank gets the same share of each global batch",
+            args.batch_size
+        )
+        .into());
+    }
+    let local_batch = args.batch_size / world;
+    let mut model = mlp::init(args.hidden, args.seed)?;
+
+    // Rank 0 reads the checkpoint; Ddp::new's broadcast gives its values
+    // to everyone, and one more broadcast tells them where to start.
+    let mut history = Vec::new();
+    let mut header = [0u64, 0u64]; // [status, start epoch]
+    if rank == 0 {
+        std::fs::create_dir_all(&args.out)
+            .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+        if args.resume {
+            match read_checkpoint(&args, &mut model) {
+                Ok((epoch, h)) => {
+                    header[1] = epoch as u64;
+                    history = h;
+                }
+                Err(e) => {
+                    header[0] = 1;
+                    eprintln!("rank 0: {e}");
+                }
+            }
+        }
+    }
+    pg.broadcast(&mut header, 0).await?;
+    if header[0] != 0 {
+        return Err(format!("rank {rank}: rank 0 could not resume (see its error)").into());
+    }
+    let start = header[1] as usize;
+    let mut ddp = Ddp::new(backend.clone(), &mut model, DdpOptions::default()).await?;
+
+    let mut sampler =
+        DistributedSampler::new(data.train.len() as u64, world, rank, true, args.seed, false)?;
+    let eval = EvalSampler::new(data.test.len() as u64, world, rank)?;
+    let steps = (sampler.len() as usize).div_ceil(local_batch);
+    let bars = (rank == 0).then(|| Bars::new(args.epochs, start, steps));
+    if let Some(b) = &bars {
+        b.println(&format!(
+            "training a 64-{}-10 MLP on {} digits ({} held out): {world} rank(s), global batch {}, \
+             epochs {}..{}",
+            args.hidden,
+            data.train.len(),
+            data.test.len(),
+            args.batch_size,
+            start + 1,
+            args.epochs
+        ));
+    }
+    let path = args.out.join("checkpoint.safetensors");
+
+    for epoch in start..args.epochs {
+        sampler.set_epoch(epoch as u64);
+        let idx = sampler.indices()?;
+        let mut loss = [0f64, 0f64]; // [sum, samples]
+        if let Some(b) = &bars {
+            b.steps.reset();
+        }
+        for chunk in idx.chunks(local_batch) {
+            let batch: Vec<&Sample> = chunk.iter().map(|&i| &data.train[i as usize]).collect();
+            let params = Params::of(&model)?;
+            let mut early = Ok(());
+            let g = mlp::backward(&params, &batch, |w2, b2| {
+                early = ddp.mark_ready(B2, b2).and_then(|()| ddp.mark_ready(W2, w2));
+            });
+            early?;
+            ddp.mark_ready(B1, &g.b1)?;
+            ddp.mark_ready(W1, &g.w1)?;
+            ddp.finish().await?;
+            for i in [W1, B1, W2, B2] {
+                let grad = ddp.grad::<f32>(i)?;
+                for (p, d) in model.param_mut::<f32>(i)?.iter_mut().zip(grad) {
+                    *p -= args.lr * d;
+                }
+            }
+            loss[0] += g.loss_sum;
+            loss[1] += batch.len() as f64;
+            if let Some(b) = &bars {
+                b.steps.inc(1);
+            }
+        }
+        pg.all_reduce(&mut loss, ReduceOp::Sum).await?;
+
+        let params = Params::of(&model)?;
+        let mut acc = [0f64, 0f64]; // [correct, seen]
+        for i in eval.indices() {
+            let s = &data.test[i as usize];
+            acc[0] += f64::from(u8::from(params.predict(&s.x) == s.y));
+            acc[1] += 1.0;
+        }
+        pg.all_reduce(&mut acc, ReduceOp::Sum).await?;
+        let e = Epoch {
+            epoch: epoch + 1,
+            train_loss: loss[0] / loss[1].max(1.0),
+            test_accuracy: 100.0 * acc[0] / acc[1].max(1.0),
+        };
+        history.push(e.clone());
+
+        let mut meta = BTreeMap::new();
+        meta.insert("epoch".to_string(), (epoch + 1).to_string());
+        meta.insert("history".to_string(), serde_json::to_string(&history)?);
+        meta.insert("world_size".to_string(), world.to_string());
+        meta.insert("format".to_string(), "pt".to_string());
+        ddp.save_checkpoint(&path, &model.state_dict(), &meta)
+            .await?;
+        if let Some(b) = &bars {
+            b.epochs.inc(1);
+            b.println(&format!(
+                "epoch {:>3}/{}  train loss {:.4}  test accuracy {:.2}%",
+                e.epoch, args.epochs, e.train_loss, e.test_accuracy
+            ));
+        }
+    }
+    if let Some(b) = bars {
+        b.steps.finish_and_clear();
+        b.epochs.finish_and_clear();
+        let png = args.out.join("training.png");
+        plot::draw(
+            &png,
+            &history,
+            &format!(
+                "MLP on UCI digits, {world} rank(s), global batch {}",
+                args.batch_size
+            ),
+        )?;
+        std::fs::write(
+            args.out.join("metrics.json"),
+            serde_json::to_string_pretty(&history)?,
+        )?;
+        let last = history.last();
+        b.println(&format!(
+            "done: test accuracy {:.2}%, checkpoint {}, plot {}",
+            last.map_or(0.0, |e| e.test_accuracy),
+            path.display(),
+            png.display()
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! The example trainer (`examples/train`), run as a user runs it: on the
+//! simulator in one process, and over TCP through `consort run`.
+//!
+//! The example binary is built by `cargo test --workspace` (cargo builds
+//! examples with the tests). Running this file alone needs
+//! `cargo build -p consort --example train` first.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use consort::ddp::{StateDict, load_safetensors};
+
+fn consort_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_consort"))
+}
+
+fn train_bin() -> PathBuf {
+    let p = consort_bin()
+        .parent()
+        .expect("target dir")
+        .join("examples")
+        .join(format!("train{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo test --workspace` (which builds the examples), or \
+         `cargo build -p consort --example train` before this test file alone",
+        p.display()
+    );
+    p
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("consort-train-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn check(out: Output, what: &str) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{what} failed:\n{text}");
+    text
+}
+
+fn train(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(train_bin())
+        .args(args)
+        .arg("--out")
+        .arg(dir)
+        .env_remove("RANK")
+        .output()
+        .expect("run the trainer");
+    check(out, &format!("train {args:?}"))
+}
+
+fn params(dir: &Path) -> StateDict {
+    load_safetensors(dir.join("checkpoint.safetensors"))
+        .expect("checkpoint")
+        .0
+}
+
+fn accuracies(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.json")).expect("metrics.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|e| e["test_accuracy"].as_f64().expect("accuracy"))
+        .collect()
+}
+
+/// Largest absolute difference between two checkpoints' tensors.
+fn max_diff(a: &StateDict, b: &StateDict) -> f32 {
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        b.tensors.keys().collect::<Vec<_>>()
+    );
+    a.tensors
+        .iter()
+        .map(|(k, t)| {
+            let x = t.to_vec::<f32>().expect("f32");
+            let y = b.tensors[k].to_vec::<f32>().expect("f32");
+            x.iter()
+                .zip(&y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0, f32::max)
+        })
+        .fold(0.0, f32::max)
+}
+
+fn assert_png(path: &Path) {
+    let bytes = std::fs::read(path).expect("the plot");
+    assert!(
+        bytes.starts_with(b"\x89PNG\r\n\x1a\n"),
+        "{} is not a PNG",
+        path.display()
+    );
+    assert!(bytes.len() > 10_000, "the plot is suspiciously small");
+}
+
+#[test]
+fn two_epochs_on_two_ranks_on_the_simulator_and_over_tcp_agree() {
+    let sim = out_dir("sim2");
+    let text = train(&sim, &["--epochs", "2", "--world-size", "2"]);
+    assert!(text.contains("epoch   2/2"), "{text}");
+    assert_eq!(accuracies(&sim).len(), 2);
+    assert_png(&sim.join("training.png"));
+
+    let tcp = out_dir("tcp2");
+    let out = Command::new(consort_bin())
+        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+        .arg(train_bin())
+        .args(["--epochs", "2", "--out"])
+        .arg(&tcp)
+        .output()
+        .expect("consort run");
+    let text = check(out, "consort run -- train");
+    assert!(text.contains("[rank0]: epoch   2/2"), "{text}");
+    assert_png(&tcp.join("training.png"));
+    // The same schedules reduce in the same order on both backends.
+    let d = max_diff(&params(&sim), &params(&tcp));
+    assert!(d <= 1e-6, "sim and TCP runs differ by {d}");
+    let (a, b) = (accuracies(&sim), accuracies(&tcp));
+    assert!((a[1] - b[1]).abs() < 1e-9, "{a:?} vs {b:?}");
+    for d in [sim, tcp] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn default_training_reaches_95_percent_whatever_the_world_size() {
+    let dirs: Vec<PathBuf> = [1, 2, 4]
+        .iter()
+        .map(|w| {
+            let d = out_dir(&format!("w{w}"));
+            train(&d, &["--world-size", &w.to_string()]);
+            d
+        })
+        .collect();
+    let finals: Vec<f64> = dirs
+        .iter()
+        .map(|d| *accuracies(d).last().expect("epochs"))
+        .collect();
+    assert!(finals[0] >= 95.0, "world 1: {:.2}%", finals[0]);
+    assert!(finals[2] >= 95.0, "world 4: {:.2}%", finals[2]);
+    for f in &finals {
+        assert!((f - finals[0]).abs() <= 0.5, "final accuracies {finals:?}");
+    }
+    let p1 = params(&dirs[0]);
+    for d in &dirs[1..] {
+        let diff = max_diff(&p1, &params(d));
+        assert!(
+            diff <= 1e-4,
+            "{}: parameters differ from world 1 by {diff}",
+            d.display()
+        );
+    }
+    for d in dirs {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn resume_continues_to_the_same_parameters_as_an_uninterrupted_run() {
+    let whole = out_dir("whole");
+    train(&whole, &["--epochs", "3", "--world-size", "2"]);
+    let split = out_dir("split");
+    train(&split, &["--epochs", "2", "--world-size", "2"]);
+    let text = train(&split, &["--epochs", "3", "--world-size", "2", "--resume"]);
+    assert!(text.contains("epochs 3..3"), "{text}");
+    assert_eq!(params(&whole), params(&split), "resumed run differs");
+    assert_eq!(accuracies(&whole), accuracies(&split));
+    for d in [whole, split] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn bad_requests_fail_with_a_reason() {
+    let d = out_dir("bad");
+    for (args, want) in [
+        (vec!["--resume"], "no checkpoint at"),
+        (
+            vec!["--batch-size", "30", "--world-size", "4"],
+            "multiple of the world size",
+        ),
+        (vec!["--backend", "gloo"], "expected sim, tcp or nccl"),
+    ] {
+        let out = Command::new(train_bin())
+            .args(&args)
+            .arg("--out")
+            .arg(&d)
+            .env_remove("RANK")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(d);
+}
