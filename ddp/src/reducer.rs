@@ -662,6 +662,18 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             if let Err(source) = result
                 && first.is_none()
             {
+                let what = if matches!(
+                    source,
+                    CommError::Mismatch { .. } | CommError::Timeout { .. }
+                ) {
+                    format!(
+                        "{what} (if the ranks run different numbers of steps, as with uneven \
+                         data, call enable_join() on every rank and join() on those that run \
+                         out: torch's `with model.join():`)"
+                    )
+                } else {
+                    what
+                };
                 first = Some(DdpError::Comm {
                     what,
                     source: Box::new(source),
