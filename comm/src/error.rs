@@ -198,6 +198,24 @@ pub enum CommError {
         source: StoreError,
     },
 
+    /// A communication library (NCCL) reported an error.
+    #[error(
+        "[{ctx}] {backend} error {code}: {detail}. Run with NCCL_DEBUG=INFO (or WARN) \
+         for the library's own account; a system or remote error usually means a peer died \
+         or the network between GPUs is misconfigured (NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE)"
+    )]
+    Backend {
+        /// Where.
+        ctx: ErrorContext,
+        /// The library (`"NCCL"`).
+        backend: &'static str,
+        /// Its numeric result code.
+        code: i32,
+        /// The code's name and the library's last-error text
+        /// (`ncclSystemError: ...`).
+        detail: String,
+    },
+
     /// The group was poisoned by an earlier failure (here or on a peer), or
     /// aborted by the user. Every call after a failure returns this.
     #[error(
@@ -224,6 +242,7 @@ impl CommError {
             | CommError::Protocol { ctx, .. }
             | CommError::Io { ctx, .. }
             | CommError::Store { ctx, .. }
+            | CommError::Backend { ctx, .. }
             | CommError::Aborted { ctx, .. } => Some(ctx),
             CommError::BackendUnavailable { .. } => None,
         }
@@ -241,6 +260,7 @@ impl CommError {
             | CommError::Protocol { ctx, .. }
             | CommError::Io { ctx, .. }
             | CommError::Store { ctx, .. }
+            | CommError::Backend { ctx, .. }
             | CommError::Aborted { ctx, .. } => *ctx = ctx.or(outer),
             CommError::BackendUnavailable { .. } => {}
         }

@@ -148,6 +148,26 @@ impl Dist {
         &self.store
     }
 
+    /// The NCCL process group (feature `nccl`): one process per GPU, the
+    /// GPU is `LOCAL_RANK`, and NCCL's unique id goes through this job's
+    /// store under torch's key layout. `CONSORT_TIMEOUT` sets the op
+    /// timeout (default 10 minutes, as torch's NCCL default). Without
+    /// libcuda, libnccl or a GPU this is `BackendUnavailable`.
+    #[cfg(feature = "nccl")]
+    pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
+        let mut opts = consort_nccl::NcclOptions {
+            device: Some(self.env.local_rank),
+            ..Default::default()
+        };
+        if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
+            opts.timeout = t;
+        }
+        let b =
+            consort_nccl::NcclBackend::new(&*self.store, self.env.rank, self.env.world_size, opts)
+                .await?;
+        Ok(ProcessGroup::new(Arc::new(b)))
+    }
+
     /// The default process group: the TCP backend over a mesh between every
     /// rank, rendezvoused through [`Dist::store`].
     ///

@@ -28,9 +28,12 @@ pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 /// The deterministic in-process simulator (functional and cost-only).
 pub use consort_sim as sim;
 
-/// State dicts (`module.`/`_orig_mod.` prefixes) and safetensors
-/// checkpoints; DistributedDataParallel itself is still to come.
+/// DistributedDataParallel (`Ddp`), state dicts (`module.`/`_orig_mod.`
+/// prefixes) and safetensors checkpoints.
 pub use consort_ddp as ddp;
+/// The NCCL backend (feature `nccl`).
+#[cfg(feature = "nccl")]
+pub use consort_nccl as nccl;
 /// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
 pub use consort_sampler as sampler;
 

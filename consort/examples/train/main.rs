@@ -126,13 +126,29 @@ async fn run(args: Args) -> Result<(), BoxError> {
             dist.shutdown().await?;
             res
         }
-        "nccl" => Err(
-            "the NCCL backend is not part of this build yet (see the README's backend \
-                       table); train with --backend tcp, or --backend sim"
-                .into(),
-        ),
+        "nccl" => nccl(args, data).await,
         other => Err(format!("unknown --backend {other:?}: expected sim, tcp or nccl").into()),
     }
+}
+
+/// One process per GPU, launched by `consort run`, torchrun or srun.
+#[cfg(feature = "nccl")]
+async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
+    let dist = consort::init_from_env().await?;
+    let pg = dist.nccl_process_group().await?;
+    let res = train_rank(pg.backend().clone(), args, data).await;
+    drop(pg);
+    dist.shutdown().await?;
+    res
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl(_: Arc<Args>, _: Arc<Digits>) -> Result<(), BoxError> {
+    Err(
+        "this trainer was built without NCCL: rebuild with `cargo build --release -p consort \
+         --features nccl --examples` (it needs libnccl and a GPU at run time, not to build)"
+            .into(),
+    )
 }
 
 /// What rank 0 reads back from a checkpoint to continue.
