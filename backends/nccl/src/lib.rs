@@ -2,7 +2,7 @@
 //!
 //! This crate owns:
 //!
-//! - [`probe`]: finding libcuda, libnccl and the GPU before the first call
+//! - [`mod@probe`]: finding libcuda, libnccl and the GPU before the first call
 //!   (cudarc panics on a missing library; we return `BackendUnavailable`
 //!   saying what was searched and what to install);
 //! - [`keys`]: the store key of NCCL's unique id, in PyTorch's layout, so
