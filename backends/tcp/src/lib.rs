@@ -15,5 +15,5 @@ mod shm;
 pub mod store;
 
 pub use auth::Secret;
-pub use pg::{TcpBackend, TcpOptions};
+pub use pg::{BoxRead, BoxWrite, TcpBackend, TcpOptions};
 pub use store::{TcpStore, TcpStoreOptions, TcpStoreServer};

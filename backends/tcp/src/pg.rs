@@ -28,14 +28,17 @@ use consort_comm::{
     store::Store,
 };
 use tokio::{
-    io::{AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    net::{
-        TcpListener, TcpStream,
-        tcp::{OwnedReadHalf, OwnedWriteHalf},
-    },
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
     sync::Notify,
     task::JoinHandle,
 };
+
+/// The read side of one data stream to a peer: a TCP read half, or any
+/// other ordered byte stream (a QUIC stream).
+pub type BoxRead = std::pin::Pin<Box<dyn AsyncRead + Send>>;
+/// The write side of one data stream to a peer.
+pub type BoxWrite = std::pin::Pin<Box<dyn AsyncWrite + Send>>;
 
 /// The first bytes of a data connection: magic, version, rank, world size.
 const HELLO_MAGIC: [u8; 4] = *b"CSRH";
@@ -167,7 +170,7 @@ struct Inner {
     rank: usize,
     world: usize,
     /// Write halves by [peer][stream] (empty for this rank).
-    writers: Vec<Vec<tokio::sync::Mutex<OwnedWriteHalf>>>,
+    writers: Vec<Vec<tokio::sync::Mutex<BoxWrite>>>,
     inbox: Mutex<Inbox>,
     notify: Notify,
     /// The collective this rank is in (answered to probes).
@@ -494,12 +497,68 @@ impl TcpBackend {
                 (0..world).map(|_| None).collect(),
             )
         };
+        let streams = conns
+            .into_iter()
+            .map(|streams| {
+                streams
+                    .into_iter()
+                    .flatten()
+                    .map(|s| {
+                        let (r, w) = s.into_split();
+                        (Box::pin(r) as BoxRead, Box::pin(w) as BoxWrite)
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Self::assemble(
+            rank,
+            world,
+            streams,
+            (shm_tx, shm_rx),
+            slot_bytes,
+            opts,
+        ))
+    }
+
+    /// A backend over already-connected, already-authenticated byte streams
+    /// (`streams[peer]`: that peer's streams, the same count for every peer
+    /// and empty for this rank), driving the same schedules and frames as
+    /// TCP. The QUIC backend builds its mesh of QUIC streams and hands it
+    /// here. No shared memory: every payload goes through the streams.
+    /// Must run inside a tokio runtime (the readers are tasks).
+    pub fn from_streams(
+        rank: usize,
+        world: usize,
+        streams: Vec<Vec<(BoxRead, BoxWrite)>>,
+        opts: TcpOptions,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world || streams.len() != world {
+            return Err(CommError::invalid(format!(
+                "rank {rank} of a world of {world} needs one stream list per rank; got {}",
+                streams.len()
+            )));
+        }
+        let none = (
+            (0..world).map(|_| None).collect(),
+            (0..world).map(|_| None).collect(),
+        );
+        let slot_bytes = opts.algo.segment_bytes.clamp(64 * 1024, 16 << 20);
+        Ok(Self::assemble(rank, world, streams, none, slot_bytes, opts))
+    }
+
+    fn assemble(
+        rank: usize,
+        world: usize,
+        streams: Vec<Vec<(BoxRead, BoxWrite)>>,
+        (shm_tx, shm_rx): ShmPair,
+        slot_bytes: usize,
+        opts: TcpOptions,
+    ) -> Self {
         let mut writers = Vec::with_capacity(world);
         let mut reads = Vec::new();
-        for (peer, streams) in conns.into_iter().enumerate() {
+        for (peer, streams) in streams.into_iter().enumerate() {
             let mut ws = Vec::new();
-            for s in streams.into_iter().flatten() {
-                let (r, w) = s.into_split();
+            for (r, w) in streams {
                 reads.push((peer, r));
                 ws.push(tokio::sync::Mutex::new(w));
             }
@@ -532,11 +591,11 @@ impl TcpBackend {
             })
             .collect();
         *lock(&inner.readers) = handles;
-        Ok(TcpBackend {
+        TcpBackend {
             inner,
             opts,
             state: Mutex::new(CallState::default()),
-        })
+        }
     }
 }
 
@@ -677,7 +736,7 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
 async fn read_loop(
     inner: Arc<Inner>,
     peer: usize,
-    mut r: OwnedReadHalf,
+    mut r: BoxRead,
     limits: FrameLimits,
     in_place_min: usize,
 ) {
@@ -828,7 +887,7 @@ async fn read_loop(
 /// (otherwise it is read and dropped, keeping the stream in step).
 async fn read_in_place(
     inner: &Inner,
-    r: &mut OwnedReadHalf,
+    r: &mut BoxRead,
     bounce: &mut [u64],
     call: u64,
     d: &Direct,
