@@ -177,6 +177,14 @@ impl Dist {
     /// `CONSORT_SOCKET_IFNAME`, else the address this host uses to reach
     /// `MASTER_ADDR` (loopback for a single-node job).
     pub async fn process_group(&self) -> Result<ProcessGroup, CommError> {
+        let opts = self.tcp_options().await?;
+        let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
+            .await?;
+        Ok(ProcessGroup::new(Arc::new(b)))
+    }
+
+    /// The TCP options from the environment (see [`Dist::process_group`]).
+    async fn tcp_options(&self) -> Result<TcpOptions, CommError> {
         let mut opts = TcpOptions {
             namespace: format!("consort/tcp/{}/world", self.env.restart_count),
             bind_addr: Some(bind_ip(&self.env).await?),
@@ -209,8 +217,37 @@ impl Dist {
                 )));
             }
         }
-        let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
-            .await?;
+        Ok(opts)
+    }
+
+    /// The QUIC process group (feature `quic`): the same schedules as
+    /// [`Dist::process_group`], over QUIC connections with TLS 1.3 and
+    /// per-job certificates pinned through the store. Reads the same
+    /// variables as TCP (bind address, timeouts, schedules, streams,
+    /// `CONSORT_SECRET`); shared memory is never used.
+    /// `CONSORT_QUIC_IDLE_TIMEOUT` (seconds, default 5) bounds how long a
+    /// silent peer counts as alive.
+    #[cfg(feature = "quic")]
+    pub async fn quic_process_group(&self) -> Result<ProcessGroup, CommError> {
+        let tcp = self.tcp_options().await?;
+        let mut opts = consort_quic::QuicOptions {
+            bind_addr: tcp.bind_addr,
+            namespace: format!("consort/quic/{}/world", self.env.restart_count),
+            streams: tcp.streams,
+            secret: tcp.secret.clone(),
+            driver: TcpOptions { shm: false, ..tcp },
+            ..Default::default()
+        };
+        if let Some(t) = seconds_var("CONSORT_QUIC_IDLE_TIMEOUT")? {
+            opts.idle_timeout = t;
+        }
+        let b = consort_quic::QuicBackend::connect(
+            self.store.clone(),
+            self.env.rank,
+            self.env.world_size,
+            opts,
+        )
+        .await?;
         Ok(ProcessGroup::new(Arc::new(b)))
     }
 

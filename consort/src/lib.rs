@@ -34,6 +34,9 @@ pub use consort_ddp as ddp;
 /// The NCCL backend (feature `nccl`).
 #[cfg(feature = "nccl")]
 pub use consort_nccl as nccl;
+/// The QUIC backend (feature `quic`, on by default).
+#[cfg(feature = "quic")]
+pub use consort_quic as quic;
 /// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
 pub use consort_sampler as sampler;
 

@@ -1,6 +1,15 @@
-//! consort-quic: the QUIC backend (to be built).
+//! consort-quic: the QUIC backend, for links across untrusted networks.
 //!
-//! It will own the QUIC driver: quinn connections between ranks, rustls
-//! certificates and peer authentication, and the loop that runs
-//! `consort_comm`'s sans-IO schedules over QUIC streams. It will own no
-//! algorithm of its own.
+//! This crate owns the QUIC transport: quinn endpoints (one connection per
+//! pair of ranks, a few bidirectional streams on each), TLS 1.3 through
+//! rustls with per-job certificates made by rcgen, and the pinning of every
+//! peer's certificate fingerprint as published through the store ([`tls`]).
+//! It owns no algorithm and no frame format: the connected streams go to
+//! the same stream driver as the TCP backend (`TcpBackend::from_streams`),
+//! which runs `consort_comm::algo`'s schedules. Rendezvous is TCP's: the
+//! job's store (with `CONSORT_SECRET`, an authenticated one).
+
+mod backend;
+pub mod tls;
+
+pub use backend::{QuicBackend, QuicOptions};

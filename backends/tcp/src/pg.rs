@@ -1276,13 +1276,16 @@ impl TcpBackend {
             if st.in_call {
                 return Err(CommError::invalid("this rank already has a call in flight; await each op before starting the next").with_context(ctx));
             }
-            // A lost peer breaks every collective; a point-to-point call
-            // only needs its own peer.
-            let gone = lock(&inner.inbox)
-                .lost
-                .iter()
-                .find(|(p, _)| !p2p || *p == req.peer_or_root)
-                .cloned();
+            // A lost peer breaks every collective. A point-to-point call
+            // only needs its own peer, and that peer may have sent its
+            // message and left before this call started (the message is
+            // then in the inbox): the call's loop decides, after applying
+            // what has arrived.
+            let gone = if p2p {
+                None
+            } else {
+                lock(&inner.inbox).lost.first().cloned()
+            };
             if let Some((peer, why)) = gone {
                 let e = CommError::PeerLost {
                     ctx,

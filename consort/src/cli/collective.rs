@@ -184,9 +184,14 @@ async fn rank_from_env(
     spec: &mut BenchSpec,
 ) -> Result<Option<Vec<Row>>, Box<dyn std::error::Error>> {
     let dist = consort::init_from_env().await?;
-    let pg = dist.process_group().await?;
+    let pg = match spec.backend.as_str() {
+        "quic" => dist.quic_process_group().await?,
+        _ => {
+            spec.backend = "tcp".into();
+            dist.process_group().await?
+        }
+    };
     spec.world = pg.world_size();
-    spec.backend = "tcp".into();
     let rows = bench_rank(pg.clone(), spec).await?;
     let rank = pg.rank();
     drop(pg);
@@ -216,7 +221,7 @@ pub(crate) async fn from_env(
 /// Runs the bench and returns the table.
 pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Error>> {
     let rows: Vec<Row> = match spec.backend.as_str() {
-        "tcp" => launch(&spec)?,
+        "tcp" | "quic" => launch(&spec)?,
         "sim" => {
             let world = consort::sim::SimWorld::new(consort::sim::SimConfig::new(spec.world))?;
             let tasks: Vec<_> = world
@@ -236,7 +241,9 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
             }
             first.unwrap_or_default()
         }
-        other => return Err(format!("unknown backend {other:?}: expected tcp or sim").into()),
+        other => {
+            return Err(format!("unknown backend {other:?}: expected tcp, quic or sim").into());
+        }
     };
     Ok(table(&spec, rows))
 }

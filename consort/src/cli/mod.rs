@@ -131,7 +131,7 @@ enum Command {
 struct BenchArgs {
     #[command(subcommand)]
     machine: Option<BenchCommand>,
-    /// Backend: tcp (one OS process per rank, on loopback) or sim.
+    /// Backend: tcp or quic (one OS process per rank, on loopback) or sim.
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// Number of ranks.

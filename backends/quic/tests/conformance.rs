@@ -1,0 +1,44 @@
+//! The conformance suite on the QUIC backend: real QUIC connections (TLS
+//! 1.3, pinned job certificates) between ranks of one process, on loopback.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{Backend, algo::AlgoConfig, store::MemStore};
+use consort_quic::{QuicBackend, QuicOptions};
+use consort_tcp::TcpOptions;
+use consort_tests::WorldFuture;
+
+fn quic_world(n: usize) -> WorldFuture {
+    Box::pin(async move {
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+        let opts = QuicOptions {
+            connect_timeout: Duration::from_secs(60),
+            secret: None,
+            driver: TcpOptions {
+                timeout: Duration::from_secs(20),
+                // Small segments so that short buffers exercise pipelining.
+                algo: AlgoConfig {
+                    segment_bytes: 64,
+                    window: 4,
+                    overrides: Vec::new(),
+                },
+                stall_probe: Duration::from_millis(100),
+                shm: false,
+                ..TcpOptions::default()
+            },
+            ..QuicOptions::default()
+        };
+        let tasks: Vec<_> = (0..n)
+            .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
+            .collect();
+        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+        }
+        out
+    })
+}
+
+mod quic {
+    consort_tests::conformance!(crate::quic_world, cases = 12);
+}
