@@ -87,6 +87,47 @@ pub struct QuicBackend {
     /// Refuses every connection that arrives after the mesh is built.
     gatekeeper: tokio::task::JoinHandle<()>,
     idle_timeout: Duration,
+    /// The send halves the driver writes through, to finish at the end.
+    sends: Vec<SharedSend>,
+}
+
+/// A QUIC send stream shared between the driver (which writes) and the
+/// backend (which finishes it and waits for its acknowledgement at the
+/// end). The lock is uncontended: only the driver writes.
+#[derive(Clone)]
+struct SharedSend(Arc<std::sync::Mutex<SendStream>>);
+
+impl SharedSend {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SendStream> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl tokio::io::AsyncWrite for SharedSend {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let mut s = self.lock();
+        tokio::io::AsyncWrite::poll_write(std::pin::Pin::new(&mut *s), cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let mut s = self.lock();
+        tokio::io::AsyncWrite::poll_flush(std::pin::Pin::new(&mut *s), cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let mut s = self.lock();
+        tokio::io::AsyncWrite::poll_shutdown(std::pin::Pin::new(&mut *s), cx)
+    }
 }
 
 impl std::fmt::Debug for QuicBackend {
@@ -101,33 +142,49 @@ impl std::fmt::Debug for QuicBackend {
 impl Drop for QuicBackend {
     fn drop(&mut self) {
         self.gatekeeper.abort();
-        // Unlike TCP, unsent and unacknowledged data dies with the QUIC
-        // connection, and the connection with this process. So linger: the
-        // driver's streams are finished as it drops them, and a task keeps
-        // the connections open until every peer has closed its side (it has
-        // read everything) or the idle timeout passes, then closes.
-        let endpoint = self.endpoint.clone();
+        // Unlike TCP's, QUIC's unsent and unacknowledged data dies with the
+        // connection, and the connection with this process. So finish every
+        // stream and wait (up to the idle timeout) until the peers have
+        // acknowledged all of it, then close: a rank that returns from its
+        // last collective and exits cannot strand a peer that still needs
+        // its final frames.
+        let sends = std::mem::take(&mut self.sends);
         let conns = std::mem::take(&mut self.conns);
+        let endpoint = self.endpoint.clone();
         let linger = self.idle_timeout;
-        let close = move |conns: &[Connection], endpoint: &Endpoint| {
-            for c in conns {
+        let work = async move {
+            let acked: Vec<_> = sends
+                .iter()
+                .map(|s| {
+                    let mut g = s.lock();
+                    let _ = g.finish();
+                    g.stopped()
+                })
+                .collect();
+            let _ = tokio::time::timeout(linger, async {
+                for a in acked {
+                    let _ = a.await;
+                }
+            })
+            .await;
+            for c in &conns {
                 c.close(VarInt::from_u32(0), b"rank left");
             }
             endpoint.close(VarInt::from_u32(0), b"rank left");
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move {
-                    let all_closed = async {
-                        for c in &conns {
-                            c.closed().await;
-                        }
-                    };
-                    let _ = tokio::time::timeout(linger, all_closed).await;
-                    close(&conns, &endpoint);
-                });
+            Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| rt.block_on(work));
             }
-            Err(_) => close(&conns, &endpoint),
+            Ok(rt) => {
+                rt.spawn(work);
+            }
+            Err(_) => {
+                for c in &self.conns {
+                    c.close(VarInt::from_u32(0), b"rank left");
+                }
+                self.endpoint.close(VarInt::from_u32(0), b"rank left");
+            }
         }
     }
 }
@@ -369,6 +426,7 @@ impl QuicBackend {
             }
         }
         let mut conns = Vec::new();
+        let mut sends = Vec::new();
         let mut streams: Vec<Vec<(BoxRead, BoxWrite)>> = Vec::with_capacity(world);
         for slot in slots {
             match slot {
@@ -376,7 +434,11 @@ impl QuicBackend {
                     conns.push(c);
                     streams.push(
                         s.into_iter()
-                            .map(|(r, w)| (Box::pin(r) as BoxRead, Box::pin(w) as BoxWrite))
+                            .map(|(r, w)| {
+                                let w = SharedSend(Arc::new(std::sync::Mutex::new(w)));
+                                sends.push(w.clone());
+                                (Box::pin(r) as BoxRead, Box::pin(w) as BoxWrite)
+                            })
                             .collect(),
                     );
                 }
@@ -401,6 +463,7 @@ impl QuicBackend {
             conns,
             gatekeeper,
             idle_timeout: opts.idle_timeout,
+            sends,
         })
     }
 
