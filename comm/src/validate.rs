@@ -19,6 +19,20 @@ pub fn root(root: usize, world_size: usize) -> Result<()> {
     }
 }
 
+/// Gather's output and scatter's input: the root passes the buffer, and
+/// only the root. `what` names it (`"an output"`, `"an input"`).
+pub fn root_only(op: &str, what: &str, present: bool, rank: usize, root: usize) -> Result<()> {
+    match (present, rank == root) {
+        (true, true) | (false, false) => Ok(()),
+        (false, true) => Err(CommError::invalid(format!(
+            "{op}: the root (rank {root}) must pass {what} buffer"
+        ))),
+        (true, false) => Err(CommError::invalid(format!(
+            "{op}: only the root (rank {root}) passes {what} buffer; pass None on rank {rank}"
+        ))),
+    }
+}
+
 /// A point-to-point peer must be another rank of the group.
 pub fn peer(peer: usize, rank: usize, world_size: usize) -> Result<()> {
     if peer >= world_size {

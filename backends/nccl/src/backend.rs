@@ -575,6 +575,34 @@ impl NcclBackend {
         }
     }
 
+    /// Gather (`gather`) or scatter as grouped point-to-point: `a[0]` is
+    /// this rank's part, exchanged with the root; on the root, `a[1]` is
+    /// the whole buffer, part `p` exchanged with rank `p`.
+    fn rooted(&self, a: &[Arg<'_>], root: usize, gather: bool) -> ncclResult_t {
+        let (n, dt) = (a[0].len, a[0].dtype);
+        self.group(|| {
+            let mut r = if gather {
+                self.send_raw(a[0].dev, n, dt, root)
+            } else {
+                self.recv_raw(a[0].dev, n, dt, root)
+            };
+            if let Some(whole) = a.get(1) {
+                for p in 0..self.world {
+                    let at = whole.dev + (p * n * dt.size_bytes()) as u64;
+                    let x = if gather {
+                        self.recv_raw(at, n, dt, p)
+                    } else {
+                        self.send_raw(at, n, dt, p)
+                    };
+                    if r == ncclResult_t::ncclSuccess {
+                        r = x;
+                    }
+                }
+            }
+            r
+        })
+    }
+
     fn send_raw(&self, ptr: u64, len: usize, dtype: DType, peer: usize) -> ncclResult_t {
         // SAFETY: `ptr` holds `len` elements of `dtype` on our device.
         unsafe {
@@ -757,25 +785,18 @@ impl Backend for NcclBackend {
         opts: &CallOptions,
     ) -> Result<()> {
         validate::root(opts.root, self.world)?;
-        let is_root = self.rank == opts.root;
-        match (&output, is_root) {
-            (Some(o), true) => {
-                validate::same_dtype(o.dtype(), input.dtype())?;
-                validate::whole_times_world(o.len(), input.len(), self.world, "gather output")?;
-            }
-            (None, true) => {
-                return Err(CommError::invalid(
-                    "the root of gather must pass an output buffer",
-                ));
-            }
-            (Some(_), false) => {
-                return Err(CommError::invalid(
-                    "only the root of gather passes an output buffer",
-                ));
-            }
-            (None, false) => {}
+        validate::root_only(
+            "gather",
+            "an output",
+            output.is_some(),
+            self.rank,
+            opts.root,
+        )?;
+        if let Some(o) = &output {
+            validate::same_dtype(o.dtype(), input.dtype())?;
+            validate::whole_times_world(o.len(), input.len(), self.world, "gather output")?;
         }
-        let (root, world) = (opts.root, self.world);
+        let root = opts.root;
         self.run(
             OpKind::Gather,
             false,
@@ -787,22 +808,7 @@ impl Backend for NcclBackend {
                 }
                 Ok(v)
             },
-            |s, a| {
-                let (n, dt) = (a[0].len, a[0].dtype);
-                s.group(|| {
-                    let mut r = s.send_raw(a[0].dev, n, dt, root);
-                    if a.len() == 2 {
-                        for p in 0..world {
-                            let off = (p * n * dt.size_bytes()) as u64;
-                            let x = s.recv_raw(a[1].dev + off, n, dt, p);
-                            if r == ncclResult_t::ncclSuccess {
-                                r = x;
-                            }
-                        }
-                    }
-                    r
-                })
-            },
+            |s, a| s.rooted(a, root, true),
         )
         .await
     }
@@ -814,25 +820,12 @@ impl Backend for NcclBackend {
         opts: &CallOptions,
     ) -> Result<()> {
         validate::root(opts.root, self.world)?;
-        let is_root = self.rank == opts.root;
-        match (&input, is_root) {
-            (Some(i), true) => {
-                validate::same_dtype(output.dtype(), i.dtype())?;
-                validate::whole_times_world(i.len(), output.len(), self.world, "scatter input")?;
-            }
-            (None, true) => {
-                return Err(CommError::invalid(
-                    "the root of scatter must pass an input buffer",
-                ));
-            }
-            (Some(_), false) => {
-                return Err(CommError::invalid(
-                    "only the root of scatter passes an input buffer",
-                ));
-            }
-            (None, false) => {}
+        validate::root_only("scatter", "an input", input.is_some(), self.rank, opts.root)?;
+        if let Some(i) = &input {
+            validate::same_dtype(output.dtype(), i.dtype())?;
+            validate::whole_times_world(i.len(), output.len(), self.world, "scatter input")?;
         }
-        let (root, world) = (opts.root, self.world);
+        let root = opts.root;
         self.run(
             OpKind::Scatter,
             false,
@@ -844,22 +837,7 @@ impl Backend for NcclBackend {
                 }
                 Ok(v)
             },
-            |s, a| {
-                let (n, dt) = (a[0].len, a[0].dtype);
-                s.group(|| {
-                    let mut r = s.recv_raw(a[0].dev, n, dt, root);
-                    if a.len() == 2 {
-                        for p in 0..world {
-                            let off = (p * n * dt.size_bytes()) as u64;
-                            let x = s.send_raw(a[1].dev + off, n, dt, p);
-                            if r == ncclResult_t::ncclSuccess {
-                                r = x;
-                            }
-                        }
-                    }
-                    r
-                })
-            },
+            |s, a| s.rooted(a, root, false),
         )
         .await
     }

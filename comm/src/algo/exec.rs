@@ -310,27 +310,17 @@ impl<'a> Call<'a> {
         let c = ctx(OpKind::Gather, rank);
         validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
         let i = input.host(backend).map_err(|e| e.with_context(c))?;
-        let out: &'a mut [u8] = match (output, rank == opts.root) {
-            (Some(o), true) => {
+        validate::root_only("gather", "an output", output.is_some(), rank, opts.root)
+            .map_err(|e| e.with_context(c))?;
+        let out: &'a mut [u8] = match output {
+            Some(o) => {
                 let o = o.host(backend).map_err(|e| e.with_context(c))?;
                 validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
                 validate::whole_times_world(o.len(), i.len(), world, "gather output")
                     .map_err(|e| e.with_context(c))?;
                 o.into_bytes_mut()
             }
-            (None, false) => &mut [],
-            (None, true) => {
-                return Err(CommError::invalid(format!(
-                    "gather: the root (rank {}) must pass an output buffer",
-                    opts.root
-                ))
-                .with_context(c));
-            }
-            (Some(_), false) => return Err(CommError::invalid(format!(
-                "gather: only the root (rank {}) passes an output buffer; pass None on rank {rank}",
-                opts.root
-            ))
-            .with_context(c)),
+            None => &mut [],
         };
         Ok(Call {
             root: opts.root,
@@ -353,27 +343,17 @@ impl<'a> Call<'a> {
         let c = ctx(OpKind::Scatter, rank);
         validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
         let o = output.host(backend).map_err(|e| e.with_context(c))?;
-        let inp: &'a [u8] = match (input, rank == opts.root) {
-            (Some(i), true) => {
+        validate::root_only("scatter", "an input", input.is_some(), rank, opts.root)
+            .map_err(|e| e.with_context(c))?;
+        let inp: &'a [u8] = match input {
+            Some(i) => {
                 let i = i.host(backend).map_err(|e| e.with_context(c))?;
                 validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
                 validate::whole_times_world(i.len(), o.len(), world, "scatter input")
                     .map_err(|e| e.with_context(c))?;
                 i.bytes()
             }
-            (None, false) => &[],
-            (None, true) => {
-                return Err(CommError::invalid(format!(
-                    "scatter: the root (rank {}) must pass an input buffer",
-                    opts.root
-                ))
-                .with_context(c));
-            }
-            (Some(_), false) => return Err(CommError::invalid(format!(
-                "scatter: only the root (rank {}) passes an input buffer; pass None on rank {rank}",
-                opts.root
-            ))
-            .with_context(c)),
+            None => &[],
         };
         let (dtype, len) = (o.dtype(), o.len());
         Ok(Call {
