@@ -520,11 +520,12 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
     pub fn grad_mut<T: Element>(&mut self, i: usize) -> Result<&mut [T], DdpError> {
         self.slot(i)?;
         self.check_dtype::<T>(i)?;
+        let rank = self.rank;
         let b = self.slot_bytes(i)?;
         // Bucket storage is 8-byte aligned and every slot starts at a
         // multiple of its element size within a single-dtype bucket.
         bytemuck::try_cast_slice_mut(b).map_err(|e| DdpError::Usage {
-            rank: 0,
+            rank,
             reason: format!("bucket view: {e:?}"),
         })
     }
