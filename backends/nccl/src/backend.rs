@@ -575,6 +575,25 @@ impl NcclBackend {
         }
     }
 
+    /// An op on one buffer, in place: `f(backend, device pointer, count,
+    /// NCCL dtype)` enqueues it.
+    async fn in_place(
+        &self,
+        op: OpKind,
+        buf: BufferMut<'_>,
+        opts: &CallOptions,
+        f: impl FnOnce(&Self, *mut std::ffi::c_void, usize, nc::ncclDataType_t) -> ncclResult_t,
+    ) -> Result<()> {
+        self.run(
+            op,
+            false,
+            opts,
+            |ctx| Ok(vec![self.arg_out(ctx, buf, true)?]),
+            |s, a| f(s, a[0].dev as *mut _, a[0].len, nccl_dtype(a[0].dtype)),
+        )
+        .await
+    }
+
     /// Gather (`gather`) or scatter as grouped point-to-point: `a[0]` is
     /// this rank's part, exchanged with the root; on the root, `a[1]` is
     /// the whole buffer, part `p` exchanged with rank `p`.
@@ -667,79 +686,30 @@ impl Backend for NcclBackend {
 
     async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
         let nop = nccl_op(op)?;
-        self.run(
-            OpKind::AllReduce,
-            false,
-            opts,
-            |ctx| Ok(vec![self.arg_out(ctx, buf, true)?]),
-            |s, a| {
-                // SAFETY: in place on a buffer of `a[0].len` elements.
-                unsafe {
-                    nc::ncclAllReduce(
-                        a[0].dev as *const _,
-                        a[0].dev as *mut _,
-                        a[0].len,
-                        nccl_dtype(a[0].dtype),
-                        nop,
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
-            },
-        )
+        self.in_place(OpKind::AllReduce, buf, opts, |s, p, n, dt| {
+            // SAFETY: in place on `n` elements of our device.
+            unsafe { nc::ncclAllReduce(p, p, n, dt, nop, s.comm(), s.nc_stream()) }
+        })
         .await
     }
 
     async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
         validate::root(opts.root, self.world)?;
         let root = opts.root as i32;
-        self.run(
-            OpKind::Broadcast,
-            false,
-            opts,
-            |ctx| Ok(vec![self.arg_out(ctx, buf, true)?]),
-            |s, a| {
-                // SAFETY: in place.
-                unsafe {
-                    nc::ncclBroadcast(
-                        a[0].dev as *const _,
-                        a[0].dev as *mut _,
-                        a[0].len,
-                        nccl_dtype(a[0].dtype),
-                        root,
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
-            },
-        )
+        self.in_place(OpKind::Broadcast, buf, opts, |s, p, n, dt| {
+            // SAFETY: in place on `n` elements of our device.
+            unsafe { nc::ncclBroadcast(p, p, n, dt, root, s.comm(), s.nc_stream()) }
+        })
         .await
     }
 
     async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
         validate::root(opts.root, self.world)?;
         let (nop, root) = (nccl_op(op)?, opts.root as i32);
-        self.run(
-            OpKind::Reduce,
-            false,
-            opts,
-            |ctx| Ok(vec![self.arg_out(ctx, buf, true)?]),
-            |s, a| {
-                // SAFETY: in place.
-                unsafe {
-                    nc::ncclReduce(
-                        a[0].dev as *const _,
-                        a[0].dev as *mut _,
-                        a[0].len,
-                        nccl_dtype(a[0].dtype),
-                        nop,
-                        root,
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
-            },
-        )
+        self.in_place(OpKind::Reduce, buf, opts, |s, p, n, dt| {
+            // SAFETY: in place on `n` elements of our device.
+            unsafe { nc::ncclReduce(p, p, n, dt, nop, root, s.comm(), s.nc_stream()) }
+        })
         .await
     }
 
@@ -932,30 +902,14 @@ impl Backend for NcclBackend {
 
     async fn barrier(&self, opts: &CallOptions) -> Result<()> {
         let mut one = [1u8];
-        self.run(
+        let sum = nc::ncclRedOp_t::ncclSum;
+        self.in_place(
             OpKind::Barrier,
-            false,
+            BufferMut::from(&mut one[..]),
             opts,
-            |ctx| {
-                Ok(vec![self.arg_out(
-                    ctx,
-                    BufferMut::from(&mut one[..]),
-                    true,
-                )?])
-            },
-            |s, a| {
-                // SAFETY: one byte, in place.
-                unsafe {
-                    nc::ncclAllReduce(
-                        a[0].dev as *const _,
-                        a[0].dev as *mut _,
-                        1,
-                        nccl_dtype(DType::U8),
-                        nc::ncclRedOp_t::ncclSum,
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
+            |s, p, n, dt| {
+                // SAFETY: one byte, in place, on our device.
+                unsafe { nc::ncclAllReduce(p, p, n, dt, sum, s.comm(), s.nc_stream()) }
             },
         )
         .await
