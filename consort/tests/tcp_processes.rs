@@ -56,6 +56,11 @@ async fn worker() {
                 "WORKER {}",
                 json!({"rank": pg.rank(), "error": err.to_string(), "kind": format!("{err:?}").split([' ', '{', '(']).next().unwrap_or("")})
             );
+            // Drop the group before exiting, as returning from main would:
+            // over QUIC that delivers this rank's abort frames to the others
+            // (QUIC data dies with the process), so they learn of the failure
+            // now instead of each waiting out an idle timeout in turn.
+            drop(pg);
             std::process::exit(0);
         }
         other => panic!("unknown mode {other}"),
@@ -179,11 +184,13 @@ fn killed(shm: bool) {
     killed_on("tcp", shm, Duration::from_secs(2));
 }
 
-/// QUIC over UDP gets no reset from a dead peer's kernel: the survivors
-/// notice when the idle timeout (2 s here, keep-alives every 2/3 s) passes.
+/// QUIC over UDP gets no reset from a dead peer's kernel: the victim's
+/// neighbours notice when the idle timeout (2 s here, keep-alives every 2/3
+/// s) passes, and their abort frames tell the rest. The bound leaves room
+/// for a loaded CI machine.
 #[test]
 fn a_killed_rank_is_noticed_over_quic_within_the_idle_timeout() {
-    killed_on("quic", false, Duration::from_secs(5));
+    killed_on("quic", false, Duration::from_secs(8));
 }
 
 #[test]
