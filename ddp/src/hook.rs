@@ -24,6 +24,17 @@ pub enum CommHook {
     /// The same through bf16 (torch's `bf16_compress_hook`): f32's range,
     /// 8 bits of mantissa.
     Bf16Compress,
+    /// torch's `powerSGD_hook`: each f32 gradient matrix (first dimension
+    /// by the rest) that gains from it travels as rank-`rank` factors
+    /// `P·Qᵀ`, with error feedback and warm-started `Q`; vectors, small
+    /// matrices, other dtypes and the first `start_iter` synced steps are
+    /// averaged exactly.
+    PowerSgd {
+        /// `matrix_approximation_rank`.
+        rank: usize,
+        /// `start_powerSGD_iter`: steps of plain all-reduce first.
+        start_iter: u64,
+    },
 }
 
 impl CommHook {
@@ -33,6 +44,7 @@ impl CommHook {
             CommHook::AllReduce => "allreduce_hook",
             CommHook::Fp16Compress => "fp16_compress_hook",
             CommHook::Bf16Compress => "bf16_compress_hook",
+            CommHook::PowerSgd { .. } => "powerSGD_hook",
         }
     }
 }

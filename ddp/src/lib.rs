@@ -21,6 +21,7 @@ pub mod candle;
 pub mod checkpoint;
 pub mod hook;
 pub mod params;
+mod powersgd;
 pub mod reducer;
 mod setup;
 pub mod state_dict;

@@ -46,6 +46,7 @@ use crate::{
     buckets::{BucketError, ParamInfo, assign_buckets, bucket_limits},
     hook::{CommHook, Words, run_hook},
     params::{ParamSet, ParamSpec},
+    powersgd::{self, Piece},
     setup::{broadcast_tensors, check_same_model},
 };
 
@@ -205,6 +206,10 @@ enum Job {
         index: usize,
         dtype: DType,
         data: Words,
+        /// The bucket's parameters as matrices (PowerSGD only).
+        pieces: Arc<Vec<Piece>>,
+        /// Synced steps finished before this one.
+        step: u64,
     },
     Count {
         active: bool,
@@ -242,6 +247,8 @@ pub struct Ddp<B: Backend + ?Sized + 'static> {
     /// included).
     started: bool,
     sync: bool,
+    /// Synced steps finished.
+    steps: u64,
     rebuilt: bool,
     join: bool,
     failed: Option<DdpError>,
@@ -322,6 +329,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             in_flight: 0,
             started: false,
             sync: true,
+            steps: 0,
             rebuilt: false,
             join: false,
             failed: None,
@@ -581,10 +589,30 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
                 break;
             }
             let data = b.data.take().unwrap_or_default();
+            let pieces = match self.opts.comm_hook {
+                CommHook::PowerSgd { .. } => Arc::new(
+                    b.params
+                        .iter()
+                        .map(|&i| {
+                            let shape = &self.specs[i].shape;
+                            let rows = shape.first().copied().unwrap_or(1);
+                            Piece {
+                                param: i,
+                                offset: self.slots[i].offset / b.dtype.size_bytes(),
+                                rows,
+                                cols: self.specs[i].numel() / rows.max(1),
+                            }
+                        })
+                        .collect(),
+                ),
+                _ => Arc::default(),
+            };
             let job = Job::Reduce {
                 index: self.next_launch,
                 dtype: b.dtype,
                 data,
+                pieces,
+                step: self.steps,
             };
             self.next_launch += 1;
             self.in_flight += 1;
@@ -637,6 +665,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             self.rebuild().await?;
         }
         self.reset_step();
+        self.steps += 1;
         Ok(())
     }
 
@@ -914,6 +943,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
                 self.rebuild().await?;
             }
             self.reset_step();
+            self.steps += 1;
         }
     }
 
@@ -998,14 +1028,28 @@ async fn worker<B: Backend + ?Sized + 'static>(
     mut jobs: mpsc::UnboundedReceiver<Job>,
     done: mpsc::UnboundedSender<Done>,
 ) {
+    let mut psgd = powersgd::State::default();
     while let Some(job) = jobs.recv().await {
         let out = match job {
             Job::Reduce {
                 index,
                 dtype,
                 mut data,
+                pieces,
+                step,
             } => {
-                let result = run_hook(&*backend, hook, dtype, &mut data, &opts).await;
+                let result = match hook {
+                    CommHook::PowerSgd { rank, start_iter }
+                        if dtype == DType::F32 && step >= start_iter =>
+                    {
+                        let d = data.typed_mut::<f32>();
+                        powersgd::reduce(&*backend, &opts, rank, &mut psgd, &pieces, d).await
+                    }
+                    CommHook::PowerSgd { .. } => {
+                        run_hook(&*backend, CommHook::AllReduce, dtype, &mut data, &opts).await
+                    }
+                    _ => run_hook(&*backend, hook, dtype, &mut data, &opts).await,
+                };
                 Done::Reduced {
                     index,
                     data,
