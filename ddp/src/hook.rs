@@ -99,39 +99,83 @@ pub(crate) async fn run_hook<B: Backend + ?Sized>(
                 .await
         });
     };
-    let w = world as f64;
-    let wide: Vec<f64> = match dtype {
-        DType::F32 => data
-            .typed_mut::<f32>()
-            .iter()
-            .map(|&v| f64::from(v) / w)
-            .collect(),
-        _ => data.typed_mut::<f64>().iter().map(|&v| v / w).collect(),
-    };
-    let narrow: Vec<f64> = if wire == DType::F16 {
-        let mut c: Vec<half::f16> = wide.iter().map(|&v| half::f16::from_f64(v)).collect();
-        backend
-            .all_reduce(BufferMut::from(&mut c), ReduceOp::Sum, opts)
-            .await?;
-        c.iter().map(|v| v.to_f64()).collect()
-    } else {
-        let mut c: Vec<half::bf16> = wide.iter().map(|&v| half::bf16::from_f64(v)).collect();
-        backend
-            .all_reduce(BufferMut::from(&mut c), ReduceOp::Sum, opts)
-            .await?;
-        c.iter().map(|v| v.to_f64()).collect()
-    };
-    match dtype {
-        DType::F32 => {
-            for (d, s) in data.typed_mut::<f32>().iter_mut().zip(narrow) {
-                *d = s as f32;
-            }
+    match (dtype, wire) {
+        (DType::F32, DType::F16) => {
+            compressed::<f32, half::f16, B>(backend, data, world, opts).await
         }
-        _ => {
-            for (d, s) in data.typed_mut::<f64>().iter_mut().zip(narrow) {
-                *d = s;
-            }
-        }
+        (DType::F32, _) => compressed::<f32, half::bf16, B>(backend, data, world, opts).await,
+        (_, DType::F16) => compressed::<f64, half::f16, B>(backend, data, world, opts).await,
+        _ => compressed::<f64, half::bf16, B>(backend, data, world, opts).await,
+    }
+}
+
+/// A bucket's float type (f32, f64): exact through f64.
+trait Wide: Element + Copy {
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+impl Wide for f32 {
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Wide for f64 {
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+
+/// A 16-bit wire type: one rounding from f64 (f32 widens to f64 exactly,
+/// so this equals rounding from f32 directly).
+trait Narrow: Element + Copy {
+    fn round(v: f64) -> Self;
+    fn widen(self) -> f64;
+}
+
+impl Narrow for half::f16 {
+    fn round(v: f64) -> Self {
+        half::f16::from_f64(v)
+    }
+    fn widen(self) -> f64 {
+        self.to_f64()
+    }
+}
+
+impl Narrow for half::bf16 {
+    fn round(v: f64) -> Self {
+        half::bf16::from_f64(v)
+    }
+    fn widen(self) -> f64 {
+        self.to_f64()
+    }
+}
+
+/// Divide, cast to `N` for the wire, sum, cast back: one pass each way and
+/// one allocation per bucket.
+async fn compressed<W: Wide, N: Narrow, B: Backend + ?Sized>(
+    backend: &B,
+    data: &mut Words,
+    world: usize,
+    opts: &CallOptions,
+) -> Result<(), CommError> {
+    let mut wire: Vec<N> = data
+        .typed_mut::<W>()
+        .iter()
+        .map(|&v| N::round(v.to_f64() / world as f64))
+        .collect();
+    backend
+        .all_reduce(BufferMut::from(&mut wire), ReduceOp::Sum, opts)
+        .await?;
+    for (d, s) in data.typed_mut::<W>().iter_mut().zip(&wire) {
+        *d = W::from_f64(s.widen());
     }
     Ok(())
 }

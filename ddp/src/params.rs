@@ -114,16 +114,7 @@ impl PlainModel {
         shape: Vec<usize>,
         values: &[T],
     ) -> Result<usize, PlainModelError> {
-        let name = name.into();
-        let mut value = Tensor::from_slice(shape, values)
-            .map_err(|e| PlainModelError(format!("parameter {name}: {e}")))?;
-        value.data = aligned_copy(&value.data);
-        self.params.push(Entry {
-            name,
-            value,
-            grad: None,
-        });
-        Ok(self.params.len() - 1)
+        self.add_param_bytes(name, T::DTYPE, shape, bytemuck::cast_slice(values).to_vec())
     }
 
     /// Adds a parameter from raw little-endian bytes; returns its index.

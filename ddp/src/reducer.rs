@@ -838,8 +838,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             .collect();
         for i in order {
             if let Some(g) = model.grad_bytes(i) {
-                let g = g.to_vec();
-                self.mark_ready_bytes(i, &g)?;
+                self.mark_ready_bytes(i, g)?;
             }
         }
         self.finish().await?;

@@ -594,6 +594,48 @@ impl NcclBackend {
         .await
     }
 
+    /// An op from `input` to `output`: `f(backend, source, destination,
+    /// input count, output count, NCCL dtype)` enqueues it.
+    async fn in_out(
+        &self,
+        op: OpKind,
+        input: Buffer<'_>,
+        output: BufferMut<'_>,
+        opts: &CallOptions,
+        f: impl FnOnce(
+            &Self,
+            *const std::ffi::c_void,
+            *mut std::ffi::c_void,
+            usize,
+            usize,
+            nc::ncclDataType_t,
+        ) -> ncclResult_t,
+    ) -> Result<()> {
+        self.run(
+            op,
+            false,
+            opts,
+            |ctx| {
+                Ok(vec![
+                    self.arg_in(ctx, input)?,
+                    self.arg_out(ctx, output, false)?,
+                ])
+            },
+            |s, a| {
+                let (i, o) = (&a[0], &a[1]);
+                f(
+                    s,
+                    i.dev as *const _,
+                    o.dev as *mut _,
+                    i.len,
+                    o.len,
+                    nccl_dtype(i.dtype),
+                )
+            },
+        )
+        .await
+    }
+
     /// Gather (`gather`) or scatter as grouped point-to-point: `a[0]` is
     /// this rank's part, exchanged with the root; on the root, `a[1]` is
     /// the whole buffer, part `p` exchanged with rank `p`.
@@ -721,28 +763,14 @@ impl Backend for NcclBackend {
     ) -> Result<()> {
         validate::same_dtype(output.dtype(), input.dtype())?;
         validate::whole_times_world(output.len(), input.len(), self.world, "all_gather output")?;
-        self.run(
+        self.in_out(
             OpKind::AllGather,
-            false,
+            input,
+            output,
             opts,
-            |ctx| {
-                Ok(vec![
-                    self.arg_in(ctx, input)?,
-                    self.arg_out(ctx, output, false)?,
-                ])
-            },
-            |s, a| {
-                // SAFETY: output holds world × input elements.
-                unsafe {
-                    nc::ncclAllGather(
-                        a[0].dev as *const _,
-                        a[1].dev as *mut _,
-                        a[0].len,
-                        nccl_dtype(a[0].dtype),
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
+            |s, src, dst, n, _, dt| {
+                // SAFETY: `dst` holds world × `n` elements of our device.
+                unsafe { nc::ncclAllGather(src, dst, n, dt, s.comm(), s.nc_stream()) }
             },
         )
         .await
@@ -827,29 +855,14 @@ impl Backend for NcclBackend {
             "reduce_scatter input",
         )?;
         let nop = nccl_op(op)?;
-        self.run(
+        self.in_out(
             OpKind::ReduceScatter,
-            false,
+            input,
+            output,
             opts,
-            |ctx| {
-                Ok(vec![
-                    self.arg_in(ctx, input)?,
-                    self.arg_out(ctx, output, false)?,
-                ])
-            },
-            |s, a| {
-                // SAFETY: input holds world × output elements.
-                unsafe {
-                    nc::ncclReduceScatter(
-                        a[0].dev as *const _,
-                        a[1].dev as *mut _,
-                        a[1].len,
-                        nccl_dtype(a[1].dtype),
-                        nop,
-                        s.comm(),
-                        s.nc_stream(),
-                    )
-                }
+            |s, src, dst, _, n, dt| {
+                // SAFETY: `src` holds world × `n` elements of our device.
+                unsafe { nc::ncclReduceScatter(src, dst, n, dt, nop, s.comm(), s.nc_stream()) }
             },
         )
         .await
