@@ -17,6 +17,17 @@
 //! - Every call has a deadline: `opts.timeout`, or the group's default.
 //! - After a failure the group is poisoned: later calls return `Aborted`
 //!   with the first cause.
+//!
+//! # Device buffers are stream-ordered
+//!
+//! A call on [`crate::DeviceBuffer`]s behaves as torch's NCCL backend does:
+//! the backend's stream waits for the buffer's stream, the op is enqueued,
+//! the buffer's stream waits for the op, and the call returns without
+//! waiting for the device. Work enqueued on the buffer's stream afterwards
+//! sees the result; the host sees it after synchronizing that stream. A
+//! failure that happens on the device later is sticky: the next call, or
+//! [`Backend::synchronize`], reports it. Calls on host buffers complete
+//! before they return.
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -157,6 +168,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Receives into `buf` from rank `src`, matched by `opts.tag`.
     async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()>;
+
+    /// Waits for every call this rank has enqueued on device buffers, and
+    /// reports the first failure among them (torch's `work.wait()` on
+    /// every outstanding work, then `ncclCommGetAsyncError`). Host-buffer
+    /// backends have nothing in flight between calls: the default returns
+    /// at once.
+    async fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// `new_group(ranks)`: every rank of this group calls it with the same
     /// list; members get `Some(handle)` whose ranks are renumbered in list

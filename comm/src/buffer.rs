@@ -25,6 +25,13 @@ impl<'a> HostSlice<'a> {
         }
     }
 
+    /// Views raw bytes as `dtype`: `InvalidArgument` unless they hold a
+    /// whole number of elements and start aligned for the dtype.
+    pub fn from_bytes(dtype: DType, bytes: &'a [u8]) -> Result<Self> {
+        check_bytes(dtype, bytes)?;
+        Ok(HostSlice { dtype, bytes })
+    }
+
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -52,6 +59,23 @@ impl<'a> HostSlice<'a> {
     }
 }
 
+/// Checks that `bytes` can be viewed as elements of `dtype`.
+fn check_bytes(dtype: DType, bytes: &[u8]) -> Result<()> {
+    let size = dtype.size_bytes();
+    if bytes.len() % size != 0 {
+        return Err(CommError::invalid(format!(
+            "{} bytes are not a whole number of {dtype} elements ({size} bytes each)",
+            bytes.len()
+        )));
+    }
+    if (bytes.as_ptr() as usize) % size != 0 {
+        return Err(CommError::invalid(format!(
+            "the bytes are not aligned for {dtype}; use memory allocated as {dtype} (or wider)"
+        )));
+    }
+    Ok(())
+}
+
 /// A mutable host buffer: bytes plus the dtype they hold.
 #[derive(Debug)]
 pub struct HostSliceMut<'a> {
@@ -66,6 +90,13 @@ impl<'a> HostSliceMut<'a> {
             dtype: T::DTYPE,
             bytes: crate::dtype::as_bytes_mut(s),
         }
+    }
+
+    /// Views raw bytes as `dtype`: `InvalidArgument` unless they hold a
+    /// whole number of elements and start aligned for the dtype.
+    pub fn from_bytes(dtype: DType, bytes: &'a mut [u8]) -> Result<Self> {
+        check_bytes(dtype, bytes)?;
+        Ok(HostSliceMut { dtype, bytes })
     }
 
     /// The element type.

@@ -11,7 +11,9 @@
 //! - errors ([`CommError`]) and the shared argument checks ([`validate`]);
 //! - the identity of a call ([`Fingerprint`]) and the wire header that
 //!   carries it ([`frame`]);
-//! - the rendezvous [`Store`] trait, with [`MemStore`] and [`PrefixStore`].
+//! - the rendezvous [`Store`] trait, with [`MemStore`] and [`PrefixStore`];
+//! - device memory behind the [`Device`] trait ([`device`]), which DDP
+//!   uses for buckets that live where the gradients live.
 //!
 //! - the collective algorithms ([`algo`]), as sans-IO schedules that the
 //!   simulator, TCP and QUIC drivers share.
@@ -21,6 +23,7 @@
 pub mod algo;
 mod backend;
 mod buffer;
+pub mod device;
 pub mod dtype;
 mod error;
 mod fingerprint;
@@ -33,6 +36,7 @@ pub mod validate;
 
 pub use backend::{Backend, CallOptions};
 pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
+pub use device::{Device, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};
 pub use error::{CommError, ErrorContext, Result};
 pub use fingerprint::{Fingerprint, GroupId, OpKind};

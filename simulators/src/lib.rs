@@ -8,13 +8,21 @@
 //!   virtual clock; seeded, deterministic, with a message trace;
 //! - [`fault`]: the fault plan (crash, drop, delay, duplicate, corrupt,
 //!   partition/heal, hold/release);
+//! - [`device`]: [`EmulatedDevice`], device memory whose work completes
+//!   late and out of order across streams, and [`device_comm`]:
+//!   [`EmulatedComm`], collectives on its buffers ordered as NCCL orders
+//!   them, so that stream-ordered code is tested without a GPU;
 //! - [`cost`]: the α–β cost model over a topology, and the cost-only driver
 //!   that predicts time, algbw and busbw for up to 65,536 ranks.
 //!
 //! It owns no algorithm: every schedule comes from `consort_comm::algo`.
 
 pub mod cost;
+pub mod device;
+pub mod device_comm;
 pub mod fault;
 mod world;
 
+pub use device::{EmulatedDevice, EmulatedOptions};
+pub use device_comm::{EmulatedComm, EmulatedCommOptions};
 pub use world::{SimConfig, SimRank, SimWorld, TraceEvent, TraceKind};
