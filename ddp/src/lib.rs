@@ -7,6 +7,10 @@
 //!   inputs, buffer broadcast, comm hooks ([`hook`]) and rank-0 checkpoints.
 //! - [`ParamSet`] ([`params`]): the parameter-set abstraction a framework
 //!   adapter implements; [`PlainModel`] is the adapter for plain slices.
+//! - [`device`]: buckets in device memory when the model lives on a device
+//!   (CUDA, or the emulated device in tests), averaged on the device and
+//!   ordered by streams, never by the host; [`DeviceModel`] is the adapter
+//!   for tensors in device memory.
 //! - `candle` (feature `candle`): the adapter for candle's `VarMap` and
 //!   `GradStore`.
 //! - [`buckets`]: c10d's bucket assignment.
@@ -19,6 +23,7 @@ pub mod buckets;
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod checkpoint;
+pub mod device;
 pub mod hook;
 pub mod params;
 mod powersgd;
@@ -26,6 +31,7 @@ pub mod reducer;
 mod setup;
 pub mod state_dict;
 
+pub use device::DeviceModel;
 pub use hook::CommHook;
 pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 pub use reducer::{Ddp, DdpError, DdpOptions, NoSync};

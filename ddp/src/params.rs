@@ -4,10 +4,12 @@
 //! A [`ParamSet`] is a model as DDP sees it: named, typed parameters (each
 //! with a gradient beside it, or none when it took no part in the step)
 //! and named buffers (running statistics and the like, broadcast from rank
-//! 0 but never reduced). Everything is host memory in little-endian bytes;
-//! a framework adapter exposes its own storage through these methods.
+//! 0 but never reduced). A host model exposes its storage as
+//! little-endian bytes; a device model (its [`ParamSet::placement`] names a
+//! device) exposes device buffers instead, and DDP then keeps its buckets
+//! on that device.
 
-use consort_comm::{DType, Element};
+use consort_comm::{DType, DeviceBuffer, Element, Placement};
 
 use crate::{checkpoint::Tensor, state_dict::StateDict};
 
@@ -49,15 +51,53 @@ pub trait ParamSet {
     fn params(&self) -> Vec<ParamSpec>;
 
     /// Parameter `i`'s values, to be overwritten by rank 0's at
-    /// construction.
-    fn param_bytes_mut(&mut self, i: usize) -> &mut [u8];
+    /// construction (host models).
+    fn param_bytes_mut(&mut self, i: usize) -> &mut [u8] {
+        let _ = i;
+        &mut []
+    }
 
-    /// Parameter `i`'s gradient, or `None` when it has none this step.
-    fn grad_bytes(&self, i: usize) -> Option<&[u8]>;
+    /// Parameter `i`'s gradient, or `None` when it has none this step
+    /// (host models).
+    fn grad_bytes(&self, i: usize) -> Option<&[u8]> {
+        let _ = i;
+        None
+    }
 
     /// Parameter `i`'s gradient storage, for DDP to write the averaged
-    /// gradient into (created zeroed if the parameter had none).
-    fn grad_bytes_mut(&mut self, i: usize) -> &mut [u8];
+    /// gradient into (created zeroed if the parameter had none; host
+    /// models).
+    fn grad_bytes_mut(&mut self, i: usize) -> &mut [u8] {
+        let _ = i;
+        &mut []
+    }
+
+    /// Where the parameters and gradients live: `None` (the default) for
+    /// host memory, or a device and the compute stream. With a device,
+    /// DDP allocates its buckets there and uses the `*_device` methods.
+    fn placement(&self) -> Option<Placement> {
+        None
+    }
+
+    /// Parameter `i`'s values on the device (device models).
+    fn param_device(&mut self, i: usize) -> Option<DeviceBuffer> {
+        let _ = i;
+        None
+    }
+
+    /// Parameter `i`'s gradient storage on the device (device models): DDP
+    /// reads the local gradient from it in [`crate::Ddp::sync_grads`] and
+    /// writes the average back into it.
+    fn grad_device(&mut self, i: usize) -> Option<DeviceBuffer> {
+        let _ = i;
+        None
+    }
+
+    /// Buffer `i`'s values on the device (device models).
+    fn buffer_device(&mut self, i: usize) -> Option<DeviceBuffer> {
+        let _ = i;
+        None
+    }
 
     /// The buffers (not reduced; broadcast from rank 0). None by default.
     fn buffers(&self) -> Vec<ParamSpec> {

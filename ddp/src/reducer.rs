@@ -38,13 +38,16 @@ use std::{
     time::Duration,
 };
 
-use consort_comm::{Backend, BufferMut, CallOptions, CommError, DType, Element, ReduceOp};
+use consort_comm::{
+    Backend, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, Placement, ReduceOp,
+};
 use tokio::sync::mpsc;
 
 use crate::{
     StateDict,
     buckets::{BucketError, ParamInfo, assign_buckets, bucket_limits},
-    hook::{CommHook, Words, run_hook},
+    device::{self as dev, Storage},
+    hook::{CommHook, run_hook},
     params::{ParamSet, ParamSpec},
     powersgd::{self, Piece},
     setup::{broadcast_tensors, check_same_model},
@@ -185,8 +188,9 @@ struct Bucket {
     dtype: DType,
     /// Parameter indices, in increasing order (the bucket's layout).
     params: Vec<usize>,
-    /// The gradients; `None` while the bucket worker has it.
-    data: Option<Words>,
+    /// The gradients; `None` while the bucket worker has host storage
+    /// (device storage stays: the streams order its uses).
+    data: Option<Storage>,
     /// Parameters not yet marked ready this step.
     pending: usize,
 }
@@ -205,7 +209,7 @@ enum Job {
     Reduce {
         index: usize,
         dtype: DType,
-        data: Words,
+        data: Storage,
         /// The bucket's parameters as matrices (PowerSGD only).
         pieces: Arc<Vec<Piece>>,
         /// Synced steps finished before this one.
@@ -219,7 +223,7 @@ enum Job {
 enum Done {
     Reduced {
         index: usize,
-        data: Words,
+        data: Storage,
         result: Result<(), CommError>,
     },
     Count(Result<i64, CommError>),
@@ -233,6 +237,9 @@ pub struct Ddp<B: Backend + ?Sized + 'static> {
     opts: DdpOptions,
     call: CallOptions,
     rank: usize,
+    /// Where buckets live: `None` for the host, else the model's device
+    /// and compute stream.
+    placement: Option<Placement>,
     specs: Vec<ParamSpec>,
     buckets: Vec<Bucket>,
     slots: Vec<Slot>,
@@ -271,6 +278,13 @@ impl<B: Backend + ?Sized + 'static> fmt::Debug for Ddp<B> {
 impl<B: Backend + ?Sized + 'static> Drop for Ddp<B> {
     fn drop(&mut self) {
         self.worker.abort();
+        for b in &mut self.buckets {
+            if let Some(data) = b.data.take() {
+                // Stream-ordered: after every collective the compute stream
+                // already waits for.
+                let _ = data.free(self.placement.as_ref());
+            }
+        }
     }
 }
 
@@ -292,6 +306,14 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         })?;
         let specs = model.params();
         let buffers = model.buffers();
+        let placement = model.placement();
+        if placement.is_some() && opts.comm_hook != CommHook::AllReduce {
+            return Err(usage(format!(
+                "the model lives on a device, and {} runs on host buckets; device-resident DDP \
+                 averages with the backend's Avg on the device (CommHook::AllReduce)",
+                opts.comm_hook.name()
+            )));
+        }
         if let Some(p) = specs.iter().find(|p| !p.dtype.is_float()) {
             return Err(usage(format!(
                 "parameter {} has integer dtype {}; gradients must be floating point (register \
@@ -304,7 +326,11 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             call = call.with_timeout(t);
         }
         check_same_model(&*backend, &specs, &buffers, &call).await?;
-        broadcast_tensors(&*backend, model, &specs, &buffers, &call).await?;
+        if placement.is_some() {
+            dev::broadcast_device(&*backend, model, &specs, &buffers, &call).await?;
+        } else {
+            broadcast_tensors(&*backend, model, &specs, &buffers, &call).await?;
+        }
 
         let (jobs, job_rx) = mpsc::unbounded_channel();
         let (done_tx, done) = mpsc::unbounded_channel();
@@ -320,6 +346,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             opts,
             call,
             rank,
+            placement,
             marked: vec![false; specs.len()],
             specs,
             buckets: Vec::new(),
@@ -344,7 +371,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         let mut assignment =
             assign_buckets(&infos, &[usize::MAX], None).map_err(|e| ddp.bucket_error(e))?;
         assignment.reverse();
-        ddp.layout(assignment);
+        ddp.layout(assignment)?;
         Ok(ddp)
     }
 
@@ -366,8 +393,9 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         }
     }
 
-    /// Builds fresh, zeroed buckets for `assignment`.
-    fn layout(&mut self, assignment: Vec<Vec<usize>>) {
+    /// Builds fresh, zeroed buckets for `assignment` (on the device, for a
+    /// device model).
+    fn layout(&mut self, assignment: Vec<Vec<usize>>) -> Result<(), DdpError> {
         self.slots = vec![
             Slot {
                 bucket: 0,
@@ -376,30 +404,34 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             };
             self.specs.len()
         ];
-        self.buckets = assignment
-            .into_iter()
-            .enumerate()
-            .map(|(b, mut params)| {
-                params.sort_unstable();
-                let dtype = params.first().map_or(DType::F32, |&i| self.specs[i].dtype);
-                let mut offset = 0;
-                for &i in &params {
-                    let len = self.specs[i].bytes();
-                    self.slots[i] = Slot {
-                        bucket: b,
-                        offset,
-                        len,
-                    };
-                    offset += len;
-                }
-                Bucket {
-                    dtype,
-                    pending: params.len(),
-                    params,
-                    data: Some(Words::zeroed(offset)),
-                }
-            })
-            .collect();
+        let mut buckets = Vec::with_capacity(assignment.len());
+        for (b, mut params) in assignment.into_iter().enumerate() {
+            params.sort_unstable();
+            let dtype = params.first().map_or(DType::F32, |&i| self.specs[i].dtype);
+            let mut offset = 0;
+            for &i in &params {
+                let len = self.specs[i].bytes();
+                self.slots[i] = Slot {
+                    bucket: b,
+                    offset,
+                    len,
+                };
+                offset += len;
+            }
+            let data = Storage::zeroed(self.placement.as_ref(), dtype, offset).map_err(|e| {
+                self.usage(format!(
+                    "could not allocate bucket {b} ({offset} bytes): {e}"
+                ))
+            })?;
+            buckets.push(Bucket {
+                dtype,
+                pending: params.len(),
+                params,
+                data: Some(data),
+            });
+        }
+        self.buckets = buckets;
+        Ok(())
     }
 
     /// This rank.
@@ -477,7 +509,14 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         let s = self.slot(i)?;
         let name = &self.specs[i].name;
         match self.buckets[s.bucket].data.as_mut() {
-            Some(d) => Ok(&mut d.bytes_mut()[s.offset..s.offset + s.len]),
+            Some(Storage::Host(d)) => Ok(&mut d.bytes_mut()[s.offset..s.offset + s.len]),
+            Some(Storage::Device(_)) => Err(DdpError::Usage {
+                rank: self.rank,
+                reason: format!(
+                    "the gradient of {name} lives in a device bucket; use grad_device({i}) and \
+                     mark_ready_device, or copy_grads_to(model), instead of host views"
+                ),
+            }),
             None => Err(DdpError::Usage {
                 rank: self.rank,
                 reason: format!(
@@ -515,9 +554,82 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             return Ok(());
         }
         self.check_not_marked(i)?;
-        self.slot_bytes(i)?.copy_from_slice(grad);
+        if let Some(p) = self.placement.clone() {
+            let dst = self.slot_ptr(i)?;
+            // SAFETY: `dst` is parameter i's slot of `grad.len()` bytes
+            // (checked above) in a live device bucket.
+            unsafe { p.device.copy_from_host(dst, grad, p.stream) }
+                .map_err(|e| self.device_error(i, e.to_string()))?;
+        } else {
+            self.slot_bytes(i)?.copy_from_slice(grad);
+        }
         self.note_ready(i);
         Ok(())
+    }
+
+    /// The device address of parameter `i`'s slot in its device bucket.
+    fn slot_ptr(&self, i: usize) -> Result<u64, DdpError> {
+        let s = self.slot(i)?;
+        match &self.buckets[s.bucket].data {
+            Some(Storage::Device(d)) => Ok(d.ptr() + s.offset as u64),
+            _ => Err(self.usage(format!(
+                "{} has no device bucket: this Ddp wraps a host model (its ParamSet has no \
+                 placement); use mark_ready and grad_mut",
+                self.specs[i].name
+            ))),
+        }
+    }
+
+    fn device_error(&self, i: usize, reason: String) -> DdpError {
+        self.usage(format!("device copy for {}: {reason}", self.specs[i].name))
+    }
+
+    /// Device-resident [`Ddp::mark_ready`]: enqueues the copy of `grad`
+    /// into parameter `i`'s device bucket on the compute stream (after the
+    /// stream `grad` is ready on), and launches the bucket's all-reduce
+    /// once it is complete. Never blocks the host.
+    pub fn mark_ready_device(&mut self, i: usize, grad: DeviceBuffer) -> Result<(), DdpError> {
+        self.check()?;
+        let s = self.slot(i)?;
+        if grad.dtype() != self.specs[i].dtype {
+            let p = &self.specs[i];
+            return Err(self.usage(format!(
+                "parameter {} is {}, but its gradient was given as {}",
+                p.name,
+                p.dtype,
+                grad.dtype()
+            )));
+        }
+        if !self.sync {
+            return Ok(());
+        }
+        self.check_not_marked(i)?;
+        let dst = self.slot_ptr(i)?;
+        let p = self
+            .placement
+            .clone()
+            .ok_or_else(|| self.usage("no placement"))?;
+        let what = format!("the gradient of {}", self.specs[i].name);
+        dev::copy_in(&p, dst, &grad, s.len, &what).map_err(|e| self.device_error(i, e))?;
+        self.note_ready(i);
+        Ok(())
+    }
+
+    /// Gradient-as-bucket-view on the device: parameter `i`'s slot in its
+    /// device bucket, ready on the compute stream. Backward writes (or
+    /// accumulates) into it, then calls [`Ddp::mark_ready_in_place`];
+    /// after [`Ddp::finish`], work enqueued on the compute stream sees the
+    /// average.
+    pub fn grad_device(&self, i: usize) -> Result<DeviceBuffer, DdpError> {
+        let ptr = self.slot_ptr(i)?;
+        let p = self
+            .placement
+            .as_ref()
+            .ok_or_else(|| self.usage("no placement"))?;
+        let spec = &self.specs[i];
+        // SAFETY: the slot lies in a live device bucket of this Ddp, which
+        // frees buckets only stream-ordered (rebuild, drop).
+        Ok(unsafe { p.buffer(ptr, spec.numel(), spec.dtype) })
     }
 
     /// Gradient-as-bucket-view (torch's `gradient_as_bucket_view=True`):
@@ -588,7 +700,13 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             if b.pending > 0 {
                 break;
             }
-            let data = b.data.take().unwrap_or_default();
+            let data = match &b.data {
+                Some(Storage::Device(d)) => Storage::Device(*d),
+                _ => b
+                    .data
+                    .take()
+                    .unwrap_or(Storage::Host(crate::hook::Words::default())),
+            };
             let pieces = match self.opts.comm_hook {
                 CommHook::PowerSgd { .. } => Arc::new(
                     b.params
@@ -651,7 +769,11 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
                 return Err(self.fail(e));
             }
             for i in missing {
-                if let Ok(b) = self.slot_bytes(i) {
+                if let Some(p) = self.placement.clone() {
+                    let len = self.slot(i)?.len;
+                    let ptr = self.slot_ptr(i)?;
+                    dev::zero(&p, ptr, len).map_err(|e| self.device_error(i, e.to_string()))?;
+                } else if let Ok(b) = self.slot_bytes(i) {
                     b.fill(0);
                 }
                 self.marked[i] = true;
@@ -777,10 +899,19 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
                 return Err(self.fail(e));
             }
         };
+        if let Some(p) = self.placement.clone() {
+            if let Err(e) = self.relayout_device(&p, assignment) {
+                return Err(self.fail(e));
+            }
+            self.rebuilt = true;
+            return Ok(());
+        }
         let old: Vec<Vec<u8>> = (0..n)
             .map(|i| self.slot_bytes(i).map(|b| b.to_vec()).unwrap_or_default())
             .collect();
-        self.layout(assignment);
+        if let Err(e) = self.layout(assignment) {
+            return Err(self.fail(e));
+        }
         for (i, g) in old.iter().enumerate() {
             if let Ok(b) = self.slot_bytes(i) {
                 b.copy_from_slice(g);
@@ -790,24 +921,86 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         Ok(())
     }
 
+    /// Device buckets for a new assignment: every gradient copied slot to
+    /// slot on the compute stream, the old buckets freed after the copies.
+    fn relayout_device(
+        &mut self,
+        p: &Placement,
+        assignment: Vec<Vec<usize>>,
+    ) -> Result<(), DdpError> {
+        let n = self.specs.len();
+        let old: Vec<u64> = (0..n).map(|i| self.slot_ptr(i)).collect::<Result<_, _>>()?;
+        let old_buckets: Vec<Storage> = self
+            .buckets
+            .iter_mut()
+            .filter_map(|b| b.data.take())
+            .collect();
+        self.layout(assignment)?;
+        for (i, &src) in old.iter().enumerate() {
+            let (dst, len) = (self.slot_ptr(i)?, self.slots[i].len);
+            dev::copy_slot(p, dst, src, len).map_err(|e| self.device_error(i, e.to_string()))?;
+        }
+        for b in old_buckets {
+            b.free(Some(p))
+                .map_err(|e| self.usage(format!("freeing an old bucket: {e}")))?;
+        }
+        Ok(())
+    }
+
     fn timeout(&self) -> Duration {
         self.call.timeout_or(self.backend.default_timeout())
     }
 
     /// Zeroes every gradient in the buckets (`optimizer.zero_grad()` in
     /// gradient-as-bucket-view mode).
+    ///
+    /// With device buckets the zeroing is enqueued on the compute stream;
+    /// a device error makes this `Ddp` fail (the next call reports it).
     pub fn zero_grad(&mut self) {
+        let mut failed = None;
         for b in &mut self.buckets {
-            if let Some(d) = &mut b.data {
-                d.bytes_mut().fill(0);
+            match &mut b.data {
+                Some(Storage::Host(d)) => d.bytes_mut().fill(0),
+                Some(Storage::Device(d)) => {
+                    if let Some(p) = &self.placement {
+                        let bytes = d.len() * d.dtype().size_bytes();
+                        if let Err(e) = dev::zero(p, d.ptr(), bytes) {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                }
+                None => {}
             }
+        }
+        if let Some(e) = failed {
+            let e = self.usage(format!("zeroing the device buckets: {e}"));
+            self.fail(e);
         }
     }
 
     /// Writes every averaged gradient into `model`'s gradients (the copy
     /// that gradient-as-bucket-view avoids).
+    ///
+    /// For a device model the copies are enqueued on the compute stream
+    /// (after the all-reduces it already waits for); the host does not
+    /// wait.
     pub fn copy_grads_to(&mut self, model: &mut (impl ParamSet + ?Sized)) -> Result<(), DdpError> {
         self.check()?;
+        if let Some(p) = self.placement.clone() {
+            for i in 0..self.specs.len() {
+                let s = self.slot(i)?;
+                let Some(grad) = model.grad_device(i) else {
+                    return Err(self.usage(format!(
+                        "the model has no device gradient storage for {}",
+                        self.specs[i].name
+                    )));
+                };
+                let src = self.slot_ptr(i)?;
+                let what = format!("the model's gradient storage for {}", self.specs[i].name);
+                dev::copy_out(&p, &grad, src, s.len, &what).map_err(|e| self.device_error(i, e))?;
+            }
+            return Ok(());
+        }
         for i in 0..self.specs.len() {
             let want = self.slot(i)?.len;
             let have = model.grad_bytes_mut(i).len();
@@ -837,7 +1030,11 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             .flat_map(|b| b.params.iter().rev().copied())
             .collect();
         for i in order {
-            if let Some(g) = model.grad_bytes(i) {
+            if self.placement.is_some() {
+                if let Some(g) = model.grad_device(i) {
+                    self.mark_ready_device(i, g)?;
+                }
+            } else if let Some(g) = model.grad_bytes(i) {
                 self.mark_ready_bytes(i, g)?;
             }
         }
@@ -868,7 +1065,12 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             return Ok(());
         }
         let buffers = model.buffers();
-        if let Err(e) = broadcast_tensors(&*self.backend, model, &[], &buffers, &self.call).await {
+        let res = if self.placement.is_some() {
+            dev::broadcast_device(&*self.backend, model, &[], &buffers, &self.call).await
+        } else {
+            broadcast_tensors(&*self.backend, model, &[], &buffers, &self.call).await
+        };
+        if let Err(e) = res {
             return Err(self.fail(e));
         }
         Ok(())
@@ -1033,7 +1235,24 @@ async fn worker<B: Backend + ?Sized + 'static>(
             Job::Reduce {
                 index,
                 dtype,
-                mut data,
+                data: Storage::Device(d),
+                ..
+            } => {
+                // Stream-ordered: returns once enqueued; Avg on the device.
+                let _ = dtype;
+                let result = backend
+                    .all_reduce(BufferMut::Device(d), ReduceOp::Avg, &opts)
+                    .await;
+                Done::Reduced {
+                    index,
+                    data: Storage::Device(d),
+                    result,
+                }
+            }
+            Job::Reduce {
+                index,
+                dtype,
+                data: Storage::Host(mut data),
                 pieces,
                 step,
             } => {
@@ -1051,7 +1270,7 @@ async fn worker<B: Backend + ?Sized + 'static>(
                 };
                 Done::Reduced {
                     index,
-                    data,
+                    data: Storage::Host(data),
                     result,
                 }
             }

@@ -328,6 +328,8 @@ fn work(shared: &Shared) {
             continue;
         };
         if matches!(op, Op::Wait(_)) {
+            // The stream may now be empty: tell `synchronize`.
+            shared.cv.notify_all();
             continue;
         }
         st.busy = Some(pick);
@@ -471,12 +473,17 @@ impl Device for EmulatedDevice {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                let head = match q.front() {
+                    Some(Op::Wait(e)) => format!("waits for event {e}, which never completed"),
+                    Some(_) => "has runnable work the device worker never ran".to_string(),
+                    None => "is running its last operation".to_string(),
+                };
                 return Err(CommError::Aborted {
                     ctx: Default::default(),
                     cause: format!(
-                        "emulated device: stream {stream} did not drain within {timeout:?}; it \
-                         waits for an event that never completes (a collective that never \
-                         finished?)"
+                        "emulated device: stream {stream} did not drain within {timeout:?}: it \
+                         {head} ({} operations queued; a collective that never finished?)",
+                        q.len()
                     ),
                 });
             }
@@ -546,11 +553,10 @@ mod tests {
         unsafe { d.copy(x, x + 6, 4, 0).unwrap() };
         let e = d.synchronize(0).unwrap_err().to_string();
         assert!(e.contains("run past the end"), "{e}");
-        // SAFETY: as above.
-        assert!(
-            unsafe { d.fill_zero(x, 1, 0) }.is_err(),
-            "errors are sticky"
-        );
+        // SAFETY: x is a live 8-byte allocation; the device refuses the
+        // call anyway, because an earlier operation failed.
+        let sticky = unsafe { d.fill_zero(x, 1, 0) };
+        assert!(sticky.is_err(), "errors are sticky");
         assert!(d.new_stream().is_ok());
         assert!(d.wait(999, EventId(1)).is_err(), "unknown stream");
     }
