@@ -17,6 +17,12 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_consort");
 
+/// The launcher's GPU counting, so the `--nproc-per-node gpu|auto` tests
+/// know what this machine has.
+#[allow(dead_code)]
+#[path = "../src/cli/gpus.rs"]
+mod gpus;
+
 /// Waits for `child` with a deadline, so a hung launcher fails the test
 /// instead of hanging it.
 fn finish(mut child: Child, what: &str) -> Output {
@@ -269,6 +275,103 @@ fn bad_flags_are_refused_with_a_reason() {
         assert!(!out.status.success(), "{args:?} should fail");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(want), "{args:?}: want {want:?} in {stderr}");
+    }
+}
+
+/// Runs `consort run --nproc-per-node <spec>` with a worker that prints
+/// its LOCAL_RANK and LOCAL_WORLD_SIZE; returns the output and, when it
+/// succeeded, the number of workers it started (checked consistent).
+fn workers_started(spec: &str, cuda_visible_devices: Option<&str>) -> (Output, Option<usize>) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "--standalone", "--nproc-per-node", spec, "--"])
+        .args([
+            "sh",
+            "-c",
+            r#"echo "local=$LOCAL_RANK of=$LOCAL_WORLD_SIZE""#,
+        ])
+        .env("CONSORT_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(v) = cuda_visible_devices {
+        cmd.env("CUDA_VISIBLE_DEVICES", v);
+    }
+    let out = finish(cmd.spawn().expect("start consort"), "consort run");
+    if !out.status.success() {
+        return (out, None);
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut seen: Vec<(usize, usize)> = stdout
+        .lines()
+        .filter_map(|l| l.split_once("]: local=")?.1.split_once(" of="))
+        .map(|(l, n)| (l.parse().unwrap(), n.parse().unwrap()))
+        .collect();
+    seen.sort_unstable();
+    let n = seen.len();
+    let want: Vec<(usize, usize)> = (0..n).map(|l| (l, n)).collect();
+    assert_eq!(seen, want, "LOCAL_RANK 0..n, LOCAL_WORLD_SIZE n: {stdout}");
+    (out, Some(n))
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// The error `--nproc-per-node gpu` gives without a GPU.
+fn assert_no_gpu_error(out: &Output) {
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for want in [
+        "no CUDA GPU was found",
+        "libcuda.so.1",
+        "cuDeviceGetCount",
+        "CUDA_VISIBLE_DEVICES is",
+        "--nproc-per-node cpu",
+        "install the NVIDIA driver",
+    ] {
+        assert!(stderr.contains(want), "want {want:?} in {stderr}");
+    }
+}
+
+#[test]
+fn nproc_per_node_cpu_starts_one_worker_per_cpu() {
+    let (out, n) = workers_started("cpu", None);
+    assert_eq!(n, Some(cpus()), "{out:?}");
+}
+
+#[test]
+fn nproc_per_node_auto_starts_one_per_gpu_else_one_per_cpu() {
+    let want = gpus::cuda_device_count().unwrap_or_else(|why| {
+        eprintln!("no GPU here ({why}): auto means one worker per CPU");
+        cpus()
+    });
+    let (out, n) = workers_started("auto", None);
+    assert_eq!(n, Some(want), "{out:?}");
+}
+
+#[test]
+fn nproc_per_node_gpu_starts_one_per_gpu_or_says_there_is_none() {
+    let (out, n) = workers_started("gpu", None);
+    match gpus::cuda_device_count() {
+        Ok(gpus) => assert_eq!(n, Some(gpus), "{out:?}"),
+        Err(why) => {
+            eprintln!("no GPU here ({why}): checking the error instead");
+            assert_no_gpu_error(&out);
+        }
+    }
+    // An empty CUDA_VISIBLE_DEVICES hides every GPU, on any machine.
+    let (out, _) = workers_started("gpu", Some(""));
+    assert_no_gpu_error(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("CUDA_VISIBLE_DEVICES is \"\""), "{stderr}");
+}
+
+#[test]
+fn nproc_per_node_bogus_names_the_accepted_forms() {
+    let (out, _) = workers_started("bogus", None);
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for want in ["'bogus'", "a number of workers", "gpu", "auto", "cpu"] {
+        assert!(stderr.contains(want), "want {want:?} in {stderr}");
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod collective;
 mod ddp_bench;
+mod gpus;
 mod run;
 mod sim;
 mod table;

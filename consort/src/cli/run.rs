@@ -22,13 +22,23 @@ use tokio::{
     signal::unix::{SignalKind, signal},
 };
 
+use super::gpus;
+
 /// The flags, as torchrun names them.
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "torchrun's underscore spellings (--nproc_per_node, ...) are accepted too.")]
 pub(crate) struct RunArgs {
-    /// Workers on this node.
-    #[arg(long, alias = "nproc_per_node", default_value_t = 1)]
-    nproc_per_node: usize,
+    /// Workers on this node: a number; `gpu`, one per visible CUDA GPU (an
+    /// error if there is none); `auto`, one per GPU, or one per CPU without
+    /// a GPU; or `cpu`, one per CPU (std::thread::available_parallelism).
+    /// With `gpu`, each worker should use GPU LOCAL_RANK (e.g. cuda:LOCAL_RANK).
+    #[arg(
+        long,
+        alias = "nproc_per_node",
+        default_value = "1",
+        value_name = "N|gpu|auto|cpu"
+    )]
+    nproc_per_node: NprocPerNode,
     /// Number of nodes.
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
@@ -77,6 +87,84 @@ pub(crate) struct RunArgs {
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<String>,
+    /// Workers on this node: `--nproc-per-node`, resolved by `run`.
+    #[arg(skip)]
+    local_world_size: usize,
+}
+
+/// `--nproc-per-node`, as torchrun's `determine_local_world_size` reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NprocPerNode {
+    /// That many workers.
+    Count(usize),
+    /// One per visible CUDA GPU; an error without one.
+    Gpu,
+    /// One per GPU if there are any, else one per CPU.
+    Auto,
+    /// One per CPU.
+    Cpu,
+}
+
+impl std::str::FromStr for NprocPerNode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "gpu" => Ok(Self::Gpu),
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            _ => s.parse().map(Self::Count).map_err(|_| {
+                "expected a number of workers (such as 4), gpu (one per GPU), \
+                 auto (one per GPU, else one per CPU) or cpu (one per CPU)"
+                    .into()
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for NprocPerNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Count(n) => write!(f, "{n}"),
+            Self::Gpu => f.write_str("gpu"),
+            Self::Auto => f.write_str("auto"),
+            Self::Cpu => f.write_str("cpu"),
+        }
+    }
+}
+
+impl NprocPerNode {
+    /// The number of workers, counting this machine's GPUs
+    /// ([`gpus::cuda_device_count`]) or CPUs ([`cpu_count`]) when asked to.
+    fn resolve(self) -> Result<usize, String> {
+        self.resolve_with(gpus::cuda_device_count, cpu_count)
+    }
+
+    /// [`Self::resolve`] with the counts given (tests).
+    fn resolve_with(
+        self,
+        gpus: impl FnOnce() -> Result<usize, String>,
+        cpus: impl FnOnce() -> usize,
+    ) -> Result<usize, String> {
+        let n = match self {
+            Self::Count(n) => return Ok(n),
+            Self::Cpu => cpus(),
+            Self::Gpu => gpus().map_err(|why| gpus::no_gpu_message(&why))?,
+            Self::Auto => gpus().unwrap_or_else(|why| {
+                tracing::info!("--nproc-per-node auto: no CUDA GPU ({why}); one worker per CPU");
+                cpus()
+            }),
+        };
+        tracing::info!("--nproc-per-node {self}: {n} workers on this node");
+        Ok(n)
+    }
+}
+
+/// This machine's CPUs, as `std::thread::available_parallelism` counts
+/// them (torch uses `os.cpu_count()`; this also honours CPU affinity and
+/// cgroup quotas), or 1 if it cannot tell.
+fn cpu_count() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 /// The signals the agent forwards to its workers.
@@ -112,7 +200,7 @@ impl Exit {
 }
 
 fn validate(a: &RunArgs) -> Result<(), String> {
-    if a.nproc_per_node == 0 {
+    if a.nproc_per_node == NprocPerNode::Count(0) {
         return Err("--nproc-per-node must be at least 1".into());
     }
     if a.nnodes == 0 {
@@ -186,6 +274,7 @@ fn command(a: &RunArgs) -> Vec<String> {
 /// Runs the agent; returns the process exit code.
 pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error>> {
     validate(&a)?;
+    a.local_world_size = a.nproc_per_node.resolve()?;
     // Installed before any worker starts, so no signal slips past them.
     let mut signals = Signals {
         int: signal(SignalKind::interrupt())?,
@@ -237,7 +326,7 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
             )
         })?,
     );
-    let world = a.nnodes * a.nproc_per_node;
+    let world = a.nnodes * a.local_world_size;
     let ns = format!("consort/agent/{}", a.rdzv_id);
     let mut restart = 0u32;
     let code = loop {
@@ -318,13 +407,13 @@ async fn run_round(
     signals: &mut Signals,
 ) -> Result<Option<Exit>, Box<dyn std::error::Error>> {
     let mut children: Vec<(usize, Child, i32)> = Vec::new();
-    let tails: Vec<Arc<Mutex<VecDeque<String>>>> = (0..a.nproc_per_node)
+    let tails: Vec<Arc<Mutex<VecDeque<String>>>> = (0..a.local_world_size)
         .map(|_| Arc::new(Mutex::new(VecDeque::new())))
         .collect();
     let mut pumps = Vec::new();
-    let mut error_files = Vec::with_capacity(a.nproc_per_node);
+    let mut error_files = Vec::with_capacity(a.local_world_size);
     for (local, tail) in tails.iter().enumerate() {
-        let rank = a.node_rank * a.nproc_per_node + local;
+        let rank = a.node_rank * a.local_world_size + local;
         // Per-rank directory: log files (with --log-dir) and the error
         // file torch's @record writes (TORCHELASTIC_ERROR_FILE).
         let dir = a
@@ -349,7 +438,7 @@ async fn run_round(
             .env("ROLE_RANK", rank.to_string())
             .env("ROLE_NAME", "default")
             .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("LOCAL_WORLD_SIZE", a.local_world_size.to_string())
             .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
             .env("ROLE_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", &a.master_addr)
@@ -463,8 +552,8 @@ async fn run_round(
     Ok(failure.map(|mut f| {
         if let Some(local) = f
             .rank
-            .checked_sub(a.node_rank * a.nproc_per_node)
-            .filter(|l| *l < a.nproc_per_node)
+            .checked_sub(a.node_rank * a.local_world_size)
+            .filter(|l| *l < a.local_world_size)
         {
             f.tail = tails[local]
                 .lock()
@@ -567,6 +656,47 @@ mod tests {
     }
 
     #[test]
+    fn nproc_per_node_parses_like_torchrun() {
+        use NprocPerNode::*;
+        for (arg, want) in [
+            ("4", Count(4)),
+            ("0", Count(0)),
+            ("gpu", Gpu),
+            ("auto", Auto),
+            ("cpu", Cpu),
+        ] {
+            assert_eq!(arg.parse::<NprocPerNode>(), Ok(want), "{arg}");
+            assert_eq!(want.to_string(), arg);
+        }
+        for bad in ["bogus", "GPU", "-1", "", "4.5", "cuda"] {
+            let e = bad.parse::<NprocPerNode>().unwrap_err();
+            for form in ["number", "gpu", "auto", "cpu"] {
+                assert!(e.contains(form), "{bad}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn nproc_per_node_counts_gpus_or_cpus() {
+        use NprocPerNode::*;
+        let two_gpus = || Ok(2);
+        let no_gpu = || Err("no libcuda".to_string());
+        let cpus = || 8;
+        assert_eq!(Count(3).resolve_with(no_gpu, cpus), Ok(3));
+        assert_eq!(Cpu.resolve_with(two_gpus, cpus), Ok(8));
+        assert_eq!(Gpu.resolve_with(two_gpus, cpus), Ok(2));
+        assert_eq!(Auto.resolve_with(two_gpus, cpus), Ok(2));
+        assert_eq!(Auto.resolve_with(no_gpu, cpus), Ok(8));
+        let e = Gpu.resolve_with(no_gpu, cpus).unwrap_err();
+        assert!(
+            e.contains("no CUDA GPU was found") && e.contains("no libcuda"),
+            "{e}"
+        );
+        assert!(e.contains("--nproc-per-node cpu"), "{e}");
+        assert!(cpu_count() >= 1);
+    }
+
+    #[test]
     fn python_programs_get_an_interpreter_unless_no_python() {
         use clap::Parser;
         #[derive(Parser)]
@@ -575,7 +705,7 @@ mod tests {
             a: RunArgs,
         }
         let a = T::parse_from(["t", "--nproc_per_node=2", "train.py", "--lr", "1"]).a;
-        assert_eq!(a.nproc_per_node, 2);
+        assert_eq!(a.nproc_per_node, NprocPerNode::Count(2));
         assert_eq!(command(&a), ["python3", "train.py", "--lr", "1"]);
         let a = T::parse_from(["t", "--no-python", "train.py"]).a;
         assert_eq!(command(&a), ["train.py"]);
