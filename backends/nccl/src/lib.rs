@@ -1,26 +1,38 @@
-//! consort-nccl: the NCCL backend, through cudarc.
+//! consort-nccl: the NCCL backend, stream-ordered as torch's
+//! `ProcessGroupNCCL`, and CUDA device memory for device-resident DDP.
 //!
 //! This crate owns:
 //!
-//! - [`mod@probe`]: finding libcuda, libnccl and the GPU before the first call
-//!   (cudarc panics on a missing library; we return `BackendUnavailable`
-//!   saying what was searched and what to install);
+//! - [`sys`]: NCCL opened by consort itself (`libnccl.so.2` from
+//!   `CONSORT_NCCL_LIBRARY`, the loader's path, or a Python environment's
+//!   pip wheel), its symbol table, and its C constants;
+//! - [`mod@probe`]: finding libcuda, libnccl and the GPU before the first
+//!   call (a miss is `BackendUnavailable` saying what was searched and what
+//!   to install, never a panic);
 //! - [`keys`]: the store key of NCCL's unique id, in PyTorch's layout, so
 //!   that one store serves torch and consort ranks alike;
 //! - [`map`]: dtypes, reduce ops and NCCL result codes in each other's terms;
-//! - [`NcclBackend`]: `Backend` on NCCL. NCCL runs its own algorithms, so
-//!   this is the one backend that does not drive `consort_comm`'s
-//!   schedules.
+//! - [`NcclBackend`]: `Backend` on NCCL: calls on device buffers are
+//!   enqueued and return, a watchdog thread per communicator tracks them
+//!   (the private `work` module), and calls on host buffers stage
+//!   through reused pinned memory. NCCL runs its own algorithms, so this is
+//!   the one backend that does not drive `consort_comm`'s schedules;
+//! - [`CudaDevice`]: `consort_comm::Device` on a CUDA context, for DDP's
+//!   device buckets.
 //!
-//! cudarc is built with dynamic loading: the crate compiles, and its
-//! non-GPU tests run, on machines without CUDA. NCCL's environment
-//! variables (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) pass through
-//! untouched.
+//! cudarc (the CUDA driver only) is built with dynamic loading: the crate
+//! compiles, and its non-GPU tests run, on machines without CUDA. NCCL's
+//! environment variables (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) pass
+//! through untouched.
 
 mod backend;
+mod cuda;
 pub mod keys;
 pub mod map;
 pub mod probe;
+pub mod sys;
+mod work;
 
 pub use backend::{NcclBackend, NcclOptions};
-pub use probe::{probe, probe_device, probe_with};
+pub use cuda::CudaDevice;
+pub use probe::{load_nccl, probe, probe_device, probe_with};

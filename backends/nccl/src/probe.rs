@@ -1,21 +1,27 @@
 //! Finding libcuda and libnccl before the first CUDA or NCCL call.
 //!
-//! cudarc loads both libraries lazily and panics when one is missing, so
+//! cudarc loads the CUDA driver lazily and panics when it is missing, so
 //! this module tries the same file names with `dlopen` first and turns a
 //! miss into `BackendUnavailable`, saying what was searched and what to
-//! install.
+//! install. NCCL is opened by [`crate::sys`]; a miss there becomes the same
+//! kind of error, listing every name and path tried.
+
+use std::sync::Arc;
 
 use consort_comm::CommError;
+
+use crate::sys::{self, Nccl};
 
 /// What to do about a missing libcuda.
 const CUDA_FIX: &str = "install the NVIDIA driver (it provides libcuda.so.1); in a container, \
                         start it with the NVIDIA container toolkit (`docker run --gpus all`)";
 
 /// What to do about a missing libnccl.
-const NCCL_FIX: &str = "install NCCL: the libnccl2 package (`apt install libnccl2`), or the \
-                        nvidia-nccl-cu12 wheel (`pip install nvidia-nccl-cu12`) with its lib \
-                        directory on LD_LIBRARY_PATH (`python -c \"import nvidia.nccl, os; \
-                        print(os.path.dirname(nvidia.nccl.__file__) + '/lib')\"`)";
+const NCCL_FIX: &str = "point CONSORT_NCCL_LIBRARY at a libnccl.so.2, or put its directory on \
+                        LD_LIBRARY_PATH. PyTorch's pip wheel has one: `python -c \"import \
+                        nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + '/lib')\"` \
+                        (or `pip install nvidia-nccl-cu12`); on Debian and Ubuntu, `apt install \
+                        libnccl2`";
 
 fn unavailable(reason: String) -> CommError {
     CommError::BackendUnavailable {
@@ -33,40 +39,55 @@ fn loads(names: &[String]) -> bool {
     })
 }
 
-/// Checks that the CUDA driver library and NCCL can be loaded under the
-/// names cudarc will use. Never panics.
+/// The CUDA driver's candidate names, as cudarc will try them.
+fn cuda_names() -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    let mut v = cudarc::get_lib_name_candidates("cuda");
+    v.retain(|n| seen.insert(n.clone()));
+    v
+}
+
+/// Opens NCCL (once per process), or says why it cannot.
+pub fn load_nccl() -> Result<Arc<Nccl>, CommError> {
+    sys::load().map_err(|e| nccl_unavailable(&e))
+}
+
+fn nccl_unavailable(e: &sys::LoadError) -> CommError {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    unavailable(format!(
+        "the NCCL library was not found: {e} (LD_LIBRARY_PATH={path:?}). To fix: {NCCL_FIX}. \
+         Without a GPU, use the tcp or sim backend"
+    ))
+}
+
+/// Checks that the CUDA driver library and NCCL can be loaded. Never
+/// panics.
 pub fn probe() -> Result<(), CommError> {
-    let names = |lib: &str| {
-        let mut seen = std::collections::HashSet::new();
-        let mut v = cudarc::get_lib_name_candidates(lib);
-        v.retain(|n| seen.insert(n.clone()));
-        v
-    };
-    probe_with(&names("cuda"), &names("nccl"))
+    probe_with(&cuda_names(), &sys::candidates())
 }
 
 /// [`probe`] with explicit candidate names (tests use names that exist
 /// nowhere).
 pub fn probe_with(cuda: &[String], nccl: &[String]) -> Result<(), CommError> {
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    for (what, names, fix) in [
-        ("the CUDA driver library", cuda, CUDA_FIX),
-        ("the NCCL library", nccl, NCCL_FIX),
-    ] {
-        if !loads(names) {
-            return Err(unavailable(format!(
-                "{what} was not found: tried {names:?} on the loader's path \
-                 (LD_LIBRARY_PATH={path:?}). To fix: {fix}. Without a GPU, use the tcp or sim \
-                 backend"
-            )));
-        }
+    if !loads(cuda) {
+        let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        return Err(unavailable(format!(
+            "the CUDA driver library was not found: tried {cuda:?} on the loader's path \
+             (LD_LIBRARY_PATH={path:?}). To fix: {CUDA_FIX}. Without a GPU, use the tcp or sim \
+             backend"
+        )));
     }
-    Ok(())
+    sys::load_from(nccl)
+        .map(|_| ())
+        .map_err(|e| nccl_unavailable(&e))
 }
 
-/// Checks the libraries, then that the machine has a GPU `device`.
+/// Checks the CUDA driver, then that the machine has a GPU `device`.
 pub fn probe_device(device: usize) -> Result<(), CommError> {
-    probe()?;
+    let names = cuda_names();
+    if !loads(&names) {
+        return probe_with(&names, &[]);
+    }
     let driver = |e: cudarc::driver::DriverError| {
         unavailable(format!(
             "the CUDA driver loads but does not work ({e:?}); check `nvidia-smi`"

@@ -1,34 +1,55 @@
 //! The NCCL backend on a real GPU. Ignored by default (CI has none); run
-//! on a machine with one GPU, libcuda and libnccl:
+//! on a machine with a GPU, libcuda and libnccl (`scripts/gpu-check` runs
+//! these and the multi-rank checks):
 //!
 //! ```sh
-//! cargo test -p consort-nccl --test gpu -- --ignored --nocapture
+//! cargo test -p consort-nccl --test gpu -- --ignored --nocapture --test-threads 1
 //! ```
 //!
-//! Single-rank only: NCCL refuses two ranks on one device. The multi-rank
-//! command for a multi-GPU node is in the README ("NCCL on a cluster").
+//! One communicator serves the whole host-buffer conformance run (creating
+//! and destroying one costs about a second each on an H100).
 
-use std::{sync::Arc, time::Instant};
+use std::{
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant},
+};
 
-use consort_comm::{Backend, BufferMut, CallOptions, DType, DeviceBuffer, MemStore, ReduceOp};
-use consort_nccl::{NcclBackend, NcclOptions};
+use consort_comm::{Backend, BufferMut, CallOptions, DType, Device, MemStore, Placement, ReduceOp};
+use consort_ddp::{Ddp, DdpOptions, DeviceModel};
+use consort_nccl::{CudaDevice, NcclBackend, NcclOptions};
 use consort_tests::{WorldFuture, checks};
-use cudarc::driver::{CudaContext, DevicePtrMut};
+
+/// The one communicator of this process, made on first use.
+fn shared() -> Arc<NcclBackend> {
+    static ONE: OnceLock<Arc<NcclBackend>> = OnceLock::new();
+    ONE.get_or_init(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = MemStore::new(Duration::from_secs(30));
+        let b = rt
+            .block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
+            .expect("NCCL on GPU 0");
+        Arc::new(b)
+    })
+    .clone()
+}
 
 fn nccl_world(n: usize) -> WorldFuture {
     Box::pin(async move {
-        assert_eq!(n, 1, "one GPU: NCCL runs one rank per device");
-        let store = MemStore::new(std::time::Duration::from_secs(30));
-        let b = NcclBackend::new(&store, 0, 1, NcclOptions::default())
-            .await
-            .expect("NCCL on GPU 0");
-        vec![Arc::new(b) as Arc<dyn Backend>]
+        assert_eq!(
+            n, 1,
+            "one process, one rank: multi-rank runs are in gpu-check"
+        );
+        vec![shared() as Arc<dyn Backend>]
     })
 }
 
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
-fn single_rank_conformance_with_host_buffers() {
+fn one_communicator_runs_the_host_buffer_conformance() {
+    let t = Instant::now();
     for dtype in DType::ALL {
         for len in [0, 1, 7, 1000, 65_537] {
             for op in 0..5 {
@@ -40,90 +61,164 @@ fn single_rank_conformance_with_host_buffers() {
         }
         checks::all_to_all(nccl_world, 1, dtype, false, 15);
     }
+    println!(
+        "host-buffer conformance on one communicator: {:?}",
+        t.elapsed()
+    );
 }
 
-#[tokio::test]
+/// A device call returns once enqueued; the caller's stream, not the host,
+/// waits for it.
+#[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
-async fn device_buffers_go_to_nccl_without_a_host_copy() {
-    let store = MemStore::new(std::time::Duration::from_secs(30));
-    let b = NcclBackend::new(&store, 0, 1, NcclOptions::default())
-        .await
-        .expect("NCCL on GPU 0");
-    let ctx = CudaContext::new(0).unwrap();
-    let stream = ctx.default_stream();
-    let host: Vec<f32> = (0..4096).map(|i| i as f32).collect();
-    let mut dev = stream.clone_htod(&host).unwrap();
-    {
-        let (ptr, _sync) = dev.device_ptr_mut(&stream);
-        // SAFETY: 4096 f32 on device 0, alive for the call.
-        let buf = unsafe { DeviceBuffer::new(ptr, host.len(), DType::F32, 0, 0) };
-        b.all_reduce(
+fn device_calls_are_stream_ordered() {
+    let b = shared();
+    let dev = CudaDevice::new(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let p = Placement {
+        device: dev.clone(),
+        stream: s,
+    };
+    let n = 1 << 20;
+    let host: Vec<f32> = (0..n).map(|i| (i % 97) as f32).collect();
+    let x = dev.alloc_zeroed(n * 4, s).unwrap();
+    // SAFETY: x holds n f32.
+    unsafe { dev.copy_from_host(x, consort_comm::dtype::as_bytes(&host), s) }.unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        // SAFETY: x holds n f32 on GPU 0 until freed below.
+        let buf = unsafe { p.buffer(x, n, DType::F32) };
+        rt.block_on(b.all_reduce(
             BufferMut::Device(buf),
-            ReduceOp::Sum,
+            ReduceOp::Avg,
             &CallOptions::default(),
-        )
-        .await
+        ))
         .unwrap();
     }
-    let back = stream.clone_dtoh(&dev).unwrap();
-    assert_eq!(back, host, "a world of one sums to itself");
-    b.shutdown().unwrap();
+    let mut back = vec![0f32; n];
+    // SAFETY: as above; copy_to_host waits for stream s only.
+    unsafe { dev.copy_to_host(consort_comm::dtype::as_bytes_mut(&mut back), x, s) }.unwrap();
+    assert_eq!(back, host, "Avg over a world of one is the identity");
+    rt.block_on(b.synchronize()).unwrap();
+    // SAFETY: freed once, after the work above.
+    unsafe { dev.free(x, s) }.unwrap();
+    dev.synchronize(s).unwrap();
 }
 
-/// all_reduce algbw from 1 KiB to 1 GiB on device buffers, and the
-/// wrapper's overhead against calling NCCL through cudarc directly.
-#[tokio::test]
+/// Device-resident DDP on CUDA buckets: the averaged gradient lands in the
+/// model's gradient storage, ordered on the compute stream.
+#[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
-async fn bench_all_reduce_algbw_and_wrapper_overhead() {
-    let store = MemStore::new(std::time::Duration::from_secs(30));
-    let b = NcclBackend::new(&store, 0, 1, NcclOptions::default())
-        .await
-        .expect("NCCL on GPU 0");
-    let ctx = CudaContext::new(0).unwrap();
-    let stream = ctx.default_stream();
-    let comms = cudarc::nccl::Comm::from_devices(vec![ctx.new_stream().unwrap()]).unwrap();
-    let direct = &comms[0];
-    println!("| bytes | consort us | algbw GB/s | cudarc direct us | overhead |");
-    println!("|---|---|---|---|---|");
+fn ddp_with_cuda_buckets() {
+    let dev = CudaDevice::new(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let p = Placement {
+        device: dev.clone(),
+        stream: s,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut model = DeviceModel::new(p);
+        model.add_param("w", vec![3, 2], &[1f32; 6]).unwrap();
+        model.add_param("b", vec![3], &[0f32; 3]).unwrap();
+        let mut ddp = Ddp::new(shared(), &mut model, DdpOptions::default())
+            .await
+            .unwrap();
+        for step in 0..3 {
+            let g: Vec<f32> = (0..6).map(|i| (i + step) as f32).collect();
+            model.write_grad(0, &g).unwrap();
+            model.write_grad(1, &[step as f32; 3]).unwrap();
+            ddp.sync_grads(&mut model).await.unwrap();
+            assert_eq!(model.read_grad::<f32>(0).unwrap(), g, "step {step}");
+        }
+    });
+}
+
+/// Host time per call on device buffers, consort against the same NCCL
+/// call made directly, 4 B to 1 GiB (a benchmark: prints, asserts nothing
+/// about time).
+#[test]
+#[ignore = "needs a GPU with libcuda and libnccl"]
+fn bench_host_overhead_per_call() {
+    let b = shared();
+    let dev = CudaDevice::new(0).unwrap();
+    let s = b.comm_stream();
+    let p = Placement {
+        device: dev.clone(),
+        stream: s,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    println!("| bytes | consort host us/call | direct host us/call | overhead us |");
+    println!("|---|---|---|---|");
     let mut bytes = 4usize;
     while bytes <= 1 << 30 {
         let n = bytes / 4;
-        let mut dev = stream.alloc_zeros::<f32>(n).unwrap();
-        let iters = if bytes < 1 << 20 { 200 } else { 20 };
-        let ours = {
-            let (ptr, _s) = dev.device_ptr_mut(&stream);
-            let t = Instant::now();
-            for _ in 0..iters {
-                // SAFETY: n f32 on device 0.
-                let buf = unsafe { DeviceBuffer::new(ptr, n, DType::F32, 0, 0) };
-                b.all_reduce(
-                    BufferMut::Device(buf),
-                    ReduceOp::Sum,
-                    &CallOptions::default(),
+        let x = dev.alloc_zeroed(bytes, s).unwrap();
+        // SAFETY: x holds n f32 until freed below.
+        let buf = unsafe { p.buffer(x, n, DType::F32) };
+        let iters = 200;
+        let ours = per_call(iters, || {
+            rt.block_on(b.all_reduce(
+                BufferMut::Device(buf),
+                ReduceOp::Sum,
+                &CallOptions::default(),
+            ))
+            .unwrap();
+        });
+        rt.block_on(b.synchronize()).unwrap();
+        let nccl = b.nccl().clone();
+        // SAFETY: raw calls on the comm stream, from this thread only, all
+        // ranks (one) making the same ones.
+        let comm = unsafe { b.raw_comm() };
+        let direct = per_call(iters, || {
+            // SAFETY: as above; x holds n f32 on this GPU.
+            let r = unsafe {
+                (nccl.all_reduce)(
+                    x as *const _,
+                    x as *mut _,
+                    n,
+                    consort_nccl::sys::dtype::FLOAT32,
+                    consort_nccl::sys::op::SUM,
+                    comm,
+                    s as *mut _,
                 )
-                .await
-                .unwrap();
-            }
-            t.elapsed().as_secs_f64() / iters as f64
-        };
-        let theirs = {
-            let t = Instant::now();
-            for _ in 0..iters {
-                direct
-                    .all_reduce_in_place(&mut dev, &cudarc::nccl::ReduceOp::Sum)
-                    .unwrap();
-                direct.stream().synchronize().unwrap();
-            }
-            t.elapsed().as_secs_f64() / iters as f64
-        };
+            };
+            assert_eq!(r, 0);
+        });
+        dev.synchronize(s).unwrap();
         println!(
-            "| {bytes} | {:.2} | {:.2} | {:.2} | {:+.1}% |",
+            "| {bytes} | {:.2} | {:.2} | {:+.2} |",
             ours * 1e6,
-            bytes as f64 / ours / 1e9,
-            theirs * 1e6,
-            (ours / theirs - 1.0) * 100.0
+            direct * 1e6,
+            (ours - direct) * 1e6
         );
-        bytes = if bytes < 1024 { 1024 } else { bytes * 4 };
+        // SAFETY: freed once after the stream drained.
+        unsafe { dev.free(x, s) }.unwrap();
+        bytes = if bytes < 1 << 20 {
+            bytes * 32
+        } else {
+            bytes * 8
+        };
     }
-    b.shutdown().unwrap();
+}
+
+/// Mean host seconds per call of `f` over `iters` calls, after warm-up.
+fn per_call(iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..10 {
+        f();
+    }
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    t.elapsed().as_secs_f64() / iters as f64
 }

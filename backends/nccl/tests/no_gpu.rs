@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use consort_comm::{CommError, DType, ErrorContext, MemStore, ReduceOp, Store};
+use consort_nccl::sys::{op, result};
 use consort_nccl::{
     NcclBackend, NcclOptions,
     keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
     map::{nccl_dtype, nccl_error, nccl_op},
     probe, probe_with,
 };
-use cudarc::nccl::sys::{ncclRedOp_t, ncclResult_t};
 
 fn libs_present() -> bool {
     probe().is_ok()
@@ -84,13 +84,13 @@ async fn the_unique_id_sits_under_torchs_key() {
 fn dtypes_and_ops_map_to_ncclcodes() {
     let mut seen = std::collections::HashSet::new();
     for d in DType::ALL {
-        assert!(seen.insert(nccl_dtype(d) as u32), "{d} shares an NCCL type");
+        assert!(seen.insert(nccl_dtype(d)), "{d} shares an NCCL type");
     }
-    assert_eq!(nccl_op(ReduceOp::Sum).unwrap(), ncclRedOp_t::ncclSum);
-    assert_eq!(nccl_op(ReduceOp::Avg).unwrap(), ncclRedOp_t::ncclAvg);
-    assert_eq!(nccl_op(ReduceOp::Prod).unwrap(), ncclRedOp_t::ncclProd);
-    assert_eq!(nccl_op(ReduceOp::Min).unwrap(), ncclRedOp_t::ncclMin);
-    assert_eq!(nccl_op(ReduceOp::Max).unwrap(), ncclRedOp_t::ncclMax);
+    assert_eq!(nccl_op(ReduceOp::Sum).unwrap(), op::SUM);
+    assert_eq!(nccl_op(ReduceOp::Avg).unwrap(), op::AVG);
+    assert_eq!(nccl_op(ReduceOp::Prod).unwrap(), op::PROD);
+    assert_eq!(nccl_op(ReduceOp::Min).unwrap(), op::MIN);
+    assert_eq!(nccl_op(ReduceOp::Max).unwrap(), op::MAX);
     for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
         let e = nccl_op(op).unwrap_err();
         assert!(matches!(e, CommError::Unsupported { .. }), "{e:?}");
@@ -104,7 +104,7 @@ fn nccl_errors_carry_the_code_the_text_and_what_to_try() {
         rank: Some(3),
         ..Default::default()
     };
-    let e = nccl_error(ctx, ncclResult_t::ncclSystemError, "");
+    let e = nccl_error(ctx, result::SYSTEM_ERROR, "");
     let msg = e.to_string();
     assert!(msg.contains("rank 3"), "{msg}");
     assert!(msg.contains("NCCL error 2: ncclSystemError ("), "{msg}");
@@ -112,11 +112,7 @@ fn nccl_errors_carry_the_code_the_text_and_what_to_try() {
         msg.contains("shm-size") && msg.contains("NCCL_DEBUG"),
         "{msg}"
     );
-    let e = nccl_error(
-        ctx,
-        ncclResult_t::ncclRemoteError,
-        "peer 5 closed the connection\n",
-    );
+    let e = nccl_error(ctx, result::REMOTE_ERROR, "peer 5 closed the connection\n");
     assert!(
         e.to_string().contains("(peer 5 closed the connection)."),
         "{e}"

@@ -1,0 +1,670 @@
+//! [`NcclBackend`]: `Backend` on NCCL, one process per GPU, stream-ordered
+//! as torch's `ProcessGroupNCCL`.
+//!
+//! A call on device buffers makes the communication stream wait for each
+//! buffer's stream (an event), enqueues the op, records a completion
+//! event, makes each buffer's stream wait for it, hands the work to the
+//! watchdog ([`crate::work`]) and returns: the host never waits for the
+//! GPU. A failure found later (an asynchronous NCCL error, a deadline) is
+//! sticky: the next call and [`Backend::synchronize`] report it.
+//!
+//! A call on host buffers completes before it returns. It stages through
+//! one pinned host buffer and one device buffer that are reused (grown when
+//! a call needs more), not allocated per call; host calls take turns on
+//! them.
+
+use std::{
+    ffi::{c_int, c_void},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use consort_comm::{
+    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, OpKind, ReduceOp, Result, Store,
+};
+use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
+
+mod host;
+mod ops;
+
+use host::Staging;
+
+use crate::{
+    keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
+    map::{nccl_dtype, nccl_error, nccl_op},
+    probe::{load_nccl, probe_device},
+    sys::{self, Comm, Nccl, Stream, result},
+    work::{Shared, Slot, Track, Waiter, Work, driver_error, lock, spawn_watchdog},
+};
+
+/// How an [`NcclBackend`] is set up.
+#[derive(Clone, Debug)]
+pub struct NcclOptions {
+    /// The GPU; `None`: `LOCAL_RANK` (one process per GPU), else 0.
+    pub device: Option<usize>,
+    /// Default timeout of each op (NCCL's default in torch: 10 minutes).
+    pub timeout: Duration,
+    /// The group name in the store key layout (`"0"`: the default group).
+    pub group: String,
+    /// Which communicator of the group this is (torch's counter).
+    pub counter: u64,
+    /// How often the watchdog looks at work in flight.
+    pub poll_interval: Duration,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        NcclOptions {
+            device: None,
+            timeout: Duration::from_secs(600),
+            group: "0".into(),
+            counter: 0,
+            poll_interval: Duration::from_micros(50),
+        }
+    }
+}
+
+/// The NCCL backend. Construct with [`NcclBackend::new`]; end with
+/// [`NcclBackend::shutdown`] (or [`NcclBackend::abort`]).
+pub struct NcclBackend {
+    rank: usize,
+    world: usize,
+    device: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    shared: Arc<Shared>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+    staging: tokio::sync::Mutex<Staging>,
+    closed: AtomicBool,
+    opts: NcclOptions,
+}
+
+impl std::fmt::Debug for NcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclBackend")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.device)
+            .field("nccl", &self.shared.nccl)
+            .finish()
+    }
+}
+
+/// The device from options or `LOCAL_RANK`.
+fn pick_device(opts: &NcclOptions) -> Result<usize> {
+    if let Some(d) = opts.device {
+        return Ok(d);
+    }
+    match std::env::var("LOCAL_RANK") {
+        Ok(v) => v.trim().parse().map_err(|_| {
+            CommError::invalid(format!(
+                "LOCAL_RANK={v:?} is not a number; it picks this process's GPU (or set \
+                 NcclOptions::device)"
+            ))
+        }),
+        Err(_) => Ok(0),
+    }
+}
+
+/// A device buffer argument.
+#[derive(Clone, Copy)]
+struct Dev {
+    ptr: u64,
+    stream: u64,
+}
+
+/// The arguments of one call, classified.
+enum Args<'a> {
+    /// Every buffer on the device: input and output addresses, and the
+    /// buffers' streams.
+    Device {
+        input: u64,
+        output: u64,
+        streams: Vec<u64>,
+    },
+    /// Every buffer on the host: input bytes, and output bytes with whether
+    /// they are also an input (in-place ops).
+    Host {
+        input: Option<&'a [u8]>,
+        output: Option<(&'a mut [u8], bool)>,
+    },
+}
+
+/// What every call carries to the launch: the op, whether it is
+/// point-to-point (no sequence number), and its deadline.
+#[derive(Clone, Copy)]
+struct Call {
+    op: OpKind,
+    p2p: bool,
+    timeout: Duration,
+}
+
+/// `enqueue(nccl, comm, stream, input address, output address)`.
+type Enqueue<'a> = Box<dyn FnOnce(&Nccl, Comm, Stream, u64, u64) -> c_int + Send + 'a>;
+
+impl NcclBackend {
+    /// Joins the NCCL communicator of `world` ranks: rank 0 creates the
+    /// unique id and sets it in `store` under torch's key layout, the
+    /// others read it. Returns `BackendUnavailable` (never a panic) when
+    /// libcuda, libnccl or the GPU is missing.
+    pub async fn new(
+        store: &dyn Store,
+        rank: usize,
+        world: usize,
+        opts: NcclOptions,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(CommError::invalid(format!(
+                "rank {rank} of a world of {world}: the rank must be below the world size"
+            )));
+        }
+        let device = pick_device(&opts)?;
+        let nccl = load_nccl()?;
+        probe_device(device)?;
+        let ctx0 = ErrorContext {
+            rank: Some(rank),
+            ..Default::default()
+        };
+        let ctx =
+            CudaContext::new(device).map_err(|e| driver_error(ctx0, "context creation", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error(ctx0, "stream creation", e))?;
+        let key = unique_id_key(&opts.group, opts.counter);
+        let store_err = |source| CommError::Store { ctx: ctx0, source };
+        let id: [u8; UNIQUE_ID_BYTES] = if rank == 0 {
+            let id = nccl
+                .unique_id()
+                .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
+            let bytes: [u8; UNIQUE_ID_BYTES] = id.internal.map(|c| c as u8);
+            store.set(&key, &bytes).await.map_err(store_err)?;
+            bytes
+        } else {
+            let v = store.get(&key).await.map_err(store_err)?;
+            check_unique_id(&key, &v).map_err(CommError::invalid)?
+        };
+        let comm = init_comm(&nccl, &ctx, ctx0, id, rank, world, opts.timeout).await?;
+        let shared = Arc::new(Shared {
+            nccl,
+            rank,
+            slot: Mutex::new(Slot {
+                comm: Some(comm),
+                seq: 0,
+            }),
+            track: Mutex::new(Track::default()),
+            cv: std::sync::Condvar::new(),
+            poll: opts.poll_interval,
+        });
+        let watchdog = match spawn_watchdog(shared.clone(), ctx.clone()) {
+            Ok(w) => w,
+            Err(e) => {
+                shared.abort(e.clone());
+                return Err(e);
+            }
+        };
+        Ok(NcclBackend {
+            rank,
+            world,
+            device,
+            ctx,
+            stream,
+            shared,
+            watchdog: Mutex::new(Some(watchdog)),
+            staging: tokio::sync::Mutex::new(Staging::default()),
+            closed: AtomicBool::new(false),
+            opts,
+        })
+    }
+
+    /// The GPU this rank uses.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The loaded NCCL's version (`2.28.3`) and where it came from.
+    pub fn nccl_version(&self) -> (String, String) {
+        (
+            self.shared.nccl.version_string(),
+            self.shared.nccl.path.clone(),
+        )
+    }
+
+    /// The loaded NCCL library (its raw entry points, for measurements
+    /// and interop).
+    pub fn nccl(&self) -> &Arc<Nccl> {
+        &self.shared.nccl
+    }
+
+    /// The raw `ncclComm_t`, or null once shut down or aborted.
+    ///
+    /// # Safety
+    /// A call made through it bypasses consort's ordering, tracking and
+    /// watchdog: every rank must make the same raw calls in the same order,
+    /// on [`NcclBackend::comm_stream`] or a stream ordered with it, while
+    /// no consort call is being made from another thread, and never after
+    /// shutdown or abort.
+    pub unsafe fn raw_comm(&self) -> *mut c_void {
+        lock(&self.shared.slot)
+            .comm
+            .map_or(std::ptr::null_mut(), |c| c as *mut c_void)
+    }
+
+    /// The communication stream's handle (the stream NCCL runs on).
+    pub fn comm_stream(&self) -> u64 {
+        self.stream.cu_stream() as u64
+    }
+
+    fn cu_stream(&self) -> cusys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Finishes the work in flight (within the default timeout), stops the
+    /// watchdog, and destroys the communicator. Every rank should call it
+    /// at the end; afterwards every op fails. With a failed communicator
+    /// it only releases what is left and returns the first error.
+    pub fn shutdown(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.opts.timeout;
+        loop {
+            let t = lock(&self.shared.track);
+            if t.queue.is_empty() || t.poisoned.is_some() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                drop(t);
+                self.shared.abort(CommError::Timeout {
+                    ctx: ErrorContext::default(),
+                    after: self.opts.timeout,
+                    waiting_on: Vec::new(),
+                });
+                break;
+            }
+            let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
+        }
+        self.stop_watchdog();
+        let poisoned = lock(&self.shared.track).poisoned.clone();
+        let comm = lock(&self.shared.slot).comm.take();
+        let ctx = ErrorContext {
+            rank: Some(self.rank),
+            ..Default::default()
+        };
+        let mut out = match poisoned {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        if let Some(c) = comm {
+            let _ = self.ctx.bind_to_thread();
+            let nccl = &self.shared.nccl;
+            if let Some(fin) = nccl.comm_finalize {
+                // SAFETY: live communicator, nothing in flight, no other
+                // NCCL call on it (the slot is empty now).
+                let r = unsafe { fin(c as Comm) };
+                if r != result::SUCCESS && r != result::IN_PROGRESS {
+                    out = out.and(Err(nccl_error(ctx, r, "ncclCommFinalize")));
+                }
+            }
+            // SAFETY: destroyed once, after finalize.
+            let r = unsafe { (nccl.comm_destroy)(c as Comm) };
+            if r != result::SUCCESS {
+                out = out.and(Err(nccl_error(ctx, r, "ncclCommDestroy")));
+            }
+        }
+        self.free_staging();
+        out
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): in-flight work on every
+    /// rank fails, and this backend stays failed. Safe with work in
+    /// flight. Use it when a peer is known dead.
+    pub fn abort(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.shared.abort(CommError::Aborted {
+            ctx: ErrorContext {
+                rank: Some(self.rank),
+                ..Default::default()
+            },
+            cause: "the communicator was aborted".into(),
+        });
+        self.stop_watchdog();
+        self.free_staging();
+        Ok(())
+    }
+
+    fn stop_watchdog(&self) {
+        let w = lock(&self.watchdog).take();
+        self.shared.stop(w);
+    }
+
+    /// Enqueues one call on the communication stream under the launch
+    /// lock; see the module docs for the ordering.
+    fn launch(
+        &self,
+        call: Call,
+        streams: &[u64],
+        io: (u64, u64),
+        host: Option<(u64, Waiter)>,
+        enqueue: Enqueue<'_>,
+    ) -> Result<()> {
+        let Call { op, p2p, timeout } = call;
+        let sh = &self.shared;
+        let mut slot = lock(&sh.slot);
+        let ctx = sh.next_ctx(&mut slot, op, p2p);
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(CommError::Aborted {
+                ctx,
+                cause: "the NCCL backend was shut down".into(),
+            });
+        }
+        sh.check(ctx)?;
+        let Some(comm) = slot.comm else {
+            return Err(CommError::Aborted {
+                ctx,
+                cause: "the NCCL communicator is gone (aborted)".into(),
+            });
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error(ctx, "context binding", e))?;
+        let own = self.cu_stream() as u64;
+        let cu_err = |what: &'static str| move |e| driver_error(ctx, what, e);
+        for &s in streams.iter().filter(|&&s| s != own) {
+            let ev = sh.event(ctx)?;
+            // SAFETY: `ev` is ours; `s` is the caller's stream handle.
+            unsafe {
+                cu::event::record(ev.raw(), s as cusys::CUstream)
+                    .and_then(|()| cu::stream::wait_event(self.cu_stream(), ev.raw(), WAIT))
+            }
+            .map_err(cu_err("stream ordering (input)"))?;
+            sh.recycle(ev);
+        }
+        let r = enqueue(&sh.nccl, comm as Comm, own as Stream, io.0, io.1);
+        if r != result::SUCCESS && r != result::IN_PROGRESS {
+            let e = nccl_error(ctx, r, &sh.last_error(comm));
+            drop(slot);
+            if r != result::INVALID_ARGUMENT {
+                sh.poison(e.clone());
+            }
+            return Err(e);
+        }
+        // The op is enqueued: from here on a failure leaves work we cannot
+        // track, so it poisons the backend.
+        let tracked = || -> Result<crate::work::Event> {
+            let done = sh.event(ctx)?;
+            // SAFETY: `done` is ours; the streams are ours and the caller's.
+            unsafe {
+                cu::event::record(done.raw(), self.cu_stream())
+                    .map_err(cu_err("completion event"))?;
+                for &s in streams.iter().filter(|&&s| s != own) {
+                    cu::stream::wait_event(s as cusys::CUstream, done.raw(), WAIT)
+                        .map_err(cu_err("stream ordering (output)"))?;
+                }
+            }
+            Ok(done)
+        };
+        let done = match tracked() {
+            Ok(d) => d,
+            Err(e) => {
+                drop(slot);
+                sh.poison(e.clone());
+                return Err(e);
+            }
+        };
+        let (staging, waiter) = match host {
+            Some((g, w)) => (Some(g), Some(w)),
+            None => (None, None),
+        };
+        lock(&sh.track).queue.push_back(Work {
+            ctx,
+            done,
+            deadline: Instant::now() + timeout.min(Duration::from_secs(86_400 * 365)),
+            timeout,
+            waiter,
+            staging,
+        });
+        drop(slot);
+        sh.cv.notify_all();
+        Ok(())
+    }
+
+    /// Runs one call: device arguments are enqueued and the call returns;
+    /// host arguments are staged, enqueued, waited for and copied back.
+    async fn call(
+        &self,
+        op: OpKind,
+        p2p: bool,
+        opts: &CallOptions,
+        args: Args<'_>,
+        enqueue: Enqueue<'_>,
+    ) -> Result<()> {
+        let call = Call {
+            op,
+            p2p,
+            timeout: opts.timeout_or(self.opts.timeout),
+        };
+        match args {
+            Args::Device {
+                input,
+                output,
+                streams,
+            } => self.launch(call, &streams, (input, output), None, enqueue),
+            Args::Host { input, output } => self.host_call(call, input, output, enqueue).await,
+        }
+    }
+
+    /// Classifies the buffers of one call.
+    fn args<'a>(
+        &self,
+        input: Option<Buffer<'a>>,
+        output: Option<(BufferMut<'a>, bool)>,
+    ) -> Result<Args<'a>> {
+        let dev_in = matches!(input, Some(Buffer::Device(_)));
+        let dev_out = matches!(output, Some((BufferMut::Device(_), _)));
+        let host_in = matches!(input, Some(Buffer::Host(_)));
+        let host_out = matches!(output, Some((BufferMut::Host(_), _)));
+        if (dev_in || dev_out) && (host_in || host_out) {
+            return Err(CommError::unsupported(
+                "one call mixed host and device buffers; pass every buffer of a call on the GPU, \
+                 or every one on the host",
+            ));
+        }
+        if dev_in || dev_out {
+            let mut streams = Vec::new();
+            let mut pick = |d: Dev| {
+                streams.push(d.stream);
+                d.ptr
+            };
+            let input = match input {
+                Some(Buffer::Device(d)) => pick(self.dev(d.device(), d.ptr(), d.stream())?),
+                _ => 0,
+            };
+            let output = match output {
+                Some((BufferMut::Device(d), _)) => {
+                    pick(self.dev(d.device(), d.ptr(), d.stream())?)
+                }
+                _ => 0,
+            };
+            streams.sort_unstable();
+            streams.dedup();
+            return Ok(Args::Device {
+                input,
+                output,
+                streams,
+            });
+        }
+        Ok(Args::Host {
+            input: match input {
+                Some(Buffer::Host(h)) => Some(h.bytes()),
+                _ => None,
+            },
+            output: match output {
+                Some((BufferMut::Host(h), copy)) => Some((h.into_bytes_mut(), copy)),
+                _ => None,
+            },
+        })
+    }
+
+    /// The NCCL op of `op`, checked against the loaded library (`ncclAvg`
+    /// arrived in NCCL 2.10).
+    fn op(&self, op: ReduceOp) -> Result<c_int> {
+        let nop = nccl_op(op)?;
+        if op == ReduceOp::Avg && self.shared.nccl.version < sys::version_code(2, 10, 0) {
+            return Err(CommError::unsupported(format!(
+                "ReduceOp::Avg needs NCCL 2.10 or newer; the loaded library ({}) is NCCL {}. \
+                 Point CONSORT_NCCL_LIBRARY at a newer libnccl.so.2, or use Sum and divide",
+                self.shared.nccl.path,
+                self.shared.nccl.version_string()
+            )));
+        }
+        Ok(nop)
+    }
+
+    fn dev(&self, device: i32, ptr: u64, stream: u64) -> Result<Dev> {
+        if device < 0 || device as usize != self.device {
+            return Err(CommError::invalid(format!(
+                "a device buffer on GPU {device} was passed to the NCCL backend of GPU {}; \
+                 each rank's buffers must live on its own GPU",
+                self.device
+            )));
+        }
+        Ok(Dev { ptr, stream })
+    }
+
+    /// An op on one buffer in place: `f(nccl, comm, stream, address, count,
+    /// dtype)` enqueues it.
+    async fn in_place(
+        &self,
+        op: OpKind,
+        buf: BufferMut<'_>,
+        opts: &CallOptions,
+        f: impl FnOnce(&Nccl, Comm, Stream, u64, usize, c_int) -> c_int + Send,
+    ) -> Result<()> {
+        let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
+        let args = self.args(None, Some((buf, true)))?;
+        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, _, o| f(nc, c, s, o, n, dt));
+        self.call(op, false, opts, args, enqueue).await
+    }
+
+    /// Gather or scatter as grouped point-to-point calls.
+    fn rooted(
+        nccl: &Nccl,
+        comm: Comm,
+        stream: Stream,
+        (mine, whole): (u64, u64),
+        (n, dtype): (usize, DType),
+        (root, world, is_root): (usize, usize, bool),
+        gather: bool,
+    ) -> c_int {
+        let dt = nccl_dtype(dtype);
+        let size = dtype.size_bytes() as u64;
+        grouped(nccl, || {
+            let mut r = p2p(nccl, gather, mine, n, dt, root, comm, stream);
+            if is_root {
+                for p in 0..world {
+                    let at = whole + p as u64 * n as u64 * size;
+                    let x = p2p(nccl, !gather, at, n, dt, p, comm, stream);
+                    if r == result::SUCCESS {
+                        r = x;
+                    }
+                }
+            }
+            r
+        })
+    }
+}
+
+const WAIT: cusys::CUevent_wait_flags = cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+
+/// `f` between `ncclGroupStart` and `ncclGroupEnd`.
+fn grouped(nccl: &Nccl, f: impl FnOnce() -> c_int) -> c_int {
+    // SAFETY: group calls only batch the enqueues inside `f`.
+    let r = unsafe { (nccl.group_start)() };
+    if r != result::SUCCESS {
+        return r;
+    }
+    let inner = f();
+    // SAFETY: paired with the start above.
+    let end = unsafe { (nccl.group_end)() };
+    if inner != result::SUCCESS { inner } else { end }
+}
+
+/// One `ncclSend` (`send`) or `ncclRecv` of `n` elements at `ptr`.
+#[allow(clippy::too_many_arguments)]
+fn p2p(
+    nccl: &Nccl,
+    send: bool,
+    ptr: u64,
+    n: usize,
+    dt: c_int,
+    peer: usize,
+    comm: Comm,
+    stream: Stream,
+) -> c_int {
+    // SAFETY: `ptr` holds `n` elements of `dt` on this rank's GPU (the
+    // caller's buffer or the staging buffer), alive until the work ends.
+    unsafe {
+        if send {
+            (nccl.send)(ptr as *const c_void, n, dt, peer as c_int, comm, stream)
+        } else {
+            (nccl.recv)(ptr as *mut c_void, n, dt, peer as c_int, comm, stream)
+        }
+    }
+}
+
+/// Runs `ncclCommInitRank` off the async runtime, under the timeout.
+async fn init_comm(
+    nccl: &Arc<Nccl>,
+    ctx: &Arc<CudaContext>,
+    ctx0: ErrorContext,
+    id: [u8; UNIQUE_ID_BYTES],
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<usize> {
+    let id = sys::UniqueId {
+        internal: id.map(|b| b as std::ffi::c_char),
+    };
+    let (nccl, cctx) = (nccl.clone(), ctx.clone());
+    let (n, r) = (world as c_int, rank as c_int);
+    let init = tokio::task::spawn_blocking(move || -> Result<usize> {
+        cctx.bind_to_thread()
+            .map_err(|e| driver_error(ctx0, "context binding", e))?;
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id came from rank 0.
+        let res = unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) };
+        if res != result::SUCCESS {
+            return Err(nccl_error(ctx0, res, "ncclCommInitRank"));
+        }
+        Ok(comm as usize)
+    });
+    tokio::time::timeout(timeout, init)
+        .await
+        .map_err(|_| CommError::Timeout {
+            ctx: ctx0,
+            after: timeout,
+            waiting_on: Vec::new(),
+        })?
+        .map_err(|e| CommError::Aborted {
+            ctx: ctx0,
+            cause: format!("the NCCL init thread failed: {e}"),
+        })?
+}
+
+impl Drop for NcclBackend {
+    fn drop(&mut self) {
+        if !self.closed.load(Ordering::SeqCst) {
+            tracing::warn!(
+                rank = self.rank,
+                "NcclBackend dropped without shutdown(); aborting its communicator"
+            );
+            let _ = self.abort();
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! [`CudaDevice`]: `consort_comm::Device` on one CUDA context, through the
+//! driver API (cudarc, loaded at run time).
+//!
+//! This module owns the CUDA side of device-resident DDP: stream-ordered
+//! allocation (`cuMemAllocAsync`), copies, zeroing, events and stream
+//! waits. It owns no collective: [`crate::NcclBackend`] orders its own
+//! stream against the streams these buffers live on.
+
+use std::sync::{Arc, Mutex};
+
+use consort_comm::{CommError, Device, ErrorContext, EventId, Result, StreamId};
+use cudarc::driver::{CudaContext, result as cu, sys as cusys};
+
+use crate::probe::probe_device;
+
+/// One GPU's memory and streams for [`consort_comm::Device`] users (DDP's
+/// device buckets). Streams it creates are destroyed with it.
+pub struct CudaDevice {
+    ordinal: i32,
+    ctx: Arc<CudaContext>,
+    streams: Mutex<Vec<usize>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .finish()
+    }
+}
+
+fn err(what: &str, e: cu::DriverError) -> CommError {
+    CommError::Aborted {
+        ctx: ErrorContext::default(),
+        cause: format!("CUDA {what} failed: {e:?}"),
+    }
+}
+
+impl CudaDevice {
+    /// GPU `ordinal`'s primary context. `BackendUnavailable` (never a
+    /// panic) without a driver or that GPU.
+    pub fn new(ordinal: usize) -> Result<Arc<Self>> {
+        probe_device(ordinal)?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| err("context creation", e))?;
+        Ok(Arc::new(CudaDevice {
+            ordinal: ordinal as i32,
+            ctx,
+            streams: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// The cudarc context (for kernels and cuBLAS on the same GPU).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| err("context binding", e))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
+        for s in streams {
+            // SAFETY: created by `new_stream`, destroyed once; pending work
+            // completes before the driver releases it.
+            let _ = unsafe { cu::stream::destroy(s as cusys::CUstream) };
+        }
+    }
+}
+
+fn stream(s: StreamId) -> cusys::CUstream {
+    s as cusys::CUstream
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn new_stream(&self) -> Result<StreamId> {
+        self.bind()?;
+        let s = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| err("stream creation", e))?;
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(s as usize);
+        Ok(s as StreamId)
+    }
+
+    fn alloc_zeroed(&self, bytes: usize, s: StreamId) -> Result<u64> {
+        self.bind()?;
+        // SAFETY: stream-ordered allocation on a stream of this context;
+        // at least one byte so that every allocation has its own address.
+        unsafe {
+            let p = cu::malloc_async(stream(s), bytes.max(1)).map_err(|e| err("allocation", e))?;
+            cu::memset_d8_async(p, 0, bytes.max(1), stream(s)).map_err(|e| err("memset", e))?;
+            Ok(p)
+        }
+    }
+
+    unsafe fn free(&self, ptr: u64, s: StreamId) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract (allocated here, freed once).
+        unsafe { cu::free_async(ptr, stream(s)) }.map_err(|e| err("free", e))
+    }
+
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, s: StreamId) -> Result<()> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract (live, non-overlapping ranges).
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, stream(s)) }.map_err(|e| err("copy", e))
+    }
+
+    unsafe fn fill_zero(&self, dst: u64, bytes: usize, s: StreamId) -> Result<()> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract (a live range).
+        unsafe { cu::memset_d8_async(dst, 0, bytes, stream(s)) }.map_err(|e| err("memset", e))
+    }
+
+    unsafe fn copy_from_host(&self, dst: u64, src: &[u8], s: StreamId) -> Result<()> {
+        self.bind()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // From pageable memory the driver stages the source before it
+        // returns; the caller's slice might be pinned (then the copy would
+        // read it later), so it goes through a pageable copy of our own.
+        let staged = src.to_vec();
+        // SAFETY: `dst` holds `src.len()` bytes (caller's contract); the
+        // source is pageable, consumed before return.
+        unsafe { cu::memcpy_htod_async(dst, &staged, stream(s)) }
+            .map_err(|e| err("host-to-device copy", e))
+    }
+
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64, s: StreamId) -> Result<()> {
+        self.bind()?;
+        if dst.is_empty() {
+            return self.synchronize(s);
+        }
+        // SAFETY: `src` holds `dst.len()` bytes; the stream sync below
+        // finishes the copy before `dst` is returned to the caller.
+        unsafe { cu::memcpy_dtoh_async(dst, src, stream(s)) }
+            .map_err(|e| err("device-to-host copy", e))?;
+        self.synchronize(s)
+    }
+
+    fn record(&self, s: StreamId) -> Result<EventId> {
+        self.bind()?;
+        let e = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| err("event creation", e))?;
+        // SAFETY: `e` is ours; `s` is a stream of this context.
+        if let Err(x) = unsafe { cu::event::record(e, stream(s)) } {
+            // SAFETY: created above, destroyed once.
+            let _ = unsafe { cu::event::destroy(e) };
+            return Err(err("event record", x));
+        }
+        Ok(EventId(e as u64))
+    }
+
+    fn wait(&self, s: StreamId, event: EventId) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `event` came from `record` and is not released yet.
+        unsafe {
+            cu::stream::wait_event(
+                stream(s),
+                event.0 as cusys::CUevent,
+                cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| err("stream wait", e))
+    }
+
+    fn query(&self, event: EventId) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: as in `wait`.
+        match unsafe { cu::event::query(event.0 as cusys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == cusys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(err("event query", e)),
+        }
+    }
+
+    fn release(&self, event: EventId) -> Result<()> {
+        self.bind()?;
+        // SAFETY: released once; the driver frees it when it completes.
+        unsafe { cu::event::destroy(event.0 as cusys::CUevent) }
+            .map_err(|e| err("event destroy", e))
+    }
+
+    fn synchronize(&self, s: StreamId) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a stream of this context.
+        unsafe { cu::stream::synchronize(stream(s)) }.map_err(|e| err("stream synchronize", e))
+    }
+}
