@@ -155,17 +155,26 @@ impl Dist {
     /// libcuda, libnccl or a GPU this is `BackendUnavailable`.
     #[cfg(feature = "nccl")]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
+        let b = self.nccl_backend(None).await?;
+        Ok(ProcessGroup::new(Arc::new(b)))
+    }
+
+    /// The NCCL backend itself (feature `nccl`), on GPU `device` or
+    /// `LOCAL_RANK`'s: what [`Dist::nccl_process_group`] wraps, for callers
+    /// that need its stream or its device.
+    #[cfg(feature = "nccl")]
+    pub async fn nccl_backend(
+        &self,
+        device: Option<usize>,
+    ) -> Result<consort_nccl::NcclBackend, CommError> {
         let mut opts = consort_nccl::NcclOptions {
-            device: Some(self.env.local_rank),
+            device: Some(device.unwrap_or(self.env.local_rank)),
             ..Default::default()
         };
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
         }
-        let b =
-            consort_nccl::NcclBackend::new(&*self.store, self.env.rank, self.env.world_size, opts)
-                .await?;
-        Ok(ProcessGroup::new(Arc::new(b)))
+        consort_nccl::NcclBackend::new(&*self.store, self.env.rank, self.env.world_size, opts).await
     }
 
     /// The default process group: the TCP backend over a mesh between every

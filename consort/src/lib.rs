@@ -20,8 +20,9 @@ pub mod env;
 mod init;
 
 pub use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, ErrorContext,
-    Fingerprint, GroupId, OpKind, ProcessGroup, ReduceOp, Result, half, store, with_dtype,
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, Device, DeviceBuffer, Element,
+    ErrorContext, Fingerprint, GroupId, OpKind, Placement, ProcessGroup, ReduceOp, Result, dtype,
+    half, store, with_dtype,
 };
 pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 

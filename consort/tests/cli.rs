@@ -112,3 +112,62 @@ fn version_and_help() {
         assert!(help.contains(sub), "{help}");
     }
 }
+
+/// Without the `nccl` feature, or without libnccl, libcuda or a GPU, the
+/// NCCL bench says so and what to do; it never panics or starts workers
+/// that hang.
+#[test]
+fn bench_nccl_without_a_gpu_is_backend_unavailable() {
+    let out = consort(&[
+        "bench",
+        "--backend",
+        "nccl",
+        "--world-size",
+        "2",
+        "--sizes",
+        "4K",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        eprintln!(
+            "this machine ran the NCCL bench: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("backend `nccl` is unavailable"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// The bench's checker is exact past world 8 (it used to wrap the expected
+/// sum mod 64 and report false `#wrong`), in every dtype family.
+#[test]
+fn bench_checker_is_exact_at_world_nine() {
+    for dtype in ["f32", "bf16", "i8", "u64"] {
+        let out = consort(&[
+            "bench",
+            "--backend",
+            "sim",
+            "--world-size",
+            "9",
+            "--sizes",
+            "4K",
+            "--iters",
+            "1",
+            "--dtype",
+            dtype,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 5, "{dtype}: one row per op");
+        for r in rows {
+            assert_eq!(r["wrong"], 0, "{dtype}: {r}");
+        }
+    }
+}

@@ -26,21 +26,30 @@ pub(crate) struct BenchSpec {
     pub(crate) sizes: Vec<usize>,
     pub(crate) dtype: String,
     pub(crate) iters: Option<usize>,
+    /// nccl: every rank on GPU 0 (see `consort bench --share-gpu`).
+    #[serde(default)]
+    pub(crate) share_gpu: bool,
 }
 
 /// One measured row (rank 0's view, with every rank's #wrong summed in).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-struct Row {
-    op: String,
-    bytes: usize,
-    count: usize,
-    time_us: f64,
-    algbw_gbs: f64,
-    busbw_gbs: f64,
-    wrong: u64,
+pub(crate) struct Row {
+    pub(crate) op: String,
+    pub(crate) bytes: usize,
+    pub(crate) count: usize,
+    pub(crate) time_us: f64,
+    pub(crate) algbw_gbs: f64,
+    pub(crate) busbw_gbs: f64,
+    pub(crate) wrong: u64,
+    /// Host time to issue one call (NCCL: the call returns once enqueued).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) host_us: Option<f64>,
+    /// The same, calling NCCL's own entry point directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) direct_host_us: Option<f64>,
 }
 
-fn bus_factor(op: OpKind, n: usize) -> f64 {
+pub(crate) fn bus_factor(op: OpKind, n: usize) -> f64 {
     let n = n as f64;
     match op {
         OpKind::AllReduce => 2.0 * (n - 1.0) / n,
@@ -64,8 +73,46 @@ pub(crate) fn parse_ops(s: &str) -> Result<Vec<OpKind>, String> {
         .collect()
 }
 
+/// Rank `r`'s input for the correctness run of `op` over `count`
+/// elements (`count / n` for all_gather). Reduced values stay below 9 per
+/// rank, so every sum is exact in f32, f64 and f16 (up to 227 ranks) and
+/// bf16 (up to 28); integer sums wrap exactly as the expected value's
+/// conversion does, at any world size.
+pub(crate) fn input<T: Small>(op: OpKind, r: usize, n: usize, count: usize) -> Vec<T> {
+    let part = (count / n).max(1);
+    match op {
+        OpKind::AllReduce | OpKind::ReduceScatter => {
+            (0..count).map(|i| T::small(r % 3 + i % 7)).collect()
+        }
+        OpKind::Broadcast => (0..count).map(|i| T::small(r * 3 + i % 5)).collect(),
+        OpKind::AllGather => (0..count / n).map(|i| T::small(r + i % 3)).collect(),
+        _ => (0..count).map(|i| T::small(r * 2 + i / part)).collect(),
+    }
+}
+
+/// Element `i` of rank `r`'s correct output for [`input`]'s run.
+pub(crate) fn expected<T: Small>(op: OpKind, r: usize, n: usize, count: usize, i: usize) -> T {
+    let part = (count / n).max(1);
+    T::small(match op {
+        OpKind::AllReduce => (0..n).map(|q| q % 3 + i % 7).sum(),
+        OpKind::Broadcast => i % 5,
+        OpKind::ReduceScatter => (0..n).map(|q| q % 3 + (r * part + i) % 7).sum(),
+        OpKind::AllGather => i / part + (i % part) % 3,
+        _ => (i / part) * 2 + r,
+    })
+}
+
+/// Elements in rank `r`'s output of `op` over `count` elements.
+pub(crate) fn output_len(op: OpKind, n: usize, count: usize) -> usize {
+    if op == OpKind::ReduceScatter {
+        count / n
+    } else {
+        count
+    }
+}
+
 /// Counts elements of `got` that differ from `want(i)`.
-fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
+pub(crate) fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
     got.iter()
         .enumerate()
         .filter(|(i, g)| **g != want(*i))
@@ -87,36 +134,33 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                 let v = |x: usize| -> T { T::small(x) };
                 let part = count / n;
                 // Correctness run: small per-rank values, checked exactly.
-                let mut bad = 0u64;
-                match op {
+                let x: Vec<T> = input(op, r, n, count);
+                let bad = match op {
                     OpKind::AllReduce => {
-                        let mut x: Vec<T> = (0..count).map(|i| v(r + i % 7)).collect();
+                        let mut x = x;
                         pg.all_reduce(&mut x, ReduceOp::Sum).await?;
-                        bad += wrong(&x, |i| v((0..n).map(|q| q + i % 7).sum()));
+                        wrong(&x, |i| expected(op, r, n, count, i))
                     }
                     OpKind::Broadcast => {
-                        let mut x: Vec<T> = (0..count).map(|i| v(r * 3 + i % 5)).collect();
+                        let mut x = x;
                         pg.broadcast(&mut x, 0).await?;
-                        bad += wrong(&x, |i| v(i % 5));
+                        wrong(&x, |i| expected(op, r, n, count, i))
                     }
                     OpKind::ReduceScatter => {
-                        let x: Vec<T> = (0..count).map(|i| v(r + i % 7)).collect();
-                        let mut out = vec![v(0); part];
+                        let mut out = vec![v(0); output_len(op, n, count)];
                         pg.reduce_scatter(&mut out, &x, ReduceOp::Sum).await?;
-                        bad += wrong(&out, |i| v((0..n).map(|q| q + (r * part + i) % 7).sum()));
+                        wrong(&out, |i| expected(op, r, n, count, i))
                     }
                     OpKind::AllGather => {
-                        let x: Vec<T> = (0..part).map(|i| v(r + i % 3)).collect();
                         let out = pg.all_gather_vec(&x).await?;
-                        bad += wrong(&out, |i| v(i / part.max(1) + (i % part.max(1)) % 3));
+                        wrong(&out, |i| expected(op, r, n, count, i))
                     }
                     _ => {
-                        let x: Vec<T> = (0..count).map(|i| v(r * 2 + i / part.max(1))).collect();
-                        let mut out = vec![v(0); count];
+                        let mut out = vec![v(0); output_len(op, n, count)];
                         pg.all_to_all_single(&mut out, &x, None, None).await?;
-                        bad += wrong(&out, |i| v((i / part.max(1)) * 2 + r));
+                        wrong(&out, |i| expected(op, r, n, count, i))
                     }
-                }
+                };
                 // Timed runs, as gloo_bench.py does them.
                 let iters = spec.iters.unwrap_or_else(|| (2e8 as usize / bytes.max(1)).clamp(3, 200));
                 let mut a: Vec<T> = vec![v(1); count];
@@ -150,6 +194,8 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                     algbw_gbs: alg,
                     busbw_gbs: alg * bus_factor(op, n),
                     wrong: total_bad[0],
+                    host_us: None,
+                    direct_host_us: None,
                 }
             });
             rows.push(row);
@@ -158,8 +204,9 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
     Ok(rows)
 }
 
-/// Small integers (below 64) as an element, exact in every dtype.
-trait Small: consort::Element + Copy + PartialEq {
+/// A non-negative integer as an element: exact in floats while it fits
+/// their mantissa, wrapping (as integer sums do) in integer types.
+pub(crate) trait Small: consort::Element + Copy + PartialEq {
     fn small(x: usize) -> Self;
 }
 
@@ -167,15 +214,17 @@ macro_rules! small {
     ($($t:ty => $conv:expr),* $(,)?) => {$(
         impl Small for $t {
             fn small(x: usize) -> Self {
-                $conv((x % 64) as u8)
+                $conv(x)
             }
         }
     )*};
 }
 small! {
-    f32 => f32::from, f64 => f64::from,
-    consort::half::f16 => consort::half::f16::from, consort::half::bf16 => consort::half::bf16::from,
-    i8 => |v: u8| v as i8, u8 => |v: u8| v, i32 => i32::from, i64 => i64::from, u32 => u32::from, u64 => u64::from,
+    f32 => |v: usize| v as f32, f64 => |v: usize| v as f64,
+    consort::half::f16 => |v: usize| consort::half::f16::from_f64(v as f64),
+    consort::half::bf16 => |v: usize| consort::half::bf16::from_f64(v as f64),
+    i8 => |v: usize| v as i8, u8 => |v: usize| v as u8, i32 => |v: usize| v as i32,
+    i64 => |v: usize| v as i64, u32 => |v: usize| v as u32, u64 => |v: usize| v as u64,
 }
 
 /// One rank of a world formed from the environment (torchrun's variables):
@@ -184,6 +233,12 @@ async fn rank_from_env(
     spec: &mut BenchSpec,
 ) -> Result<Option<Vec<Row>>, Box<dyn std::error::Error>> {
     let dist = consort::init_from_env().await?;
+    if spec.backend == "nccl" {
+        let rows = nccl_rank(&dist, spec).await;
+        let rank = dist.rank();
+        dist.shutdown().await?;
+        return Ok((rank == 0).then_some(rows?));
+    }
     let pg = match spec.backend.as_str() {
         "quic" => dist.quic_process_group().await?,
         _ => {
@@ -197,6 +252,63 @@ async fn rank_from_env(
     drop(pg);
     dist.shutdown().await?;
     Ok((rank == 0).then_some(rows))
+}
+
+/// One NCCL rank (feature `nccl`), or why there is none.
+#[cfg(feature = "nccl")]
+async fn nccl_rank(
+    dist: &consort::Dist,
+    spec: &mut BenchSpec,
+) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
+    spec.world = dist.world_size();
+    super::nccl_bench::rank(dist, spec).await
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl_rank(
+    _: &consort::Dist,
+    _: &mut BenchSpec,
+) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
+    Err(nccl_not_built().into())
+}
+
+/// The error of a build without the `nccl` feature.
+#[cfg(not(feature = "nccl"))]
+fn nccl_not_built() -> CommError {
+    CommError::BackendUnavailable {
+        backend: "nccl".into(),
+        reason: "this consort was built without the `nccl` feature; build it with `cargo build \
+                 --release -p consort --features nccl` (it needs libnccl and a GPU at run time, \
+                 not to build)"
+            .into(),
+    }
+}
+
+/// Checks, before any worker starts, that NCCL and GPU 0 are there, and
+/// returns the environment that lets every rank share GPU 0.
+#[cfg(feature = "nccl")]
+fn nccl_preflight(spec: &BenchSpec) -> Result<Vec<(String, String)>, Box<dyn std::error::Error>> {
+    let nccl = consort::nccl::load_nccl()?;
+    consort::nccl::probe_device(0)?;
+    if !spec.share_gpu {
+        return Ok(Vec::new());
+    }
+    Ok(
+        if nccl.version >= consort::nccl::sys::version_code(2, 30, 0) {
+            vec![("NCCL_MULTI_RANK_GPU_ENABLE".into(), "1".into())]
+        } else {
+            vec![
+                ("NCCL_NET".into(), "Socket".into()),
+                ("NCCL_SOCKET_IFNAME".into(), "lo".into()),
+                ("NCCL_HOSTID".into(), "consort-bench-host-{rank}".into()),
+            ]
+        },
+    )
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_preflight(_: &BenchSpec) -> Result<Vec<(String, String)>, Box<dyn std::error::Error>> {
+    Err(nccl_not_built().into())
 }
 
 /// The hidden `bench-worker` subcommand: one rank of `consort bench
@@ -221,7 +333,11 @@ pub(crate) async fn from_env(
 /// Runs the bench and returns the table.
 pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Error>> {
     let rows: Vec<Row> = match spec.backend.as_str() {
-        "tcp" | "quic" => launch(&spec)?,
+        "tcp" | "quic" => launch(&spec, &[])?,
+        "nccl" => {
+            let env = nccl_preflight(&spec)?;
+            launch(&spec, &env)?
+        }
         "sim" => {
             let world = consort::sim::SimWorld::new(consort::sim::SimConfig::new(spec.world))?;
             let tasks: Vec<_> = world
@@ -242,7 +358,9 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
             first.unwrap_or_default()
         }
         other => {
-            return Err(format!("unknown backend {other:?}: expected tcp, quic or sim").into());
+            return Err(
+                format!("unknown backend {other:?}: expected tcp, quic, sim or nccl").into(),
+            );
         }
     };
     Ok(table(&spec, rows))
@@ -250,7 +368,7 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
 
 /// One row per (op, size), nccl-tests columns.
 fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
-    let mut t = Table::new(&[
+    let mut columns = vec![
         "op",
         "backend",
         "world",
@@ -263,7 +381,12 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
         "algbw_gbs",
         "busbw_gbs",
         "wrong",
-    ]);
+    ];
+    let host = spec.backend == "nccl";
+    if host {
+        columns.extend(["host_us", "direct_host_us", "overhead_us"]);
+    }
+    let mut t = Table::new(&columns);
     for r in rows {
         let redop = if matches!(r.op.as_str(), "all_reduce" | "reduce_scatter") {
             "sum"
@@ -275,7 +398,7 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
         } else {
             json!(-1)
         };
-        t.push(vec![
+        let mut row = vec![
             json!(r.op),
             json!(spec.backend),
             json!(spec.world),
@@ -288,14 +411,22 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
             json!(r.algbw_gbs),
             json!(r.busbw_gbs),
             json!(r.wrong),
-        ]);
+        ];
+        if host {
+            let overhead = r.host_us.zip(r.direct_host_us).map(|(a, b)| a - b);
+            row.extend([json!(r.host_us), json!(r.direct_host_us), json!(overhead)]);
+        }
+        t.push(row);
     }
     t
 }
 
 /// Starts `spec.world` worker processes on loopback and collects rank 0's
-/// rows.
-fn launch(spec: &BenchSpec) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
+/// rows. `env` is set in every worker, with `{rank}` replaced.
+fn launch(
+    spec: &BenchSpec,
+    env: &[(String, String)],
+) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -303,7 +434,11 @@ fn launch(spec: &BenchSpec) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
     let spec_json = serde_json::to_string(spec)?;
     let mut children = Vec::with_capacity(spec.world);
     for r in 0..spec.world {
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        for (k, v) in env {
+            cmd.env(k, v.replace("{rank}", &r.to_string()));
+        }
+        let child = cmd
             .arg("bench-worker")
             .arg(&spec_json)
             .env("RANK", r.to_string())

@@ -4,6 +4,8 @@ mod bench;
 mod collective;
 mod ddp_bench;
 mod gpus;
+#[cfg(feature = "nccl")]
+mod nccl_bench;
 mod run;
 mod sim;
 mod table;
@@ -132,9 +134,15 @@ enum Command {
 struct BenchArgs {
     #[command(subcommand)]
     machine: Option<BenchCommand>,
-    /// Backend: tcp or quic (one OS process per rank, on loopback) or sim.
+    /// Backend: tcp or quic (one OS process per rank, on loopback), sim, or
+    /// nccl (one process per GPU, device buffers; needs the `nccl` feature).
     #[arg(long, default_value = "tcp")]
     backend: String,
+    /// nccl only: every rank uses GPU 0 (NCCL 2.30+ through
+    /// NCCL_MULTI_RANK_GPU_ENABLE, older through one NCCL_HOSTID per rank
+    /// over sockets). Slow; for correctness checks on a one-GPU machine.
+    #[arg(long)]
+    share_gpu: bool,
     /// Number of ranks.
     #[arg(long, default_value_t = 2)]
     world_size: usize,
@@ -387,6 +395,7 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
             iters,
             json,
             from_env,
+            share_gpu,
         }) => {
             parse_dtypes(&dtype)?;
             if world_size == 0 {
@@ -399,6 +408,7 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
                 sizes: sizes.0,
                 dtype,
                 iters,
+                share_gpu,
             };
             if from_env {
                 if let Some(t) = collective::from_env(spec).await? {
