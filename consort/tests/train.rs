@@ -204,3 +204,43 @@ fn bad_requests_fail_with_a_reason() {
     }
     let _ = std::fs::remove_dir_all(d);
 }
+
+/// `--device cuda` without a GPU (or without the `nccl` feature) is a clear
+/// error naming what is missing, never a panic; `--device` with a CPU
+/// backend says to use NCCL.
+#[test]
+fn device_cuda_without_a_gpu_says_what_is_missing() {
+    let dir = out_dir("cuda");
+    let out = Command::new(train_bin())
+        .args([
+            "--backend",
+            "nccl",
+            "--device",
+            "cuda",
+            "--epochs",
+            "1",
+            "--out",
+        ])
+        .arg(&dir)
+        .env_remove("RANK")
+        .output()
+        .expect("run the trainer");
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        eprintln!("this machine trained on a GPU");
+        return;
+    }
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("backend `nccl` is unavailable") || err.contains("built without NCCL"),
+        "{err}"
+    );
+    let out = Command::new(train_bin())
+        .args(["--device", "cuda", "--out"])
+        .arg(&dir)
+        .env_remove("RANK")
+        .output()
+        .expect("run the trainer");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("use --backend nccl"), "{err}");
+}

@@ -16,6 +16,8 @@
 //! `OUT/metrics.json` at the end.
 
 mod data;
+#[cfg(feature = "nccl")]
+mod gpu;
 mod mlp;
 mod plot;
 
@@ -68,6 +70,10 @@ struct Args {
     /// Continue from OUT/checkpoint.safetensors.
     #[arg(long)]
     resume: bool,
+    /// Where the model computes: cpu, or cuda (with `--backend nccl`:
+    /// parameters, activations and gradients on GPU LOCAL_RANK).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn main() -> ExitCode {
@@ -99,6 +105,19 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .clone()
         .unwrap_or_else(|| if launched { "tcp" } else { "sim" }.into());
     let args = Arc::new(args);
+    match (backend.as_str(), args.device.as_str()) {
+        ("nccl", "cuda") => return nccl_cuda(args, data).await,
+        (_, "cpu") => {}
+        (b, "cuda") => {
+            return Err(format!(
+                "--device cuda trains on the GPU through NCCL: use --backend nccl (not {b})"
+            )
+            .into());
+        }
+        (_, other) => {
+            return Err(format!("unknown --device {other:?}: expected cpu or cuda").into());
+        }
+    }
     match backend.as_str() {
         "sim" => {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
@@ -140,6 +159,24 @@ async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     drop(pg);
     dist.shutdown().await?;
     res
+}
+
+/// One process per GPU, the model on the GPU.
+#[cfg(feature = "nccl")]
+async fn nccl_cuda(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
+    let dist = consort::init_from_env().await?;
+    let b = Arc::new(dist.nccl_backend(None).await?);
+    let res = train_rank_gpu(b.clone(), &args, &data).await;
+    let done = consort::Backend::synchronize(&*b).await;
+    let closed = b.shutdown();
+    dist.shutdown().await?;
+    res.and(done.map_err(BoxError::from))
+        .and(closed.map_err(BoxError::from))
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl_cuda(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
+    nccl(args, data).await
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -209,12 +246,28 @@ impl Bars {
     }
 }
 
-async fn train_rank(
+/// What the epoch loop needs, on the CPU and on the GPU alike.
+struct Job {
+    pg: ProcessGroup,
+    world: usize,
+    local_batch: usize,
+    start: usize,
+    history: Vec<Epoch>,
+    sampler: DistributedSampler,
+    eval: EvalSampler,
+    bars: Option<Bars>,
+    path: PathBuf,
+}
+
+/// Checks the batch, builds the host model (rank 0 resumes it from the
+/// checkpoint; `Ddp::new`'s broadcast then gives everyone its values), and
+/// the samplers.
+async fn prepare(
     backend: Arc<dyn Backend>,
-    args: Arc<Args>,
-    data: Arc<Digits>,
-) -> Result<(), BoxError> {
-    let pg = ProcessGroup::new(backend.clone());
+    args: &Args,
+    data: &Digits,
+) -> Result<(Job, PlainModel), BoxError> {
+    let pg = ProcessGroup::new(backend);
     let (rank, world) = (pg.rank(), pg.world_size());
     if args.batch_size == 0 || args.batch_size % world != 0 {
         return Err(format!(
@@ -226,16 +279,13 @@ async fn train_rank(
     }
     let local_batch = args.batch_size / world;
     let mut model = mlp::init(args.hidden, args.seed)?;
-
-    // Rank 0 reads the checkpoint; Ddp::new's broadcast gives its values
-    // to everyone, and one more broadcast tells them where to start.
     let mut history = Vec::new();
     let mut header = [0u64, 0u64]; // [status, start epoch]
     if rank == 0 {
         std::fs::create_dir_all(&args.out)
             .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
         if args.resume {
-            match read_checkpoint(&args, &mut model) {
+            match read_checkpoint(args, &mut model) {
                 Ok((epoch, h)) => {
                     header[1] = epoch as u64;
                     history = h;
@@ -252,9 +302,7 @@ async fn train_rank(
         return Err(format!("rank {rank}: rank 0 could not resume (see its error)").into());
     }
     let start = header[1] as usize;
-    let mut ddp = Ddp::new(backend.clone(), &mut model, DdpOptions::default()).await?;
-
-    let mut sampler =
+    let sampler =
         DistributedSampler::new(data.train.len() as u64, world, rank, true, args.seed, false)?;
     let eval = EvalSampler::new(data.test.len() as u64, world, rank)?;
     let steps = (sampler.len() as usize).div_ceil(local_batch);
@@ -262,25 +310,115 @@ async fn train_rank(
     if let Some(b) = &bars {
         b.println(&format!(
             "training a 64-{}-10 MLP on {} digits ({} held out): {world} rank(s), global batch {}, \
-             epochs {}..{}",
+             epochs {}..{}{}",
             args.hidden,
             data.train.len(),
             data.test.len(),
             args.batch_size,
             start + 1,
-            args.epochs
+            args.epochs,
+            if args.device == "cuda" {
+                ", on the GPU"
+            } else {
+                ""
+            }
         ));
     }
-    let path = args.out.join("checkpoint.safetensors");
+    let job = Job {
+        pg,
+        world,
+        local_batch,
+        start,
+        history,
+        sampler,
+        eval,
+        bars,
+        path: args.out.join("checkpoint.safetensors"),
+    };
+    Ok((job, model))
+}
 
-    for epoch in start..args.epochs {
-        sampler.set_epoch(epoch as u64);
-        let idx = sampler.indices()?;
+impl Job {
+    /// Sums `loss` ([sum, samples]) and `acc` ([correct, seen]) over the
+    /// ranks, records the epoch and checkpoints `state`.
+    async fn end_epoch<B: Backend + ?Sized>(
+        &mut self,
+        args: &Args,
+        ddp: &mut Ddp<B>,
+        epoch: usize,
+        (mut loss, mut acc): ([f64; 2], [f64; 2]),
+        state: &consort::ddp::StateDict,
+    ) -> Result<(), BoxError> {
+        self.pg.all_reduce(&mut loss, ReduceOp::Sum).await?;
+        self.pg.all_reduce(&mut acc, ReduceOp::Sum).await?;
+        let e = Epoch {
+            epoch: epoch + 1,
+            train_loss: loss[0] / loss[1].max(1.0),
+            test_accuracy: 100.0 * acc[0] / acc[1].max(1.0),
+        };
+        self.history.push(e.clone());
+        let mut meta = BTreeMap::new();
+        meta.insert("epoch".to_string(), (epoch + 1).to_string());
+        meta.insert("history".to_string(), serde_json::to_string(&self.history)?);
+        meta.insert("world_size".to_string(), self.world.to_string());
+        meta.insert("format".to_string(), "pt".to_string());
+        ddp.save_checkpoint(&self.path, state, &meta).await?;
+        if let Some(b) = &self.bars {
+            b.epochs.inc(1);
+            b.println(&format!(
+                "epoch {:>3}/{}  train loss {:.4}  test accuracy {:.2}%",
+                e.epoch, args.epochs, e.train_loss, e.test_accuracy
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rank 0 draws the plot and writes the metrics.
+    fn finish(self, args: &Args) -> Result<(), BoxError> {
+        let Some(b) = self.bars else {
+            return Ok(());
+        };
+        b.steps.finish_and_clear();
+        b.epochs.finish_and_clear();
+        let png = args.out.join("training.png");
+        plot::draw(
+            &png,
+            &self.history,
+            &format!(
+                "MLP on UCI digits, {} rank(s), global batch {}",
+                self.world, args.batch_size
+            ),
+        )?;
+        std::fs::write(
+            args.out.join("metrics.json"),
+            serde_json::to_string_pretty(&self.history)?,
+        )?;
+        let last = self.history.last();
+        b.println(&format!(
+            "done: test accuracy {:.2}%, checkpoint {}, plot {}",
+            last.map_or(0.0, |e| e.test_accuracy),
+            self.path.display(),
+            png.display()
+        ));
+        Ok(())
+    }
+}
+
+async fn train_rank(
+    backend: Arc<dyn Backend>,
+    args: Arc<Args>,
+    data: Arc<Digits>,
+) -> Result<(), BoxError> {
+    let (mut job, mut model) = prepare(backend.clone(), &args, &data).await?;
+    let mut ddp = Ddp::new(backend, &mut model, DdpOptions::default()).await?;
+    for epoch in job.start..args.epochs {
+        job.sampler.set_epoch(epoch as u64);
+        let idx = job.sampler.indices()?;
         let mut loss = [0f64, 0f64]; // [sum, samples]
-        if let Some(b) = &bars {
+        if let Some(b) = &job.bars {
             b.steps.reset();
         }
-        for chunk in idx.chunks(local_batch) {
+        for chunk in idx.chunks(job.local_batch) {
             let batch: Vec<&Sample> = chunk.iter().map(|&i| &data.train[i as usize]).collect();
             let params = Params::of(&model)?;
             let mut early = Ok(());
@@ -299,65 +437,62 @@ async fn train_rank(
             }
             loss[0] += g.loss_sum;
             loss[1] += batch.len() as f64;
-            if let Some(b) = &bars {
+            if let Some(b) = &job.bars {
                 b.steps.inc(1);
             }
         }
-        pg.all_reduce(&mut loss, ReduceOp::Sum).await?;
-
         let params = Params::of(&model)?;
         let mut acc = [0f64, 0f64]; // [correct, seen]
-        for i in eval.indices() {
+        for i in job.eval.indices() {
             let s = &data.test[i as usize];
             acc[0] += f64::from(u8::from(params.predict(&s.x) == s.y));
             acc[1] += 1.0;
         }
-        pg.all_reduce(&mut acc, ReduceOp::Sum).await?;
-        let e = Epoch {
-            epoch: epoch + 1,
-            train_loss: loss[0] / loss[1].max(1.0),
-            test_accuracy: 100.0 * acc[0] / acc[1].max(1.0),
-        };
-        history.push(e.clone());
-
-        let mut meta = BTreeMap::new();
-        meta.insert("epoch".to_string(), (epoch + 1).to_string());
-        meta.insert("history".to_string(), serde_json::to_string(&history)?);
-        meta.insert("world_size".to_string(), world.to_string());
-        meta.insert("format".to_string(), "pt".to_string());
-        ddp.save_checkpoint(&path, &model.state_dict(), &meta)
+        let state = model.state_dict();
+        job.end_epoch(&args, &mut ddp, epoch, (loss, acc), &state)
             .await?;
-        if let Some(b) = &bars {
-            b.epochs.inc(1);
-            b.println(&format!(
-                "epoch {:>3}/{}  train loss {:.4}  test accuracy {:.2}%",
-                e.epoch, args.epochs, e.train_loss, e.test_accuracy
-            ));
+    }
+    job.finish(&args)
+}
+
+/// [`train_rank`] with the model on the GPU: the same samplers, steps,
+/// metrics and checkpoints, the math in [`gpu`].
+#[cfg(feature = "nccl")]
+async fn train_rank_gpu(
+    b: Arc<consort::nccl::NcclBackend>,
+    args: &Args,
+    data: &Digits,
+) -> Result<(), BoxError> {
+    use consort::{Device, Placement, nccl::CudaDevice};
+    let (mut job, host) = prepare(b.clone(), args, data).await?;
+    let dev = CudaDevice::new(b.device())?;
+    let p = Placement {
+        device: dev.clone(),
+        stream: dev.new_stream()?,
+    };
+    let mut model = gpu::upload_model(&p, &host)?;
+    let mut ddp = Ddp::new(b, &mut model, DdpOptions::default()).await?;
+    let g = gpu::Gpu::new(&dev, p.clone(), args.hidden, job.local_batch.max(256))?;
+    let train = gpu::DeviceSet::upload(&p, &data.train)?;
+    let test = gpu::DeviceSet::upload(&p, &data.test)?;
+    for epoch in job.start..args.epochs {
+        job.sampler.set_epoch(epoch as u64);
+        let idx: Vec<u32> = job.sampler.indices()?.iter().map(|&i| i as u32).collect();
+        if let Some(b) = &job.bars {
+            b.steps.reset();
         }
+        for chunk in idx.chunks(job.local_batch) {
+            g.step(&mut ddp, &model, &train, chunk, args.lr).await?;
+            if let Some(b) = &job.bars {
+                b.steps.inc(1);
+            }
+        }
+        let eval: Vec<u32> = job.eval.indices().map(|i| i as u32).collect();
+        g.evaluate(&model, &test, &eval)?;
+        let (loss_sum, correct) = g.take_counters()?;
+        let state = model.state_dict()?;
+        let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);
+        job.end_epoch(args, &mut ddp, epoch, sums, &state).await?;
     }
-    if let Some(b) = bars {
-        b.steps.finish_and_clear();
-        b.epochs.finish_and_clear();
-        let png = args.out.join("training.png");
-        plot::draw(
-            &png,
-            &history,
-            &format!(
-                "MLP on UCI digits, {world} rank(s), global batch {}",
-                args.batch_size
-            ),
-        )?;
-        std::fs::write(
-            args.out.join("metrics.json"),
-            serde_json::to_string_pretty(&history)?,
-        )?;
-        let last = history.last();
-        b.println(&format!(
-            "done: test accuracy {:.2}%, checkpoint {}, plot {}",
-            last.map_or(0.0, |e| e.test_accuracy),
-            path.display(),
-            png.display()
-        ));
-    }
-    Ok(())
+    job.finish(args)
 }
