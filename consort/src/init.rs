@@ -159,16 +159,31 @@ impl Dist {
         Ok(ProcessGroup::new(Arc::new(b)))
     }
 
-    /// The NCCL backend itself (feature `nccl`), on GPU `device` or
+    /// The NCCL backend itself (feature `nccl`), on GPU `device`, else
     /// `LOCAL_RANK`'s: what [`Dist::nccl_process_group`] wraps, for callers
     /// that need its stream or its device.
+    ///
+    /// `CONSORT_SHARE_GPU=1` puts every rank on GPU 0, for correctness runs
+    /// of several ranks on a one-GPU machine. NCCL allows that from 2.30
+    /// with `NCCL_MULTI_RANK_GPU_ENABLE=1`; older releases need a distinct
+    /// `NCCL_HOSTID` per rank (with `NCCL_NET=Socket`,
+    /// `NCCL_SOCKET_IFNAME=lo`), set by whoever starts the ranks.
     #[cfg(feature = "nccl")]
     pub async fn nccl_backend(
         &self,
         device: Option<usize>,
     ) -> Result<consort_nccl::NcclBackend, CommError> {
+        let shared = match std::env::var("CONSORT_SHARE_GPU").as_deref() {
+            Ok("1") => Some(0),
+            Ok("0") | Ok("") | Err(_) => None,
+            Ok(other) => {
+                return Err(CommError::invalid(format!(
+                    "CONSORT_SHARE_GPU={other:?}: expected 1 (every rank on GPU 0) or 0"
+                )));
+            }
+        };
         let mut opts = consort_nccl::NcclOptions {
-            device: Some(device.unwrap_or(self.env.local_rank)),
+            device: Some(device.or(shared).unwrap_or(self.env.local_rank)),
             ..Default::default()
         };
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {

@@ -398,7 +398,14 @@ fn comm_thread(
                 }
             }
         };
-        if let Err(e) = &result {
+        // An argument error fails this call only (it is the caller's to
+        // fix and retry), as on every backend; anything else poisons.
+        if let Err(e) = &result
+            && !matches!(
+                e,
+                CommError::InvalidArgument { .. } | CommError::Unsupported { .. }
+            )
+        {
             let mut st = shared.lock();
             st.poisoned.get_or_insert_with(|| e.clone());
         }

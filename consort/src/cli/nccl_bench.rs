@@ -19,10 +19,10 @@ use super::collective::{BenchSpec, Row, Small, bus_factor, expected, input, outp
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// One rank's rows on its GPU (GPU 0 for every rank with `share_gpu`).
+/// One rank's rows on its GPU (`LOCAL_RANK`'s, or GPU 0 for every rank
+/// under `CONSORT_SHARE_GPU=1`, which `--share-gpu` sets).
 pub(crate) async fn rank(dist: &Dist, spec: &BenchSpec) -> Result<Vec<Row>, BoxError> {
-    let device = spec.share_gpu.then_some(0);
-    let b = Arc::new(dist.nccl_backend(device).await?);
+    let b = Arc::new(dist.nccl_backend(None).await?);
     let dev = CudaDevice::new(b.device())?;
     let p = Placement {
         device: dev.clone(),
