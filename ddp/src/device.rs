@@ -3,7 +3,7 @@
 //!
 //! This module owns:
 //!
-//! - [`Storage`]: a bucket's memory, host words or a device allocation;
+//! - `Storage`: a bucket's memory, host words or a device allocation;
 //! - the copies DDP enqueues on the compute stream (gradient into its
 //!   bucket slot, average back into the gradient, slot to slot when
 //!   buckets are rebuilt), each made to wait for the stream its source is
