@@ -50,10 +50,9 @@ pub(crate) struct Work {
     pub(crate) staging: Option<u64>,
 }
 
-/// The communicator slot, behind the launch lock.
+/// What the launch lock guards: the next sequence number, and the right
+/// to make NCCL calls on the communicator (one thread at a time).
 pub(crate) struct Slot {
-    /// `None` once destroyed or aborted.
-    pub(crate) comm: Option<usize>,
     pub(crate) seq: u64,
 }
 
@@ -72,6 +71,11 @@ pub(crate) struct Track {
 pub(crate) struct Shared {
     pub(crate) nccl: Arc<Nccl>,
     pub(crate) rank: usize,
+    /// The `ncclComm_t`, 0 once destroyed or aborted. An atomic, not part
+    /// of the launch lock: the watchdog must be able to query and abort the
+    /// communicator while a launch is blocked inside NCCL (torch's watchdog
+    /// aborts from its own thread for the same reason).
+    pub(crate) comm: std::sync::atomic::AtomicUsize,
     pub(crate) slot: Mutex<Slot>,
     pub(crate) track: Mutex<Track>,
     pub(crate) cv: Condvar,
@@ -95,8 +99,8 @@ impl Shared {
         let Some(f) = self.nccl.get_last_error else {
             return String::new();
         };
-        // SAFETY: `comm` is live (callers hold the slot or the watchdog's
-        // guarantee that stop has not destroyed it).
+        // SAFETY: `comm` is live (callers hold the launch lock, or are the
+        // watchdog, which runs until before the communicator is destroyed).
         let p = unsafe { f(comm as Comm) };
         if p.is_null() {
             return String::new();
@@ -160,17 +164,25 @@ impl Shared {
         ErrorContext::new(op, self.rank, seq, GroupId::WORLD)
     }
 
-    /// Aborts the communicator (under the launch lock, so no NCCL call
-    /// races it) and poisons the backend with `e`.
+    /// The live communicator, if any.
+    pub(crate) fn comm(&self) -> Option<usize> {
+        match self.comm.load(std::sync::atomic::Ordering::SeqCst) {
+            0 => None,
+            c => Some(c),
+        }
+    }
+
+    /// Aborts the communicator and poisons the backend with `e`. It does
+    /// not take the launch lock: a launch may be blocked inside NCCL
+    /// (connection setup, a full queue behind a hung kernel), and
+    /// `ncclCommAbort` from another thread is how NCCL unblocks it.
     pub(crate) fn abort(&self, e: CommError) {
-        {
-            let mut slot = lock(&self.slot);
-            if let Some(c) = slot.comm.take() {
-                // SAFETY: the communicator is live and no other NCCL call
-                // runs on it (we hold the launch lock); abort is allowed
-                // with work in flight.
-                unsafe { (self.nccl.comm_abort)(c as Comm) };
-            }
+        let c = self.comm.swap(0, std::sync::atomic::Ordering::SeqCst);
+        if c != 0 {
+            // SAFETY: the communicator was live and is aborted once (the
+            // swap hands it to one caller); abort is allowed with work in
+            // flight and from another thread than the one blocked in NCCL.
+            unsafe { (self.nccl.comm_abort)(c as Comm) };
         }
         self.poison(e);
     }
@@ -182,6 +194,10 @@ impl Shared {
         self.cv.notify_all();
         if let Some(w) = watchdog {
             let _ = w.join();
+        }
+        for e in std::mem::take(&mut lock(&self.track).free_events) {
+            // SAFETY: pooled events are complete and owned by the pool.
+            let _ = unsafe { cu::event::destroy(e.raw()) };
         }
     }
 }
@@ -284,10 +300,12 @@ fn watchdog(shared: &Shared) {
 
 /// `ncclCommGetAsyncError` as an error, if there is one.
 fn async_error(shared: &Shared, ctx: ErrorContext) -> Option<CommError> {
-    let slot = lock(&shared.slot);
-    let comm = slot.comm?;
+    let comm = shared.comm()?;
     let mut code: c_int = result::SUCCESS;
-    // SAFETY: the communicator is live while we hold the launch lock.
+    // SAFETY: the communicator is live (only this thread aborts it while
+    // the watchdog runs, and shutdown stops the watchdog first);
+    // ncclCommGetAsyncError may be called while another thread is inside
+    // NCCL, as torch's watchdog does.
     let r = unsafe { (shared.nccl.comm_get_async_error)(comm as Comm, &mut code) };
     let code = if r != result::SUCCESS { r } else { code };
     if code == result::SUCCESS || code == result::IN_PROGRESS {

@@ -23,15 +23,21 @@ use consort_tests::{WorldFuture, checks};
 fn shared() -> Arc<NcclBackend> {
     static ONE: OnceLock<Arc<NcclBackend>> = OnceLock::new();
     ONE.get_or_init(|| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let store = MemStore::new(Duration::from_secs(30));
-        let b = rt
-            .block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
-            .expect("NCCL on GPU 0");
-        Arc::new(b)
+        // Made on a thread of its own: callers may already be inside a
+        // runtime's block_on.
+        std::thread::spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let store = MemStore::new(Duration::from_secs(30));
+            let b = rt
+                .block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
+                .expect("NCCL on GPU 0");
+            Arc::new(b)
+        })
+        .join()
+        .expect("NCCL init thread")
     })
     .clone()
 }

@@ -97,6 +97,49 @@ fn probe_lib(name: &str, what: &str) -> Result<(), BoxError> {
     .into())
 }
 
+/// Compiles [`KERNELS`] to a CUBIN for this GPU's architecture (so the
+/// driver never has to JIT PTX that may be newer than it: NVRTC from a pip
+/// wheel is often newer than the driver), falling back to PTX where this
+/// NVRTC does not know the architecture.
+fn load_kernels(dev: &Arc<CudaDevice>) -> Result<Arc<CudaModule>, BoxError> {
+    use cudarc::nvrtc::{Ptx, result as rtc, sys as rtc_sys};
+    let (major, minor) = dev.context().compute_capability()?;
+    let src = std::ffi::CString::new(KERNELS)?;
+    let prog = rtc::create_program(&src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let arch = format!("--gpu-architecture=sm_{major}{minor}");
+    // SAFETY: `prog` is live until destroyed at the end of this block; the
+    // CUBIN buffer has the size NVRTC reports.
+    let cubin = unsafe {
+        let built = rtc::compile_program(prog, std::slice::from_ref(&arch)).and_then(|()| {
+            let mut n = 0usize;
+            rtc_sys::nvrtcGetCUBINSize(prog, &mut n).result()?;
+            let mut buf = vec![0 as std::ffi::c_char; n];
+            rtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr()).result()?;
+            Ok(buf.into_iter().map(|c| c as u8).collect::<Vec<u8>>())
+        });
+        let log = rtc::get_program_log(prog)
+            .map(|l| l.into_iter().map(|c| c as u8 as char).collect::<String>())
+            .unwrap_or_default();
+        let _ = rtc::destroy_program(prog);
+        built.map_err(|e| format!("NVRTC {arch}: {e:?} {log}"))
+    };
+    let image = match cubin {
+        Ok(c) if !c.is_empty() => Ptx::from_binary(c),
+        other => {
+            tracing::warn!("no CUBIN for sm_{major}{minor} ({other:?}); loading PTX instead");
+            cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e:?}"))?
+        }
+    };
+    dev.context().load_module(image).map_err(|e| {
+        format!(
+            "loading the trainer's kernels: {e:?} (CUDA_ERROR_UNSUPPORTED_PTX_VERSION means \
+             NVRTC is newer than the driver: update the driver, or put an older NVRTC first on \
+             LD_LIBRARY_PATH)"
+        )
+        .into()
+    })
+}
+
 /// The kernels, the cuBLAS handle and the scratch buffers of one rank.
 pub(crate) struct Gpu {
     p: Placement,
@@ -149,8 +192,7 @@ impl Gpu {
     ) -> Result<Self, BoxError> {
         probe_lib("nvrtc", "NVRTC (the CUDA run-time compiler)")?;
         probe_lib("cublas", "cuBLAS")?;
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e:?}"))?;
-        let module = dev.context().load_module(ptx)?;
+        let module = load_kernels(dev)?;
         let load = |n: &str| module.load_function(n);
         let f = Kernels {
             add_bias: load("add_bias")?,

@@ -293,17 +293,17 @@ fn nccl_preflight(spec: &BenchSpec) -> Result<Vec<(String, String)>, Box<dyn std
     if !spec.share_gpu {
         return Ok(Vec::new());
     }
-    Ok(
-        if nccl.version >= consort::nccl::sys::version_code(2, 30, 0) {
-            vec![("NCCL_MULTI_RANK_GPU_ENABLE".into(), "1".into())]
-        } else {
-            vec![
-                ("NCCL_NET".into(), "Socket".into()),
-                ("NCCL_SOCKET_IFNAME".into(), "lo".into()),
-                ("NCCL_HOSTID".into(), "consort-bench-host-{rank}".into()),
-            ]
-        },
-    )
+    let mut env = vec![("CONSORT_SHARE_GPU".to_string(), "1".to_string())];
+    if nccl.version >= consort::nccl::sys::version_code(2, 30, 0) {
+        env.push(("NCCL_MULTI_RANK_GPU_ENABLE".into(), "1".into()));
+    } else {
+        env.extend([
+            ("NCCL_NET".into(), "Socket".into()),
+            ("NCCL_SOCKET_IFNAME".into(), "lo".into()),
+            ("NCCL_HOSTID".into(), "consort-bench-host-{rank}".into()),
+        ]);
+    }
+    Ok(env)
 }
 
 #[cfg(not(feature = "nccl"))]

@@ -72,8 +72,9 @@ impl NcclBackend {
         if let Some((o, true)) = &output {
             pinned[in_len..in_len + out_len].copy_from_slice(o);
         }
-        st.generation += 1;
-        let (generation, dev) = (st.generation, st.dev);
+        // Counted only once launched: a launch that fails leaves no work
+        // carrying this generation, and the next call must not wait for it.
+        let (generation, dev) = (st.generation + 1, st.dev);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (ci, co) = (dev, dev + in_len as u64);
         let staged: Enqueue<'_> = Box::new(move |nccl, comm, stream, _, _| {
@@ -98,6 +99,7 @@ impl NcclBackend {
             }
         });
         self.launch(call, &[], (ci, co), Some((generation, tx)), staged)?;
+        st.generation = generation;
         rx.await.map_err(|_| CommError::Aborted {
             ctx: ErrorContext::default(),
             cause: "the NCCL watchdog stopped before the call finished".into(),

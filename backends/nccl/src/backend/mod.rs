@@ -191,10 +191,8 @@ impl NcclBackend {
         let shared = Arc::new(Shared {
             nccl,
             rank,
-            slot: Mutex::new(Slot {
-                comm: Some(comm),
-                seq: 0,
-            }),
+            comm: std::sync::atomic::AtomicUsize::new(comm),
+            slot: Mutex::new(Slot { seq: 0 }),
             track: Mutex::new(Track::default()),
             cv: std::sync::Condvar::new(),
             poll: opts.poll_interval,
@@ -248,8 +246,8 @@ impl NcclBackend {
     /// no consort call is being made from another thread, and never after
     /// shutdown or abort.
     pub unsafe fn raw_comm(&self) -> *mut c_void {
-        lock(&self.shared.slot)
-            .comm
+        self.shared
+            .comm()
             .map_or(std::ptr::null_mut(), |c| c as *mut c_void)
     }
 
@@ -289,7 +287,13 @@ impl NcclBackend {
         }
         self.stop_watchdog();
         let poisoned = lock(&self.shared.track).poisoned.clone();
-        let comm = lock(&self.shared.slot).comm.take();
+        let comm = {
+            let _launches = lock(&self.shared.slot);
+            match self.shared.comm.swap(0, Ordering::SeqCst) {
+                0 => None,
+                c => Some(c),
+            }
+        };
         let ctx = ErrorContext {
             rank: Some(self.rank),
             ..Default::default()
@@ -364,7 +368,7 @@ impl NcclBackend {
             });
         }
         sh.check(ctx)?;
-        let Some(comm) = slot.comm else {
+        let Some(comm) = sh.comm() else {
             return Err(CommError::Aborted {
                 ctx,
                 cause: "the NCCL communicator is gone (aborted)".into(),
