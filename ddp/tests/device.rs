@@ -8,137 +8,13 @@ mod common;
 
 use std::{sync::Arc, time::Duration};
 
-use common::Mlp;
+use common::{Case, Shape, case, close, lr, make_case, reference};
 use consort_comm::{Backend, Device, Placement};
 use consort_ddp::{CommHook, Ddp, DdpOptions, DeviceModel};
 use consort_sim::{
     EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
 };
 use proptest::prelude::*;
-
-type Batch = Vec<(Vec<f64>, Vec<f64>)>;
-
-#[derive(Clone, Debug)]
-struct Case {
-    mlp: Mlp,
-    world: usize,
-    micro: usize,
-    cap: Option<usize>,
-    view: bool,
-    exact: bool,
-    seed: u64,
-    init: Vec<Vec<f64>>,
-    /// `data[step][micro][rank]`
-    data: Vec<Vec<Vec<Batch>>>,
-}
-
-fn case() -> impl Strategy<Value = Case> {
-    (
-        prop::collection::vec(1usize..5, 2..4),
-        1usize..=4,
-        1usize..3,
-        1usize..3,
-        1usize..4,
-        prop::option::of(8usize..200),
-        any::<bool>(),
-        any::<bool>(),
-        any::<u64>(),
-    )
-        .prop_map(
-            |(dims, world, batch, micro, steps, cap, view, exact, seed)| {
-                make_case(dims, world, batch, micro, steps, cap, view, exact, seed)
-            },
-        )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn make_case(
-    dims: Vec<usize>,
-    world: usize,
-    batch: usize,
-    micro: usize,
-    steps: usize,
-    cap: Option<usize>,
-    view: bool,
-    exact: bool,
-    seed: u64,
-) -> Case {
-    let mlp = Mlp { dims };
-    let mut rng = seed | 1;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        if exact {
-            (rng % 5) as f64 - 2.0
-        } else {
-            (rng % 2001) as f64 / 1000.0 - 1.0
-        }
-    };
-    let steps = if exact { steps.min(2) } else { steps };
-    let init = mlp
-        .sizes()
-        .iter()
-        .map(|&s| (0..s).map(|_| next()).collect())
-        .collect();
-    let (i, o) = (mlp.dims[0], *mlp.dims.last().unwrap());
-    let mut sample = || {
-        let x = (0..i).map(|_| next()).collect();
-        let y = (0..o).map(|_| next()).collect();
-        (x, y)
-    };
-    let data = (0..steps)
-        .map(|_| {
-            (0..micro)
-                .map(|_| {
-                    (0..world)
-                        .map(|_| (0..batch).map(|_| sample()).collect())
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
-    Case {
-        mlp,
-        world,
-        micro,
-        cap,
-        view,
-        exact,
-        seed,
-        init,
-        data,
-    }
-}
-
-fn lr(c: &Case) -> f64 {
-    if c.exact { 1.0 } else { 0.05 }
-}
-
-fn batch_size(c: &Case) -> usize {
-    c.data[0][0][0].len()
-}
-
-fn reference(c: &Case) -> Vec<Vec<f64>> {
-    let mut params = c.init.clone();
-    let scale = if c.exact {
-        1.0
-    } else {
-        1.0 / (c.world * batch_size(c) * c.micro) as f64
-    };
-    for step in &c.data {
-        let (xs, ys): (Vec<_>, Vec<_>) = step.iter().flatten().flatten().cloned().unzip();
-        let mut grads = vec![Vec::new(); params.len()];
-        c.mlp
-            .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
-        for (p, g) in params.iter_mut().zip(grads) {
-            for (v, d) in p.iter_mut().zip(g) {
-                *v -= lr(c) * d;
-            }
-        }
-    }
-    params
-}
 
 /// Every rank on its own thread (device synchronization blocks the host,
 /// as on a GPU), with its own emulated device and communication thread.
@@ -205,7 +81,7 @@ async fn rank_main(
     let scale = if c.exact {
         c.world as f64
     } else {
-        1.0 / (batch_size(&c) * c.micro) as f64
+        1.0 / (c.batch * c.micro) as f64
     };
     let n = model.len();
     for step in &c.data {
@@ -319,10 +195,6 @@ async fn micro_step(
     d.finish().await.unwrap();
 }
 
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
-}
-
 /// Whether every rank's parameters match the reference (bit for bit in
 /// exact mode).
 fn matches(c: &Case, got: &[Vec<Vec<f64>>], want: &[Vec<f64>]) -> Result<(), String> {
@@ -347,7 +219,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
     #[test]
-    fn device_ddp_on_n_ranks_equals_one_rank_with_the_global_batch(c in case()) {
+    fn device_ddp_on_n_ranks_equals_one_rank_with_the_global_batch(c in case(4)) {
         let want = reference(&c);
         let got = distributed(&c, EmulatedCommOptions::default());
         if let Err(e) = matches(&c, &got, &want) {
@@ -358,7 +230,17 @@ proptest! {
 
 /// A fixed case with several buckets, two ranks and one micro-batch.
 fn fixed(seed: u64, view: bool) -> Case {
-    make_case(vec![3, 4, 2], 2, 2, 1, 2, Some(16), view, true, seed)
+    make_case(Shape {
+        dims: vec![3, 4, 2],
+        world: 2,
+        batch: 2,
+        micro: 1,
+        steps: 2,
+        cap: Some(16),
+        view,
+        exact: true,
+        seed,
+    })
 }
 
 /// Whether seed `s`'s run disagrees with the reference under `opts`.

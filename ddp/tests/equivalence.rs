@@ -7,122 +7,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Mlp, run_sim};
+use common::{Case, case, close, lr, reference, run_sim};
 use consort_ddp::{Ddp, DdpOptions, PlainModel};
 use consort_sim::{SimConfig, SimRank};
 use proptest::prelude::*;
-
-/// One rank's micro-batch: (x, y) samples.
-type Batch = Vec<(Vec<f64>, Vec<f64>)>;
-
-#[derive(Clone, Debug)]
-struct Case {
-    mlp: Mlp,
-    world: usize,
-    batch: usize,
-    micro: usize,
-    cap: Option<usize>,
-    view: bool,
-    /// Integer-valued data, lr 1 and a loss scaled so that every sum is
-    /// exact: results must match bit for bit.
-    exact: bool,
-    init: Vec<Vec<f64>>,
-    /// `data[step][micro][rank][sample] = (x, y)`
-    data: Vec<Vec<Vec<Batch>>>,
-}
-
-fn case() -> impl Strategy<Value = Case> {
-    (
-        prop::collection::vec(1usize..6, 2..4),
-        1usize..=8,
-        1usize..4,
-        1usize..4,
-        1usize..4,
-        prop::option::of(8usize..400),
-        any::<bool>(),
-        any::<bool>(),
-        any::<u64>(),
-    )
-        .prop_map(
-            |(dims, world, batch, micro, steps, cap, view, exact, seed)| {
-                let mlp = Mlp { dims };
-                let mut rng = seed | 1;
-                let mut next = move |exact: bool| {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    if exact {
-                        (rng % 5) as f64 - 2.0
-                    } else {
-                        (rng % 2001) as f64 / 1000.0 - 1.0
-                    }
-                };
-                let steps = if exact { steps.min(2) } else { steps };
-                let init = mlp
-                    .sizes()
-                    .iter()
-                    .map(|&s| (0..s).map(|_| next(exact)).collect())
-                    .collect();
-                let (i, o) = (mlp.dims[0], *mlp.dims.last().unwrap());
-                let data = (0..steps)
-                    .map(|_| {
-                        (0..micro)
-                            .map(|_| {
-                                (0..world)
-                                    .map(|_| {
-                                        (0..batch)
-                                            .map(|_| {
-                                                let x = (0..i).map(|_| next(exact)).collect();
-                                                let y = (0..o).map(|_| next(exact)).collect();
-                                                (x, y)
-                                            })
-                                            .collect()
-                                    })
-                                    .collect()
-                            })
-                            .collect()
-                    })
-                    .collect();
-                Case {
-                    mlp,
-                    world,
-                    batch,
-                    micro,
-                    cap,
-                    view,
-                    exact,
-                    init,
-                    data,
-                }
-            },
-        )
-}
-
-fn lr(c: &Case) -> f64 {
-    if c.exact { 1.0 } else { 0.05 }
-}
-
-/// One process, the whole global batch of every step.
-fn reference(c: &Case) -> Vec<Vec<f64>> {
-    let mut params = c.init.clone();
-    let scale = if c.exact {
-        1.0
-    } else {
-        1.0 / (c.world * c.batch * c.micro) as f64
-    };
-    for step in &c.data {
-        let (xs, ys): (Vec<_>, Vec<_>) = step.iter().flatten().flatten().cloned().unzip();
-        let mut grads = vec![Vec::new(); params.len()];
-        c.mlp
-            .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
-        for (p, g) in params.iter_mut().zip(grads) {
-            for (v, d) in p.iter_mut().zip(g) {
-                *v -= lr(c) * d;
-            }
-        }
-    }
-    params
-}
 
 /// Every rank under DDP; returns each rank's final parameters.
 fn distributed(c: &Case) -> Vec<Vec<Vec<f64>>> {
@@ -222,15 +110,11 @@ async fn micro_step(
     ddp.finish().await.unwrap();
 }
 
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
-    fn ddp_on_n_ranks_equals_one_rank_with_the_global_batch(c in case()) {
+    fn ddp_on_n_ranks_equals_one_rank_with_the_global_batch(c in case(8)) {
         let want = reference(&c);
         let got = distributed(&c);
         for (r, params) in got.iter().enumerate() {

@@ -7,6 +7,7 @@ use std::{future::Future, sync::Arc};
 
 use consort_ddp::PlainModel;
 use consort_sim::{SimConfig, SimRank, SimWorld};
+use proptest::prelude::*;
 
 /// Layer widths `[in, h1, ..., out]`; parameters are `w0, b0, w1, b1, …`
 /// (`w_l` is `dims[l+1] × dims[l]`, row-major), ReLU between layers.
@@ -124,4 +125,164 @@ where
         out
     });
     (out, world)
+}
+
+/// One rank's micro-batch: (x, y) samples.
+pub type Batch = Vec<(Vec<f64>, Vec<f64>)>;
+
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub mlp: Mlp,
+    pub world: usize,
+    pub batch: usize,
+    pub micro: usize,
+    pub cap: Option<usize>,
+    pub view: bool,
+    /// Integer-valued data, lr 1 and a loss scaled so that every sum is
+    /// exact: results must match bit for bit.
+    pub exact: bool,
+    /// What the data came from (also seeds the emulated device).
+    pub seed: u64,
+    pub init: Vec<Vec<f64>>,
+    /// `data[step][micro][rank][sample] = (x, y)`
+    pub data: Vec<Vec<Vec<Batch>>>,
+}
+
+/// Random cases: MLP widths, worlds `1..=max_world`, batches, micro-batches,
+/// steps, bucket caps, view mode, exact mode and data.
+pub fn case(max_world: usize) -> impl Strategy<Value = Case> {
+    (
+        prop::collection::vec(1usize..6, 2..4),
+        1usize..=max_world,
+        1usize..4,
+        1usize..4,
+        1usize..4,
+        prop::option::of(8usize..400),
+        any::<bool>(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(dims, world, batch, micro, steps, cap, view, exact, seed)| {
+                make_case(Shape {
+                    dims,
+                    world,
+                    batch,
+                    micro,
+                    steps,
+                    cap,
+                    view,
+                    exact,
+                    seed,
+                })
+            },
+        )
+}
+
+/// The dimensions of a [`Case`]; its data come from the seed.
+pub struct Shape {
+    pub dims: Vec<usize>,
+    pub world: usize,
+    pub batch: usize,
+    pub micro: usize,
+    pub steps: usize,
+    pub cap: Option<usize>,
+    pub view: bool,
+    pub exact: bool,
+    pub seed: u64,
+}
+
+/// The case of `shape`: initial parameters and every rank's data, from a
+/// xorshift stream of the seed (small integers in exact mode).
+pub fn make_case(shape: Shape) -> Case {
+    let Shape {
+        dims,
+        world,
+        batch,
+        micro,
+        steps,
+        cap,
+        view,
+        exact,
+        seed,
+    } = shape;
+    let mlp = Mlp { dims };
+    let mut rng = seed | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        if exact {
+            (rng % 5) as f64 - 2.0
+        } else {
+            (rng % 2001) as f64 / 1000.0 - 1.0
+        }
+    };
+    let steps = if exact { steps.min(2) } else { steps };
+    let init = mlp
+        .sizes()
+        .iter()
+        .map(|&s| (0..s).map(|_| next()).collect())
+        .collect();
+    let (i, o) = (mlp.dims[0], *mlp.dims.last().unwrap());
+    let mut sample = || {
+        let x = (0..i).map(|_| next()).collect();
+        let y = (0..o).map(|_| next()).collect();
+        (x, y)
+    };
+    let data = (0..steps)
+        .map(|_| {
+            (0..micro)
+                .map(|_| {
+                    (0..world)
+                        .map(|_| (0..batch).map(|_| sample()).collect())
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    Case {
+        mlp,
+        world,
+        batch,
+        micro,
+        cap,
+        view,
+        exact,
+        seed,
+        init,
+        data,
+    }
+}
+
+/// The learning rate: 1 in exact mode.
+pub fn lr(c: &Case) -> f64 {
+    if c.exact { 1.0 } else { 0.05 }
+}
+
+/// One process, the whole global batch of every step.
+pub fn reference(c: &Case) -> Vec<Vec<f64>> {
+    let mut params = c.init.clone();
+    let scale = if c.exact {
+        1.0
+    } else {
+        1.0 / (c.world * c.batch * c.micro) as f64
+    };
+    for step in &c.data {
+        let (xs, ys): (Vec<_>, Vec<_>) = step.iter().flatten().flatten().cloned().unzip();
+        let mut grads = vec![Vec::new(); params.len()];
+        c.mlp
+            .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
+        for (p, g) in params.iter_mut().zip(grads) {
+            for (v, d) in p.iter_mut().zip(g) {
+                *v -= lr(c) * d;
+            }
+        }
+    }
+    params
+}
+
+/// Equal within 1e-9, relative.
+pub fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
 }

@@ -14,7 +14,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use super::{Call, Enqueue, NcclBackend};
 use crate::{
     sys::result,
-    work::{driver_error, lock},
+    work::{Track, driver_error, lock},
 };
 
 /// The reused staging memory of host calls.
@@ -116,13 +116,22 @@ impl NcclBackend {
     /// Waits until the host call of generation `generation` has finished on the
     /// device (it may have been dropped while its copies still ran).
     async fn wait_staging(&self, generation: u64, timeout: Duration) -> Result<()> {
+        self.wait_for(timeout, |t| {
+            (t.staged >= generation || t.poisoned.is_some()).then_some(Ok(()))
+        })
+        .await
+    }
+
+    /// Polls the tracked work until `done` answers, or `timeout` passes.
+    pub(super) async fn wait_for(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&Track) -> Option<Result<()>>,
+    ) -> Result<()> {
         let start = Instant::now();
         loop {
-            {
-                let t = lock(&self.shared.track);
-                if t.staged >= generation || t.poisoned.is_some() {
-                    return Ok(());
-                }
+            if let Some(r) = done(&lock(&self.shared.track)) {
+                return r;
             }
             if start.elapsed() >= timeout {
                 return Err(CommError::Timeout {

@@ -1,22 +1,15 @@
 //! `Backend` for [`NcclBackend`]: each op checks its arguments, classifies
 //! its buffers and hands NCCL's enqueue call to the launch.
 
-use std::{
-    ffi::c_int,
-    time::{Duration, Instant},
-};
+use std::{ffi::c_int, time::Duration};
 
 use async_trait::async_trait;
-use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, OpKind, ReduceOp, Result,
-    validate,
-};
+use consort_comm::{Backend, Buffer, BufferMut, CallOptions, OpKind, ReduceOp, Result, validate};
 
 use super::{Enqueue, NcclBackend, grouped, p2p};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
-    work::lock,
 };
 
 #[async_trait]
@@ -225,29 +218,10 @@ impl Backend for NcclBackend {
     }
 
     async fn synchronize(&self) -> Result<()> {
-        let start = Instant::now();
-        let timeout = self.opts.timeout;
-        loop {
-            {
-                let t = lock(&self.shared.track);
-                if let Some(e) = &t.poisoned {
-                    return Err(e.to_aborted());
-                }
-                if t.queue.is_empty() {
-                    return Ok(());
-                }
-            }
-            if start.elapsed() >= timeout {
-                return Err(CommError::Timeout {
-                    ctx: ErrorContext {
-                        rank: Some(self.rank),
-                        ..Default::default()
-                    },
-                    after: timeout,
-                    waiting_on: Vec::new(),
-                });
-            }
-            tokio::time::sleep(Duration::from_micros(50)).await;
-        }
+        self.wait_for(self.opts.timeout, |t| match &t.poisoned {
+            Some(e) => Some(Err(e.to_aborted())),
+            None => t.queue.is_empty().then_some(Ok(())),
+        })
+        .await
     }
 }
