@@ -15,7 +15,7 @@ use std::{
     fmt, io,
     pin::pin,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use async_trait::async_trait;
@@ -355,7 +355,7 @@ impl Store for MemStore {
 
     async fn wait(&self, keys: &[&str], timeout: Duration) -> StoreResult<()> {
         check_keys(keys)?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::time::deadline(timeout);
         loop {
             let mut notified = pin!(self.changed.notified());
             notified.as_mut().enable();
@@ -604,7 +604,7 @@ mod tests {
     #[tokio::test]
     async fn wait_times_out_then_wakes_on_set() {
         let s = Arc::new(MemStore::new(Duration::from_millis(100)));
-        let t0 = Instant::now();
+        let t0 = std::time::Instant::now();
         let e = s
             .wait(&["late"], Duration::from_millis(50))
             .await

@@ -281,6 +281,7 @@ impl DistEnv {
             )));
         }
 
+        check_sizes(&e)?;
         let port = parse_port(env)?;
         let slurm = e.launcher == Launcher::Slurm;
         let addr = get(env, "MASTER_ADDR").or_else(|| {
@@ -331,6 +332,33 @@ impl DistEnv {
     pub fn hosts_store(&self) -> bool {
         self.rank == 0 && !self.use_agent_store
     }
+}
+
+/// The most ranks a job may have (torch's largest jobs are well below it;
+/// past it a typo, say WORLD_SIZE=1000000000, would make every rank
+/// allocate per-rank state until it runs out of memory).
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
+/// The most processes one host runs (`LOCAL_WORLD_SIZE`, `consort run
+/// --nproc-per-node`, `consort bench --world-size`).
+pub const MAX_LOCAL_WORLD_SIZE: usize = 4096;
+
+fn check_sizes(e: &DistEnv) -> Result<(), EnvError> {
+    if e.world_size > MAX_WORLD_SIZE {
+        return Err(EnvError::Inconsistent(format!(
+            "a world of {} processes is more than consort supports ({MAX_WORLD_SIZE}); check \
+             WORLD_SIZE (or SLURM_NTASKS)",
+            e.world_size
+        )));
+    }
+    if e.local_world_size > MAX_LOCAL_WORLD_SIZE {
+        return Err(EnvError::Inconsistent(format!(
+            "{} processes on this node is more than one host can hold ({MAX_LOCAL_WORLD_SIZE}); \
+             set LOCAL_WORLD_SIZE (it defaults to WORLD_SIZE) to the processes on this node",
+            e.local_world_size
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

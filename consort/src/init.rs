@@ -31,16 +31,11 @@ impl InitOptions {
             .ok()
             .filter(|v| !v.is_empty())
         {
-            o.store_timeout = v
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .map(Duration::from_secs_f64)
-                .ok_or(EnvError::Malformed {
+            o.store_timeout =
+                consort_comm::time::parse_seconds(&v, false).map_err(|_| EnvError::Malformed {
                     var: "CONSORT_STORE_TIMEOUT",
-                    value: v,
-                    expected: "a positive number of seconds",
+                    value: v.clone(),
+                    expected: "a positive number of seconds, at most 100 years",
                 })?;
         }
         Ok(o)
@@ -441,15 +436,11 @@ pub async fn store_bind_addr(host: &str, port: u16) -> String {
 fn seconds_var(var: &'static str) -> Result<Option<Duration>, CommError> {
     match std::env::var(var).ok().filter(|v| !v.is_empty()) {
         None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(|s| Some(Duration::from_secs_f64(s)))
-            .ok_or_else(|| {
+        Some(v) => consort_comm::time::parse_seconds(&v, false)
+            .map(Some)
+            .map_err(|why| {
                 CommError::invalid(format!(
-                    "{var}={v:?} is not valid: expected a positive number of seconds"
+                    "{var}={v:?} is not valid: {why}; expected a positive number of seconds"
                 ))
             }),
     }

@@ -43,5 +43,5 @@ pub use consort_sampler as sampler;
 
 /// Collective algorithms as sans-IO schedules, and their selection policy.
 pub use consort_comm::algo;
-pub use env::{DistEnv, EnvError, Launcher};
+pub use env::{DistEnv, EnvError, Launcher, MAX_LOCAL_WORLD_SIZE, MAX_WORLD_SIZE};
 pub use init::{Dist, InitError, InitOptions, init, init_from_env, store_bind_addr};

@@ -171,3 +171,120 @@ fn bench_checker_is_exact_at_world_nine() {
         }
     }
 }
+
+/// Runs `consort` with extra environment variables.
+fn consort_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_consort"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run consort")
+}
+
+/// Arguments, environment, and what the error must name.
+type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+
+/// Every bad duration, count and size that used to panic (or allocate
+/// until the machine ran out of memory) is refused with a message naming
+/// it.
+#[test]
+fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
+    let bench = [
+        "bench",
+        "--backend",
+        "tcp",
+        "--world-size",
+        "2",
+        "--sizes",
+        "4K",
+        "--iters",
+        "1",
+    ];
+    let from_env = ["bench", "--from-env", "--sizes", "4K", "--iters", "1"];
+    let rank0 = [
+        ("RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ];
+    let cases: Vec<Case<'_>> = vec![
+        (
+            bench.to_vec(),
+            vec![("CONSORT_TIMEOUT", "1e19")],
+            "CONSORT_TIMEOUT",
+        ),
+        (
+            bench.to_vec(),
+            vec![("CONSORT_TIMEOUT", "NaN")],
+            "CONSORT_TIMEOUT",
+        ),
+        (vec!["bench", "--iters", "0"], vec![], "--iters"),
+        (
+            vec!["bench", "sim-all-reduce", "--iters", "0"],
+            vec![],
+            "--iters",
+        ),
+        (
+            vec!["bench", "--world-size", "100000"],
+            vec![],
+            "--world-size 100000",
+        ),
+        (
+            vec!["run", "--grace-period", "1e20", "--", "true"],
+            vec![],
+            "--grace-period",
+        ),
+        (
+            vec!["run", "--rdzv-timeout", "1e300", "--", "true"],
+            vec![],
+            "--rdzv-timeout",
+        ),
+        (
+            vec!["run", "--monitor-interval", "inf", "--", "true"],
+            vec![],
+            "--monitor-interval",
+        ),
+        (
+            vec!["run", "--nproc-per-node", "100000", "--", "true"],
+            vec![],
+            "--nproc-per-node",
+        ),
+        (
+            vec!["run", "--nnodes", "99999999999", "--", "true"],
+            vec![],
+            "--nnodes",
+        ),
+        (
+            from_env.to_vec(),
+            [
+                &rank0[..],
+                &[("WORLD_SIZE", "2"), ("CONSORT_STORE_TIMEOUT", "1e30")],
+            ]
+            .concat(),
+            "CONSORT_STORE_TIMEOUT",
+        ),
+        (
+            from_env.to_vec(),
+            [&rank0[..], &[("WORLD_SIZE", "1000000000")]].concat(),
+            "more than consort supports",
+        ),
+        (
+            from_env.to_vec(),
+            [&rank0[..], &[("WORLD_SIZE", "5000")]].concat(),
+            "more than one host can hold",
+        ),
+    ];
+    for (args, env, named) in cases {
+        let out = consort_env(&args, &env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} {env:?} succeeded");
+        assert!(
+            !err.contains("panicked"),
+            "{args:?} {env:?} panicked: {err}"
+        );
+        assert!(
+            err.contains(named),
+            "{args:?} {env:?}: the error should name {named}: {err}"
+        );
+    }
+}

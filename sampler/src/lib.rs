@@ -48,10 +48,29 @@ pub enum SamplerError {
     /// The batch size is 0.
     #[error("batch_size must be at least 1")]
     NoBatch,
-    /// The dataset does not fit this machine's address space.
-    #[error("a dataset of {0} samples does not fit in usize on this machine")]
+    /// The dataset is too large for exact mode's in-memory permutation.
+    #[error(
+        "a dataset of {0} samples is too large to permute in memory (exact mode holds one \
+         index per sample); use Mode::Streaming, whose permutation takes O(1) memory"
+    )]
     TooLarge(u64),
+    /// The padded total (`len` rounded up to a multiple of `num_replicas`)
+    /// does not fit in u64.
+    #[error(
+        "a dataset of {len} samples over {num_replicas} replicas is too large: padded to a \
+         multiple of num_replicas it passes u64::MAX"
+    )]
+    Overflow {
+        /// The dataset length given.
+        len: u64,
+        /// The world size.
+        num_replicas: usize,
+    },
 }
+
+/// The largest dataset exact mode permutes (2^36 samples: a 512 GiB index
+/// vector); larger ones need [`Mode::Streaming`].
+pub const EXACT_MAX_LEN: u64 = 1 << 36;
 
 /// How the order is produced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,6 +123,10 @@ impl DistributedSampler {
         drop_last: bool,
     ) -> Result<Self, SamplerError> {
         check(num_replicas, rank)?;
+        let r = num_replicas as u64;
+        if len.div_ceil(r).checked_mul(r).is_none() {
+            return Err(SamplerError::Overflow { len, num_replicas });
+        }
         Ok(DistributedSampler {
             len,
             num_replicas: num_replicas as u64,
@@ -158,8 +181,10 @@ impl DistributedSampler {
 
     /// Index `i` (< `len()`) of this rank's shard, in O(1) for streaming
     /// mode and unshuffled samplers, O(len) once per epoch in exact mode.
+    /// `None` past the end, and for an exact-mode shuffle of more than
+    /// [`EXACT_MAX_LEN`] samples ([`DistributedSampler::indices`] says why).
     pub fn get(&mut self, i: u64) -> Option<u64> {
-        if i >= self.len() {
+        if i >= self.len() || self.too_large() {
             return None;
         }
         // Position in the padded (or truncated) global order, then back into
@@ -199,9 +224,16 @@ impl DistributedSampler {
         }
     }
 
+    /// Whether exact mode would have to permute more than it can hold.
+    fn too_large(&self) -> bool {
+        self.mode == Mode::Exact
+            && self.shuffle
+            && (self.len > EXACT_MAX_LEN || usize::try_from(self.len).is_err())
+    }
+
     /// This rank's indices for the current epoch.
     pub fn indices(&mut self) -> Result<Vec<u64>, SamplerError> {
-        if self.mode == Mode::Exact && self.shuffle && usize::try_from(self.len).is_err() {
+        if self.too_large() {
             return Err(SamplerError::TooLarge(self.len));
         }
         let count = self.len();
@@ -424,6 +456,27 @@ impl EvalSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lengths_near_u64_max_are_refused_or_served_without_panicking() {
+        let e = DistributedSampler::new(u64::MAX, 4, 0, true, 0, false).unwrap_err();
+        assert!(matches!(e, SamplerError::Overflow { .. }), "{e}");
+        assert!(e.to_string().contains("u64::MAX"), "{e}");
+        // Divisible, or dropping the tail: the total fits.
+        let mut s = DistributedSampler::new(u64::MAX, 1, 0, true, 0, false).unwrap();
+        assert_eq!(s.len(), u64::MAX);
+        let e = s.indices().unwrap_err();
+        assert!(e.to_string().contains("Mode::Streaming"), "{e}");
+        assert_eq!(s.get(0), None, "exact mode cannot permute it");
+        let mut s = s.with_mode(Mode::Streaming);
+        let first = s.get(0).unwrap();
+        assert!(first < u64::MAX);
+        assert!(s.get(u64::MAX - 1).is_some());
+        let mut s = DistributedSampler::new(u64::MAX, 5, 4, false, 0, true).unwrap();
+        assert_eq!(s.get(s.len() - 1), Some(u64::MAX / 5 * 5 - 1));
+        let e = EvalSampler::new(u64::MAX, 7, 6).unwrap();
+        assert!(e.indices().next().is_some());
+    }
 
     #[test]
     fn bad_configurations_are_errors_not_panics() {

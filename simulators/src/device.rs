@@ -262,7 +262,7 @@ impl EmulatedDevice {
 
     /// Blocks until `event` completes, or `timeout` passes (then `false`).
     pub fn wait_event(&self, event: EventId, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout.min(Duration::from_secs(86_400 * 365));
+        let deadline = consort_comm::time::deadline(timeout);
         let mut st = self.shared.lock();
         while !st.event_done(event.0) {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -457,7 +457,7 @@ impl Device for EmulatedDevice {
 
     fn synchronize(&self, stream: StreamId) -> Result<()> {
         let timeout = self.shared.opts.sync_timeout;
-        let deadline = Instant::now() + timeout.min(Duration::from_secs(86_400 * 365));
+        let deadline = consort_comm::time::deadline(timeout);
         let mut st = self.shared.lock();
         loop {
             if let Some(e) = &st.error {

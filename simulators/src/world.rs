@@ -29,7 +29,7 @@ use std::{
     cmp::Reverse,
     collections::{BinaryHeap, HashMap, HashSet, VecDeque},
     sync::{Arc, Mutex, MutexGuard},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use async_trait::async_trait;
@@ -1237,7 +1237,7 @@ impl SimRank {
             let timeout = rank.timeout;
             s.progress();
             wake(&self.shared, &mut s);
-            Instant::now() + timeout
+            consort_comm::time::deadline(timeout)
         };
         loop {
             let moved = self.shared.moved.notified();
@@ -1347,7 +1347,7 @@ impl SimRank {
             s.push(t, r, Event::Start { rank: r, call: id });
             s.progress();
             wake(&self.shared, &mut s);
-            deadline_real = Instant::now() + timeout;
+            deadline_real = consort_comm::time::deadline(timeout);
         }
         let mut guard = CallGuard {
             shared: &self.shared,

@@ -441,6 +441,36 @@ pub fn sequence(factory: Factory) {
     everywhere(factory, 5, sequence_rank);
 }
 
+/// A per-call timeout of `Duration::MAX` ("wait for ever") is clamped, not
+/// an `Instant` overflow: the call completes normally.
+pub async fn endless_timeout_rank(pg: ProcessGroup) -> Outcome {
+    let n = pg.world_size();
+    let opts = consort_comm::CallOptions::default().with_timeout(std::time::Duration::MAX);
+    let mut x = vec![1i64; 5];
+    failed(
+        pg.backend()
+            .all_reduce(
+                consort_comm::BufferMut::from(&mut x[..]),
+                ReduceOp::Sum,
+                &opts,
+            )
+            .await,
+        "all_reduce with timeout Duration::MAX",
+    )?;
+    if x != vec![n as i64; 5] {
+        return Err(format!("got {x:?}, want [{n}; 5]"));
+    }
+    failed(
+        pg.backend().barrier(&opts).await,
+        "barrier with timeout Duration::MAX",
+    )
+}
+
+/// [`endless_timeout_rank`] on every rank of a world of 3.
+pub fn endless_timeout(factory: Factory) {
+    everywhere(factory, 3, endless_timeout_rank);
+}
+
 /// A fixed battery of rank-local checks over every op and dtype, for
 /// multi-process runs: returns each scenario's name and outcome. Every rank
 /// of the group must call it with the same seed.

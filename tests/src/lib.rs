@@ -323,6 +323,11 @@ macro_rules! conformance {
             fn many_calls_in_a_row_keep_their_order() {
                 checks::sequence($factory);
             }
+
+            #[test]
+            fn a_timeout_of_duration_max_is_clamped_not_a_panic() {
+                checks::endless_timeout($factory);
+            }
         }
     };
 }

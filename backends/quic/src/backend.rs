@@ -19,7 +19,7 @@ use std::{
     collections::HashSet,
     net::{IpAddr, SocketAddr},
     sync::Arc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use async_trait::async_trait;
@@ -310,7 +310,7 @@ impl QuicBackend {
             .await
             .map_err(|e| setup_err(rank, format_args!("publishing the address: {e}")))?;
 
-        let deadline = Instant::now() + opts.connect_timeout;
+        let deadline = consort_comm::time::deadline(opts.connect_timeout);
         let mut peers: Vec<(SocketAddr, Fingerprint)> = Vec::with_capacity(world);
         for r in 0..world {
             let raw = tokio::time::timeout_at(deadline.into(), store.get(&key(r)))

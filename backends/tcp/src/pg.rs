@@ -372,7 +372,7 @@ impl TcpBackend {
             )));
         }
         let k = opts.streams;
-        let deadline = Instant::now() + opts.connect_timeout;
+        let deadline = consort_comm::time::deadline(opts.connect_timeout);
         let mut conns: Vec<Vec<Option<TcpStream>>> =
             (0..world).map(|_| (0..k).map(|_| None).collect()).collect();
         let dial = async {
@@ -1361,7 +1361,7 @@ impl TcpBackend {
         // Clears the registry when the call ends, however it ends.
         let _direct = DirectGuard(inner);
         let timeout = opts.timeout_or(self.opts.timeout);
-        let deadline = Instant::now() + timeout;
+        let deadline = consort_comm::time::deadline(timeout);
         let mut posted: Vec<Receive> = Vec::new();
         let mut last_progress = Instant::now();
         let mut probed = false;

@@ -156,7 +156,7 @@ struct BenchArgs {
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Timed iterations per row (default: as gloo_bench.py, 3..=200 by size).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_iters)]
     iters: Option<usize>,
     /// One JSON object per row.
     #[arg(long)]
@@ -166,6 +166,15 @@ struct BenchArgs {
     /// ... and rank 0 prints the table.
     #[arg(long)]
     from_env: bool,
+}
+
+/// `--iters`: at least one run (a median of none is undefined).
+fn parse_iters(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("at least 1 timed run is needed (the median of no runs is undefined)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number of runs")),
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -187,7 +196,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 4)]
         world_size: usize,
         /// Timed runs (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
         iters: usize,
         /// One JSON object per row.
         #[arg(long)]
@@ -218,7 +227,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 8)]
         work: usize,
         /// Timed steps per mode (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
         iters: usize,
         /// One JSON object per row.
         #[arg(long)]
@@ -248,7 +257,7 @@ enum BenchCommand {
         #[arg(long, default_value = "f32,f16,bf16", value_parser = parse_dtypes)]
         dtypes: DTypeList,
         /// Timed runs per cell (the median is reported).
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = 30, value_parser = parse_iters)]
         iters: usize,
         /// One JSON object per row.
         #[arg(long)]
@@ -398,8 +407,12 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
             share_gpu,
         }) => {
             parse_dtypes(&dtype)?;
-            if world_size == 0 {
-                return Err("--world-size must be at least 1".into());
+            if world_size == 0 || world_size > consort::MAX_LOCAL_WORLD_SIZE {
+                return Err(format!(
+                    "--world-size {world_size}: expected 1 to {} (the ranks run on this host)",
+                    consort::MAX_LOCAL_WORLD_SIZE
+                )
+                .into());
             }
             let spec = collective::BenchSpec {
                 backend,

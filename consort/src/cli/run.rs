@@ -200,11 +200,20 @@ impl Exit {
 }
 
 fn validate(a: &RunArgs) -> Result<(), String> {
-    if a.nproc_per_node == NprocPerNode::Count(0) {
-        return Err("--nproc-per-node must be at least 1".into());
+    if let NprocPerNode::Count(n) = a.nproc_per_node
+        && (n == 0 || n > consort::MAX_LOCAL_WORLD_SIZE)
+    {
+        return Err(format!(
+            "--nproc-per-node {n}: expected 1 to {} workers on this node",
+            consort::MAX_LOCAL_WORLD_SIZE
+        ));
     }
-    if a.nnodes == 0 {
-        return Err("--nnodes must be at least 1".into());
+    if a.nnodes == 0 || a.nnodes > consort::MAX_WORLD_SIZE {
+        return Err(format!(
+            "--nnodes {}: expected 1 to {} nodes",
+            a.nnodes,
+            consort::MAX_WORLD_SIZE
+        ));
     }
     if a.node_rank >= a.nnodes {
         return Err(format!(
@@ -223,14 +232,12 @@ fn validate(a: &RunArgs) -> Result<(), String> {
             a.rdzv_backend
         ));
     }
-    if !(a.rdzv_timeout.is_finite() && a.rdzv_timeout > 0.0) {
-        return Err("--rdzv-timeout must be a positive number of seconds".into());
-    }
-    if !(a.grace_period.is_finite() && a.grace_period >= 0.0) {
-        return Err("--grace-period must be a number of seconds, 0 or more".into());
-    }
-    if !(a.monitor_interval.is_finite() && a.monitor_interval > 0.0) {
-        return Err("--monitor-interval must be a positive number of seconds".into());
+    for (flag, value, zero) in [
+        ("--rdzv-timeout", a.rdzv_timeout, false),
+        ("--grace-period", a.grace_period, true),
+        ("--monitor-interval", a.monitor_interval, false),
+    ] {
+        consort_comm::time::check_seconds(value, zero).map_err(|why| format!("{flag}: {why}"))?;
     }
     Ok(())
 }
@@ -327,6 +334,15 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
         })?,
     );
     let world = a.nnodes * a.local_world_size;
+    if world > consort::MAX_WORLD_SIZE {
+        return Err(format!(
+            "--nnodes {} x {} workers is a world of {world}, more than consort supports ({})",
+            a.nnodes,
+            a.local_world_size,
+            consort::MAX_WORLD_SIZE
+        )
+        .into());
+    }
     let ns = format!("consort/agent/{}", a.rdzv_id);
     let mut restart = 0u32;
     let code = loop {

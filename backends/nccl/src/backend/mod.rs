@@ -268,7 +268,7 @@ impl NcclBackend {
         if self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let deadline = Instant::now() + self.opts.timeout;
+        let deadline = consort_comm::time::deadline(self.opts.timeout);
         loop {
             let t = lock(&self.shared.track);
             if t.queue.is_empty() || t.poisoned.is_some() {
@@ -428,7 +428,7 @@ impl NcclBackend {
         lock(&sh.track).queue.push_back(Work {
             ctx,
             done,
-            deadline: Instant::now() + timeout.min(Duration::from_secs(86_400 * 365)),
+            deadline: consort_comm::time::deadline(timeout),
             timeout,
             waiter,
             staging,

@@ -124,7 +124,7 @@ impl TcpStore {
     /// connection as torch's client does (VALIDATE, then PING with the pid).
     pub async fn connect(addr: impl Into<String>, opts: TcpStoreOptions) -> StoreResult<Self> {
         let addr = addr.into();
-        let deadline = Instant::now() + opts.connect_timeout;
+        let deadline = Instant::from_std(consort_comm::time::deadline(opts.connect_timeout));
         let mut backoff = Duration::from_millis(10);
         let stream = loop {
             let attempt = timeout(
