@@ -482,6 +482,9 @@ pub async fn battery(pg: ProcessGroup, seed: u64) -> Vec<(String, Outcome)> {
         let len = lens[i % lens.len()];
         for op in 0..8 {
             let s = seed ^ (i * 8 + op) as u64;
+            // Every dtype meets every length across its ops (f32's all_reduce
+            // used to see only the empty buffer).
+            let len = lens[(i + op) % lens.len()];
             out.push((
                 format!("all_reduce {dtype} op#{op} len {len}"),
                 all_reduce_rank(pg.clone(), len, dtype, op, s).await,

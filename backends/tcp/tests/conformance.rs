@@ -31,11 +31,28 @@ fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
     world_with(n, streams, usize::MAX, false)
 }
 
+/// Ring all_reduce and chain broadcast forced: the suite's lengths stay
+/// below the size where the policy picks them, so without this the ring
+/// and chain paths of the TCP driver would go untested in-process.
+fn tcp_world_ring(n: usize) -> WorldFuture {
+    world_opts(n, 1, usize::MAX, true, "all_reduce=ring,broadcast=chain")
+}
+
 /// `in_place_min = 0` sends every posted receive down the in-place path;
 /// `usize::MAX` none. `shm` passes payloads through shared memory (every
 /// rank of these worlds is on this host); without it, every byte crosses
 /// a TCP socket, as between hosts.
 fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> WorldFuture {
+    world_opts(n, streams, in_place_min, shm, "")
+}
+
+fn world_opts(
+    n: usize,
+    streams: usize,
+    in_place_min: usize,
+    shm: bool,
+    overrides: &'static str,
+) -> WorldFuture {
     Box::pin(async move {
         // Generous hang guards: up to 16 ranks build a full mesh on a
         // 2-core machine, where CI may be busy with other work.
@@ -47,7 +64,7 @@ fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> World
             algo: AlgoConfig {
                 segment_bytes: 64,
                 window: 4,
-                overrides: Vec::new(),
+                overrides: AlgoConfig::parse_overrides(overrides).expect("overrides"),
             },
             stall_probe: Duration::from_millis(100),
             streams,
@@ -76,6 +93,10 @@ mod shared_memory {
 
 mod in_place {
     consort_tests::conformance!(crate::tcp_world_in_place, cases = 32);
+}
+
+mod ring_and_chain {
+    consort_tests::conformance!(crate::tcp_world_ring, cases = 16);
 }
 
 mod three_streams {
