@@ -136,7 +136,9 @@ fn hint(during: &str) -> &'static str {
         ". PyTorch's TCPStore server drops a client whose `add` finds a value that is not a \
          decimal integer; check what was stored under that key"
     } else {
-        ". The store server may have exited (rank 0 or the launcher agent died?)"
+        ". The store server may have exited (rank 0 or the launcher agent died?), or refused a \
+         write past its memory limit (CONSORT_STORE_MAX_BYTES where it runs; its log names the \
+         write)"
     }
 }
 

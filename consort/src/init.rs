@@ -344,7 +344,8 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
     }
     let server = if env.hosts_store() {
         let bind = store_bind_addr(&env.master_addr, env.master_port).await;
-        let server = TcpStoreServer::bind_with(bind.as_str(), consort_tcp::Secret::from_env())
+        let opts = consort_tcp::ServerOptions::from_env().map_err(err)?;
+        let server = TcpStoreServer::bind_opts(bind.as_str(), opts)
             .await
             .map_err(err)?;
         tracing::info!(addr = %server.local_addr(), "rank 0 hosts the store");

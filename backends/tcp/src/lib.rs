@@ -16,4 +16,6 @@ pub mod store;
 
 pub use auth::Secret;
 pub use pg::{BoxRead, BoxWrite, TcpBackend, TcpOptions};
-pub use store::{TcpStore, TcpStoreOptions, TcpStoreServer};
+pub use store::{
+    DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer,
+};

@@ -373,3 +373,47 @@ async fn one_server_serves_a_thousand_concurrent_clients() {
     drop(clients);
     server.shutdown().await;
 }
+
+/// One client cannot fill the server's memory: a write past the limit
+/// drops that client (the protocol has no error reply), whose next request
+/// fails naming the limit; what was freed (deleted keys, popped queue
+/// items) can be written again, and other clients go on.
+#[tokio::test]
+async fn a_write_past_the_memory_limit_is_refused_and_names_it() {
+    let limit = 1 << 20;
+    let server = TcpStoreServer::bind_opts(
+        "127.0.0.1:0",
+        consort_tcp::ServerOptions {
+            secret: None,
+            max_bytes: limit,
+        },
+    )
+    .await
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let a = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let big = vec![7u8; 600 << 10];
+    a.set("first", &big).await.unwrap();
+    // Overwriting a key replaces its bytes: within the limit.
+    a.set("first", &big).await.unwrap();
+    assert_eq!(a.get("first").await.unwrap().len(), big.len());
+    a.set("second", &big).await.unwrap(); // refused: the client is dropped
+    let e = a.get("first").await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::Closed { .. }) && e.to_string().contains("CONSORT_STORE_MAX_BYTES"),
+        "{e}"
+    );
+    // Another client: the first value is there, the second is not; after
+    // a delete there is room again.
+    let b = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert!(b.check(&["first"]).await.unwrap());
+    assert!(!b.check(&["second"]).await.unwrap());
+    assert!(b.delete_key("first").await.unwrap());
+    b.set("second", &big).await.unwrap();
+    assert_eq!(b.get("second").await.unwrap().len(), big.len());
+    server.shutdown().await;
+}

@@ -308,7 +308,7 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
     let server = if a.node_rank == 0 {
         let bind = consort::store_bind_addr(&a.master_addr, a.master_port).await;
         Some(
-            TcpStoreServer::bind_with(bind.as_str(), TcpStoreOptions::default().secret)
+            TcpStoreServer::bind_opts(bind.as_str(), consort_tcp::ServerOptions::from_env()?)
                 .await
                 .map_err(|e| format!("{e} (or use --standalone for a free port)"))?,
         )

@@ -14,5 +14,5 @@ mod server;
 mod wire;
 
 pub use client::{TcpStore, TcpStoreOptions};
-pub use server::TcpStoreServer;
+pub use server::{DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStoreServer};
 pub use wire::VALIDATION_MAGIC;

@@ -24,6 +24,10 @@ type Reply = mpsc::UnboundedSender<Vec<u8>>;
 
 #[derive(Default)]
 struct State {
+    /// Bytes of keys and values held (map and queues).
+    bytes: usize,
+    /// The limit on `bytes` ([`ServerOptions::max_bytes`]).
+    max_bytes: usize,
     map: HashMap<Vec<u8>, Vec<u8>>,
     queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     /// key -> clients waiting for it.
@@ -33,6 +37,36 @@ struct State {
 }
 
 impl State {
+    /// Accounts for a write that adds `add` bytes and frees `free`, or
+    /// refuses it (the client is then dropped: the protocol has no error
+    /// reply) with a reason naming the limit.
+    fn charge(&mut self, add: usize, free: usize) -> Result<(), Closed> {
+        let new = self.bytes.saturating_sub(free).saturating_add(add);
+        if add > free && new > self.max_bytes {
+            return Err(Closed::Refused(format!(
+                "this write of {add} bytes would take the store from {} to {new} bytes, past its \
+                 limit of {} (CONSORT_STORE_MAX_BYTES on the process that hosts the store, or \
+                 ServerOptions::max_bytes); the store holds rendezvous data, not tensors",
+                self.bytes, self.max_bytes
+            )));
+        }
+        self.bytes = new;
+        Ok(())
+    }
+
+    /// The bytes `key` holds in the map (key and value), 0 if absent.
+    fn held(&self, key: &[u8]) -> usize {
+        self.map.get(key).map_or(0, |v| key.len() + v.len())
+    }
+
+    /// Stores `key = value` within the limit, and wakes its waiters.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), Closed> {
+        self.charge(key.len() + value.len(), self.held(&key))?;
+        self.map.insert(key.clone(), value);
+        self.wake(&key);
+        Ok(())
+    }
+
     fn has(&self, k: &[u8]) -> bool {
         self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty())
     }
@@ -85,6 +119,68 @@ impl State {
     }
 }
 
+/// The default limit on what a store holds: 1 GiB of keys and values.
+/// Rendezvous data (addresses, NCCL ids, counters) is a few KiB per rank.
+pub const DEFAULT_STORE_MAX_BYTES: usize = 1 << 30;
+
+/// How a [`TcpStoreServer`] runs.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// Shared secret every client must prove ([`crate::auth`]).
+    pub secret: Option<Secret>,
+    /// The most bytes of keys and values it holds; a write past it drops
+    /// the writing client (the protocol has no error reply) and logs the
+    /// limit.
+    pub max_bytes: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            secret: None,
+            max_bytes: DEFAULT_STORE_MAX_BYTES,
+        }
+    }
+}
+
+impl ServerOptions {
+    /// `CONSORT_SECRET`, and `CONSORT_STORE_MAX_BYTES` (bytes, with an
+    /// optional K, M, G or T suffix) over the default limit.
+    pub fn from_env() -> StoreResult<Self> {
+        let mut o = ServerOptions {
+            secret: Secret::from_env(),
+            ..Default::default()
+        };
+        if let Ok(v) = std::env::var("CONSORT_STORE_MAX_BYTES")
+            && !v.trim().is_empty()
+        {
+            o.max_bytes = parse_bytes(&v).ok_or_else(|| {
+                StoreError::Protocol(format!(
+                    "CONSORT_STORE_MAX_BYTES={v:?} is not valid: expected a number of bytes, \
+                     optionally with a K, M, G or T suffix (1024-based), such as 4G"
+                ))
+            })?;
+        }
+        Ok(o)
+    }
+}
+
+/// `4096`, `64K`, `1G`: bytes with an optional 1024-based suffix.
+fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, shift) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 10),
+        'M' => (&s[..s.len() - 1], 20),
+        'G' => (&s[..s.len() - 1], 30),
+        'T' => (&s[..s.len() - 1], 40),
+        _ => (s, 0),
+    };
+    num.trim()
+        .parse::<usize>()
+        .ok()?
+        .checked_mul(1usize << shift)
+}
+
 /// A TCPStore server, wire-compatible with `torch.distributed.TCPStore`.
 ///
 /// It runs on the tokio runtime it was bound on, and stops when
@@ -108,6 +204,19 @@ impl TcpStoreServer {
         addr: impl ToSocketAddrs + std::fmt::Debug,
         secret: Option<Secret>,
     ) -> StoreResult<Self> {
+        let opts = ServerOptions {
+            secret,
+            ..Default::default()
+        };
+        Self::bind_opts(addr, opts).await
+    }
+
+    /// Listens on `addr` with `opts` (a secret, a memory limit).
+    pub async fn bind_opts(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        opts: ServerOptions,
+    ) -> StoreResult<Self> {
+        let ServerOptions { secret, max_bytes } = opts;
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(addr)
             .await
@@ -119,7 +228,10 @@ impl TcpStoreServer {
             addr: shown,
             reason: e.to_string(),
         })?;
-        let state = Arc::new(Mutex::new(State::default()));
+        let state = Arc::new(Mutex::new(State {
+            max_bytes,
+            ..State::default()
+        }));
         let mut tasks = JoinSet::new();
         tasks.spawn(accept_loop(listener, state, secret));
         tracing::debug!(%local_addr, "TCPStore server listening");
@@ -263,9 +375,7 @@ async fn handle_requests(
             cmd::SET => {
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
-                let mut s = lock(state);
-                s.map.insert(key.clone(), value);
-                s.wake(&key);
+                lock(state).put(key, value)?;
             }
             cmd::COMPARE_SET => {
                 let key = wire::read_key(r).await?;
@@ -278,8 +388,7 @@ async fn handle_requests(
                 wire::put_bytes(&mut out, reply);
                 if let Some(v) = store {
                     let v = v.to_vec();
-                    s.map.insert(key.clone(), v);
-                    s.wake(&key);
+                    s.put(key, v)?;
                 }
                 send(out);
             }
@@ -300,8 +409,7 @@ async fn handle_requests(
                 // in the protocol); we do the same, with a clear log line.
                 let (new, bytes) = add_to_value(&name, s.map.get(&key).map(Vec::as_slice), delta)
                     .map_err(|e| Closed::Refused(e.to_string()))?;
-                s.map.insert(key.clone(), bytes);
-                s.wake(&key);
+                s.put(key, bytes)?;
                 send(new.to_le_bytes().to_vec());
             }
             cmd::CHECK => {
@@ -334,13 +442,22 @@ async fn handle_requests(
             }
             cmd::DELETE_KEY => {
                 let key = wire::read_key(r).await?;
-                let n = i64::from(lock(state).map.remove(&key).is_some());
+                let mut s = lock(state);
+                let held = s.held(&key);
+                s.bytes = s.bytes.saturating_sub(held);
+                let n = i64::from(s.map.remove(&key).is_some());
                 send(n.to_le_bytes().to_vec());
             }
             cmd::APPEND => {
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
                 let mut s = lock(state);
+                let fresh = if s.map.contains_key(&key) {
+                    0
+                } else {
+                    key.len()
+                };
+                s.charge(fresh + value.len(), 0)?;
                 s.map
                     .entry(key.clone())
                     .or_default()
@@ -366,8 +483,7 @@ async fn handle_requests(
                 }
                 let mut s = lock(state);
                 for (k, v) in pairs {
-                    s.map.insert(k.clone(), v);
-                    s.wake(&k);
+                    s.put(k, v)?;
                 }
             }
             cmd::CANCEL_WAIT => {
@@ -378,6 +494,7 @@ async fn handle_requests(
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
                 let mut s = lock(state);
+                s.charge(value.len(), 0)?;
                 s.queues.entry(key.clone()).or_default().push_back(value);
                 s.wake_one(&key);
             }
@@ -386,9 +503,12 @@ async fn handle_requests(
                 let mut s = lock(state);
                 let q = s.queues.entry(key).or_default();
                 let mut out = (q.len() as i64).to_le_bytes().to_vec();
-                if let Some(v) = q.pop_front() {
-                    wire::put_bytes(&mut out, &v);
+                let popped = q.pop_front();
+                if let Some(v) = &popped {
+                    wire::put_bytes(&mut out, v);
                 }
+                let freed = popped.map_or(0, |v| v.len());
+                s.bytes = s.bytes.saturating_sub(freed);
                 send(out);
             }
             cmd::QUEUE_LEN => {
@@ -399,6 +519,22 @@ async fn handle_requests(
             other => {
                 return Err(Closed::Refused(format!("unknown command byte {other}")));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_counts_take_1024_based_suffixes_and_refuse_overflow() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes(" 64k "), Some(64 << 10));
+        assert_eq!(parse_bytes("4G"), Some(4 << 30));
+        assert_eq!(parse_bytes("1T"), Some(1 << 40));
+        for bad in ["", "G", "-1", "1.5G", "99999999999999999T", "four"] {
+            assert_eq!(parse_bytes(bad), None, "{bad}");
         }
     }
 }
