@@ -63,6 +63,16 @@ pub enum StoreError {
         /// The key.
         key: String,
     },
+    /// `queue_pop` without blocking found the queue empty (torch's
+    /// `DistQueueEmptyError`).
+    #[error(
+        "the queue under {key:?} is empty; pop with block=true to wait for an element, or check \
+         queue_len first"
+    )]
+    QueueEmpty {
+        /// The queue's key.
+        key: String,
+    },
     /// A key, value or key list over torch's limits.
     #[error(
         "{what} of {len} is over the limit of {max} (PyTorch's TCPStore limit); store large \
@@ -260,6 +270,17 @@ pub trait Store: Send + Sync + fmt::Debug {
     async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> StoreResult<()>;
     /// Appends `value` to `key`'s value (creating it if missing).
     async fn append(&self, key: &str, value: &[u8]) -> StoreResult<()>;
+    /// Appends `value` to the queue under `key` (torch's `queue_push`),
+    /// waking one waiter. A non-empty queue counts as an existing key for
+    /// `check` and `wait`.
+    async fn queue_push(&self, key: &str, value: &[u8]) -> StoreResult<()>;
+    /// Takes the oldest element of the queue under `key` (torch's
+    /// `queue_pop`). With `block`, waits up to the store timeout for one;
+    /// without, an empty queue is [`StoreError::QueueEmpty`].
+    async fn queue_pop(&self, key: &str, block: bool) -> StoreResult<Vec<u8>>;
+    /// The number of elements in the queue under `key` (torch's
+    /// `queue_len`).
+    async fn queue_len(&self, key: &str) -> StoreResult<i64>;
     /// The timeout `get` and `multi_get` wait for.
     fn timeout(&self) -> Duration;
 }
@@ -268,6 +289,7 @@ pub trait Store: Send + Sync + fmt::Debug {
 #[derive(Debug)]
 pub struct MemStore {
     map: Mutex<HashMap<String, Vec<u8>>>,
+    queues: Mutex<HashMap<String, std::collections::VecDeque<Vec<u8>>>>,
     changed: Notify,
     timeout: Duration,
 }
@@ -283,6 +305,7 @@ impl MemStore {
     pub fn new(timeout: Duration) -> Self {
         MemStore {
             map: Mutex::new(HashMap::new()),
+            queues: Mutex::new(HashMap::new()),
             changed: Notify::new(),
             timeout,
         }
@@ -296,6 +319,12 @@ impl MemStore {
 
     fn changed(&self) {
         self.changed.notify_waiters();
+    }
+
+    fn queues(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, std::collections::VecDeque<Vec<u8>>>> {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -352,7 +381,10 @@ impl Store for MemStore {
     async fn check(&self, keys: &[&str]) -> StoreResult<bool> {
         check_keys(keys)?;
         let map = self.lock();
-        Ok(keys.iter().all(|k| map.contains_key(*k)))
+        let queues = self.queues();
+        Ok(keys
+            .iter()
+            .all(|k| map.contains_key(*k) || queues.get(*k).is_some_and(|q| !q.is_empty())))
     }
 
     async fn wait(&self, keys: &[&str], timeout: Duration) -> StoreResult<()> {
@@ -418,6 +450,44 @@ impl Store for MemStore {
         }
         self.changed();
         Ok(())
+    }
+
+    async fn queue_push(&self, key: &str, value: &[u8]) -> StoreResult<()> {
+        check_key(key.as_bytes())?;
+        check_value(value)?;
+        self.queues()
+            .entry(key.to_string())
+            .or_default()
+            .push_back(value.to_vec());
+        self.changed();
+        Ok(())
+    }
+
+    async fn queue_pop(&self, key: &str, block: bool) -> StoreResult<Vec<u8>> {
+        check_key(key.as_bytes())?;
+        let deadline = crate::time::deadline(self.timeout);
+        loop {
+            let mut notified = pin!(self.changed.notified());
+            notified.as_mut().enable();
+            if let Some(v) = self.queues().get_mut(key).and_then(|q| q.pop_front()) {
+                return Ok(v);
+            }
+            if !block {
+                return Err(StoreError::QueueEmpty {
+                    key: key.to_string(),
+                });
+            }
+            if crate::time::before(deadline, notified).await.is_none() {
+                return Err(StoreError::Timeout {
+                    keys: vec![key.to_string()],
+                    after: self.timeout,
+                });
+            }
+        }
+    }
+
+    async fn queue_len(&self, key: &str) -> StoreResult<i64> {
+        Ok(self.queues().get(key).map_or(0, |q| q.len() as i64))
     }
 
     fn timeout(&self) -> Duration {
@@ -520,6 +590,15 @@ impl Store for PrefixStore {
     async fn append(&self, key: &str, value: &[u8]) -> StoreResult<()> {
         self.inner.append(&self.key(key), value).await
     }
+    async fn queue_push(&self, key: &str, value: &[u8]) -> StoreResult<()> {
+        self.inner.queue_push(&self.key(key), value).await
+    }
+    async fn queue_pop(&self, key: &str, block: bool) -> StoreResult<Vec<u8>> {
+        self.inner.queue_pop(&self.key(key), block).await
+    }
+    async fn queue_len(&self, key: &str) -> StoreResult<i64> {
+        self.inner.queue_len(&self.key(key)).await
+    }
     fn timeout(&self) -> Duration {
         self.inner.timeout()
     }
@@ -528,6 +607,32 @@ impl Store for PrefixStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn memstore_queues_are_fifo_wake_a_waiter_and_count_as_keys() {
+        let s = std::sync::Arc::new(MemStore::new(Duration::from_secs(5)));
+        let e = s.queue_pop("q", false).await.unwrap_err();
+        assert!(matches!(e, StoreError::QueueEmpty { .. }), "{e}");
+        s.queue_push("q", b"a").await.unwrap();
+        s.queue_push("q", b"b").await.unwrap();
+        assert_eq!(s.queue_len("q").await.unwrap(), 2);
+        assert!(s.check(&["q"]).await.unwrap());
+        assert_eq!(s.queue_pop("q", false).await.unwrap(), b"a");
+        assert_eq!(s.queue_pop("q", true).await.unwrap(), b"b");
+        assert!(!s.check(&["q"]).await.unwrap());
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.queue_pop("q", true).await });
+        tokio::task::yield_now().await;
+        s.queue_push("q", b"c").await.unwrap();
+        assert_eq!(waiter.await.unwrap().unwrap(), b"c");
+        let p = PrefixStore::new("job", s.clone());
+        p.queue_push("q", b"d").await.unwrap();
+        assert_eq!(s.queue_len("job/q").await.unwrap(), 1);
+        assert_eq!(p.queue_pop("q", true).await.unwrap(), b"d");
+        let quick = MemStore::new(Duration::from_millis(20));
+        let e = quick.queue_pop("none", true).await.unwrap_err();
+        assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
+    }
 
     #[test]
     fn compare_set_rules() {

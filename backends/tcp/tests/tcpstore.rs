@@ -417,3 +417,40 @@ async fn a_write_past_the_memory_limit_is_refused_and_names_it() {
     assert_eq!(b.get("second").await.unwrap().len(), big.len());
     server.shutdown().await;
 }
+
+/// torch's queue ops through our client and server: FIFO order, the
+/// length, an empty non-blocking pop, a blocking pop woken by another
+/// client's push, and a non-empty queue counting as an existing key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_push_pop_and_wake_one_waiter() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr().to_string();
+    let a = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let b = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(a.queue_len("q").await.unwrap(), 0);
+    let e = a.queue_pop("q", false).await.unwrap_err();
+    assert!(matches!(e, StoreError::QueueEmpty { .. }), "{e}");
+    assert!(!a.check(&["q"]).await.unwrap());
+    a.queue_push("q", b"one").await.unwrap();
+    a.queue_push("q", b"two").await.unwrap();
+    assert_eq!(b.queue_len("q").await.unwrap(), 2);
+    assert!(b.check(&["q"]).await.unwrap(), "a non-empty queue exists");
+    assert_eq!(b.queue_pop("q", false).await.unwrap(), b"one");
+    assert_eq!(b.queue_pop("q", true).await.unwrap(), b"two");
+    let waiter = tokio::spawn(async move { b.queue_pop("q", true).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished(), "the pop waits for an element");
+    a.queue_push("q", b"three").await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), b"three");
+    // A blocking pop on an empty queue times out with the store's timeout.
+    let c = TcpStore::connect(&addr, opts(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    let e = c.queue_pop("empty", true).await.unwrap_err();
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
+    server.shutdown().await;
+}

@@ -106,6 +106,16 @@ async fn our_client_uses_torch_server() {
             .is_err()
     );
     assert!(c.delete_key("r/m1").await.unwrap());
+    // torch's queue ops (TCPStore.queue_push / queue_pop / queue_len).
+    c.queue_push("r/q", b"first").await.unwrap();
+    c.queue_push("r/q", b"second").await.unwrap();
+    assert_eq!(c.queue_len("r/q").await.unwrap(), 2);
+    assert_eq!(c.queue_pop("r/q", true).await.unwrap(), b"first");
+    assert_eq!(c.queue_pop("r/q", false).await.unwrap(), b"second");
+    assert!(matches!(
+        c.queue_pop("r/q", false).await,
+        Err(consort_comm::store::StoreError::QueueEmpty { .. })
+    ));
     c.set("r/from_rust", b"hello from consort").await.unwrap();
     let reply: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     assert_eq!(reply["from_rust"], "hello from consort");

@@ -62,6 +62,8 @@ enum Shape {
     I64,
     Bytes,
     ManyBytes(usize),
+    /// QUEUE_POP: the queue's length, then its front value if it had one.
+    Popped,
 }
 
 enum Reply {
@@ -70,6 +72,7 @@ enum Reply {
     I64(i64),
     Bytes(Vec<u8>),
     ManyBytes(Vec<Vec<u8>>),
+    Popped(Option<Vec<u8>>),
 }
 
 async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
@@ -78,6 +81,16 @@ async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
         Shape::Byte => Reply::Byte(c.r.read_u8().await?),
         Shape::I64 => Reply::I64(c.r.read_i64_le().await?),
         Shape::Bytes => Reply::Bytes(wire::read_bytes(&mut c.r, MAX_REPLY_VALUE, "value").await?),
+        Shape::Popped => {
+            let len = c.r.read_i64_le().await?;
+            if len > 0 {
+                Reply::Popped(Some(
+                    wire::read_bytes(&mut c.r, MAX_REPLY_VALUE, "value").await?,
+                ))
+            } else {
+                Reply::Popped(None)
+            }
+        }
         Shape::ManyBytes(n) => {
             let mut v = Vec::with_capacity(n);
             for _ in 0..n {
@@ -445,6 +458,58 @@ impl Store for TcpStore {
         self.call(&format!("append({key:?})"), &req, Shape::Nothing)
             .await
             .map(|_| ())
+    }
+
+    async fn queue_push(&self, key: &str, value: &[u8]) -> StoreResult<()> {
+        let k = user_key(key);
+        check_key(&k)?;
+        check_value(value)?;
+        let mut req = vec![cmd::QUEUE_PUSH];
+        wire::put_bytes(&mut req, &k);
+        wire::put_bytes(&mut req, value);
+        self.call(&format!("queue_push({key:?})"), &req, Shape::Nothing)
+            .await
+            .map(|_| ())
+    }
+
+    /// torch's `queue_pop`: with `block`, WAIT for the key first; another
+    /// client may take the element between the wait and the pop, so the
+    /// wait repeats until the store timeout.
+    async fn queue_pop(&self, key: &str, block: bool) -> StoreResult<Vec<u8>> {
+        let k = user_key(key);
+        check_key(&k)?;
+        let mut req = vec![cmd::QUEUE_POP];
+        wire::put_bytes(&mut req, &k);
+        let during = format!("queue_pop({key:?})");
+        let start = std::time::Instant::now();
+        loop {
+            if block {
+                let left = self.opts.timeout.saturating_sub(start.elapsed());
+                self.wait_raw(std::slice::from_ref(&k), &[key], left).await?;
+            }
+            match self.call(&during, &req, Shape::Popped).await? {
+                Reply::Popped(Some(v)) => return Ok(v),
+                Reply::Popped(None) if !block => {
+                    return Err(StoreError::QueueEmpty {
+                        key: key.to_string(),
+                    });
+                }
+                Reply::Popped(None) => continue,
+                _ => return Err(unexpected(&during)),
+            }
+        }
+    }
+
+    async fn queue_len(&self, key: &str) -> StoreResult<i64> {
+        let k = user_key(key);
+        check_key(&k)?;
+        let mut req = vec![cmd::QUEUE_LEN];
+        wire::put_bytes(&mut req, &k);
+        let during = format!("queue_len({key:?})");
+        match self.call(&during, &req, Shape::I64).await? {
+            Reply::I64(n) => Ok(n),
+            _ => Err(unexpected(&during)),
+        }
     }
 
     fn timeout(&self) -> Duration {
