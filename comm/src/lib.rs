@@ -7,7 +7,8 @@
 //! - buffer views that cross the trait ([`Buffer`], [`BufferMut`]), host or
 //!   device memory;
 //! - the [`Backend`] trait, per-call [`CallOptions`], and the typed
-//!   [`ProcessGroup`] wrapper;
+//!   [`ProcessGroup`] wrapper, with torch's object collectives, list and
+//!   uneven `all_gather`, and `monitored_barrier` built on it;
 //! - errors ([`CommError`]) and the shared argument checks ([`validate`]);
 //! - the identity of a call ([`Fingerprint`]) and the wire header that
 //!   carries it ([`frame`]);
@@ -29,6 +30,7 @@ mod error;
 mod fingerprint;
 pub mod frame;
 mod group;
+mod objects;
 pub mod reduce;
 pub mod store;
 pub mod time;

@@ -1369,10 +1369,23 @@ impl SimRank {
             {
                 let mut s = lock(&self.shared);
                 if let Some(call) = s.ranks[r].call.as_ref() {
+                    // Virtual time stands still while a rank stays out of
+                    // every call, so the schedule may not even have
+                    // started: then the ranks holding it up are those.
+                    let mut waiting_on = call.schedule.waiting_on();
+                    if waiting_on.is_empty() {
+                        waiting_on = (0..s.n)
+                            .filter(|&p| {
+                                p != r
+                                    && s.ranks[p].status == Status::Alive
+                                    && s.ranks[p].call.is_none()
+                            })
+                            .collect();
+                    }
                     let e = CommError::Timeout {
                         ctx: ErrorContext::default(),
                         after: opts.timeout_or(s.ranks[r].timeout),
-                        waiting_on: call.schedule.waiting_on(),
+                        waiting_on,
                     };
                     let t = s.ranks[r].clock;
                     s.fail(r, e, t, true);

@@ -471,6 +471,114 @@ pub fn endless_timeout(factory: Factory) {
     everywhere(factory, 3, endless_timeout_rank);
 }
 
+/// An object per rank: a name, a list whose length depends on the rank
+/// (so encoded sizes differ and padding matters), and a nested value.
+fn object_of(r: usize, seed: u64) -> (String, Vec<u64>, Option<(i32, bool)>) {
+    (
+        format!("rank-{r}-{}", "x".repeat(r * 7 % 13)),
+        (0..(r as u64 * 3 + seed % 5)).collect(),
+        (r % 2 == 0).then_some((-(r as i32), r % 3 == 0)),
+    )
+}
+
+/// The object collectives, uneven and list `all_gather`, and a monitored
+/// barrier that everyone reaches, on this rank.
+pub async fn objects_rank(pg: ProcessGroup, root: usize, seed: u64) -> Outcome {
+    let (r, n) = (pg.rank(), pg.world_size());
+    let mine = object_of(r, seed);
+    let every: Vec<_> = (0..n).map(|q| object_of(q, seed)).collect();
+    let got = failed(pg.all_gather_object(&mine).await, "all_gather_object")?;
+    if got != every {
+        return Err(format!("all_gather_object: {got:?}, want {every:?}"));
+    }
+    let b = failed(
+        pg.broadcast_object((r == root).then_some(&mine), root)
+            .await,
+        "broadcast_object",
+    )?;
+    if b != every[root] {
+        return Err(format!("broadcast_object: {b:?}, want {:?}", every[root]));
+    }
+    let g = failed(pg.gather_object(&mine, root).await, "gather_object")?;
+    if g != (r == root).then(|| every.clone()) {
+        return Err(format!("gather_object: {g:?}"));
+    }
+    let s = failed(
+        pg.scatter_object((r == root).then_some(&every[..]), root)
+            .await,
+        "scatter_object",
+    )?;
+    if s != mine {
+        return Err(format!("scatter_object: {s:?}, want {mine:?}"));
+    }
+    let counts: Vec<usize> = (0..n).map(|q| (q * 5 + (seed % 7) as usize) % 7).collect();
+    let part: Vec<i32> = (0..counts[r])
+        .map(|i| (r as i32) * 100 + i as i32)
+        .collect();
+    let parts = failed(pg.all_gather_v(&part, &counts).await, "all_gather_v")?;
+    for (q, p) in parts.iter().enumerate() {
+        let want: Vec<i32> = (0..counts[q])
+            .map(|i| (q as i32) * 100 + i as i32)
+            .collect();
+        if *p != want {
+            return Err(format!("all_gather_v part {q}: {p:?}, want {want:?}"));
+        }
+    }
+    let input = [r as u32; 3];
+    let mut bufs = vec![[0u32; 3]; n];
+    let mut views: Vec<&mut [u32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    failed(
+        pg.all_gather_into(&mut views, &input).await,
+        "all_gather_into",
+    )?;
+    if bufs.iter().enumerate().any(|(q, b)| *b != [q as u32; 3]) {
+        return Err(format!("all_gather_into: {bufs:?}"));
+    }
+    failed(
+        pg.monitored_barrier(std::time::Duration::from_secs(20))
+            .await,
+        "monitored_barrier",
+    )
+}
+
+/// [`objects_rank`] on every rank of a world of `n`.
+pub fn objects(factory: Factory, n: usize, root: usize, seed: u64) {
+    everywhere(factory, n, move |pg| objects_rank(pg, root, seed));
+}
+
+/// One rank (the last) does not come to a monitored barrier: rank 0's
+/// error names it, and no rank hangs.
+pub fn monitored_barrier_names_the_missing_rank(factory: Factory, n: usize) {
+    let out = run_world(factory, n, move |pg| async move {
+        let r = pg.rank();
+        if r == n - 1 {
+            // Stays alive past the others' deadline, then leaves.
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+            return Ok(());
+        }
+        match pg
+            .monitored_barrier(std::time::Duration::from_millis(300))
+            .await
+        {
+            Ok(()) => Err(format!(
+                "rank {r}: monitored_barrier passed without rank {}",
+                n - 1
+            )),
+            Err(e) => {
+                let m = e.to_string();
+                let named =
+                    m.contains(&format!("waiting for rank {}", n - 1)) && m.contains("barrier");
+                if r == 0 && !named {
+                    return Err(format!("rank 0 should name rank {}: {m}", n - 1));
+                }
+                Ok(())
+            }
+        }
+    });
+    let errs: Vec<String> = out.into_iter().filter_map(Result::err).collect();
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}
+
 /// A fixed battery of rank-local checks over every op and dtype, for
 /// multi-process runs: returns each scenario's name and outcome. Every rank
 /// of the group must call it with the same seed.

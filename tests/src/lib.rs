@@ -299,6 +299,11 @@ macro_rules! conformance {
                 }
 
                 #[test]
+                fn object_collectives_uneven_all_gather_and_monitored_barrier(n in 1usize..=8, root in any::<usize>(), seed in any::<u64>()) {
+                    checks::objects($factory, n, root % n, seed);
+                }
+
+                #[test]
                 fn mismatched_calls_give_mismatch_on_every_rank(n in 2usize..=12, odd in any::<usize>(), kind in 0usize..4, len in 1usize..50) {
                     checks::mismatch($factory, n, odd % n, kind, len);
                 }
@@ -327,6 +332,11 @@ macro_rules! conformance {
             #[test]
             fn a_timeout_of_duration_max_is_clamped_not_a_panic() {
                 checks::endless_timeout($factory);
+            }
+
+            #[test]
+            fn monitored_barrier_names_the_rank_that_did_not_arrive() {
+                checks::monitored_barrier_names_the_missing_rank($factory, 3);
             }
         }
     };

@@ -485,7 +485,8 @@ impl Store for TcpStore {
         loop {
             if block {
                 let left = self.opts.timeout.saturating_sub(start.elapsed());
-                self.wait_raw(std::slice::from_ref(&k), &[key], left).await?;
+                self.wait_raw(std::slice::from_ref(&k), &[key], left)
+                    .await?;
             }
             match self.call(&during, &req, Shape::Popped).await? {
                 Reply::Popped(Some(v)) => return Ok(v),

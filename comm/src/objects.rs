@@ -1,0 +1,325 @@
+//! torch's remaining collective API on [`ProcessGroup`], built from the
+//! backend's collectives: object collectives for any serde type
+//! (`broadcast_object`, `all_gather_object`, `gather_object`,
+//! `scatter_object`), `all_gather` into one buffer per rank and its uneven
+//! form `all_gather_v`, and `monitored_barrier`, which names the ranks that
+//! did not arrive.
+//!
+//! This module owns the encodings only: objects are JSON (torch pickles),
+//! sizes travel first as i64, payloads are padded to the largest, as in
+//! `distributed_c10d.py`. Every call is a fixed sequence of ordinary
+//! collectives, so every rank must make it, in the same order, as any
+//! collective.
+
+use std::time::Duration;
+
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{Buffer, BufferMut, CallOptions, CommError, Element, ProcessGroup, Result, validate};
+
+/// An object's bytes.
+fn encode<T: Serialize>(obj: &T) -> Result<Vec<u8>> {
+    let bytes = serde_json::to_vec(obj).map_err(|e| {
+        CommError::invalid(format!(
+            "the object cannot be encoded for a collective (JSON): {e}"
+        ))
+    })?;
+    if bytes.len() > MAX_OBJECT_BYTES {
+        return Err(CommError::invalid(format!(
+            "the object encodes to {} bytes, over the {MAX_OBJECT_BYTES}-byte limit of object \
+             collectives; send large data as tensors",
+            bytes.len()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// An object from `bytes`, sent by `rank`.
+fn decode<T: DeserializeOwned>(bytes: &[u8], rank: usize) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        CommError::invalid(format!(
+            "rank {rank}'s object does not decode as {}: {e}; every rank must pass the same \
+             type to an object collective",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+/// The largest encoded object (1 GiB): object collectives carry metadata;
+/// tensors travel through the tensor collectives.
+const MAX_OBJECT_BYTES: usize = 1 << 30;
+
+fn size_of(bytes: &[u8]) -> i64 {
+    bytes.len() as i64
+}
+
+/// A size received from a peer, checked before it sizes an allocation.
+fn checked_size(n: i64, rank: usize) -> Result<usize> {
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_OBJECT_BYTES)
+        .ok_or_else(|| {
+            CommError::protocol(
+                Some(rank),
+                format!(
+                    "object size {n} from rank {rank} is negative or over {MAX_OBJECT_BYTES} bytes"
+                ),
+            )
+        })
+}
+
+impl ProcessGroup {
+    /// torch's `broadcast_object_list` for one object: `root` passes
+    /// `Some(&obj)`, every other rank `None`; every rank gets `root`'s
+    /// object.
+    pub async fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        obj: Option<&T>,
+        root: usize,
+    ) -> Result<T> {
+        validate::root(root, self.world_size())?;
+        validate::root_only(
+            "broadcast_object",
+            "an object",
+            obj.is_some(),
+            self.rank(),
+            root,
+        )?;
+        let mine = obj.map(encode).transpose()?.unwrap_or_default();
+        let mut size = [size_of(&mine)];
+        self.broadcast(&mut size, root).await?;
+        let mut bytes = if self.rank() == root {
+            mine
+        } else {
+            vec![0u8; checked_size(size[0], root)?]
+        };
+        self.broadcast(&mut bytes, root).await?;
+        decode(&bytes, root)
+    }
+
+    /// torch's `all_gather_object`: every rank's object, in rank order.
+    pub async fn all_gather_object<T: Serialize + DeserializeOwned>(
+        &self,
+        obj: &T,
+    ) -> Result<Vec<T>> {
+        let mine = encode(obj)?;
+        let sizes = self.all_gather_vec(&[size_of(&mine)]).await?;
+        let counts: Vec<usize> = sizes
+            .iter()
+            .enumerate()
+            .map(|(r, &s)| checked_size(s, r))
+            .collect::<Result<_>>()?;
+        let parts = self.all_gather_v(&mine, &counts).await?;
+        parts
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode(b, r))
+            .collect()
+    }
+
+    /// torch's `gather_object`: `dst` gets every rank's object in rank
+    /// order (`Some`), the others `None`.
+    pub async fn gather_object<T: Serialize + DeserializeOwned>(
+        &self,
+        obj: &T,
+        dst: usize,
+    ) -> Result<Option<Vec<T>>> {
+        validate::root(dst, self.world_size())?;
+        let mine = encode(obj)?;
+        let sizes = self.all_gather_vec(&[size_of(&mine)]).await?;
+        let width = self.padded_width(&sizes)?;
+        let mut padded = mine;
+        padded.resize(width, 0);
+        let n = self.world_size();
+        let mut all = (self.rank() == dst).then(|| vec![0u8; width * n]);
+        self.gather(all.as_deref_mut(), &padded, dst).await?;
+        let Some(all) = all else {
+            return Ok(None);
+        };
+        (0..n)
+            .map(|r| {
+                let len = checked_size(sizes[r], r)?;
+                decode(&all[r * width..r * width + len], r)
+            })
+            .collect::<Result<Vec<T>>>()
+            .map(Some)
+    }
+
+    /// torch's `scatter_object_list`: `src` passes one object per rank
+    /// (`Some`), the others `None`; rank `r` gets object `r`.
+    pub async fn scatter_object<T: Serialize + DeserializeOwned>(
+        &self,
+        objs: Option<&[T]>,
+        src: usize,
+    ) -> Result<T> {
+        let n = self.world_size();
+        validate::root(src, n)?;
+        validate::root_only(
+            "scatter_object",
+            "the objects",
+            objs.is_some(),
+            self.rank(),
+            src,
+        )?;
+        if let Some(o) = objs
+            && o.len() != n
+        {
+            return Err(CommError::invalid(format!(
+                "scatter_object needs one object per rank: {} given for a world of {n}",
+                o.len()
+            )));
+        }
+        let encoded: Vec<Vec<u8>> = objs
+            .unwrap_or_default()
+            .iter()
+            .map(encode)
+            .collect::<Result<_>>()?;
+        let sizes: Vec<i64> = encoded.iter().map(|b| size_of(b)).collect();
+        let mut width = [sizes.iter().copied().max().unwrap_or(0)];
+        self.broadcast(&mut width, src).await?;
+        let width = checked_size(width[0], src)?;
+        let flat: Vec<u8> = encoded
+            .into_iter()
+            .flat_map(|mut b| {
+                b.resize(width, 0);
+                b
+            })
+            .collect();
+        let mut size = [0i64];
+        self.scatter(&mut size, objs.map(|_| &sizes[..]), src)
+            .await?;
+        let mut mine = vec![0u8; width];
+        self.scatter(&mut mine, objs.map(|_| &flat[..]), src)
+            .await?;
+        let len = checked_size(size[0], src)?.min(width);
+        decode(&mine[..len], src)
+    }
+
+    /// The padded width for `sizes` (their largest), checked.
+    fn padded_width(&self, sizes: &[i64]) -> Result<usize> {
+        let mut width = 0;
+        for (r, &s) in sizes.iter().enumerate() {
+            width = width.max(checked_size(s, r)?);
+        }
+        Ok(width)
+    }
+
+    /// Uneven `all_gather` (torch's `all_gather` into tensors of different
+    /// sizes): rank `r` contributes `input`, whose length every rank passes
+    /// as `counts[r]`; returns each rank's part. Parts are padded to the
+    /// largest for the wire.
+    pub async fn all_gather_v<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+    ) -> Result<Vec<Vec<T>>> {
+        let n = self.world_size();
+        if counts.len() != n {
+            return Err(CommError::invalid(format!(
+                "all_gather_v needs one count per rank: {} given for a world of {n}",
+                counts.len()
+            )));
+        }
+        if counts[self.rank()] != input.len() {
+            return Err(CommError::invalid(format!(
+                "all_gather_v: this rank's count is {} but its input has {} elements",
+                counts[self.rank()],
+                input.len()
+            )));
+        }
+        let width = counts.iter().copied().max().unwrap_or(0);
+        let mut padded = input.to_vec();
+        padded.resize(width, T::zeroed());
+        let all = self.all_gather_vec(&padded).await?;
+        Ok((0..n)
+            .map(|r| all[r * width..r * width + counts[r]].to_vec())
+            .collect())
+    }
+
+    /// `all_gather` into one buffer per rank (torch's list form):
+    /// `outputs[r]` receives rank `r`'s `input`; every buffer has
+    /// `input.len()` elements.
+    pub async fn all_gather_into<T: Element>(
+        &self,
+        outputs: &mut [&mut [T]],
+        input: &[T],
+    ) -> Result<()> {
+        let n = self.world_size();
+        if outputs.len() != n || outputs.iter().any(|o| o.len() != input.len()) {
+            return Err(CommError::invalid(format!(
+                "all_gather into a list needs {n} buffers of {} elements (one per rank), got {} \
+                 buffers of lengths {:?}",
+                input.len(),
+                outputs.len(),
+                outputs.iter().map(|o| o.len()).collect::<Vec<_>>()
+            )));
+        }
+        let all = self.all_gather_vec(input).await?;
+        for (o, part) in outputs.iter_mut().zip(all.chunks(input.len().max(1))) {
+            o.copy_from_slice(&part[..o.len()]);
+        }
+        Ok(())
+    }
+
+    /// torch's `monitored_barrier`: a barrier that, when ranks do not
+    /// arrive within `timeout`, fails on rank 0 with a `Timeout` naming
+    /// them ("[rank 0, barrier, seq 7] timed out after 30s waiting for ranks
+    /// [2, 5]"); the others then fail too (the failure is sticky and
+    /// propagates). Every rank sends a token to rank 0 (a gather), then rank
+    /// 0 releases them (a broadcast).
+    pub async fn monitored_barrier(&self, timeout: Duration) -> Result<()> {
+        let n = self.world_size();
+        let opts = CallOptions::root(0).with_timeout(timeout);
+        let token = [1u8];
+        let mut arrived = (self.rank() == 0).then(|| vec![0u8; n]);
+        let gathered = self
+            .backend()
+            .gather(
+                arrived.as_deref_mut().map(BufferMut::from),
+                Buffer::from(&token[..]),
+                &opts,
+            )
+            .await;
+        if let Err(CommError::Timeout {
+            ctx, waiting_on, ..
+        }) = &gathered
+            && self.rank() == 0
+        {
+            // The ranks rank 0 still waits for are the ones that did not
+            // arrive: say so as this barrier's timeout.
+            return Err(CommError::Timeout {
+                ctx: crate::ErrorContext {
+                    op: Some(crate::OpKind::Barrier),
+                    ..*ctx
+                },
+                after: timeout,
+                waiting_on: waiting_on.clone(),
+            });
+        }
+        gathered?;
+        // Released together: rank 0 answers once everyone has arrived.
+        let mut go = [1u8];
+        self.backend()
+            .broadcast(BufferMut::from(&mut go[..]), &opts)
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_from_peers_are_checked_before_they_size_anything() {
+        assert_eq!(checked_size(5, 0).unwrap(), 5);
+        assert!(
+            checked_size(-1, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("rank 2")
+        );
+        assert!(checked_size(i64::MAX, 1).is_err());
+        let e = decode::<Vec<u32>>(b"{\"a\":1}", 3).unwrap_err().to_string();
+        assert!(e.contains("rank 3") && e.contains("same type"), "{e}");
+    }
+}
