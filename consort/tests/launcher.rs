@@ -257,7 +257,7 @@ fn bad_flags_are_refused_with_a_reason() {
         ),
         (
             &["run", "--nproc-per-node", "0", "--", "true"],
-            "--nproc-per-node must be at least 1",
+            "--nproc-per-node 0: expected 1 to 4096",
         ),
         (
             &[
