@@ -185,8 +185,6 @@ struct Inner {
     shm_tx: Vec<Option<crate::shm::Tx>>,
     /// Shared-memory slots peers send into, per same-host peer.
     shm_rx: Vec<Option<crate::shm::Region>>,
-    /// Bytes per slot.
-    slot_bytes: usize,
 }
 
 /// Buffers kept in the pool at most.
@@ -480,7 +478,23 @@ impl TcpBackend {
             }
         }
 
-        let slot_bytes = opts.algo.segment_bytes.clamp(64 * 1024, 16 << 20);
+        let mut opts = opts;
+        if world > 1 {
+            let mine = opts.algo.segment_bytes;
+            let agreed = before(deadline, agree_segment(rank, &mut conns, mine))
+                .await
+                .ok_or_else(|| setup_err(rank, "timed out agreeing on the segment size"))?
+                .map_err(|e| setup_err(rank, format_args!("agreeing on the segment size: {e}")))?;
+            if agreed != mine {
+                tracing::warn!(
+                    rank,
+                    "the ranks run with different segment sizes (CONSORT_SEGMENT_BYTES); this \
+                     rank's {mine} becomes the smallest, {agreed}, as on every rank"
+                );
+                opts.algo.segment_bytes = agreed;
+            }
+        }
+        let slot_bytes = opts.algo.segment_bytes.clamp(SLOT_MIN, SLOT_MAX);
         let (shm_tx, shm_rx) = if opts.shm && world > 1 {
             before(deadline, shm_setup(rank, &mut conns, slot_bytes))
                 .await
@@ -510,14 +524,7 @@ impl TcpBackend {
                     .collect()
             })
             .collect();
-        Ok(Self::assemble(
-            rank,
-            world,
-            streams,
-            (shm_tx, shm_rx),
-            slot_bytes,
-            opts,
-        ))
+        Ok(Self::assemble(rank, world, streams, (shm_tx, shm_rx), opts))
     }
 
     /// A backend over already-connected, already-authenticated byte streams
@@ -542,8 +549,7 @@ impl TcpBackend {
             (0..world).map(|_| None).collect(),
             (0..world).map(|_| None).collect(),
         );
-        let slot_bytes = opts.algo.segment_bytes.clamp(64 * 1024, 16 << 20);
-        Ok(Self::assemble(rank, world, streams, none, slot_bytes, opts))
+        Ok(Self::assemble(rank, world, streams, none, opts))
     }
 
     fn assemble(
@@ -551,7 +557,6 @@ impl TcpBackend {
         world: usize,
         streams: Vec<Vec<(BoxRead, BoxWrite)>>,
         (shm_tx, shm_rx): ShmPair,
-        slot_bytes: usize,
         opts: TcpOptions,
     ) -> Self {
         let mut writers = Vec::with_capacity(world);
@@ -576,7 +581,6 @@ impl TcpBackend {
             direct: Mutex::new(Registry::default()),
             shm_tx,
             shm_rx,
-            slot_bytes,
         });
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
@@ -615,6 +619,38 @@ async fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(b)
 }
 
+/// Agrees with every peer, over stream 0, on one segment size: the
+/// smallest any rank was given. Schedules split messages by it, so ranks
+/// started with different `CONSORT_SEGMENT_BYTES` would otherwise send
+/// frames their peers do not expect. Writes to all before reading any.
+async fn agree_segment(
+    rank: usize,
+    conns: &mut [Vec<Option<TcpStream>>],
+    mine: usize,
+) -> std::io::Result<usize> {
+    let peers: Vec<usize> = (0..conns.len()).filter(|p| *p != rank).collect();
+    for &p in &peers {
+        let s = conns[p][0].as_mut().expect("stream 0");
+        write_blob(s, &(mine as u64).to_le_bytes()).await?;
+    }
+    let mut agreed = mine;
+    for &p in &peers {
+        let b = read_blob(conns[p][0].as_mut().expect("stream 0")).await?;
+        let theirs = <[u8; 8]>::try_from(b.as_slice())
+            .map(u64::from_le_bytes)
+            .map_err(|_| {
+                std::io::Error::other(format!("rank {p} sent a malformed segment size"))
+            })?;
+        if theirs == 0 {
+            return Err(std::io::Error::other(format!(
+                "rank {p} announced a zero segment size"
+            )));
+        }
+        agreed = agreed.min(usize::try_from(theirs).unwrap_or(usize::MAX));
+    }
+    Ok(agreed)
+}
+
 /// Agrees with every peer, over stream 0, on shared-memory slots: host ids
 /// first, then region names for same-host peers, then whether each side
 /// could map the other's region. Every phase writes to all peers before
@@ -624,7 +660,7 @@ async fn shm_setup(
     conns: &mut [Vec<Option<TcpStream>>],
     slot_bytes: usize,
 ) -> std::io::Result<ShmPair> {
-    use crate::shm::{Region, SLOTS, Tx, host_id};
+    use crate::shm::{Region, Tx, host_id};
     let world = conns.len();
     let me = host_id();
     let peers: Vec<usize> = (0..world).filter(|p| *p != rank).collect();
@@ -646,7 +682,7 @@ async fn shm_setup(
                 std::process::id(),
                 u64::from_le_bytes(nonce)
             );
-            match Region::create(&n, SLOTS * slot_bytes) {
+            match Region::create(&n, slot_bytes) {
                 Ok(r) => {
                     name = n.clone();
                     mine[p] = Some((n, r));
@@ -654,15 +690,24 @@ async fn shm_setup(
                 Err(e) => tracing::debug!("no shared memory toward rank {p}: {e}"),
             }
         }
-        write_blob(conns[p][0].as_mut().expect("stream 0"), name.as_bytes()).await?;
+        // The region's slot size goes with its name: ranks may run with
+        // different segment sizes, and both sides must index one layout.
+        let mut blob = (slot_bytes as u64).to_le_bytes().to_vec();
+        blob.extend_from_slice(name.as_bytes());
+        write_blob(conns[p][0].as_mut().expect("stream 0"), &blob).await?;
     }
     let mut rx: Vec<Option<Region>> = (0..world).map(|_| None).collect();
     for &p in &peers {
-        let name = read_blob(conns[p][0].as_mut().expect("stream 0")).await?;
-        let name = String::from_utf8_lossy(&name).into_owned();
-        let valid = !name.is_empty() && name.starts_with("consort-") && !name.contains('/');
+        let blob = read_blob(conns[p][0].as_mut().expect("stream 0")).await?;
+        let (size, name) = blob.split_at(blob.len().min(8));
+        let their_slot = u64::from_le_bytes(size.try_into().unwrap_or([0; 8])) as usize;
+        let name = String::from_utf8_lossy(name).into_owned();
+        let valid = !name.is_empty()
+            && name.starts_with("consort-")
+            && !name.contains('/')
+            && (SLOT_MIN..=SLOT_MAX).contains(&their_slot);
         if same[p] && valid {
-            match Region::open(&name, SLOTS * slot_bytes) {
+            match Region::open(&name, their_slot) {
                 Ok(r) => rx[p] = Some(r),
                 Err(e) => tracing::debug!("cannot map rank {p}'s shared memory: {e}"),
             }
@@ -682,7 +727,7 @@ async fn shm_setup(
         if let Some((name, region)) = mine[p].take() {
             Region::unlink(&name);
             if ok {
-                tx[p] = Some(Tx::new(region, slot_bytes));
+                tx[p] = Some(Tx::new(region));
             }
         }
     }
@@ -789,7 +834,7 @@ async fn read_loop(
                 }
             };
             if let Some((call, d)) = taken {
-                match read_in_place(&inner, &mut r, &mut bounce, call, &d).await {
+                match read_in_place(&inner, peer, &mut r, &mut bounce, call, &d).await {
                     Ok(()) => {
                         lock(&inner.inbox).done.insert(key);
                         inner.notify.notify_one();
@@ -831,8 +876,13 @@ async fn read_loop(
                     }
                 }
                 CREDIT_TAG => {
-                    if let Some(tx) = inner.shm_tx[peer].as_ref() {
-                        tx.give_back(h.offset as usize);
+                    let refused = match inner.shm_tx[peer].as_ref() {
+                        Some(tx) => tx.give_back(h.offset as usize).err(),
+                        None => Some("a shared-memory credit, but no slots are shared".into()),
+                    };
+                    if let Some(why) = refused {
+                        lock(&inner.inbox).protocol.get_or_insert((peer, why));
+                        inner.notify.notify_one();
                     }
                 }
                 PROBE_REPLY_TAG => {
@@ -887,6 +937,7 @@ async fn read_loop(
 /// (otherwise it is read and dropped, keeping the stream in step).
 async fn read_in_place(
     inner: &Inner,
+    peer: usize,
     r: &mut BoxRead,
     bounce: &mut [u64],
     call: u64,
@@ -903,12 +954,9 @@ async fn read_in_place(
             // reference to this range (see `Registry`), `off + n <= d.len`
             // bytes from `dst` lie inside its buffer, and we hold the lock.
             let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
-            match d.reduce {
-                Some((op, dtype)) => {
-                    // Chunks are whole elements: BOUNCE is a multiple of 8.
-                    let _ = op.apply_bytes(dtype, dst, &buf[..n]);
-                }
-                None => dst.copy_from_slice(&buf[..n]),
+            // Chunks are whole elements: BOUNCE is a multiple of 8.
+            if let Some(e) = apply(d.reduce, dst, &buf[..n]) {
+                lock(&inner.inbox).protocol.get_or_insert((peer, e));
             }
         }
         drop(reg);
@@ -922,6 +970,21 @@ fn bytemuck_bytes_mut(v: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
 }
 
+/// Reduces (or copies) `data` into `dst` on the reader path; the error, if
+/// any, for the call to report (it used to be dropped).
+fn apply(reduce: Option<(ReduceOp, DType)>, dst: &mut [u8], data: &[u8]) -> Option<String> {
+    match reduce {
+        Some((op, dtype)) => op
+            .apply_bytes(dtype, dst, data)
+            .err()
+            .map(|e| format!("reducing a received payload failed: {e}")),
+        None => {
+            dst.copy_from_slice(data);
+            None
+        }
+    }
+}
+
 /// Applies a frame whose payload sits in the peer's shared-memory slot
 /// `h.offset`, then hands the slot back with a credit frame.
 async fn take_from_slot(
@@ -933,8 +996,8 @@ async fn take_from_slot(
     let slot = h.offset as usize;
     let src = inner.shm_rx[peer]
         .as_ref()
-        .filter(|_| len <= inner.slot_bytes)
-        .and_then(|r| r.slot(slot, inner.slot_bytes))
+        .filter(|r| len <= r.slot_bytes())
+        .and_then(|r| r.slot(slot))
         .ok_or_else(|| format!("bad shared-memory frame (slot {slot}, {len} bytes)"))?;
     // SAFETY: the sender filled the slot and then sent this header; it does
     // not touch the slot again until our credit (see `crate::shm`).
@@ -952,11 +1015,8 @@ async fn take_from_slot(
             // SAFETY: the registering call is current, the range is its
             // own, and we hold the registry lock (see `Registry`).
             let dst = unsafe { std::slice::from_raw_parts_mut(d.dst, len) };
-            match d.reduce {
-                Some((op, dtype)) => {
-                    let _ = op.apply_bytes(dtype, dst, data);
-                }
-                None => dst.copy_from_slice(data),
+            if let Some(e) = apply(d.reduce, dst, data) {
+                lock(&inner.inbox).protocol.get_or_insert((peer, e));
             }
         }
         fits
@@ -1008,6 +1068,11 @@ async fn send_credit(inner: &Inner, peer: usize, fp: Fingerprint, slot: usize) {
 }
 
 const CREDIT_TAG: u32 = u32::MAX - 2;
+
+/// Bounds of a shared-memory slot (the segment size, clamped); a peer's
+/// announced slot size outside them is refused.
+const SLOT_MIN: usize = 64 * 1024;
+const SLOT_MAX: usize = 16 << 20;
 const PROBE_TAG: u32 = u32::MAX;
 const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
 
@@ -1226,7 +1291,7 @@ impl TcpBackend {
             };
             let dst = tx
                 .region
-                .slot(slot, tx.slot_bytes)
+                .slot(slot)
                 .ok_or_else(|| std::io::Error::other("bad slot"))?;
             // SAFETY: this side owns `slot` until the peer's credit; the slot
             // holds `slot_bytes >= payload.len()` bytes.
@@ -1543,18 +1608,17 @@ impl TcpBackend {
                         // registration must go before the range is reused.
                         reg.posted.remove(&(rv.from, seq, rv.tag));
                         let data: &[u8] = match f.slot {
-                            Some((slot, len)) => match inner.shm_rx[rv.from]
-                                .as_ref()
-                                .and_then(|r| r.slot(slot, inner.slot_bytes))
-                            {
-                                // SAFETY: the peer filled the slot before
-                                // sending its header and waits for our
-                                // credit before touching it again.
-                                Some(p) => unsafe {
-                                    std::slice::from_raw_parts(p.cast_const(), len)
-                                },
-                                None => &[],
-                            },
+                            Some((slot, len)) => {
+                                match inner.shm_rx[rv.from].as_ref().and_then(|r| r.slot(slot)) {
+                                    // SAFETY: the peer filled the slot before
+                                    // sending its header and waits for our
+                                    // credit before touching it again.
+                                    Some(p) => unsafe {
+                                        std::slice::from_raw_parts(p.cast_const(), len)
+                                    },
+                                    None => &[],
+                                }
+                            }
                             None => &f.payload,
                         };
                         // SAFETY: readers are excluded by the lock.

@@ -18,10 +18,13 @@ use tokio::sync::Notify;
 /// Slots per direction of a pair.
 pub(crate) const SLOTS: usize = 16;
 
-/// A mapping of a shared region.
+/// A mapping of a shared region of [`SLOTS`] slots. The slot size is the
+/// creator's, told to the peer with the region's name in the hello, so
+/// that both sides index the same offsets whatever their own segment size.
 pub(crate) struct Region {
     ptr: *mut u8,
     len: usize,
+    slot_bytes: usize,
 }
 
 // SAFETY: the mapping is process-wide memory; access follows the slot
@@ -37,7 +40,8 @@ impl Drop for Region {
     }
 }
 
-fn map(file: &std::fs::File, len: usize) -> io::Result<Region> {
+fn map(file: &std::fs::File, slot_bytes: usize) -> io::Result<Region> {
+    let len = SLOTS * slot_bytes;
     use std::os::fd::AsRawFd;
     // SAFETY: a fresh shared mapping of a file we hold open; checked below.
     let ptr = unsafe {
@@ -56,6 +60,7 @@ fn map(file: &std::fs::File, len: usize) -> io::Result<Region> {
     Ok(Region {
         ptr: ptr.cast(),
         len,
+        slot_bytes,
     })
 }
 
@@ -65,28 +70,34 @@ fn path(name: &str) -> PathBuf {
 }
 
 impl Region {
-    /// Creates region `name` of `len` bytes (fails if it exists).
-    pub(crate) fn create(name: &str, len: usize) -> io::Result<Region> {
+    /// Creates region `name` of [`SLOTS`] slots of `slot_bytes` (fails if
+    /// it exists).
+    pub(crate) fn create(name: &str, slot_bytes: usize) -> io::Result<Region> {
         let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(path(name))?;
-        f.set_len(len as u64)?;
-        map(&f, len)
+        f.set_len((SLOTS * slot_bytes) as u64)?;
+        map(&f, slot_bytes)
     }
 
-    /// Maps the existing region `name` of `len` bytes.
-    pub(crate) fn open(name: &str, len: usize) -> io::Result<Region> {
+    /// Maps the existing region `name` of [`SLOTS`] slots of `slot_bytes`.
+    pub(crate) fn open(name: &str, slot_bytes: usize) -> io::Result<Region> {
         let f = OpenOptions::new().read(true).write(true).open(path(name))?;
-        if f.metadata()?.len() < len as u64 {
+        if f.metadata()?.len() < (SLOTS * slot_bytes) as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "shared region too small",
             ));
         }
-        map(&f, len)
+        map(&f, slot_bytes)
+    }
+
+    /// Bytes per slot.
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.slot_bytes
     }
 
     /// Removes the name (the mappings stay valid).
@@ -94,10 +105,10 @@ impl Region {
         let _ = std::fs::remove_file(path(name));
     }
 
-    /// Slot `i` of `slot_bytes` each, as a raw pointer (`None` out of range).
-    pub(crate) fn slot(&self, i: usize, slot_bytes: usize) -> Option<*mut u8> {
-        (i < SLOTS && (i + 1) * slot_bytes <= self.len)
-            .then(|| self.ptr.wrapping_add(i * slot_bytes))
+    /// Slot `i` as a raw pointer (`None` out of range).
+    pub(crate) fn slot(&self, i: usize) -> Option<*mut u8> {
+        (i < SLOTS && (i + 1) * self.slot_bytes <= self.len)
+            .then(|| self.ptr.wrapping_add(i * self.slot_bytes))
     }
 }
 
@@ -110,10 +121,10 @@ pub(crate) struct Tx {
 }
 
 impl Tx {
-    pub(crate) fn new(region: Region, slot_bytes: usize) -> Self {
+    pub(crate) fn new(region: Region) -> Self {
         Tx {
+            slot_bytes: region.slot_bytes,
             region,
-            slot_bytes,
             free: Mutex::new((0..SLOTS).rev().collect()),
             credit: Notify::new(),
         }
@@ -124,14 +135,20 @@ impl Tx {
         self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
-    /// Returns slot `i` (a credit from the receiver).
-    pub(crate) fn give_back(&self, i: usize) {
+    /// Returns slot `i` (a credit from the receiver). A credit for a slot
+    /// that is not lent (out of range, or already free) is the peer
+    /// breaking the protocol: an error, and the slot stays as it was.
+    pub(crate) fn give_back(&self, i: usize) -> Result<(), String> {
         let mut f = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if i < SLOTS && !f.contains(&i) {
-            f.push(i);
+        if i >= SLOTS || f.contains(&i) {
+            return Err(format!(
+                "credit for shared-memory slot {i}, which was not lent to it (slots 0..{SLOTS})"
+            ));
         }
+        f.push(i);
         drop(f);
         self.credit.notify_one();
+        Ok(())
     }
 }
 
@@ -151,17 +168,30 @@ mod tests {
     #[test]
     fn two_mappings_see_the_same_bytes() {
         let name = format!("consort-test-{}", std::process::id());
-        let a = Region::create(&name, 4096 * SLOTS).unwrap();
-        let b = Region::open(&name, 4096 * SLOTS).unwrap();
+        let a = Region::create(&name, 4096).unwrap();
+        let b = Region::open(&name, 4096).unwrap();
         Region::unlink(&name);
-        let pa = a.slot(3, 4096).unwrap();
+        let pa = a.slot(3).unwrap();
         // SAFETY: in-bounds writes and reads of one mapping seen through two.
         unsafe {
             pa.write(42);
-            assert_eq!(b.slot(3, 4096).unwrap().read(), 42);
+            assert_eq!(b.slot(3).unwrap().read(), 42);
         }
-        assert!(a.slot(SLOTS, 4096).is_none());
+        assert!(a.slot(SLOTS).is_none());
         assert!(Region::create(&name, 10).is_ok(), "the name was unlinked");
         Region::unlink(&name);
+    }
+
+    #[test]
+    fn only_lent_slots_can_be_credited() {
+        let name = format!("consort-test-credit-{}", std::process::id());
+        let tx = Tx::new(Region::create(&name, 4096).unwrap());
+        Region::unlink(&name);
+        let e = tx.give_back(3).unwrap_err();
+        assert!(e.contains("not lent"), "{e}");
+        assert!(tx.give_back(SLOTS).is_err());
+        let s = tx.take().unwrap();
+        tx.give_back(s).unwrap();
+        assert!(tx.give_back(s).is_err(), "a second credit for one loan");
     }
 }

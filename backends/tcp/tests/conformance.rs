@@ -102,3 +102,55 @@ mod ring_and_chain {
 mod three_streams {
     consort_tests::conformance!(crate::tcp_world_3_streams, cases = 8);
 }
+
+/// Ranks that run with different segment sizes (CONSORT_SEGMENT_BYTES) on
+/// one host: the mesh agrees on the smallest before any schedule runs, and
+/// each shared-memory region's slot size travels with its name, so both
+/// sides of a pair index the same slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_with_different_segment_sizes_agree_on_slots() {
+    let n = 3;
+    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+    let segments = [64 << 10, 1 << 20, 256 << 10];
+    let tasks: Vec<_> = (0..n)
+        .map(|r| {
+            let opts = TcpOptions {
+                timeout: Duration::from_secs(20),
+                connect_timeout: Duration::from_secs(60),
+                algo: AlgoConfig {
+                    segment_bytes: segments[r],
+                    window: 4,
+                    overrides: AlgoConfig::parse_overrides("broadcast=chain").unwrap(),
+                },
+                shm: true,
+                ..TcpOptions::default()
+            };
+            tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts))
+        })
+        .collect();
+    let mut ranks = Vec::new();
+    for t in tasks {
+        ranks.push(Arc::new(t.await.unwrap().unwrap()));
+    }
+    let runs: Vec<_> = ranks
+        .iter()
+        .cloned()
+        .map(|b| {
+            tokio::spawn(async move {
+                let r = b.rank();
+                let pg = consort_comm::ProcessGroup::new(b);
+                // A broadcast as large as several of the biggest slots: the
+                // chain moves whole segments through the slots.
+                let len = 3 * (1 << 20) / 4 + 5;
+                let mut x: Vec<f32> = (0..len)
+                    .map(|i| if r == 0 { (i % 97) as f32 } else { -1.0 })
+                    .collect();
+                pg.broadcast(&mut x, 0).await.unwrap();
+                x.iter().enumerate().all(|(i, &v)| v == (i % 97) as f32)
+            })
+        })
+        .collect();
+    for (r, t) in runs.into_iter().enumerate() {
+        assert!(t.await.unwrap(), "rank {r} received a wrong broadcast");
+    }
+}

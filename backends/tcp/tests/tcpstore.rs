@@ -437,6 +437,9 @@ async fn queues_push_pop_and_wake_one_waiter() {
     assert!(!a.check(&["q"]).await.unwrap());
     a.queue_push("q", b"one").await.unwrap();
     a.queue_push("q", b"two").await.unwrap();
+    // A push has no reply (as in torch): a round trip on the same
+    // connection orders it before other clients' requests.
+    assert_eq!(a.queue_len("q").await.unwrap(), 2);
     assert_eq!(b.queue_len("q").await.unwrap(), 2);
     assert!(b.check(&["q"]).await.unwrap(), "a non-empty queue exists");
     assert_eq!(b.queue_pop("q", false).await.unwrap(), b"one");
