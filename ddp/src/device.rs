@@ -263,6 +263,29 @@ impl DeviceModel {
         Ok(ptr)
     }
 
+    /// Uploads one tensor (with zeroed gradient storage for a parameter).
+    fn add<T: Element>(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        values: &[T],
+        param: bool,
+    ) -> Result<DevTensor, CommError> {
+        let spec = ParamSpec {
+            name,
+            dtype: T::DTYPE,
+            shape,
+        };
+        let value = self.upload(&spec, consort_comm::dtype::as_bytes(values))?;
+        let p = &self.placement;
+        let grad = if param {
+            Some(p.device.alloc_zeroed(spec.bytes(), p.stream)?)
+        } else {
+            None
+        };
+        Ok(DevTensor { spec, value, grad })
+    }
+
     /// Adds a parameter with these values, and a zeroed gradient; returns
     /// its index.
     pub fn add_param<T: Element>(
@@ -271,19 +294,8 @@ impl DeviceModel {
         shape: Vec<usize>,
         values: &[T],
     ) -> Result<usize, CommError> {
-        let spec = ParamSpec {
-            name: name.into(),
-            dtype: T::DTYPE,
-            shape,
-        };
-        let value = self.upload(&spec, consort_comm::dtype::as_bytes(values))?;
-        let p = &self.placement;
-        let grad = p.device.alloc_zeroed(spec.bytes(), p.stream)?;
-        self.params.push(DevTensor {
-            spec,
-            value,
-            grad: Some(grad),
-        });
+        let t = self.add(name.into(), shape, values, true)?;
+        self.params.push(t);
         Ok(self.params.len() - 1)
     }
 
@@ -295,17 +307,8 @@ impl DeviceModel {
         shape: Vec<usize>,
         values: &[T],
     ) -> Result<usize, CommError> {
-        let spec = ParamSpec {
-            name: name.into(),
-            dtype: T::DTYPE,
-            shape,
-        };
-        let value = self.upload(&spec, consort_comm::dtype::as_bytes(values))?;
-        self.buffers.push(DevTensor {
-            spec,
-            value,
-            grad: None,
-        });
+        let t = self.add(name.into(), shape, values, false)?;
+        self.buffers.push(t);
         Ok(self.buffers.len() - 1)
     }
 
