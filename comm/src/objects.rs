@@ -5,11 +5,14 @@
 //! form `all_gather_v`, and `monitored_barrier`, which names the ranks that
 //! did not arrive.
 //!
-//! This module owns the encodings only: objects are JSON (torch pickles),
-//! sizes travel first as i64, payloads are padded to the largest, as in
-//! `distributed_c10d.py`. Every call is a fixed sequence of ordinary
-//! collectives, so every rank must make it, in the same order, as any
-//! collective.
+//! This module owns the encodings only: objects are postcard (serde's
+//! compact binary form, which keeps every f32/f64 bit, NaN included; torch
+//! pickles), sizes travel first as i64, payloads are padded to the
+//! largest, as in `distributed_c10d.py`. A rank that cannot encode its
+//! object still sends its size, as -1, so that every rank fails at once
+//! with the same cause instead of waiting out the timeout. Every call is a
+//! fixed sequence of ordinary collectives, so every rank must make it, in
+//! the same order, as any collective.
 
 use std::time::Duration;
 
@@ -19,9 +22,9 @@ use crate::{Buffer, BufferMut, CallOptions, CommError, Element, ProcessGroup, Re
 
 /// An object's bytes.
 fn encode<T: Serialize>(obj: &T) -> Result<Vec<u8>> {
-    let bytes = serde_json::to_vec(obj).map_err(|e| {
+    let bytes = postcard::to_allocvec(obj).map_err(|e| {
         CommError::invalid(format!(
-            "the object cannot be encoded for a collective (JSON): {e}"
+            "the object cannot be encoded for a collective: {e}"
         ))
     })?;
     if bytes.len() > MAX_OBJECT_BYTES {
@@ -34,27 +37,39 @@ fn encode<T: Serialize>(obj: &T) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// An object from `bytes`, sent by `rank`.
+/// An object from `bytes`, sent by `rank`: every byte must be used.
 fn decode<T: DeserializeOwned>(bytes: &[u8], rank: usize) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|e| {
+    let bad = |why: String| {
         CommError::invalid(format!(
-            "rank {rank}'s object does not decode as {}: {e}; every rank must pass the same \
+            "rank {rank}'s object does not decode as {}: {why}; every rank must pass the same \
              type to an object collective",
             std::any::type_name::<T>()
         ))
-    })
+    };
+    match postcard::take_from_bytes(bytes) {
+        Ok((v, [])) => Ok(v),
+        Ok((_, rest)) => Err(bad(format!("{} bytes left over", rest.len()))),
+        Err(e) => Err(bad(e.to_string())),
+    }
+}
+
+/// The size a rank announces: its encoding's length, or -1 when it could
+/// not encode (its peers then fail too, naming it).
+fn announced(enc: &Result<Vec<u8>>) -> i64 {
+    enc.as_ref().map_or(-1, |b| b.len() as i64)
 }
 
 /// The largest encoded object (1 GiB): object collectives carry metadata;
 /// tensors travel through the tensor collectives.
 const MAX_OBJECT_BYTES: usize = 1 << 30;
 
-fn size_of(bytes: &[u8]) -> i64 {
-    bytes.len() as i64
-}
-
 /// A size received from a peer, checked before it sizes an allocation.
 fn checked_size(n: i64, rank: usize) -> Result<usize> {
+    if n == -1 {
+        return Err(CommError::invalid(format!(
+            "rank {rank} could not encode its object for this collective (its own error says why)"
+        )));
+    }
     usize::try_from(n)
         .ok()
         .filter(|&n| n <= MAX_OBJECT_BYTES)
@@ -85,9 +100,10 @@ impl ProcessGroup {
             self.rank(),
             root,
         )?;
-        let mine = obj.map(encode).transpose()?.unwrap_or_default();
-        let mut size = [size_of(&mine)];
+        let enc = obj.map(encode).unwrap_or(Ok(Vec::new()));
+        let mut size = [announced(&enc)];
         self.broadcast(&mut size, root).await?;
+        let mine = enc?;
         let mut bytes = if self.rank() == root {
             mine
         } else {
@@ -102,14 +118,14 @@ impl ProcessGroup {
         &self,
         obj: &T,
     ) -> Result<Vec<T>> {
-        let mine = encode(obj)?;
-        let sizes = self.all_gather_vec(&[size_of(&mine)]).await?;
+        let enc = encode(obj);
+        let sizes = self.all_gather_vec(&[announced(&enc)]).await?;
         let counts: Vec<usize> = sizes
             .iter()
             .enumerate()
             .map(|(r, &s)| checked_size(s, r))
             .collect::<Result<_>>()?;
-        let parts = self.all_gather_v(&mine, &counts).await?;
+        let parts = self.all_gather_v(&enc?, &counts).await?;
         parts
             .iter()
             .enumerate()
@@ -125,10 +141,10 @@ impl ProcessGroup {
         dst: usize,
     ) -> Result<Option<Vec<T>>> {
         validate::root(dst, self.world_size())?;
-        let mine = encode(obj)?;
-        let sizes = self.all_gather_vec(&[size_of(&mine)]).await?;
+        let enc = encode(obj);
+        let sizes = self.all_gather_vec(&[announced(&enc)]).await?;
         let width = self.padded_width(&sizes)?;
-        let mut padded = mine;
+        let mut padded = enc?;
         padded.resize(width, 0);
         let n = self.world_size();
         let mut all = (self.rank() == dst).then(|| vec![0u8; width * n]);
@@ -161,22 +177,26 @@ impl ProcessGroup {
             self.rank(),
             src,
         )?;
-        if let Some(o) = objs
-            && o.len() != n
-        {
-            return Err(CommError::invalid(format!(
+        // On src, any local failure is announced as width -1, so that
+        // every rank fails now rather than at its timeout.
+        let prepared: Result<Vec<Vec<u8>>> = match objs {
+            Some(o) if o.len() != n => Err(CommError::invalid(format!(
                 "scatter_object needs one object per rank: {} given for a world of {n}",
                 o.len()
-            )));
-        }
-        let encoded: Vec<Vec<u8>> = objs
-            .unwrap_or_default()
-            .iter()
-            .map(encode)
-            .collect::<Result<_>>()?;
-        let sizes: Vec<i64> = encoded.iter().map(|b| size_of(b)).collect();
-        let mut width = [sizes.iter().copied().max().unwrap_or(0)];
+            ))),
+            Some(o) => o.iter().map(encode).collect(),
+            None => Ok(Vec::new()),
+        };
+        let sizes: Vec<i64> = prepared
+            .as_ref()
+            .map(|e| e.iter().map(|b| b.len() as i64).collect())
+            .unwrap_or_default();
+        let mut width = [match &prepared {
+            Ok(_) => sizes.iter().copied().max().unwrap_or(0),
+            Err(_) => -1,
+        }];
         self.broadcast(&mut width, src).await?;
+        let encoded = prepared?;
         let width = checked_size(width[0], src)?;
         let flat: Vec<u8> = encoded
             .into_iter()
@@ -297,10 +317,16 @@ impl ProcessGroup {
             });
         }
         gathered?;
-        // Released together: rank 0 answers once everyone has arrived.
-        let mut go = [1u8];
+        // Released together, each rank by rank 0 itself (a scatter is
+        // direct: no rank waits on a tree parent that is not rank 0).
+        let mut go = [0u8];
+        let release = vec![1u8; n];
         self.backend()
-            .broadcast(BufferMut::from(&mut go[..]), &opts)
+            .scatter(
+                BufferMut::from(&mut go[..]),
+                (self.rank() == 0).then(|| Buffer::from(&release[..])),
+                &opts,
+            )
             .await
     }
 }
@@ -319,7 +345,18 @@ mod tests {
                 .contains("rank 2")
         );
         assert!(checked_size(i64::MAX, 1).is_err());
-        let e = decode::<Vec<u32>>(b"{\"a\":1}", 3).unwrap_err().to_string();
+        let e = decode::<Vec<u32>>(&[9, 1], 3).unwrap_err().to_string();
         assert!(e.contains("rank 3") && e.contains("same type"), "{e}");
+        assert!(
+            checked_size(-1, 4)
+                .unwrap_err()
+                .to_string()
+                .contains("rank 4 could not encode")
+        );
+        // Every float bit survives, NaN and infinities included.
+        let v = (f64::NAN, f32::INFINITY, Some(-0.0f64));
+        let back: (f64, f32, Option<f64>) = decode(&encode(&v).unwrap(), 0).unwrap();
+        assert!(back.0.is_nan() && back.1 == f32::INFINITY);
+        assert_eq!(back.2.map(f64::to_bits), Some((-0.0f64).to_bits()));
     }
 }

@@ -68,7 +68,13 @@ pub fn check_seconds(s: f64, allow_zero: bool) -> Result<std::time::Duration, St
             MAX_TIMEOUT.as_secs()
         ));
     }
-    Ok(std::time::Duration::from_secs_f64(s))
+    let d = std::time::Duration::from_secs_f64(s);
+    if d.is_zero() && !allow_zero {
+        return Err(format!(
+            "{shown} seconds rounds to zero: expected at least 1 ns"
+        ));
+    }
+    Ok(d)
 }
 
 #[cfg(test)]

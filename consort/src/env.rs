@@ -187,6 +187,9 @@ impl DistEnv {
     pub fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         let has = |v: &str| get(env, v).is_some();
         let torch_vars = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"];
+        // Whether the processes on this node were given (not defaulted to
+        // the whole world): only then is the per-host bound checked.
+        let mut local_given = false;
         let mut e = if let Some(present) = torch_vars.into_iter().find(|v| has(v)) {
             let rank = need(env, "RANK", present)?;
             let world_size = need(env, "WORLD_SIZE", present)?;
@@ -194,7 +197,10 @@ impl DistEnv {
                 parse_usize(env, "LOCAL_RANK")?,
                 parse_usize(env, "LOCAL_WORLD_SIZE")?,
             ) {
-                (Some(r), Some(n)) => (r, n),
+                (Some(r), Some(n)) => {
+                    local_given = true;
+                    (r, n)
+                }
                 (None, None) => (rank, world_size),
                 (Some(_), None) => {
                     return Err(EnvError::Missing {
@@ -227,10 +233,11 @@ impl DistEnv {
             let rank = need(env, "SLURM_PROCID", present)?;
             let world_size = need(env, "SLURM_NTASKS", present)?;
             let local_rank = need(env, "SLURM_LOCALID", present)?;
-            let local_world_size = ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+            let per_node = ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
                 .into_iter()
-                .find_map(|v| get(env, v).and_then(|s| slurm_first_count(&s)))
-                .unwrap_or(world_size);
+                .find_map(|v| get(env, v).and_then(|s| slurm_first_count(&s)));
+            local_given = per_node.is_some();
+            let local_world_size = per_node.unwrap_or(world_size);
             DistEnv {
                 rank,
                 world_size,
@@ -281,7 +288,7 @@ impl DistEnv {
             )));
         }
 
-        check_sizes(&e)?;
+        check_sizes(&e, local_given)?;
         let port = parse_port(env)?;
         let slurm = e.launcher == Launcher::Slurm;
         let addr = get(env, "MASTER_ADDR").or_else(|| {
@@ -343,7 +350,7 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// --nproc-per-node`, `consort bench --world-size`).
 pub const MAX_LOCAL_WORLD_SIZE: usize = 4096;
 
-fn check_sizes(e: &DistEnv) -> Result<(), EnvError> {
+fn check_sizes(e: &DistEnv, local_given: bool) -> Result<(), EnvError> {
     if e.world_size > MAX_WORLD_SIZE {
         return Err(EnvError::Inconsistent(format!(
             "a world of {} processes is more than consort supports ({MAX_WORLD_SIZE}); check \
@@ -351,10 +358,10 @@ fn check_sizes(e: &DistEnv) -> Result<(), EnvError> {
             e.world_size
         )));
     }
-    if e.local_world_size > MAX_LOCAL_WORLD_SIZE {
+    if local_given && e.local_world_size > MAX_LOCAL_WORLD_SIZE {
         return Err(EnvError::Inconsistent(format!(
             "{} processes on this node is more than one host can hold ({MAX_LOCAL_WORLD_SIZE}); \
-             set LOCAL_WORLD_SIZE (it defaults to WORLD_SIZE) to the processes on this node",
+             check LOCAL_WORLD_SIZE (or SLURM_NTASKS_PER_NODE)",
             e.local_world_size
         )));
     }

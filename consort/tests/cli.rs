@@ -270,7 +270,15 @@ fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
         ),
         (
             from_env.to_vec(),
-            [&rank0[..], &[("WORLD_SIZE", "5000")]].concat(),
+            [
+                &rank0[..],
+                &[
+                    ("WORLD_SIZE", "8000"),
+                    ("LOCAL_RANK", "0"),
+                    ("LOCAL_WORLD_SIZE", "5000"),
+                ],
+            ]
+            .concat(),
             "more than one host can hold",
         ),
     ];

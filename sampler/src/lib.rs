@@ -124,7 +124,8 @@ impl DistributedSampler {
     ) -> Result<Self, SamplerError> {
         check(num_replicas, rank)?;
         let r = num_replicas as u64;
-        if len.div_ceil(r).checked_mul(r).is_none() {
+        // Padding (drop_last off) rounds len up to a multiple of r.
+        if !drop_last && len.div_ceil(r).checked_mul(r).is_none() {
             return Err(SamplerError::Overflow { len, num_replicas });
         }
         Ok(DistributedSampler {
@@ -239,7 +240,7 @@ impl DistributedSampler {
         let count = self.len();
         let mut out = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
         for i in 0..count {
-            out.push(self.get(i).expect("i < len"));
+            out.extend(self.get(i));
         }
         Ok(out)
     }
@@ -319,10 +320,9 @@ impl Iterator for ShardIter<'_> {
                 }
                 *left -= 1;
                 let x = f.permute(*j);
-                *j += *step;
-                if *j >= *n {
-                    *j %= *n;
-                }
+                // (j + step) mod n, without passing u64::MAX near the top.
+                let s = *step % *n;
+                *j = if *j >= *n - s { *j - (*n - s) } else { *j + s };
                 Some(x)
             }
             ShardIter::Indexed { sampler, next, end } => {
@@ -356,6 +356,9 @@ impl BatchSampler {
     ) -> Result<Self, SamplerError> {
         if batch_size == 0 {
             return Err(SamplerError::NoBatch);
+        }
+        if sampler.too_large() {
+            return Err(SamplerError::TooLarge(sampler.len));
         }
         Ok(BatchSampler {
             sampler,
@@ -401,12 +404,12 @@ impl BatchSampler {
         if self.next >= n {
             return None;
         }
-        let end = (self.next + self.batch_size).min(n);
+        let end = self.next.saturating_add(self.batch_size).min(n);
         if self.drop_last && end - self.next < self.batch_size {
             return None;
         }
         let batch = (self.next..end)
-            .map(|i| self.sampler.get(i).expect("i < len"))
+            .filter_map(|i| self.sampler.get(i))
             .collect();
         self.next = end;
         Some(batch)
@@ -476,6 +479,21 @@ mod tests {
         assert_eq!(s.get(s.len() - 1), Some(u64::MAX / 5 * 5 - 1));
         let e = EvalSampler::new(u64::MAX, 7, 6).unwrap();
         assert!(e.indices().next().is_some());
+        // drop_last never pads: allowed; streaming walks to the very end.
+        let mut s = DistributedSampler::new(u64::MAX, 2, 1, true, 9, true)
+            .unwrap()
+            .with_mode(Mode::Streaming);
+        let n = s.len();
+        assert_eq!(s.iter_from(n - 3).count(), 3);
+        assert!(
+            BatchSampler::new(
+                DistributedSampler::new(u64::MAX, 1, 0, true, 0, false).unwrap(),
+                4,
+                false
+            )
+            .is_err(),
+            "exact mode cannot batch what it cannot permute"
+        );
     }
 
     #[test]

@@ -481,7 +481,7 @@ impl TcpBackend {
         let mut opts = opts;
         if world > 1 {
             let mine = opts.algo.segment_bytes;
-            let agreed = before(deadline, agree_segment(rank, &mut conns, mine))
+            let (agreed, shm) = before(deadline, agree_setup(rank, &mut conns, mine, opts.shm))
                 .await
                 .ok_or_else(|| setup_err(rank, "timed out agreeing on the segment size"))?
                 .map_err(|e| setup_err(rank, format_args!("agreeing on the segment size: {e}")))?;
@@ -493,6 +493,13 @@ impl TcpBackend {
                 );
                 opts.algo.segment_bytes = agreed;
             }
+            if opts.shm && !shm {
+                tracing::warn!(
+                    rank,
+                    "shared memory is off on some rank (CONSORT_SHM=0): every pair uses TCP"
+                );
+            }
+            opts.shm = shm;
         }
         let slot_bytes = opts.algo.segment_bytes.clamp(SLOT_MIN, SLOT_MAX);
         let (shm_tx, shm_rx) = if opts.shm && world > 1 {
@@ -619,36 +626,38 @@ async fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(b)
 }
 
-/// Agrees with every peer, over stream 0, on one segment size: the
-/// smallest any rank was given. Schedules split messages by it, so ranks
-/// started with different `CONSORT_SEGMENT_BYTES` would otherwise send
-/// frames their peers do not expect. Writes to all before reading any.
-async fn agree_segment(
+/// Agrees with every peer, over stream 0, on what every rank must share:
+/// one segment size (the smallest any rank was given: schedules split
+/// messages by it, so ranks started with different `CONSORT_SEGMENT_BYTES`
+/// would send frames their peers do not expect), and whether shared memory
+/// is on (only if it is on everywhere: a rank with it off would read the
+/// shared-memory setup as frames). Writes to all before reading any.
+async fn agree_setup(
     rank: usize,
     conns: &mut [Vec<Option<TcpStream>>],
     mine: usize,
-) -> std::io::Result<usize> {
+    shm: bool,
+) -> std::io::Result<(usize, bool)> {
     let peers: Vec<usize> = (0..conns.len()).filter(|p| *p != rank).collect();
+    let mut msg = (mine as u64).to_le_bytes().to_vec();
+    msg.push(u8::from(shm));
     for &p in &peers {
-        let s = conns[p][0].as_mut().expect("stream 0");
-        write_blob(s, &(mine as u64).to_le_bytes()).await?;
+        write_blob(conns[p][0].as_mut().expect("stream 0"), &msg).await?;
     }
-    let mut agreed = mine;
+    let (mut agreed, mut all_shm) = (mine, shm);
     for &p in &peers {
         let b = read_blob(conns[p][0].as_mut().expect("stream 0")).await?;
-        let theirs = <[u8; 8]>::try_from(b.as_slice())
-            .map(u64::from_le_bytes)
-            .map_err(|_| {
-                std::io::Error::other(format!("rank {p} sent a malformed segment size"))
-            })?;
-        if theirs == 0 {
-            return Err(std::io::Error::other(format!(
-                "rank {p} announced a zero segment size"
-            )));
+        let malformed =
+            || std::io::Error::other(format!("rank {p} sent a malformed setup message"));
+        let (size, flag) = b.split_first_chunk::<8>().ok_or_else(malformed)?;
+        let theirs = u64::from_le_bytes(*size);
+        if theirs == 0 || flag.len() != 1 {
+            return Err(malformed());
         }
         agreed = agreed.min(usize::try_from(theirs).unwrap_or(usize::MAX));
+        all_shm &= flag[0] == 1;
     }
-    Ok(agreed)
+    Ok((agreed, all_shm))
 }
 
 /// Agrees with every peer, over stream 0, on shared-memory slots: host ids

@@ -415,6 +415,19 @@ async fn a_write_past_the_memory_limit_is_refused_and_names_it() {
     assert!(b.delete_key("first").await.unwrap());
     b.set("second", &big).await.unwrap();
     assert_eq!(b.get("second").await.unwrap().len(), big.len());
+    // A multi_set past the limit stores none of its keys.
+    b.multi_set(&["m1", "m2"], &[&big[..100], &big])
+        .await
+        .unwrap();
+    let e = b.check(&["m1"]).await.unwrap_err();
+    assert!(matches!(e, StoreError::Closed { .. }), "{e}");
+    let c = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert!(
+        !c.check(&["m1"]).await.unwrap(),
+        "half of a refused multi_set"
+    );
     server.shutdown().await;
 }
 

@@ -486,7 +486,15 @@ impl Store for TcpStore {
             if block {
                 let left = self.opts.timeout.saturating_sub(start.elapsed());
                 self.wait_raw(std::slice::from_ref(&k), &[key], left)
-                    .await?;
+                    .await
+                    .map_err(|e| match e {
+                        // Say the whole wait, not the slice left on a retry.
+                        StoreError::Timeout { keys, .. } => StoreError::Timeout {
+                            keys,
+                            after: self.opts.timeout,
+                        },
+                        other => other,
+                    })?;
             }
             match self.call(&during, &req, Shape::Popped).await? {
                 Reply::Popped(Some(v)) => return Ok(v),

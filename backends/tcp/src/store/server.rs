@@ -482,8 +482,18 @@ async fn handle_requests(
                     pairs.push((k, v));
                 }
                 let mut s = lock(state);
+                // All or nothing: the net change (a key repeated in the
+                // request counts once, at its last value) is charged first.
+                let mut last: HashMap<&[u8], usize> = HashMap::new();
+                for (k, v) in &pairs {
+                    last.insert(k, k.len() + v.len());
+                }
+                let add: usize = last.values().sum();
+                let free: usize = last.keys().map(|k| s.held(k)).sum();
+                s.charge(add, free)?;
                 for (k, v) in pairs {
-                    s.put(k, v)?;
+                    s.map.insert(k.clone(), v);
+                    s.wake(&k);
                 }
             }
             cmd::CANCEL_WAIT => {
@@ -494,20 +504,37 @@ async fn handle_requests(
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
                 let mut s = lock(state);
-                s.charge(value.len(), 0)?;
+                let fresh = if s.queues.contains_key(&key) {
+                    0
+                } else {
+                    key.len()
+                };
+                s.charge(fresh + value.len(), 0)?;
                 s.queues.entry(key.clone()).or_default().push_back(value);
                 s.wake_one(&key);
             }
             cmd::QUEUE_POP => {
                 let key = wire::read_key(r).await?;
                 let mut s = lock(state);
-                let q = s.queues.entry(key).or_default();
-                let mut out = (q.len() as i64).to_le_bytes().to_vec();
-                let popped = q.pop_front();
+                let (len, popped, emptied) = match s.queues.get_mut(&key) {
+                    Some(q) => {
+                        let len = q.len();
+                        let v = q.pop_front();
+                        (len, v, q.is_empty())
+                    }
+                    None => (0, None, false),
+                };
+                let mut out = (len as i64).to_le_bytes().to_vec();
+                let mut freed = 0;
                 if let Some(v) = &popped {
                     wire::put_bytes(&mut out, v);
+                    freed += v.len();
                 }
-                let freed = popped.map_or(0, |v| v.len());
+                if emptied {
+                    // An empty queue holds nothing: its key goes too.
+                    s.queues.remove(&key);
+                    freed += key.len();
+                }
                 s.bytes = s.bytes.saturating_sub(freed);
                 send(out);
             }
