@@ -170,7 +170,7 @@ struct Inner {
     rank: usize,
     world: usize,
     /// Write halves by [peer][stream] (empty for this rank).
-    writers: Vec<Vec<tokio::sync::Mutex<BoxWrite>>>,
+    writers: Vec<Vec<tokio::sync::Mutex<Writer>>>,
     inbox: Mutex<Inbox>,
     notify: Notify,
     /// The collective this rank is in (answered to probes).
@@ -572,7 +572,7 @@ impl TcpBackend {
             let mut ws = Vec::new();
             for (r, w) in streams {
                 reads.push((peer, r));
-                ws.push(tokio::sync::Mutex::new(w));
+                ws.push(tokio::sync::Mutex::new(Writer { w, cut: false }));
             }
             writers.push(ws);
         }
@@ -881,7 +881,7 @@ async fn read_loop(
                     let cur = *lock(&inner.current);
                     let reply = probe_frame(PROBE_REPLY_TAG, cur);
                     if let Some(w) = inner.writers[peer].first() {
-                        let _ = w.lock().await.write_all(&reply).await;
+                        let _ = write_frame(w, &[&reply]).await;
                     }
                 }
                 CREDIT_TAG => {
@@ -1072,8 +1072,35 @@ async fn send_credit(inner: &Inner, peer: usize, fp: Fingerprint, slot: usize) {
     if let Some(w) = inner.writers[peer].first() {
         // A peer that has finished and exited needs no credit back; a
         // broken connection shows up as EOF on this reader anyway.
-        let _ = w.lock().await.write_all(&credit).await;
+        let _ = write_frame(w, &[&credit]).await;
     }
+}
+
+/// One stream's write half, and whether a frame on it was cut off.
+pub(crate) struct Writer {
+    w: BoxWrite,
+    /// Set while a frame is being written, cleared when it is whole: still
+    /// set afterwards means the writing future was dropped mid-frame (a
+    /// deadline), and the peer would read the next frame's bytes as the rest
+    /// of this one.
+    cut: bool,
+}
+
+/// Writes one whole frame on `w`, or refuses: a stream that once carried a
+/// cut-off frame carries nothing more, so a timeout never desynchronises
+/// it (the peer waits for the missing bytes, then sees the connection end).
+async fn write_frame(w: &tokio::sync::Mutex<Writer>, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut g = w.lock().await;
+    if g.cut {
+        return Err(std::io::Error::other(
+            "an earlier frame on this connection was cut off by a deadline; it carries no more \
+             frames",
+        ));
+    }
+    g.cut = true;
+    write_all_vectored(&mut g.w, parts).await?;
+    g.cut = false;
+    Ok(())
 }
 
 const CREDIT_TAG: u32 = u32::MAX - 2;
@@ -1263,9 +1290,7 @@ impl TcpBackend {
         if ws.is_empty() {
             return Err(std::io::Error::other("no connection to self"));
         }
-        let w = &ws[lane as usize % ws.len()];
-        let mut w = w.lock().await;
-        write_all_vectored(&mut *w, &[header, payload]).await
+        write_frame(&ws[lane as usize % ws.len()], &[header, payload]).await
     }
 
     /// Sends one data frame to `to`: through a shared-memory slot when the
@@ -1807,5 +1832,45 @@ impl Backend for TcpBackend {
         let (r, n) = (self.rank(), self.world_size());
         self.run(Call::recv("tcp", r, n, buf, src, opts)?, opts)
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::AsyncReadExt;
+
+    use super::{BoxWrite, Writer, write_frame};
+
+    /// A frame whose write a deadline cuts off leaves the stream refusing
+    /// every later frame, so the peer never reads another frame's bytes as
+    /// the rest of the cut one.
+    #[tokio::test]
+    async fn a_frame_cut_by_a_deadline_closes_the_stream_to_further_frames() {
+        let (a, mut b) = tokio::io::duplex(64);
+        let w = tokio::sync::Mutex::new(Writer {
+            w: Box::pin(a) as BoxWrite,
+            cut: false,
+        });
+        write_frame(&w, &[b"whole"]).await.unwrap();
+        let big = vec![7u8; 4096];
+        let cut = tokio::time::timeout(Duration::from_millis(50), write_frame(&w, &[&big])).await;
+        assert!(cut.is_err(), "the peer reads nothing: the write must block");
+        let e = write_frame(&w, &[b"abort"]).await.unwrap_err();
+        assert!(e.to_string().contains("cut off"), "{e}");
+        // The peer sees the whole first frame, then only the cut one's
+        // prefix: never "abort".
+        let mut got = vec![0u8; 64];
+        b.read_exact(&mut got).await.unwrap();
+        drop(w);
+        let mut rest = Vec::new();
+        b.read_to_end(&mut rest).await.unwrap();
+        assert!(
+            rest.iter().all(|&x| x == 7),
+            "nothing follows the cut frame"
+        );
+        assert_eq!(&got[..5], b"whole");
+        assert!(got[5..].iter().all(|&x| x == 7));
     }
 }
