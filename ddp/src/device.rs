@@ -212,6 +212,19 @@ pub(crate) async fn broadcast_device<B: Backend + ?Sized>(
     Ok(())
 }
 
+/// Checks that `bytes` are exactly `spec`'s tensor.
+fn check_len(spec: &ParamSpec, bytes: &[u8]) -> Result<(), CommError> {
+    if bytes.len() == spec.bytes() {
+        return Ok(());
+    }
+    Err(CommError::invalid(format!(
+        "{} got {} bytes of values; it holds {}",
+        spec.describe(),
+        bytes.len(),
+        spec.bytes()
+    )))
+}
+
 /// One tensor of a [`DeviceModel`].
 #[derive(Debug)]
 struct DevTensor {
@@ -248,18 +261,10 @@ impl DeviceModel {
     }
 
     fn upload(&self, spec: &ParamSpec, bytes: &[u8]) -> Result<u64, CommError> {
-        if bytes.len() != spec.bytes() {
-            return Err(CommError::invalid(format!(
-                "{} has {} bytes of values; it needs {}",
-                spec.describe(),
-                bytes.len(),
-                spec.bytes()
-            )));
-        }
+        check_len(spec, bytes)?;
         let p = &self.placement;
         let ptr = p.device.alloc_zeroed(bytes.len(), p.stream)?;
-        // SAFETY: `ptr` holds `bytes.len()` bytes, just allocated.
-        unsafe { p.device.copy_from_host(ptr, bytes, p.stream) }?;
+        self.enqueue_write(ptr, spec, bytes)?;
         Ok(ptr)
     }
 
@@ -393,14 +398,7 @@ impl DeviceModel {
     }
 
     fn enqueue_write(&self, ptr: u64, spec: &ParamSpec, bytes: &[u8]) -> Result<(), CommError> {
-        if bytes.len() != spec.bytes() {
-            return Err(CommError::invalid(format!(
-                "{} got {} bytes; it holds {}",
-                spec.describe(),
-                bytes.len(),
-                spec.bytes()
-            )));
-        }
+        check_len(spec, bytes)?;
         let p = &self.placement;
         // SAFETY: `ptr` is a live allocation of `spec.bytes()` bytes.
         unsafe { p.device.copy_from_host(ptr, bytes, p.stream) }

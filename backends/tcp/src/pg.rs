@@ -478,29 +478,11 @@ impl TcpBackend {
             }
         }
 
-        let mut opts = opts;
-        if world > 1 {
-            let mine = opts.algo.segment_bytes;
-            let (agreed, shm) = before(deadline, agree_setup(rank, &mut conns, mine, opts.shm))
-                .await
-                .ok_or_else(|| setup_err(rank, "timed out agreeing on the segment size"))?
-                .map_err(|e| setup_err(rank, format_args!("agreeing on the segment size: {e}")))?;
-            if agreed != mine {
-                tracing::warn!(
-                    rank,
-                    "the ranks run with different segment sizes (CONSORT_SEGMENT_BYTES); this \
-                     rank's {mine} becomes the smallest, {agreed}, as on every rank"
-                );
-                opts.algo.segment_bytes = agreed;
-            }
-            if opts.shm && !shm {
-                tracing::warn!(
-                    rank,
-                    "shared memory is off on some rank (CONSORT_SHM=0): every pair uses TCP"
-                );
-            }
-            opts.shm = shm;
-        }
+        let opts = if world > 1 {
+            agreed_options(rank, &mut conns, opts, deadline).await?
+        } else {
+            opts
+        };
         let slot_bytes = opts.algo.segment_bytes.clamp(SLOT_MIN, SLOT_MAX);
         let (shm_tx, shm_rx) = if opts.shm && world > 1 {
             before(deadline, shm_setup(rank, &mut conns, slot_bytes))
@@ -624,6 +606,38 @@ async fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut b = vec![0u8; len];
     s.read_exact(&mut b).await?;
     Ok(b)
+}
+
+/// `opts` with what every rank must share agreed over the mesh (see
+/// [`agree_setup`]): the smallest segment size, and shared memory only when
+/// every rank has it on.
+async fn agreed_options(
+    rank: usize,
+    conns: &mut [Vec<Option<TcpStream>>],
+    mut opts: TcpOptions,
+    deadline: Instant,
+) -> Result<TcpOptions> {
+    let mine = opts.algo.segment_bytes;
+    let (agreed, shm) = before(deadline, agree_setup(rank, conns, mine, opts.shm))
+        .await
+        .ok_or_else(|| setup_err(rank, "timed out agreeing on the segment size"))?
+        .map_err(|e| setup_err(rank, format_args!("agreeing on the segment size: {e}")))?;
+    if agreed != mine {
+        tracing::warn!(
+            rank,
+            "the ranks run with different segment sizes (CONSORT_SEGMENT_BYTES); this \
+                 rank's {mine} becomes the smallest, {agreed}, as on every rank"
+        );
+        opts.algo.segment_bytes = agreed;
+    }
+    if opts.shm && !shm {
+        tracing::warn!(
+            rank,
+            "shared memory is off on some rank (CONSORT_SHM=0): every pair uses TCP"
+        );
+    }
+    opts.shm = shm;
+    Ok(opts)
 }
 
 /// Agrees with every peer, over stream 0, on what every rank must share:

@@ -67,6 +67,57 @@ impl State {
         Ok(())
     }
 
+    /// Stores every pair, all or nothing: the net change (a key repeated in
+    /// the request counts once, at its last value) is charged first.
+    fn put_all(&mut self, pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Result<(), Closed> {
+        let mut last: HashMap<&[u8], usize> = HashMap::new();
+        for (k, v) in &pairs {
+            last.insert(k, k.len() + v.len());
+        }
+        let add: usize = last.values().sum();
+        let free: usize = last.keys().map(|k| self.held(k)).sum();
+        self.charge(add, free)?;
+        for (k, v) in pairs {
+            self.map.insert(k.clone(), v);
+            self.wake(&k);
+        }
+        Ok(())
+    }
+
+    /// Appends to the queue under `key` (charging its key when the queue
+    /// is new) and wakes one waiter.
+    fn push(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), Closed> {
+        let fresh = if self.queues.contains_key(&key) {
+            0
+        } else {
+            key.len()
+        };
+        self.charge(fresh + value.len(), 0)?;
+        self.queues.entry(key.clone()).or_default().push_back(value);
+        self.wake_one(&key);
+        Ok(())
+    }
+
+    /// QUEUE_POP's reply (torch's: the length before, then the value if
+    /// there was one); an emptied queue is forgotten, key and all.
+    fn pop(&mut self, key: &[u8]) -> Vec<u8> {
+        let Some(q) = self.queues.get_mut(key) else {
+            return 0i64.to_le_bytes().to_vec();
+        };
+        let mut out = (q.len() as i64).to_le_bytes().to_vec();
+        let mut freed = 0;
+        if let Some(v) = q.pop_front() {
+            wire::put_bytes(&mut out, &v);
+            freed += v.len();
+        }
+        if q.is_empty() {
+            self.queues.remove(key);
+            freed += key.len();
+        }
+        self.bytes = self.bytes.saturating_sub(freed);
+        out
+    }
+
     fn has(&self, k: &[u8]) -> bool {
         self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty())
     }
@@ -481,20 +532,7 @@ async fn handle_requests(
                     let v = wire::read_value(r).await?;
                     pairs.push((k, v));
                 }
-                let mut s = lock(state);
-                // All or nothing: the net change (a key repeated in the
-                // request counts once, at its last value) is charged first.
-                let mut last: HashMap<&[u8], usize> = HashMap::new();
-                for (k, v) in &pairs {
-                    last.insert(k, k.len() + v.len());
-                }
-                let add: usize = last.values().sum();
-                let free: usize = last.keys().map(|k| s.held(k)).sum();
-                s.charge(add, free)?;
-                for (k, v) in pairs {
-                    s.map.insert(k.clone(), v);
-                    s.wake(&k);
-                }
+                lock(state).put_all(pairs)?;
             }
             cmd::CANCEL_WAIT => {
                 lock(state).forget(id);
@@ -503,40 +541,12 @@ async fn handle_requests(
             cmd::QUEUE_PUSH => {
                 let key = wire::read_key(r).await?;
                 let value = wire::read_value(r).await?;
-                let mut s = lock(state);
-                let fresh = if s.queues.contains_key(&key) {
-                    0
-                } else {
-                    key.len()
-                };
-                s.charge(fresh + value.len(), 0)?;
-                s.queues.entry(key.clone()).or_default().push_back(value);
-                s.wake_one(&key);
+                lock(state).push(key, value)?;
             }
             cmd::QUEUE_POP => {
                 let key = wire::read_key(r).await?;
-                let mut s = lock(state);
-                let (len, popped, emptied) = match s.queues.get_mut(&key) {
-                    Some(q) => {
-                        let len = q.len();
-                        let v = q.pop_front();
-                        (len, v, q.is_empty())
-                    }
-                    None => (0, None, false),
-                };
-                let mut out = (len as i64).to_le_bytes().to_vec();
-                let mut freed = 0;
-                if let Some(v) = &popped {
-                    wire::put_bytes(&mut out, v);
-                    freed += v.len();
-                }
-                if emptied {
-                    // An empty queue holds nothing: its key goes too.
-                    s.queues.remove(&key);
-                    freed += key.len();
-                }
-                s.bytes = s.bytes.saturating_sub(freed);
-                send(out);
+                let reply = lock(state).pop(&key);
+                send(reply);
             }
             cmd::QUEUE_LEN => {
                 let key = wire::read_key(r).await?;
