@@ -29,11 +29,154 @@
 //! [`Backend::synchronize`], reports it. Calls on host buffers complete
 //! before they return.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use async_trait::async_trait;
 
-use crate::{Buffer, BufferMut, GroupId, ReduceOp, Result};
+use crate::{Buffer, BufferMut, GroupId, OpKind, ReduceOp, Result};
+
+/// One call with its buffers, as [`Backend::submit`] takes it: torch's
+/// collectives and point-to-point ops. Output buffers come first.
+#[derive(Debug)]
+pub enum Op<'a> {
+    /// `all_reduce` in place.
+    AllReduce {
+        /// The buffer, reduced in place.
+        buf: BufferMut<'a>,
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// `broadcast` from `opts.root`.
+    Broadcast {
+        /// The buffer: the root's is sent, the others' are overwritten.
+        buf: BufferMut<'a>,
+    },
+    /// `reduce` into `opts.root`.
+    Reduce {
+        /// The buffer; the root's gets the result.
+        buf: BufferMut<'a>,
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// `all_gather_into_tensor`.
+    AllGather {
+        /// `world_size × input.len()` elements.
+        output: BufferMut<'a>,
+        /// This rank's part.
+        input: Buffer<'a>,
+    },
+    /// `gather` into `opts.root`.
+    Gather {
+        /// The root's output; `None` elsewhere.
+        output: Option<BufferMut<'a>>,
+        /// This rank's part.
+        input: Buffer<'a>,
+    },
+    /// `scatter` from `opts.root`.
+    Scatter {
+        /// This rank's part.
+        output: BufferMut<'a>,
+        /// The root's input; `None` elsewhere.
+        input: Option<Buffer<'a>>,
+    },
+    /// `reduce_scatter_tensor`.
+    ReduceScatter {
+        /// This rank's part of the result.
+        output: BufferMut<'a>,
+        /// `world_size × output.len()` elements.
+        input: Buffer<'a>,
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// `all_to_all_single`, with optional uneven splits.
+    AllToAll {
+        /// Part `i` comes from rank `i`.
+        output: BufferMut<'a>,
+        /// Part `j` goes to rank `j`.
+        input: Buffer<'a>,
+        /// Elements received from each rank (`None`: equal parts).
+        output_splits: Option<&'a [usize]>,
+        /// Elements sent to each rank (`None`: equal parts).
+        input_splits: Option<&'a [usize]>,
+    },
+    /// `barrier`.
+    Barrier,
+    /// `send` to `dst`, matched by `opts.tag`.
+    Send {
+        /// The message.
+        buf: Buffer<'a>,
+        /// The receiving rank.
+        dst: usize,
+    },
+    /// `recv` from `src`, matched by `opts.tag`.
+    Recv {
+        /// Where the message goes.
+        buf: BufferMut<'a>,
+        /// The sending rank.
+        src: usize,
+    },
+}
+
+impl Op<'_> {
+    /// Which op this is.
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Op::AllReduce { .. } => OpKind::AllReduce,
+            Op::Broadcast { .. } => OpKind::Broadcast,
+            Op::Reduce { .. } => OpKind::Reduce,
+            Op::AllGather { .. } => OpKind::AllGather,
+            Op::Gather { .. } => OpKind::Gather,
+            Op::Scatter { .. } => OpKind::Scatter,
+            Op::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Op::AllToAll { .. } => OpKind::AllToAll,
+            Op::Barrier => OpKind::Barrier,
+            Op::Send { .. } => OpKind::Send,
+            Op::Recv { .. } => OpKind::Recv,
+        }
+    }
+}
+
+/// A call in flight (torch's `Work`): await it for the outcome.
+///
+/// The call's place in its group's sequence was fixed when it was made, so
+/// works may be awaited in any order, or together (`join!`). Dropping one
+/// before it finishes cancels its call and aborts the group: peers may be
+/// part-way through the call, so the group cannot go on.
+#[must_use = "a call runs only while its Work is awaited, and dropping the Work aborts the group"]
+pub struct Work<'a>(Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>);
+
+impl<'a> Work<'a> {
+    /// Work that runs `fut`.
+    pub fn new(fut: impl Future<Output = Result<()>> + Send + 'a) -> Self {
+        Work(Box::pin(fut))
+    }
+
+    /// Work that is already done, with `result` (an argument error, say).
+    pub fn ready(result: Result<()>) -> Self {
+        Work(Box::pin(std::future::ready(result)))
+    }
+}
+
+impl Future for Work<'_> {
+    type Output = Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.0.as_mut().poll(cx)
+    }
+}
+
+impl fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Work")
+    }
+}
 
 /// Options for one call. `CallOptions::default()` means root 0, tag 0 and
 /// the group's default timeout.
@@ -100,74 +243,113 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The deadline a call gets when its options name none.
     fn default_timeout(&self) -> Duration;
 
+    /// Makes one call: checks its arguments, fixes its place in the group's
+    /// sequence *now*, before the returned [`Work`] is first polled, and
+    /// returns the work to await. Several calls may be in flight on one
+    /// group; every rank must make them in the same order. Dropping the work
+    /// before it finishes cancels the call and aborts the group with an
+    /// error that says so.
+    ///
+    /// The named methods below (`all_reduce`, `broadcast`, ...) build an
+    /// [`Op`] and call this; backends implement only this.
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a>;
+
     /// Reduces `buf` across all ranks in place; every rank gets the result.
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()>;
+    fn all_reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::AllReduce { buf, op }, opts)
+    }
 
     /// Copies `buf` from `opts.root` to every other rank.
-    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()>;
+    fn broadcast<'a>(&'a self, buf: BufferMut<'a>, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::Broadcast { buf }, opts)
+    }
 
     /// Reduces `buf` across all ranks into `opts.root`'s buffer. Other ranks'
     /// buffers are left in an unspecified state, as in PyTorch.
-    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()>;
+    fn reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::Reduce { buf, op }, opts)
+    }
 
     /// Concatenates every rank's `input`, in rank order, into every rank's
     /// `output` (`output.len() == world_size * input.len()`).
-    async fn all_gather(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+    fn all_gather<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
         opts: &CallOptions,
-    ) -> Result<()>;
+    ) -> Work<'a> {
+        self.submit(Op::AllGather { output, input }, opts)
+    }
 
     /// Concatenates every rank's `input` into `output` on `opts.root`, which
     /// must pass `Some`; other ranks pass `None`.
-    async fn gather(
-        &self,
-        output: Option<BufferMut<'_>>,
-        input: Buffer<'_>,
+    fn gather<'a>(
+        &'a self,
+        output: Option<BufferMut<'a>>,
+        input: Buffer<'a>,
         opts: &CallOptions,
-    ) -> Result<()>;
+    ) -> Work<'a> {
+        self.submit(Op::Gather { output, input }, opts)
+    }
 
     /// Splits `opts.root`'s `input` into `world_size` equal parts and sends
     /// part `r` to rank `r`. The root passes `Some(input)`, others `None`.
-    async fn scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Option<Buffer<'_>>,
+    fn scatter<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Option<Buffer<'a>>,
         opts: &CallOptions,
-    ) -> Result<()>;
+    ) -> Work<'a> {
+        self.submit(Op::Scatter { output, input }, opts)
+    }
 
     /// Reduces `input` (`world_size * output.len()` elements) across ranks
     /// and leaves part `rank` of the result in `output`.
-    async fn reduce_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+    fn reduce_scatter<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
         op: ReduceOp,
         opts: &CallOptions,
-    ) -> Result<()>;
+    ) -> Work<'a> {
+        self.submit(Op::ReduceScatter { output, input, op }, opts)
+    }
 
     /// `all_to_all_single`: part `j` of this rank's `input` goes to rank `j`,
     /// and part `i` of `output` comes from rank `i`. With both split lists
     /// `None` the parts are equal; otherwise they give each part's length in
     /// elements (a `None` side is split equally).
-    async fn all_to_all_single(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        output_split_sizes: Option<&[usize]>,
-        input_split_sizes: Option<&[usize]>,
+    fn all_to_all_single<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
+        output_split_sizes: Option<&'a [usize]>,
+        input_split_sizes: Option<&'a [usize]>,
         opts: &CallOptions,
-    ) -> Result<()>;
+    ) -> Work<'a> {
+        let op = Op::AllToAll {
+            output,
+            input,
+            output_splits: output_split_sizes,
+            input_splits: input_split_sizes,
+        };
+        self.submit(op, opts)
+    }
 
     /// Returns once every rank has entered the barrier.
-    async fn barrier(&self, opts: &CallOptions) -> Result<()>;
+    fn barrier<'a>(&'a self, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::Barrier, opts)
+    }
 
     /// Sends `buf` to rank `dst`, matched by `opts.tag`.
-    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()>;
+    fn send<'a>(&'a self, buf: Buffer<'a>, dst: usize, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::Send { buf, dst }, opts)
+    }
 
     /// Receives into `buf` from rank `src`, matched by `opts.tag`.
-    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()>;
+    fn recv<'a>(&'a self, buf: BufferMut<'a>, src: usize, opts: &CallOptions) -> Work<'a> {
+        self.submit(Op::Recv { buf, src }, opts)
+    }
 
     /// Waits for every call this rank has enqueued on device buffers, and
     /// reports the first failure among them (torch's `work.wait()` on
@@ -178,12 +360,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// `new_group(ranks)`: every rank of this group calls it with the same
-    /// list; members get `Some(handle)` whose ranks are renumbered in list
-    /// order, and non-members get `None`, as in `torch.distributed`.
+    /// Makes a subgroup of this group. `ranks` is already checked (distinct,
+    /// inside this group) and in group-rank order; every rank of this group
+    /// calls it with the same list, making its subgroups in the same order.
+    /// Members get `Some(handle)`, others `None`. `opts.timeout` is the new
+    /// group's default timeout (`None`: this group's).
     ///
-    /// The default refuses with `Unsupported`; backends add subgroups by
-    /// overriding it.
+    /// Users call [`crate::ProcessGroup::new_group`], which applies torch's
+    /// rules for the list first. The default refuses with `Unsupported`.
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -15,7 +15,7 @@
 
 use std::{fmt, sync::Arc};
 
-use crate::{Backend, Buffer, BufferMut, CallOptions, Element, ReduceOp, Result};
+use crate::{Backend, Buffer, BufferMut, CallOptions, Element, ReduceOp, Result, Work};
 
 /// A handle on a process group with typed collectives.
 ///
@@ -58,45 +58,48 @@ impl ProcessGroup {
     }
 
     /// `all_reduce` in place with default options.
-    pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_with(buf, op, &CallOptions::default()).await
+    ///
+    /// Every call here returns a [`Work`] whose place in the group's
+    /// sequence is fixed now: several may be in flight, awaited in any
+    /// order or together.
+    pub fn all_reduce<'a, T: Element>(&'a self, buf: &'a mut [T], op: ReduceOp) -> Work<'a> {
+        self.all_reduce_with(buf, op, &CallOptions::default())
     }
 
     /// `all_reduce` in place.
-    pub async fn all_reduce_with<T: Element>(
-        &self,
-        buf: &mut [T],
+    pub fn all_reduce_with<'a, T: Element>(
+        &'a self,
+        buf: &'a mut [T],
         op: ReduceOp,
         opts: &CallOptions,
-    ) -> Result<()> {
-        self.backend
-            .all_reduce(BufferMut::from(buf), op, opts)
-            .await
+    ) -> Work<'a> {
+        self.backend.all_reduce(BufferMut::from(buf), op, opts)
     }
 
     /// `broadcast` from `root`.
-    pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+    pub fn broadcast<'a, T: Element>(&'a self, buf: &'a mut [T], root: usize) -> Work<'a> {
         self.backend
             .broadcast(BufferMut::from(buf), &CallOptions::root(root))
-            .await
     }
 
     /// `reduce` into `root`.
-    pub async fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    pub fn reduce<'a, T: Element>(
+        &'a self,
+        buf: &'a mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<'a> {
         self.backend
             .reduce(BufferMut::from(buf), op, &CallOptions::root(root))
-            .await
     }
 
     /// `all_gather` into `output` (`world_size × input.len()` elements).
-    pub async fn all_gather<T: Element>(&self, output: &mut [T], input: &[T]) -> Result<()> {
-        self.backend
-            .all_gather(
-                BufferMut::from(output),
-                Buffer::from(input),
-                &CallOptions::default(),
-            )
-            .await
+    pub fn all_gather<'a, T: Element>(&'a self, output: &'a mut [T], input: &'a [T]) -> Work<'a> {
+        self.backend.all_gather(
+            BufferMut::from(output),
+            Buffer::from(input),
+            &CallOptions::default(),
+        )
     }
 
     /// `all_gather` into a new vector.
@@ -111,108 +114,86 @@ impl ProcessGroup {
     }
 
     /// `gather` into `output` on `root` (others pass `None`).
-    pub async fn gather<T: Element>(
-        &self,
-        output: Option<&mut [T]>,
-        input: &[T],
+    pub fn gather<'a, T: Element>(
+        &'a self,
+        output: Option<&'a mut [T]>,
+        input: &'a [T],
         root: usize,
-    ) -> Result<()> {
-        self.backend
-            .gather(
-                output.map(BufferMut::from),
-                Buffer::from(input),
-                &CallOptions::root(root),
-            )
-            .await
+    ) -> Work<'a> {
+        self.backend.gather(
+            output.map(BufferMut::from),
+            Buffer::from(input),
+            &CallOptions::root(root),
+        )
     }
 
     /// `scatter` from `root` (others pass `None` as input).
-    pub async fn scatter<T: Element>(
-        &self,
-        output: &mut [T],
-        input: Option<&[T]>,
+    pub fn scatter<'a, T: Element>(
+        &'a self,
+        output: &'a mut [T],
+        input: Option<&'a [T]>,
         root: usize,
-    ) -> Result<()> {
-        self.backend
-            .scatter(
-                BufferMut::from(output),
-                input.map(Buffer::from),
-                &CallOptions::root(root),
-            )
-            .await
+    ) -> Work<'a> {
+        self.backend.scatter(
+            BufferMut::from(output),
+            input.map(Buffer::from),
+            &CallOptions::root(root),
+        )
     }
 
     /// `reduce_scatter` (`input` holds `world_size × output.len()` elements).
-    pub async fn reduce_scatter<T: Element>(
-        &self,
-        output: &mut [T],
-        input: &[T],
+    pub fn reduce_scatter<'a, T: Element>(
+        &'a self,
+        output: &'a mut [T],
+        input: &'a [T],
         op: ReduceOp,
-    ) -> Result<()> {
-        self.backend
-            .reduce_scatter(
-                BufferMut::from(output),
-                Buffer::from(input),
-                op,
-                &CallOptions::default(),
-            )
-            .await
+    ) -> Work<'a> {
+        self.backend.reduce_scatter(
+            BufferMut::from(output),
+            Buffer::from(input),
+            op,
+            &CallOptions::default(),
+        )
     }
 
     /// `all_to_all_single`, with equal parts when both split lists are `None`.
-    pub async fn all_to_all_single<T: Element>(
-        &self,
-        output: &mut [T],
-        input: &[T],
-        output_split_sizes: Option<&[usize]>,
-        input_split_sizes: Option<&[usize]>,
-    ) -> Result<()> {
-        self.backend
-            .all_to_all_single(
-                BufferMut::from(output),
-                Buffer::from(input),
-                output_split_sizes,
-                input_split_sizes,
-                &CallOptions::default(),
-            )
-            .await
+    pub fn all_to_all_single<'a, T: Element>(
+        &'a self,
+        output: &'a mut [T],
+        input: &'a [T],
+        output_split_sizes: Option<&'a [usize]>,
+        input_split_sizes: Option<&'a [usize]>,
+    ) -> Work<'a> {
+        self.backend.all_to_all_single(
+            BufferMut::from(output),
+            Buffer::from(input),
+            output_split_sizes,
+            input_split_sizes,
+            &CallOptions::default(),
+        )
     }
 
     /// `barrier`.
-    pub async fn barrier(&self) -> Result<()> {
-        self.backend.barrier(&CallOptions::default()).await
+    pub fn barrier(&self) -> Work<'_> {
+        self.backend.barrier(&CallOptions::default())
     }
 
     /// `send` to `dst` with `tag`.
-    pub async fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
-        self.backend
-            .send(
-                Buffer::from(buf),
-                dst,
-                &CallOptions::default().with_tag(tag),
-            )
-            .await
+    pub fn send<'a, T: Element>(&'a self, buf: &'a [T], dst: usize, tag: u32) -> Work<'a> {
+        self.backend.send(
+            Buffer::from(buf),
+            dst,
+            &CallOptions::default().with_tag(tag),
+        )
     }
 
     /// `recv` from `src` with `tag`.
-    pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<()> {
-        self.backend
-            .recv(
-                BufferMut::from(buf),
-                src,
-                &CallOptions::default().with_tag(tag),
-            )
-            .await
-    }
-
-    /// `new_group(ranks)`: `Some` on members, `None` elsewhere. Every rank of
-    /// this group must call it with the same list.
-    pub async fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
-        Ok(self
-            .backend
-            .new_group(ranks, &CallOptions::default())
-            .await?
-            .map(ProcessGroup::new))
+    pub fn recv<'a, T: Element>(&'a self, buf: &'a mut [T], src: usize, tag: u32) -> Work<'a> {
+        self.backend.recv(
+            BufferMut::from(buf),
+            src,
+            &CallOptions::default().with_tag(tag),
+        )
     }
 }
 
@@ -285,89 +266,45 @@ mod tests {
         fn default_timeout(&self) -> Duration {
             Duration::from_secs(1)
         }
-        async fn all_reduce(&self, b: BufferMut<'_>, op: ReduceOp, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::AllReduce, Some(&b), None, o, op.to_string());
-            Ok(())
-        }
-        async fn broadcast(&self, b: BufferMut<'_>, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::Broadcast, Some(&b), None, o, String::new());
-            Ok(())
-        }
-        async fn reduce(&self, b: BufferMut<'_>, op: ReduceOp, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::Reduce, Some(&b), None, o, op.to_string());
-            Ok(())
-        }
-        async fn all_gather(
-            &self,
-            out: BufferMut<'_>,
-            i: Buffer<'_>,
-            o: &CallOptions,
-        ) -> Result<()> {
-            self.log(OpKind::AllGather, Some(&out), Some(&i), o, String::new());
-            Ok(())
-        }
-        async fn gather(
-            &self,
-            out: Option<BufferMut<'_>>,
-            i: Buffer<'_>,
-            o: &CallOptions,
-        ) -> Result<()> {
-            self.log(OpKind::Gather, out.as_ref(), Some(&i), o, String::new());
-            Ok(())
-        }
-        async fn scatter(
-            &self,
-            out: BufferMut<'_>,
-            i: Option<Buffer<'_>>,
-            o: &CallOptions,
-        ) -> Result<()> {
-            self.log(OpKind::Scatter, Some(&out), i.as_ref(), o, String::new());
-            Ok(())
-        }
-        async fn reduce_scatter(
-            &self,
-            out: BufferMut<'_>,
-            i: Buffer<'_>,
-            op: ReduceOp,
-            o: &CallOptions,
-        ) -> Result<()> {
-            self.log(
-                OpKind::ReduceScatter,
-                Some(&out),
-                Some(&i),
-                o,
-                op.to_string(),
-            );
-            Ok(())
-        }
-        async fn all_to_all_single(
-            &self,
-            out: BufferMut<'_>,
-            i: Buffer<'_>,
-            os: Option<&[usize]>,
-            is: Option<&[usize]>,
-            o: &CallOptions,
-        ) -> Result<()> {
-            self.log(
-                OpKind::AllToAll,
-                Some(&out),
-                Some(&i),
-                o,
-                format!("{os:?} {is:?}"),
-            );
-            Ok(())
-        }
-        async fn barrier(&self, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::Barrier, None, None, o, String::new());
-            Ok(())
-        }
-        async fn send(&self, b: Buffer<'_>, dst: usize, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::Send, None, Some(&b), o, format!("to {dst}"));
-            Ok(())
-        }
-        async fn recv(&self, b: BufferMut<'_>, src: usize, o: &CallOptions) -> Result<()> {
-            self.log(OpKind::Recv, Some(&b), None, o, format!("from {src}"));
-            Ok(())
+        fn submit<'a>(&'a self, op: crate::Op<'a>, o: &CallOptions) -> Work<'a> {
+            use crate::Op;
+            let kind = op.kind();
+            match &op {
+                Op::AllReduce { buf, op } | Op::Reduce { buf, op } => {
+                    self.log(kind, Some(buf), None, o, op.to_string())
+                }
+                Op::Broadcast { buf } => self.log(kind, Some(buf), None, o, String::new()),
+                Op::AllGather { output, input } => {
+                    self.log(kind, Some(output), Some(input), o, String::new())
+                }
+                Op::Gather { output, input } => {
+                    self.log(kind, output.as_ref(), Some(input), o, String::new())
+                }
+                Op::Scatter { output, input } => {
+                    self.log(kind, Some(output), input.as_ref(), o, String::new())
+                }
+                Op::ReduceScatter { output, input, op } => {
+                    self.log(kind, Some(output), Some(input), o, op.to_string())
+                }
+                Op::AllToAll {
+                    output,
+                    input,
+                    output_splits,
+                    input_splits,
+                } => self.log(
+                    kind,
+                    Some(output),
+                    Some(input),
+                    o,
+                    format!("{output_splits:?} {input_splits:?}"),
+                ),
+                Op::Barrier => self.log(kind, None, None, o, String::new()),
+                Op::Send { buf, dst } => self.log(kind, None, Some(buf), o, format!("to {dst}")),
+                Op::Recv { buf, src } => {
+                    self.log(kind, Some(buf), None, o, format!("from {src}"))
+                }
+            }
+            Work::ready(Ok(()))
         }
     }
 
@@ -393,12 +330,6 @@ mod tests {
         pg.barrier().await.unwrap();
         pg.send(&x, 1, 7).await.unwrap();
         pg.recv(&mut y, 1, 8).await.unwrap();
-        let e = pg.new_group(&[0]).await.unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("recorder backend does not create subgroups"),
-            "{e}"
-        );
 
         let seen = rec.0.lock().unwrap();
         let s = |op, dtype, out_len, in_len, root, tag, extra: &str| Seen {
@@ -433,5 +364,12 @@ mod tests {
             s(OpKind::Recv, I64, Some(3), None, 0, 8, "from 1"),
         ];
         assert_eq!(*seen, want);
+        drop(seen);
+        let e = pg.new_group(&[0]).await.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("recorder backend does not create subgroups"),
+            "{e}"
+        );
     }
 }

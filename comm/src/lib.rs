@@ -26,6 +26,7 @@ mod backend;
 mod buffer;
 pub mod device;
 pub mod dtype;
+pub mod engine;
 mod error;
 mod fingerprint;
 pub mod frame;
@@ -33,10 +34,11 @@ mod group;
 mod objects;
 pub mod reduce;
 pub mod store;
+mod subgroups;
 pub mod time;
 pub mod validate;
 
-pub use backend::{Backend, CallOptions};
+pub use backend::{Backend, CallOptions, Op, Work};
 pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
 pub use device::{Device, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};
@@ -44,6 +46,7 @@ pub use error::{CommError, ErrorContext, Result};
 pub use fingerprint::{Fingerprint, GroupId, OpKind};
 pub use group::ProcessGroup;
 pub use reduce::ReduceOp;
+pub use subgroups::GroupOptions;
 pub use store::{MemStore, PrefixStore, Store, StoreError, StoreResult};
 
 /// Re-exported so that users name `consort_comm::half::bf16` without adding

@@ -116,28 +116,33 @@ pub fn splits(
     }
 }
 
-/// A `new_group` rank list: non-empty, in range, no duplicates.
-pub fn subgroup_ranks(ranks: &[usize], world_size: usize) -> Result<()> {
+/// Checks one rank list against a parent of `world` ranks: no duplicates,
+/// no rank outside the parent, no longer than it. An empty list means every
+/// rank, as in torch.
+pub fn group_ranks(ranks: &[usize], world: usize, sort: bool) -> Result<Vec<usize>> {
     if ranks.is_empty() {
-        return Err(CommError::invalid("new_group needs at least one rank"));
+        return Ok((0..world).collect());
     }
-    let mut seen = vec![false; world_size];
-    for &r in ranks {
-        match seen.get_mut(r) {
-            None => {
-                return Err(CommError::invalid(format!(
-                    "new_group rank {r} is out of range for a group of {world_size} ranks"
-                )));
-            }
-            Some(true) => {
-                return Err(CommError::invalid(format!(
-                    "new_group lists rank {r} twice"
-                )));
-            }
-            Some(s) => *s = true,
-        }
+    if ranks.len() > world {
+        return Err(CommError::invalid(format!(
+            "a group of {} ranks cannot be made from a group of {world}",
+            ranks.len()
+        )));
     }
-    Ok(())
+    if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
+        return Err(CommError::invalid(format!(
+            "rank {r} is not in the parent group, whose ranks are 0..{world}"
+        )));
+    }
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(CommError::invalid(format!(
+            "rank {} appears twice in the group's rank list {ranks:?}",
+            w[0]
+        )));
+    }
+    Ok(if sort { sorted } else { ranks.to_vec() })
 }
 
 #[cfg(test)]
@@ -176,13 +181,5 @@ mod tests {
         assert!(splits(Some(&[1, 1]), 2, 3, "output").is_err());
         assert!(splits(Some(&[1, 1, 1]), 2, 3, "output").is_err());
         assert!(splits(Some(&[usize::MAX, 2, 0]), 1, 3, "output").is_err());
-    }
-
-    #[test]
-    fn subgroups() {
-        assert!(subgroup_ranks(&[2, 0], 3).is_ok());
-        assert!(subgroup_ranks(&[], 3).is_err());
-        assert!(subgroup_ranks(&[0, 0], 3).is_err());
-        assert!(subgroup_ranks(&[3], 3).is_err());
     }
 }

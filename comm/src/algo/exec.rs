@@ -117,7 +117,9 @@ impl CallBuffers<'_> {
     }
 }
 
-use crate::{Buffer, BufferMut, CallOptions, ErrorContext, Fingerprint, GroupId, OpKind, validate};
+use crate::{
+    Buffer, BufferMut, CallOptions, ErrorContext, Fingerprint, GroupId, Op, OpKind, validate,
+};
 
 use super::CallSpec;
 
@@ -178,6 +180,51 @@ impl<'a> Call<'a> {
             input_splits: Vec::new(),
             output_splits: Vec::new(),
             finalize: false,
+        }
+    }
+
+    /// The call for `op`, checked: one match over every op, for every
+    /// backend that drives schedules.
+    pub fn from_op(
+        backend: &str,
+        rank: usize,
+        world: usize,
+        op: Op<'a>,
+        opts: &CallOptions,
+    ) -> Result<Self> {
+        match op {
+            Op::AllReduce { buf, op } => Call::all_reduce(backend, rank, buf, op),
+            Op::Broadcast { buf } => Call::broadcast(backend, rank, world, buf, opts),
+            Op::Reduce { buf, op } => Call::reduce(backend, rank, world, buf, op, opts),
+            Op::AllGather { output, input } => {
+                Call::all_gather(backend, rank, world, output, input)
+            }
+            Op::Gather { output, input } => {
+                Call::gather(backend, rank, world, output, input, opts)
+            }
+            Op::Scatter { output, input } => {
+                Call::scatter(backend, rank, world, output, input, opts)
+            }
+            Op::ReduceScatter { output, input, op } => {
+                Call::reduce_scatter(backend, rank, world, output, input, op)
+            }
+            Op::AllToAll {
+                output,
+                input,
+                output_splits,
+                input_splits,
+            } => Call::all_to_all(
+                backend,
+                rank,
+                world,
+                output,
+                input,
+                output_splits,
+                input_splits,
+            ),
+            Op::Barrier => Ok(Call::barrier()),
+            Op::Send { buf, dst } => Call::send(backend, rank, world, buf, dst, opts),
+            Op::Recv { buf, src } => Call::recv(backend, rank, world, buf, src, opts),
         }
     }
 

@@ -1,0 +1,571 @@
+//! The call engine: the rules that turn frames into finished calls, written
+//! once and sans-IO, as [`crate::algo`] does for the schedules.
+//!
+//! One [`Engine`] per rank holds every group this rank belongs to and every
+//! call it has in flight. Drivers (the simulator, the TCP/QUIC mesh) feed it
+//! what happens — a call made, a frame arrived, a peer lost, an abort — and
+//! ask it what follows: which frame a posted receive gets, whether a call
+//! must fail now and with which error, and what to tell the peers. The
+//! engine never touches memory, sockets or clocks; payloads are an opaque
+//! `P` the driver chooses.
+//!
+//! # The rules
+//!
+//! - **Sequence numbers.** Each group numbers its collectives from 0 in the
+//!   order calls are *made* ([`Engine::begin`]), not the order they are
+//!   polled. Every rank must make its calls on a group in one order, as in
+//!   torch. Point-to-point calls are matched by (peer, tag) in order.
+//! - **Early frames** wait in the mailbox until their call posts the receive.
+//!   A frame for a call that has already finished on this rank is a
+//!   protocol error, and so is a second frame for one (group, peer, seq,
+//!   tag).
+//! - **Fingerprints.** A collective frame whose fingerprint differs from the
+//!   call's is a `Mismatch` naming both sides; point-to-point frames compare
+//!   dtypes only.
+//! - **Poisoning.** Argument errors are found before a call begins and fail
+//!   only that call. Any failure after a call began poisons its group: every
+//!   call in flight on it fails, later calls fail fast with the first cause,
+//!   and the failure is sent to the group's peers ([`Ended::abort`]).
+//!   A lost peer breaks every group it belongs to; a frame that breaks the
+//!   protocol breaks every group.
+//! - **Cancellation.** Dropping a call before it finishes poisons its group
+//!   with an error that says so ([`Engine::cancel`]); it never leaves the
+//!   group stuck.
+//! - **Stall probes.** A call that makes no progress asks its peers which
+//!   call they are in at its sequence number ([`Engine::probe_answer`]); a
+//!   different one is a mismatch that no frame would reveal.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use crate::frame::AbortInfo;
+use crate::{CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result};
+
+#[cfg(test)]
+mod tests;
+
+/// A call in flight, as the engine knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CallId(u64);
+
+/// What [`Engine::begin`] fixed for a call.
+#[derive(Clone, Copy, Debug)]
+pub struct Begun {
+    /// The handle for the engine's other methods.
+    pub id: CallId,
+    /// The call's place in its group's sequence (0 for point-to-point).
+    pub seq: u64,
+    /// The call's fingerprint.
+    pub fp: Fingerprint,
+    /// The context every error of this call carries.
+    pub ctx: ErrorContext,
+}
+
+/// What a finished call returns, and what to tell the peers.
+#[derive(Debug)]
+pub struct Ended {
+    /// The call's outcome, with its context.
+    pub result: Result<()>,
+    /// An abort to send to the group's other members (mesh ranks), when the
+    /// failure started here.
+    pub abort: Option<(AbortInfo, Fingerprint, Vec<usize>)>,
+}
+
+/// A frame waiting for its receive.
+#[derive(Debug)]
+struct Filed<P> {
+    fp: Fingerprint,
+    payload: P,
+}
+
+#[derive(Debug)]
+struct GroupState {
+    /// Mesh rank of each group rank.
+    members: Vec<usize>,
+    /// This rank's place in the group.
+    me: usize,
+    next_seq: u64,
+    poisoned: Option<CommError>,
+    /// Subgroups made from this group so far (for their ids).
+    children: u32,
+}
+
+#[derive(Debug)]
+struct Running {
+    group: GroupId,
+    fp: Fingerprint,
+    ctx: ErrorContext,
+    p2p: bool,
+}
+
+/// One rank's call engine (see the module docs for its rules).
+#[derive(Debug)]
+pub struct Engine<P> {
+    rank: usize,
+    world: usize,
+    groups: HashMap<GroupId, GroupState>,
+    calls: HashMap<CallId, Running>,
+    next_call: u64,
+    /// Collective frames by (group, mesh sender, seq, tag).
+    coll: HashMap<(GroupId, usize, u64, u32), Filed<P>>,
+    /// Point-to-point frames by (group, mesh sender, tag), in order.
+    p2p: HashMap<(GroupId, usize, u32), VecDeque<Filed<P>>>,
+    /// Peers whose connection ended (mesh ranks), with why.
+    lost: Vec<(usize, String)>,
+    /// The first frame that broke the protocol: (mesh peer, why).
+    protocol: Option<(usize, String)>,
+    /// The first abort received per group: (mesh peer, what it said).
+    aborts: HashMap<GroupId, (usize, AbortInfo)>,
+    /// Answers to stall probes: (mesh peer, its call at the asked seq).
+    probes: Vec<(usize, Fingerprint)>,
+}
+
+impl<P> Engine<P> {
+    /// The engine of mesh rank `rank` of `world`, with the world group.
+    pub fn new(rank: usize, world: usize) -> Self {
+        let mut groups = HashMap::new();
+        groups.insert(
+            GroupId::WORLD,
+            GroupState {
+                members: (0..world).collect(),
+                me: rank,
+                next_seq: 0,
+                poisoned: None,
+                children: 0,
+            },
+        );
+        Engine {
+            rank,
+            world,
+            groups,
+            calls: HashMap::new(),
+            next_call: 0,
+            coll: HashMap::new(),
+            p2p: HashMap::new(),
+            lost: Vec::new(),
+            protocol: None,
+            aborts: HashMap::new(),
+            probes: Vec::new(),
+        }
+    }
+
+    /// This rank in the mesh.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The mesh's size.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The mesh ranks of `group`'s members, in group-rank order.
+    pub fn members(&self, group: GroupId) -> Option<&[usize]> {
+        self.groups.get(&group).map(|g| g.members.as_slice())
+    }
+
+    /// The id of the next subgroup made from `parent`: every rank of the
+    /// parent makes the same subgroups in the same order, members or not,
+    /// so they all arrive at the same id.
+    pub fn next_group_id(&mut self, parent: GroupId) -> Result<GroupId> {
+        let g = self
+            .groups
+            .get_mut(&parent)
+            .ok_or_else(|| CommError::invalid(format!("group {} is not known here", parent.0)))?;
+        g.children += 1;
+        let mut h: u32 = 0x811c_9dc5;
+        for b in parent.0.to_le_bytes().iter().chain(&g.children.to_le_bytes()) {
+            h = (h ^ u32::from(*b)).wrapping_mul(0x0100_0193);
+        }
+        // Never WORLD. Ids derive from the parent's id and count alone, so
+        // every rank computes the same one without talking; a collision with
+        // a group this rank is in (odds 2^-32 per pair) is refused rather
+        // than renumbered, which would make ranks disagree.
+        let id = GroupId(h.max(1));
+        if self.groups.contains_key(&id) {
+            return Err(CommError::invalid(format!(
+                "subgroup id {} collides with a group this rank is already in; make the groups \
+                 in another order",
+                id.0
+            )));
+        }
+        Ok(id)
+    }
+
+    /// Adds a group whose members are these mesh ranks (in group-rank
+    /// order); this rank must be one of them.
+    pub fn add_group(&mut self, id: GroupId, members: Vec<usize>) -> Result<usize> {
+        let me = members
+            .iter()
+            .position(|&m| m == self.rank)
+            .ok_or_else(|| CommError::invalid("internal: a group without this rank"))?;
+        if members.iter().any(|&m| m >= self.world) {
+            return Err(CommError::invalid("internal: a group member outside the mesh"));
+        }
+        self.groups.insert(
+            id,
+            GroupState {
+                members,
+                me,
+                next_seq: 0,
+                poisoned: None,
+                children: 0,
+            },
+        );
+        Ok(me)
+    }
+
+    /// Makes a call on `group`: fixes its sequence number now and registers
+    /// it as in flight. `fingerprint` builds the call's fingerprint from its
+    /// sequence number. Fails fast, without registering, when the group is
+    /// poisoned or a member is gone.
+    pub fn begin(
+        &mut self,
+        group: GroupId,
+        op: OpKind,
+        fingerprint: impl FnOnce(u64) -> Fingerprint,
+    ) -> Result<Begun> {
+        let p2p = matches!(op, OpKind::Send | OpKind::Recv);
+        let g = self.groups.get_mut(&group).ok_or_else(|| {
+            CommError::invalid(format!(
+                "this rank is not a member of group {}; only members may call on it",
+                group.0
+            ))
+        })?;
+        let seq = if p2p { 0 } else { g.next_seq };
+        let ctx = ErrorContext::new(op, g.me, seq, group);
+        if let Some(e) = &g.poisoned {
+            return Err(e.to_aborted().with_context(ctx));
+        }
+        if let Some((peer, why)) = &self.protocol {
+            let e = CommError::protocol(Some(*peer), why.clone()).with_context(ctx);
+            g.poisoned = Some(e.clone());
+            return Err(e);
+        }
+        // A lost peer breaks every collective of its groups. A
+        // point-to-point call only needs its own peer, which may have sent
+        // and left before this call began: its driver decides after taking
+        // what has arrived.
+        if !p2p {
+            let gone = self.lost.iter().find_map(|(p, why)| {
+                g.members
+                    .iter()
+                    .position(|m| m == p)
+                    .map(|gr| (gr, why.clone()))
+            });
+            if let Some((peer, reason)) = gone {
+                let e = CommError::PeerLost { ctx, peer, reason };
+                g.poisoned = Some(e.clone());
+                return Err(e);
+            }
+            g.next_seq += 1;
+        }
+        self.next_call += 1;
+        let id = CallId(self.next_call);
+        let fp = fingerprint(seq);
+        self.calls.insert(
+            id,
+            Running {
+                group,
+                fp,
+                ctx,
+                p2p,
+            },
+        );
+        Ok(Begun { id, seq, fp, ctx })
+    }
+
+    /// Files a data frame from mesh rank `from`, carrying `fp` and `tag`.
+    /// A frame for a call this rank has already finished, or a second frame
+    /// for one slot, breaks the protocol (recorded; every call fails).
+    pub fn file(&mut self, from: usize, fp: Fingerprint, tag: u32, payload: P) {
+        if matches!(fp.op, OpKind::Send | OpKind::Recv) {
+            self.p2p
+                .entry((fp.group, from, tag))
+                .or_default()
+                .push_back(Filed { fp, payload });
+            return;
+        }
+        if let Some(g) = self.groups.get(&fp.group) {
+            let running = self
+                .calls
+                .values()
+                .any(|c| c.group == fp.group && !c.p2p && c.fp.seq == fp.seq);
+            if fp.seq < g.next_seq && !running {
+                self.protocol.get_or_insert((
+                    from,
+                    format!(
+                        "a frame for call {} of group {}, which has already finished here \
+                         (stale or duplicate)",
+                        fp.seq, fp.group.0
+                    ),
+                ));
+                return;
+            }
+        }
+        let key = (fp.group, from, fp.seq, tag);
+        if self.coll.insert(key, Filed { fp, payload }).is_some() {
+            self.protocol.get_or_insert((
+                from,
+                format!("duplicate frame (group {}, seq {}, tag {tag})", fp.group.0, fp.seq),
+            ));
+        }
+    }
+
+    /// The frame for `call`'s receive from group rank `from` with `tag`, if
+    /// it has arrived; `Err` when its fingerprint does not match the call.
+    pub fn take(&mut self, call: CallId, from: usize, tag: u32) -> Option<Result<P>> {
+        let c = self.calls.get(&call)?;
+        let mesh = *self.groups.get(&c.group)?.members.get(from)?;
+        let filed = if c.p2p {
+            let q = self.p2p.get_mut(&(c.group, mesh, tag))?;
+            let f = q.pop_front();
+            if q.is_empty() {
+                self.p2p.remove(&(c.group, mesh, tag));
+            }
+            f?
+        } else {
+            self.coll.remove(&(c.group, mesh, c.fp.seq, tag))?
+        };
+        let differs = if c.p2p {
+            filed.fp.dtype != c.fp.dtype
+        } else {
+            filed.fp != c.fp
+        };
+        Some(if differs {
+            Err(CommError::Mismatch {
+                ctx: ErrorContext::default(),
+                local: c.fp,
+                remote: filed.fp,
+                remote_rank: from,
+            })
+        } else {
+            Ok(filed.payload)
+        })
+    }
+
+    /// Whether a point-to-point frame from group rank `from` with `tag`
+    /// waits for `call` (so a lost peer still delivered its message).
+    pub fn has_p2p(&self, call: CallId, from: usize, tag: u32) -> bool {
+        let Some(c) = self.calls.get(&call) else {
+            return false;
+        };
+        let Some(&mesh) = self.groups.get(&c.group).and_then(|g| g.members.get(from)) else {
+            return false;
+        };
+        self.p2p.contains_key(&(c.group, mesh, tag))
+    }
+
+    /// The peer at mesh rank `peer` is gone (EOF, reset, crash).
+    pub fn peer_lost(&mut self, peer: usize, why: impl Into<String>) {
+        if !self.lost.iter().any(|(p, _)| *p == peer) {
+            self.lost.push((peer, why.into()));
+        }
+    }
+
+    /// Whether mesh rank `peer` is gone.
+    pub fn is_lost(&self, peer: usize) -> bool {
+        self.lost.iter().any(|(p, _)| *p == peer)
+    }
+
+    /// A frame from mesh rank `peer` broke the protocol.
+    pub fn protocol_error(&mut self, peer: usize, why: impl Into<String>) {
+        self.protocol.get_or_insert((peer, why.into()));
+    }
+
+    /// Mesh rank `peer` failed a call of `fp.group` and said why.
+    pub fn aborted(&mut self, peer: usize, fp: Fingerprint, info: AbortInfo) {
+        self.aborts.entry(fp.group).or_insert((peer, info));
+    }
+
+    /// The peer at mesh rank `peer` answered a stall probe with `fp`.
+    pub fn probe_reply(&mut self, peer: usize, fp: Fingerprint) {
+        self.probes.push((peer, fp));
+    }
+
+    /// How this rank answers a peer's stall probe for call `seq` of
+    /// `group`: its own call at that place, if it is in one.
+    pub fn probe_answer(&self, group: GroupId, seq: u64) -> Option<Fingerprint> {
+        self.calls
+            .values()
+            .find(|c| c.group == group && !c.p2p && c.fp.seq == seq)
+            .map(|c| c.fp)
+    }
+
+    /// The error `call` must fail with now, if any. `waiting_on` are the
+    /// group ranks its schedule still waits for.
+    pub fn failure(&mut self, call: CallId, waiting_on: &[usize]) -> Option<CommError> {
+        let c = self.calls.get(&call)?;
+        let g = self.groups.get(&c.group)?;
+        if let Some(e) = &g.poisoned {
+            return Some(e.to_aborted());
+        }
+        if let Some((peer, why)) = &self.protocol {
+            return Some(CommError::protocol(Some(*peer), why.clone()));
+        }
+        let group_rank = |mesh: usize| g.members.iter().position(|&m| m == mesh);
+        if let Some((peer, info)) = self.aborts.get(&c.group) {
+            let peer = group_rank(*peer).unwrap_or(*peer);
+            return Some(from_abort(peer, info.clone(), c.fp, waiting_on.to_vec()));
+        }
+        if let Some((peer, reason)) = self.lost.iter().find_map(|(p, why)| {
+            group_rank(*p)
+                .filter(|gr| waiting_on.contains(gr))
+                .map(|gr| (gr, why.clone()))
+        }) {
+            return Some(CommError::PeerLost {
+                ctx: ErrorContext::default(),
+                peer,
+                reason,
+            });
+        }
+        if !c.p2p {
+            let fp = c.fp;
+            let found = self
+                .probes
+                .iter()
+                .find(|(_, f)| f.group == fp.group && f.seq == fp.seq && *f != fp)
+                .and_then(|(p, f)| group_rank(*p).map(|gr| (gr, *f)));
+            if let Some((remote_rank, remote)) = found {
+                return Some(CommError::Mismatch {
+                    ctx: ErrorContext::default(),
+                    local: fp,
+                    remote,
+                    remote_rank,
+                });
+            }
+        }
+        None
+    }
+
+    /// Ends `call` with `result`. A failure poisons the call's group (the
+    /// first cause sticks) and, unless a peer's abort caused it, names the
+    /// abort to send to the group's other members.
+    pub fn end(&mut self, call: CallId, result: Result<()>) -> Ended {
+        let Some(c) = self.calls.remove(&call) else {
+            return Ended {
+                result,
+                abort: None,
+            };
+        };
+        let result = result.map_err(|e| e.with_context(c.ctx));
+        let mut abort = None;
+        if let (Err(e), Some(g)) = (&result, self.groups.get_mut(&c.group)) {
+            let first = g.poisoned.is_none();
+            g.poisoned.get_or_insert_with(|| e.clone());
+            let from_peer = self.aborts.contains_key(&c.group);
+            if first && !from_peer {
+                let to = g
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|&m| m != self.rank)
+                    .collect();
+                abort = Some((abort_info(e, Some(c.fp)), c.fp, to));
+            }
+        }
+        if self.calls.is_empty() {
+            self.probes.clear();
+        }
+        Ended { result, abort }
+    }
+
+    /// `call`'s future was dropped before it finished: the group is
+    /// poisoned with an error that says so, and the abort to send is
+    /// returned. Nothing happens for a call that already ended.
+    pub fn cancel(&mut self, call: CallId) -> Option<(AbortInfo, Fingerprint, Vec<usize>)> {
+        let c = self.calls.get(&call)?;
+        let e = CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: format!(
+                "a {} call (seq {}) was cancelled: its future was dropped before it finished. \
+                 Peers may be part-way through it, so the group cannot continue; make a new \
+                 group, or await every call to the end",
+                c.fp.op.name(),
+                c.fp.seq
+            ),
+        };
+        self.end(call, Err(e)).abort
+    }
+
+    /// The sticky failure of `group`, if it is poisoned.
+    pub fn poisoned(&self, group: GroupId) -> Option<&CommError> {
+        self.groups.get(&group).and_then(|g| g.poisoned.as_ref())
+    }
+
+    /// Calls in flight on this rank.
+    pub fn in_flight(&self) -> usize {
+        self.calls.len()
+    }
+}
+
+/// A peer's abort, as this rank's error for its call `own` (which waits on
+/// group ranks `waiting_on`). `peer` is the aborting peer's group rank.
+pub fn from_abort(peer: usize, a: AbortInfo, own: Fingerprint, waiting_on: Vec<usize>) -> CommError {
+    let ctx = ErrorContext::default();
+    match a {
+        AbortInfo::Mismatch {
+            remote,
+            remote_rank,
+            ..
+        } => {
+            if remote == own {
+                CommError::Mismatch {
+                    ctx,
+                    local: own,
+                    remote: own,
+                    remote_rank: peer,
+                }
+            } else {
+                CommError::Mismatch {
+                    ctx,
+                    local: own,
+                    remote,
+                    remote_rank: remote_rank as usize,
+                }
+            }
+        }
+        AbortInfo::PeerLost {
+            peer: lost,
+            message,
+        } => CommError::PeerLost {
+            ctx,
+            peer: lost as usize,
+            reason: message,
+        },
+        AbortInfo::Timeout { .. } => CommError::Timeout {
+            ctx,
+            after: Duration::ZERO,
+            waiting_on,
+        },
+        AbortInfo::Other { message } => CommError::Aborted {
+            ctx,
+            cause: format!("rank {peer} failed: {message}"),
+        },
+    }
+}
+
+/// What a rank tells its peers about its failure `e` in call `own`.
+pub fn abort_info(e: &CommError, own: Option<Fingerprint>) -> AbortInfo {
+    let message = e.to_string();
+    match e {
+        CommError::Mismatch {
+            remote,
+            remote_rank,
+            local,
+            ..
+        } => AbortInfo::Mismatch {
+            // Peers compare with their own call: send the side that is not
+            // the common one (ours, if the peer called what we called).
+            remote: if Some(*local) == own { *remote } else { *local },
+            remote_rank: *remote_rank as u32,
+            message,
+        },
+        CommError::PeerLost { peer, reason, .. } => AbortInfo::PeerLost {
+            peer: *peer as u32,
+            message: reason.clone(),
+        },
+        CommError::Timeout { .. } => AbortInfo::Timeout { message },
+        _ => AbortInfo::Other { message },
+    }
+}

@@ -1,0 +1,157 @@
+use super::*;
+use crate::{DType, ReduceOp};
+
+fn fp(group: GroupId, seq: u64, op: OpKind, count: u64) -> Fingerprint {
+    Fingerprint {
+        group,
+        seq,
+        op,
+        dtype: DType::F32,
+        count,
+        root: 0,
+        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
+    }
+}
+
+fn begin(e: &mut Engine<u32>, group: GroupId, op: OpKind, count: u64) -> Result<Begun> {
+    e.begin(group, op, |seq| fp(group, seq, op, count))
+}
+
+#[test]
+fn sequence_numbers_are_fixed_when_calls_are_made_and_several_run_at_once() {
+    let mut e = Engine::<u32>::new(0, 3);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    let b = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 8).unwrap();
+    assert_eq!((a.seq, b.seq), (0, 1));
+    assert_eq!(e.in_flight(), 2);
+    // Frames for either call find it, whatever order they arrive in.
+    e.file(1, b.fp, 0, 11);
+    e.file(1, a.fp, 0, 10);
+    assert_eq!(e.take(b.id, 1, 0).unwrap().unwrap(), 11);
+    assert_eq!(e.take(a.id, 1, 0).unwrap().unwrap(), 10);
+    assert!(e.end(b.id, Ok(())).result.is_ok());
+    assert!(e.end(a.id, Ok(())).result.is_ok());
+    // A frame for a finished call breaks the protocol.
+    e.file(2, a.fp, 0, 1);
+    let c = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap_err();
+    assert!(matches!(c, CommError::Protocol { .. }), "{c}");
+}
+
+#[test]
+fn a_frame_with_another_fingerprint_is_a_mismatch_that_poisons_only_its_group() {
+    let mut e = Engine::<u32>::new(1, 4);
+    let sub = e.next_group_id(GroupId::WORLD).unwrap();
+    assert_eq!(e.add_group(sub, vec![1, 3]).unwrap(), 0);
+    let a = begin(&mut e, sub, OpKind::AllReduce, 4).unwrap();
+    e.file(3, fp(sub, 0, OpKind::AllReduce, 5), 0, 7);
+    let err = e.take(a.id, 1, 0).unwrap().unwrap_err();
+    assert!(matches!(err, CommError::Mismatch { remote_rank: 1, .. }), "{err}");
+    let ended = e.end(a.id, Err(err));
+    let (_, _, to) = ended.abort.expect("an abort to send");
+    assert_eq!(to, vec![3]);
+    assert!(begin(&mut e, sub, OpKind::Barrier, 0).is_err());
+    // The world group is untouched.
+    assert!(begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).is_ok());
+}
+
+#[test]
+fn subgroups_number_their_calls_apart_from_the_parent() {
+    let mut e = Engine::<u32>::new(0, 2);
+    let sub = e.next_group_id(GroupId::WORLD).unwrap();
+    e.add_group(sub, vec![0, 1]).unwrap();
+    let w = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    let s = begin(&mut e, sub, OpKind::AllReduce, 1).unwrap();
+    assert_eq!((w.seq, s.seq), (0, 0));
+    assert_ne!(w.fp, s.fp);
+    e.file(1, s.fp, 0, 2);
+    assert!(e.take(w.id, 1, 0).is_none(), "the world call must not take the subgroup's frame");
+    assert_eq!(e.take(s.id, 1, 0).unwrap().unwrap(), 2);
+}
+
+#[test]
+fn a_cancelled_call_poisons_its_group_with_a_clear_error() {
+    let mut e = Engine::<u32>::new(0, 2);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    let b = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    let (info, _, to) = e.cancel(a.id).expect("abort to send");
+    assert_eq!(to, vec![1]);
+    assert!(matches!(info, AbortInfo::Other { .. }));
+    // The other call in flight fails, and so does the next one.
+    let err = e.failure(b.id, &[1]).expect("b fails");
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    let next = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap_err();
+    assert!(next.to_string().contains("cancelled"), "{next}");
+    assert!(e.cancel(a.id).is_none(), "cancelling twice does nothing");
+}
+
+#[test]
+fn a_lost_peer_fails_calls_that_wait_on_it_and_later_collectives_of_its_groups() {
+    let mut e = Engine::<u32>::new(0, 3);
+    let sub = e.next_group_id(GroupId::WORLD).unwrap();
+    e.add_group(sub, vec![0, 1]).unwrap();
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    e.peer_lost(2, "EOF");
+    assert!(e.failure(a.id, &[1]).is_none(), "not waiting on rank 2");
+    let err = e.failure(a.id, &[2]).unwrap();
+    assert!(matches!(err, CommError::PeerLost { peer: 2, .. }), "{err}");
+    // The subgroup does not contain rank 2: it goes on.
+    assert!(begin(&mut e, sub, OpKind::Barrier, 0).is_ok());
+    let err = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap_err();
+    assert!(matches!(err, CommError::PeerLost { peer: 2, .. }), "{err}");
+}
+
+#[test]
+fn an_abort_from_a_peer_fails_its_group_and_is_not_sent_back() {
+    let mut e = Engine::<u32>::new(0, 2);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    e.aborted(
+        1,
+        a.fp,
+        AbortInfo::Other {
+            message: "boom".into(),
+        },
+    );
+    let err = e.failure(a.id, &[1]).unwrap();
+    assert!(err.to_string().contains("boom"), "{err}");
+    assert!(e.end(a.id, Err(err)).abort.is_none());
+}
+
+#[test]
+fn stall_probes_find_a_peer_in_another_call_at_the_same_place() {
+    let mut e = Engine::<u32>::new(0, 2);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    assert_eq!(e.probe_answer(GroupId::WORLD, 0), Some(a.fp));
+    assert_eq!(e.probe_answer(GroupId::WORLD, 1), None);
+    e.probe_reply(1, fp(GroupId::WORLD, 0, OpKind::Broadcast, 1));
+    let err = e.failure(a.id, &[1]).unwrap();
+    assert!(matches!(err, CommError::Mismatch { .. }), "{err}");
+}
+
+#[test]
+fn point_to_point_frames_match_in_order_by_peer_and_tag() {
+    let mut e = Engine::<u32>::new(0, 2);
+    let r = begin(&mut e, GroupId::WORLD, OpKind::Recv, 1).unwrap();
+    e.file(1, fp(GroupId::WORLD, 0, OpKind::Send, 1), 5, 1);
+    e.file(1, fp(GroupId::WORLD, 0, OpKind::Send, 1), 5, 2);
+    assert!(e.has_p2p(r.id, 1, 5));
+    assert_eq!(e.take(r.id, 1, 5).unwrap().unwrap(), 1);
+    assert_eq!(e.take(r.id, 1, 5).unwrap().unwrap(), 2);
+    assert!(e.take(r.id, 1, 5).is_none());
+    assert!(e.take(r.id, 1, 6).is_none());
+}
+
+#[test]
+fn group_ids_agree_across_ranks_and_never_collide() {
+    let mut a = Engine::<u32>::new(0, 4);
+    let mut b = Engine::<u32>::new(3, 4);
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..50 {
+        let (x, y) = (
+            a.next_group_id(GroupId::WORLD).unwrap(),
+            b.next_group_id(GroupId::WORLD).unwrap(),
+        );
+        assert_eq!(x, y);
+        assert_ne!(x, GroupId::WORLD);
+        assert!(seen.insert(x));
+    }
+}
