@@ -300,9 +300,7 @@ mod tests {
                 ),
                 Op::Barrier => self.log(kind, None, None, o, String::new()),
                 Op::Send { buf, dst } => self.log(kind, None, Some(buf), o, format!("to {dst}")),
-                Op::Recv { buf, src } => {
-                    self.log(kind, Some(buf), None, o, format!("from {src}"))
-                }
+                Op::Recv { buf, src } => self.log(kind, Some(buf), None, o, format!("from {src}")),
             }
             Work::ready(Ok(()))
         }

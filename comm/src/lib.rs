@@ -46,8 +46,8 @@ pub use error::{CommError, ErrorContext, Result};
 pub use fingerprint::{Fingerprint, GroupId, OpKind};
 pub use group::ProcessGroup;
 pub use reduce::ReduceOp;
-pub use subgroups::GroupOptions;
 pub use store::{MemStore, PrefixStore, Store, StoreError, StoreResult};
+pub use subgroups::GroupOptions;
 
 /// Re-exported so that users name `consort_comm::half::bf16` without adding
 /// the crate themselves.

@@ -190,7 +190,11 @@ impl ProcessGroup {
         )))
     }
 
-    async fn make(&self, list: &[usize], timeout: Option<Duration>) -> Result<Option<ProcessGroup>> {
+    async fn make(
+        &self,
+        list: &[usize],
+        timeout: Option<Duration>,
+    ) -> Result<Option<ProcessGroup>> {
         let opts = CallOptions {
             timeout,
             ..Default::default()

@@ -33,7 +33,7 @@ use std::{
 use async_trait::async_trait;
 use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, EventId, GroupId,
-    HostSlice, HostSliceMut, ReduceOp, Result,
+    HostSlice, HostSliceMut, Op, ReduceOp, Result, Work,
     device::{Device, StreamId},
 };
 
@@ -237,7 +237,7 @@ impl EmulatedComm {
 
     /// Enqueues one call. Device calls return once enqueued; host calls
     /// wait for their turn and their result.
-    async fn submit(
+    async fn enqueue(
         &self,
         kind: Kind,
         opts: &CallOptions,
@@ -493,85 +493,40 @@ impl Backend for EmulatedComm {
         self.inner.default_timeout()
     }
 
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        self.submit(Kind::AllReduce(op), opts, None, Some(buf))
-            .await
-    }
-
-    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
-        consort_comm::validate::root(opts.root, self.world_size())?;
-        self.submit(Kind::Broadcast, opts, None, Some(buf)).await
-    }
-
-    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        consort_comm::validate::root(opts.root, self.world_size())?;
-        self.submit(Kind::Reduce(op), opts, None, Some(buf)).await
-    }
-
-    async fn all_gather(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.submit(Kind::AllGather, opts, Some(input), Some(output))
-            .await
-    }
-
-    async fn gather(
-        &self,
-        output: Option<BufferMut<'_>>,
-        input: Buffer<'_>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.submit(Kind::Gather, opts, Some(input), output).await
-    }
-
-    async fn scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Option<Buffer<'_>>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.submit(Kind::Scatter, opts, input, Some(output)).await
-    }
-
-    async fn reduce_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        op: ReduceOp,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.submit(Kind::ReduceScatter(op), opts, Some(input), Some(output))
-            .await
-    }
-
-    async fn all_to_all_single(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        output_split_sizes: Option<&[usize]>,
-        input_split_sizes: Option<&[usize]>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        let kind = Kind::AllToAll {
-            output_splits: output_split_sizes.map(<[usize]>::to_vec),
-            input_splits: input_split_sizes.map(<[usize]>::to_vec),
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        let o = *opts;
+        let (kind, input, output) = match op {
+            Op::AllReduce { buf, op } => (Kind::AllReduce(op), None, Some(buf)),
+            Op::Broadcast { buf } => (Kind::Broadcast, None, Some(buf)),
+            Op::Reduce { buf, op } => (Kind::Reduce(op), None, Some(buf)),
+            Op::AllGather { output, input } => (Kind::AllGather, Some(input), Some(output)),
+            Op::Gather { output, input } => (Kind::Gather, Some(input), output),
+            Op::Scatter { output, input } => (Kind::Scatter, input, Some(output)),
+            Op::ReduceScatter { output, input, op } => {
+                (Kind::ReduceScatter(op), Some(input), Some(output))
+            }
+            Op::AllToAll {
+                output,
+                input,
+                output_splits,
+                input_splits,
+            } => {
+                let kind = Kind::AllToAll {
+                    output_splits: output_splits.map(<[usize]>::to_vec),
+                    input_splits: input_splits.map(<[usize]>::to_vec),
+                };
+                (kind, Some(input), Some(output))
+            }
+            Op::Barrier => (Kind::Barrier, None, None),
+            Op::Send { buf, dst } => (Kind::Send(dst), Some(buf), None),
+            Op::Recv { buf, src } => (Kind::Recv(src), None, Some(buf)),
         };
-        self.submit(kind, opts, Some(input), Some(output)).await
-    }
-
-    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
-        self.submit(Kind::Barrier, opts, None, None).await
-    }
-
-    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
-        self.submit(Kind::Send(dst), opts, Some(buf), None).await
-    }
-
-    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
-        self.submit(Kind::Recv(src), opts, None, Some(buf)).await
+        if matches!(kind, Kind::Broadcast | Kind::Reduce(_))
+            && let Err(e) = consort_comm::validate::root(o.root, self.world_size())
+        {
+            return Work::ready(Err(e));
+        }
+        Work::new(async move { self.enqueue(kind, &o, input, output).await })
     }
 
     async fn synchronize(&self) -> Result<()> {

@@ -23,9 +23,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, GroupId, ReduceOp, Result, Store,
-};
+use consort_comm::{Backend, CallOptions, CommError, GroupId, Op, Result, Store, Work};
 use consort_tcp::{BoxRead, BoxWrite, Secret, TcpBackend, TcpOptions, auth};
 use quinn::{
     ClientConfig, Connection, Endpoint, IdleTimeout, RecvStream, SendStream, ServerConfig,
@@ -554,77 +552,20 @@ impl Backend for QuicBackend {
         self.inner.default_timeout()
     }
 
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        self.inner.all_reduce(buf, op, opts).await
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        self.inner.submit(op, opts)
     }
 
-    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
-        self.inner.broadcast(buf, opts).await
-    }
-
-    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        self.inner.reduce(buf, op, opts).await
-    }
-
-    async fn all_gather(
+    async fn new_group(
         &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+        ranks: &[usize],
         opts: &CallOptions,
-    ) -> Result<()> {
-        self.inner.all_gather(output, input, opts).await
-    }
-
-    async fn gather(
-        &self,
-        output: Option<BufferMut<'_>>,
-        input: Buffer<'_>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.inner.gather(output, input, opts).await
-    }
-
-    async fn scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Option<Buffer<'_>>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.inner.scatter(output, input, opts).await
-    }
-
-    async fn reduce_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        op: ReduceOp,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.inner.reduce_scatter(output, input, op, opts).await
-    }
-
-    async fn all_to_all_single(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        output_split_sizes: Option<&[usize]>,
-        input_split_sizes: Option<&[usize]>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        self.inner
-            .all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
-            .await
-    }
-
-    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
-        self.inner.barrier(opts).await
-    }
-
-    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
-        self.inner.send(buf, dst, opts).await
-    }
-
-    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
-        self.inner.recv(buf, src, opts).await
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        // Subgroups share this rank's QUIC connections; the world handle
+        // keeps the endpoint, and closes it when dropped.
+        Ok(self
+            .inner
+            .subgroup(ranks, opts)?
+            .map(|b| Arc::new(b) as Arc<dyn Backend>))
     }
 }

@@ -8,7 +8,7 @@
 //! sticky errors, stall probes). It owns no algorithm.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     io::IoSlice,
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex, MutexGuard},
@@ -18,12 +18,13 @@ use std::{
 use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId,
-    OpKind, ReduceOp, Result,
+    Backend, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, Op, OpKind,
+    ReduceOp, Result, Work,
     algo::{
         Action, AlgoConfig, Buf, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
+    engine::{Begun, CallId, Engine},
     frame::{AbortInfo, FLAG_SHM, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
     store::Store,
 };
@@ -119,6 +120,8 @@ const BOUNCE: usize = 256 * 1024;
 
 /// A posted receive that a reader may apply in place.
 struct Direct {
+    /// The registering call (see `Registry`).
+    call: u64,
     fp: Fingerprint,
     dst: *mut u8,
     len: usize,
@@ -134,47 +137,39 @@ unsafe impl Sync for Direct {}
 /// The receives of the running call that readers may apply in place.
 ///
 /// Soundness: a reader writes through `Direct::dst` only while holding this
-/// lock and only if `call` still names the call that registered the entry;
-/// the call clears the registry (under the lock) before its buffers go out
-/// of scope, on every path including cancellation. While readers may write,
+/// lock and only if `live` still holds the call that registered the entry;
+/// each call removes itself and its entries (under the lock) before its
+/// buffers go out of scope, on every path including cancellation. Calls in
+/// flight together have disjoint buffers (each borrows its own). While readers may write,
 /// the call itself touches its buffers either under this lock or through
 /// ranges disjoint from every registered receive (a schedule never uses a
 /// posted receive's range until that receive completes).
 #[derive(Default)]
 struct Registry {
-    call: u64,
+    /// Calls whose buffers readers may still write.
+    live: std::collections::HashSet<u64>,
     next_call: u64,
-    posted: HashMap<(usize, u64, u32), Direct>,
+    /// Posted receives by (group, mesh sender, seq, tag).
+    posted: HashMap<DirectKey, Direct>,
 }
 
-/// What the reader tasks deliver to the rank's calls.
-#[derive(Debug, Default)]
-struct Inbox {
-    /// Receives a reader applied in place: (from, seq, tag).
-    done: std::collections::HashSet<(usize, u64, u32)>,
-    /// Collective frames by (from, seq, tag).
-    coll: HashMap<(usize, u64, u32), Frame>,
-    /// Point-to-point frames by (from, tag), in order.
-    p2p: HashMap<(usize, u32), VecDeque<Frame>>,
-    /// Aborts from peers, in arrival order.
-    aborts: Vec<(usize, AbortInfo)>,
-    /// Peers whose connection ended, with why.
-    lost: Vec<(usize, String)>,
-    /// A frame that broke the protocol, with the peer.
-    protocol: Option<(usize, String)>,
-    /// Answers to stall probes: (peer, its current fingerprint).
-    probes: Vec<(usize, Option<Fingerprint>)>,
+type DirectKey = (GroupId, usize, u64, u32);
+
+/// What a reader files for a receive: a frame, or the news that it was
+/// applied in place.
+#[derive(Debug)]
+enum Got {
+    Frame(Frame),
+    Done,
 }
 
 struct Inner {
     rank: usize,
-    world: usize,
     /// Write halves by [peer][stream] (empty for this rank).
     writers: Vec<Vec<tokio::sync::Mutex<Writer>>>,
-    inbox: Mutex<Inbox>,
+    /// The call rules: groups, calls in flight, filed frames, failures.
+    engine: Mutex<Engine<Got>>,
     notify: Notify,
-    /// The collective this rank is in (answered to probes).
-    current: Mutex<Option<Fingerprint>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.
@@ -212,32 +207,35 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Per-rank call state: the sequence number and the sticky failure.
-#[derive(Debug, Default)]
-struct CallState {
-    seq: u64,
-    poisoned: Option<CommError>,
-    in_call: bool,
-}
-
-/// One rank of a TCP process group.
+/// One rank's handle on a TCP process group: the world group, or a
+/// subgroup that shares the world's connections.
 pub struct TcpBackend {
     inner: Arc<Inner>,
     opts: TcpOptions,
-    state: Mutex<CallState>,
+    group: GroupId,
+    /// Mesh rank of each group rank.
+    members: Arc<[usize]>,
+    /// This rank's place in the group.
+    me: usize,
+    /// Whether this is the world handle, whose drop closes the mesh.
+    owner: bool,
 }
 
 impl std::fmt::Debug for TcpBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpBackend")
-            .field("rank", &self.inner.rank)
-            .field("world_size", &self.inner.world)
+            .field("rank", &self.me)
+            .field("world_size", &self.members.len())
+            .field("group", &self.group)
             .finish()
     }
 }
 
 impl Drop for TcpBackend {
     fn drop(&mut self) {
+        if !self.owner {
+            return;
+        }
         for h in lock(&self.inner.readers).drain(..) {
             h.abort();
         }
@@ -560,11 +558,9 @@ impl TcpBackend {
         }
         let inner = Arc::new(Inner {
             rank,
-            world,
             writers,
-            inbox: Mutex::new(Inbox::default()),
+            engine: Mutex::new(Engine::new(rank, world)),
             notify: Notify::new(),
-            current: Mutex::new(None),
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),
@@ -587,7 +583,10 @@ impl TcpBackend {
         TcpBackend {
             inner,
             opts,
-            state: Mutex::new(CallState::default()),
+            group: GroupId::WORLD,
+            members: (0..world).collect(),
+            me: rank,
+            owner: true,
         }
     }
 }
@@ -821,10 +820,8 @@ async fn read_loop(
         let h = match FrameHeader::decode(&head, &limits) {
             Ok(h) => h,
             Err(e) => {
-                lock(&inner.inbox)
-                    .protocol
-                    .get_or_insert((peer, e.to_string()));
-                inner.notify.notify_one();
+                lock(&inner.engine).protocol_error(peer, e.to_string());
+                inner.notify.notify_waiters();
                 break format!("bad frame: {e}");
             }
         };
@@ -833,10 +830,8 @@ async fn read_loop(
             match take_from_slot(&inner, peer, &h).await {
                 Ok(()) => continue,
                 Err(why) => {
-                    lock(&inner.inbox)
-                        .protocol
-                        .get_or_insert((peer, why.clone()));
-                    inner.notify.notify_one();
+                    lock(&inner.engine).protocol_error(peer, why.clone());
+                    inner.notify.notify_waiters();
                     break why;
                 }
             }
@@ -845,22 +840,19 @@ async fn read_loop(
             && len >= in_place_min
             && !matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv)
         {
-            let key = (peer, h.fingerprint.seq, h.tag);
+            let key = (h.fingerprint.group, peer, h.fingerprint.seq, h.tag);
             let taken = {
                 let mut reg = lock(&inner.direct);
                 match reg.posted.get(&key) {
-                    Some(d) if d.fp == h.fingerprint && d.len == len => {
-                        let call = reg.call;
-                        reg.posted.remove(&key).map(|d| (call, d))
-                    }
+                    Some(d) if d.fp == h.fingerprint && d.len == len => reg.posted.remove(&key),
                     _ => None,
                 }
             };
-            if let Some((call, d)) = taken {
-                match read_in_place(&inner, peer, &mut r, &mut bounce, call, &d).await {
+            if let Some(d) = taken {
+                match read_in_place(&inner, peer, &mut r, &mut bounce, &d).await {
                     Ok(()) => {
-                        lock(&inner.inbox).done.insert(key);
-                        inner.notify.notify_one();
+                        lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Done);
+                        inner.notify.notify_waiters();
                         continue;
                     }
                     Err(e) => break format!("connection error mid-frame: {e}"),
@@ -892,7 +884,8 @@ async fn read_loop(
             FrameKind::Abort => match h.tag {
                 // Probe request: answer with the current fingerprint.
                 PROBE_TAG => {
-                    let cur = *lock(&inner.current);
+                    let asked = h.fingerprint;
+                    let cur = lock(&inner.engine).probe_answer(asked.group, asked.seq);
                     let reply = probe_frame(PROBE_REPLY_TAG, cur);
                     if let Some(w) = inner.writers[peer].first() {
                         let _ = write_frame(w, &[&reply]).await;
@@ -904,27 +897,24 @@ async fn read_loop(
                         None => Some("a shared-memory credit, but no slots are shared".into()),
                     };
                     if let Some(why) = refused {
-                        lock(&inner.inbox).protocol.get_or_insert((peer, why));
-                        inner.notify.notify_one();
+                        lock(&inner.engine).protocol_error(peer, why);
+                        inner.notify.notify_waiters();
                     }
                 }
                 PROBE_REPLY_TAG => {
-                    let fp = (h.fingerprint.op != OpKind::NewGroup).then_some(h.fingerprint);
-                    lock(&inner.inbox).probes.push((peer, fp));
-                    inner.notify.notify_one();
+                    if h.fingerprint.op != OpKind::NewGroup {
+                        lock(&inner.engine).probe_reply(peer, h.fingerprint);
+                        inner.notify.notify_waiters();
+                    }
                 }
-                _ => match AbortInfo::decode(&payload) {
-                    Ok(a) => {
-                        lock(&inner.inbox).aborts.push((peer, a));
-                        inner.notify.notify_one();
+                _ => {
+                    match AbortInfo::decode(&payload) {
+                        Ok(a) => lock(&inner.engine).aborted(peer, h.fingerprint, a),
+                        Err(e) => lock(&inner.engine)
+                            .protocol_error(peer, format!("bad abort frame: {e}")),
                     }
-                    Err(e) => {
-                        lock(&inner.inbox)
-                            .protocol
-                            .get_or_insert((peer, format!("bad abort frame: {e}")));
-                        inner.notify.notify_one();
-                    }
-                },
+                    inner.notify.notify_waiters();
+                }
             },
             FrameKind::Data => {
                 let frame = Frame {
@@ -932,38 +922,24 @@ async fn read_loop(
                     payload,
                     slot: None,
                 };
-                let mut inbox = lock(&inner.inbox);
-                if matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv) {
-                    inbox.p2p.entry((peer, h.tag)).or_default().push_back(frame);
-                } else if inbox
-                    .coll
-                    .insert((peer, h.fingerprint.seq, h.tag), frame)
-                    .is_some()
-                {
-                    inbox.protocol.get_or_insert((
-                        peer,
-                        format!("duplicate frame (seq {}, tag {})", h.fingerprint.seq, h.tag),
-                    ));
-                }
-                drop(inbox);
-                inner.notify.notify_one();
+                lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Frame(frame));
+                inner.notify.notify_waiters();
             }
         }
     };
-    lock(&inner.inbox).lost.push((peer, why));
-    inner.notify.notify_one();
+    lock(&inner.engine).peer_lost(peer, why);
+    inner.notify.notify_waiters();
 }
 
 /// Streams a payload into a registered receive, chunk by chunk: each chunk
 /// is read into the (cache-hot) bounce buffer, then copied or reduced into
-/// place under the registry lock, if the call is still the current one
-/// (otherwise it is read and dropped, keeping the stream in step).
+/// place under the registry lock, if the call is still live (otherwise it
+/// is read and dropped, keeping the stream in step).
 async fn read_in_place(
     inner: &Inner,
     peer: usize,
     r: &mut BoxRead,
     bounce: &mut [u64],
-    call: u64,
     d: &Direct,
 ) -> std::io::Result<()> {
     let buf: &mut [u8] = bytemuck_bytes_mut(bounce);
@@ -972,14 +948,14 @@ async fn read_in_place(
         let n = (d.len - off).min(buf.len());
         r.read_exact(&mut buf[..n]).await?;
         let reg = lock(&inner.direct);
-        if reg.call == call {
-            // SAFETY: the registering call is current and holds no other
+        if reg.live.contains(&d.call) {
+            // SAFETY: the registering call is live and holds no other
             // reference to this range (see `Registry`), `off + n <= d.len`
             // bytes from `dst` lie inside its buffer, and we hold the lock.
             let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
             // Chunks are whole elements: BOUNCE is a multiple of 8.
             if let Some(e) = apply(d.reduce, dst, &buf[..n]) {
-                lock(&inner.inbox).protocol.get_or_insert((peer, e));
+                lock(&inner.engine).protocol_error(peer, e);
             }
         }
         drop(reg);
@@ -1026,26 +1002,28 @@ async fn take_from_slot(
     // not touch the slot again until our credit (see `crate::shm`).
     let data = unsafe { std::slice::from_raw_parts(src.cast_const(), len) };
     let p2p = matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv);
-    let key = (peer, h.fingerprint.seq, h.tag);
+    let key = (h.fingerprint.group, peer, h.fingerprint.seq, h.tag);
     let applied = !p2p && {
         let mut reg = lock(&inner.direct);
         let fits = reg
             .posted
             .get(&key)
-            .is_some_and(|d| d.fp == h.fingerprint && d.len == len);
-        if fits {
-            let d = reg.posted.remove(&key).expect("checked");
-            // SAFETY: the registering call is current, the range is its
-            // own, and we hold the registry lock (see `Registry`).
-            let dst = unsafe { std::slice::from_raw_parts_mut(d.dst, len) };
-            if let Some(e) = apply(d.reduce, dst, data) {
-                lock(&inner.inbox).protocol.get_or_insert((peer, e));
+            .is_some_and(|d| d.fp == h.fingerprint && d.len == len && reg.live.contains(&d.call));
+        match reg.posted.remove(&key).filter(|_| fits) {
+            Some(d) => {
+                // SAFETY: the registering call is live, the range is its
+                // own, and we hold the registry lock (see `Registry`).
+                let dst = unsafe { std::slice::from_raw_parts_mut(d.dst, len) };
+                if let Some(e) = apply(d.reduce, dst, data) {
+                    lock(&inner.engine).protocol_error(peer, e);
+                }
+                true
             }
+            None => false,
         }
-        fits
     };
     if applied {
-        lock(&inner.inbox).done.insert(key);
+        lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Done);
     } else {
         // Not posted yet: leave the payload in the slot; the call applies it
         // from there when it posts the receive, then returns the slot.
@@ -1054,20 +1032,11 @@ async fn take_from_slot(
             payload: Vec::new(),
             slot: Some((slot, len)),
         };
-        let mut inbox = lock(&inner.inbox);
-        if p2p {
-            inbox.p2p.entry((peer, h.tag)).or_default().push_back(frame);
-        } else if inbox.coll.insert(key, frame).is_some() {
-            inbox.protocol.get_or_insert((
-                peer,
-                format!("duplicate frame (seq {}, tag {})", key.1, key.2),
-            ));
-        }
-        drop(inbox);
-        inner.notify.notify_one();
+        lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Frame(frame));
+        inner.notify.notify_waiters();
         return Ok(());
     }
-    inner.notify.notify_one();
+    inner.notify.notify_waiters();
     send_credit(inner, peer, h.fingerprint, slot).await;
     Ok(())
 }
@@ -1209,84 +1178,17 @@ impl RawBufs {
     }
 }
 
-/// Clears the in-place registry when a call ends (returns, fails, or is
-/// cancelled), before its buffers can go away.
-struct DirectGuard<'a>(&'a Inner);
+/// Removes a call and its posted receives from the in-place registry when
+/// it ends (returns, fails, or is cancelled), before its buffers can go
+/// away.
+struct DirectGuard<'a>(&'a Inner, u64);
 
 impl Drop for DirectGuard<'_> {
     fn drop(&mut self) {
         let mut reg = lock(&self.0.direct);
-        reg.call = 0;
-        reg.posted.clear();
-    }
-}
-
-/// Converts a peer's abort into this rank's error.
-fn from_abort(peer: usize, a: AbortInfo, own: Fingerprint, waiting_on: Vec<usize>) -> CommError {
-    let ctx = ErrorContext::default();
-    match a {
-        AbortInfo::Mismatch {
-            remote,
-            remote_rank,
-            ..
-        } => {
-            if remote == own {
-                CommError::Mismatch {
-                    ctx,
-                    local: own,
-                    remote: own,
-                    remote_rank: peer,
-                }
-            } else {
-                CommError::Mismatch {
-                    ctx,
-                    local: own,
-                    remote,
-                    remote_rank: remote_rank as usize,
-                }
-            }
-        }
-        AbortInfo::PeerLost {
-            peer: lost,
-            message,
-        } => CommError::PeerLost {
-            ctx,
-            peer: lost as usize,
-            reason: message,
-        },
-        AbortInfo::Timeout { .. } => CommError::Timeout {
-            ctx,
-            after: Duration::ZERO,
-            waiting_on,
-        },
-        AbortInfo::Other { message } => CommError::Aborted {
-            ctx,
-            cause: format!("rank {peer} failed: {message}"),
-        },
-    }
-}
-
-fn abort_info(e: &CommError, own: Option<Fingerprint>) -> AbortInfo {
-    let message = e.to_string();
-    match e {
-        CommError::Mismatch {
-            remote,
-            remote_rank,
-            local,
-            ..
-        } => AbortInfo::Mismatch {
-            // Peers compare with their own call: send the side that is not
-            // the common one (ours, if the peer called what we called).
-            remote: if Some(*local) == own { *remote } else { *local },
-            remote_rank: *remote_rank as u32,
-            message,
-        },
-        CommError::PeerLost { peer, reason, .. } => AbortInfo::PeerLost {
-            peer: *peer as u32,
-            message: reason.clone(),
-        },
-        CommError::Timeout { .. } => AbortInfo::Timeout { message },
-        _ => AbortInfo::Other { message },
+        reg.live.remove(&self.1);
+        let call = self.1;
+        reg.posted.retain(|_, d| d.call != call);
     }
 }
 
@@ -1327,7 +1229,7 @@ impl TcpBackend {
                 if let Some(i) = tx.take() {
                     break i;
                 }
-                if lock(&self.inner.inbox).lost.iter().any(|(p, _)| *p == to) {
+                if lock(&self.inner.engine).is_lost(to) {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::BrokenPipe,
                         "peer gone",
@@ -1352,104 +1254,53 @@ impl TcpBackend {
         self.send_frame(to, tag, &h, payload).await
     }
 
-    /// Tells every peer about `e` (best effort).
-    async fn propagate(&self, e: &CommError, fp: Fingerprint) {
-        let info = abort_info(e, Some(fp)).encode();
-        let h = FrameHeader {
-            kind: FrameKind::Abort,
-            fingerprint: fp,
-            tag: 0,
-            offset: 0,
-            payload_len: info.len() as u64,
-            flags: 0,
-        }
-        .encode();
-        for q in 0..self.inner.world {
-            if q != self.inner.rank {
-                let _ = before(
-                    Instant::now() + Duration::from_secs(2),
-                    self.send_frame(q, 0, &h, &info),
-                )
-                .await;
-            }
-        }
-    }
-
-    async fn run(&self, mut req: Call<'_>, opts: &CallOptions) -> Result<()> {
-        let inner = &self.inner;
-        let r = inner.rank;
-        let p2p = req.is_p2p();
-        let seq = {
-            let mut st = lock(&self.state);
-            let seq = if p2p { 0 } else { st.seq };
-            let ctx = ErrorContext::new(req.op, r, seq, GroupId::WORLD);
-            if let Some(e) = &st.poisoned {
-                return Err(e.to_aborted().with_context(ctx));
-            }
-            if st.in_call {
-                return Err(CommError::invalid("this rank already has a call in flight; await each op before starting the next").with_context(ctx));
-            }
-            // A lost peer breaks every collective. A point-to-point call
-            // only needs its own peer, and that peer may have sent its
-            // message and left before this call started (the message is
-            // then in the inbox): the call's loop decides, after applying
-            // what has arrived.
-            let gone = if p2p {
-                None
-            } else {
-                lock(&inner.inbox).lost.first().cloned()
-            };
-            if let Some((peer, why)) = gone {
-                let e = CommError::PeerLost {
-                    ctx,
-                    peer,
-                    reason: why,
-                };
-                st.poisoned = Some(e.clone());
-                return Err(e);
-            }
-            st.in_call = true;
-            if !p2p {
-                st.seq += 1;
-            }
-            seq
+    /// Registers a call with the engine, which fixes its sequence number
+    /// now, and returns the work that drives it.
+    fn start<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        let ctx = ErrorContext {
+            op: Some(op.kind()),
+            rank: Some(self.me),
+            group: Some(self.group),
+            ..Default::default()
         };
-        let ctx = ErrorContext::new(req.op, r, seq, GroupId::WORLD);
-        let fp = req.fingerprint(GroupId::WORLD, seq);
-        if !p2p {
-            *lock(&inner.current) = Some(fp);
-        }
-        let result = self
-            .drive(&mut req, opts, fp, seq)
-            .await
-            .map_err(|e| e.with_context(ctx));
-        if !p2p {
-            *lock(&inner.current) = None;
-        }
-        let mut st = lock(&self.state);
-        st.in_call = false;
-        if let Err(e) = &result {
-            if !matches!(
-                e,
-                CommError::InvalidArgument { .. } | CommError::Unsupported { .. }
-            ) || st.poisoned.is_none()
-            {
-                st.poisoned.get_or_insert(e.clone());
+        let req = match Call::from_op("tcp", self.me, self.members.len(), op, opts) {
+            Ok(req) => req,
+            Err(e) => return Work::ready(Err(e.with_context(ctx))),
+        };
+        let group = self.group;
+        let begun =
+            lock(&self.inner.engine).begin(group, req.op, |seq| req.fingerprint(group, seq));
+        let begun = match begun {
+            Ok(b) => b,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let opts = *opts;
+        let guard = CallGuard {
+            inner: &self.inner,
+            id: begun.id,
+            armed: true,
+        };
+        Work::new(async move {
+            // Move the whole guard in (a field use alone would capture only
+            // the field): dropping this future cancels the call.
+            let mut guard = guard;
+            let mut req = req;
+            let result = self.drive(&mut req, &opts, &begun).await;
+            guard.armed = false;
+            let ended = lock(&self.inner.engine).end(begun.id, result);
+            if let Some(abort) = ended.abort {
+                propagate(&self.inner, abort).await;
             }
-        }
-        result
+            self.inner.notify.notify_waiters();
+            ended.result
+        })
     }
 
-    async fn drive(
-        &self,
-        req: &mut Call<'_>,
-        opts: &CallOptions,
-        fp: Fingerprint,
-        seq: u64,
-    ) -> Result<()> {
+    async fn drive(&self, req: &mut Call<'_>, opts: &CallOptions, begun: &Begun) -> Result<()> {
         let inner = &self.inner;
-        let (r, n) = (inner.rank, inner.world);
-        let p2p = fp.op == OpKind::Send || fp.op == OpKind::Recv;
+        let (r, n) = (self.me, self.members.len());
+        let (fp, seq, eid) = (begun.fp, begun.seq, begun.id);
+        let p2p = req.is_p2p();
         let spec = req.spec(r, n);
         let algo = self.opts.algo.select(req.op, spec.bytes(), n);
         let mut schedule = build(&spec, algo, &self.opts.algo)?;
@@ -1467,12 +1318,12 @@ impl TcpBackend {
         let call_id = {
             let mut reg = lock(&inner.direct);
             reg.next_call += 1;
-            reg.call = reg.next_call;
-            reg.posted.clear();
-            reg.call
+            let id = reg.next_call;
+            reg.live.insert(id);
+            id
         };
-        // Clears the registry when the call ends, however it ends.
-        let _direct = DirectGuard(inner);
+        // Unregisters the call's receives when it ends, however it ends.
+        let _direct = DirectGuard(inner, call_id);
         let timeout = opts.timeout_or(self.opts.timeout);
         let deadline = consort_comm::time::deadline(timeout);
         let mut posted: Vec<Receive> = Vec::new();
@@ -1485,27 +1336,22 @@ impl TcpBackend {
                         // SAFETY: a range being sent is never a posted
                         // receive's range (see `Registry`).
                         let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
-                        let sent = before(
-                            deadline,
-                            self.send(tx.to, tx.tag, fp, tx.range.start, payload),
-                        )
-                        .await;
+                        let to = self.members[tx.to];
+                        let sent =
+                            before(deadline, self.send(to, tx.tag, fp, tx.range.start, payload))
+                                .await;
                         match sent {
                             Some(Ok(())) => {}
                             Some(Err(e)) => {
                                 // A peer that failed first usually said why
                                 // before closing: report that cause.
-                                let first = lock(&inner.inbox).aborts.first().cloned();
-                                break 'call Err(match first {
-                                    Some((peer, a)) => {
-                                        from_abort(peer, a, fp, schedule.waiting_on())
-                                    }
-                                    None => CommError::PeerLost {
-                                        ctx: ErrorContext::default(),
-                                        peer: tx.to,
-                                        reason: format!("send failed: {e}"),
-                                    },
-                                });
+                                let waiting = schedule.waiting_on();
+                                let said = lock(&inner.engine).failure(eid, &waiting);
+                                break 'call Err(said.unwrap_or_else(|| CommError::PeerLost {
+                                    ctx: ErrorContext::default(),
+                                    peer: tx.to,
+                                    reason: format!("send failed: {e}"),
+                                }));
                             }
                             None => {
                                 break 'call Err(CommError::Timeout {
@@ -1527,23 +1373,19 @@ impl TcpBackend {
                     }
                     Action::Receive(rv) => {
                         let bytes = rv.range.len() * dtype.size_bytes();
-                        if !p2p && bytes >= self.opts.in_place_min {
-                            if let Some(dst) = raw.ptr(rv.buf, &rv.range) {
-                                let mut reg = lock(&inner.direct);
-                                if reg.call == call_id {
-                                    reg.posted.insert(
-                                        (rv.from, seq, rv.tag),
-                                        Direct {
-                                            fp,
-                                            dst,
-                                            len: bytes,
-                                            reduce: rv
-                                                .reduce
-                                                .then(|| (reduce.unwrap_or(ReduceOp::Sum), dtype)),
-                                        },
-                                    );
-                                }
-                            }
+                        if !p2p
+                            && bytes >= self.opts.in_place_min
+                            && let Some(dst) = raw.ptr(rv.buf, &rv.range)
+                        {
+                            let direct = Direct {
+                                call: call_id,
+                                fp,
+                                dst,
+                                len: bytes,
+                                reduce: rv.reduce.then(|| (reduce.unwrap_or(ReduceOp::Sum), dtype)),
+                            };
+                            let key = (self.group, self.members[rv.from], seq, rv.tag);
+                            lock(&inner.direct).posted.insert(key, direct);
                         }
                         posted.push(rv);
                     }
@@ -1559,130 +1401,83 @@ impl TcpBackend {
             let mut got: Vec<(Receive, Frame)> = Vec::new();
             let mut done: Vec<Receive> = Vec::new();
             {
-                let mut inbox = lock(&inner.inbox);
-                if let Some((peer, why)) = inbox.protocol.clone() {
-                    break 'call Err(CommError::protocol(Some(peer), why));
-                }
-                if let Some((peer, a)) = inbox.aborts.first().cloned() {
-                    break 'call Err(from_abort(peer, a, fp, schedule.waiting_on()));
-                }
-                if let Some((peer, Some(remote))) = inbox
-                    .probes
-                    .iter()
-                    .find(|(_, f)| f.is_some_and(|f| f.seq == seq && f != fp))
-                    .cloned()
-                {
-                    break 'call Err(CommError::Mismatch {
-                        ctx: ErrorContext::default(),
-                        local: fp,
-                        remote,
-                        remote_rank: peer,
-                    });
-                }
-                inbox.probes.clear();
-                posted.retain(|rv| {
-                    if !p2p && inbox.done.remove(&(rv.from, seq, rv.tag)) {
+                let mut engine = lock(&inner.engine);
+                let mut bad = None;
+                posted.retain(|rv| match engine.take(eid, rv.from, rv.tag) {
+                    None => true,
+                    Some(Ok(Got::Done)) => {
                         done.push(rv.clone());
-                        return false;
+                        false
                     }
-                    let frame = if p2p {
-                        inbox
-                            .p2p
-                            .get_mut(&(rv.from, rv.tag))
-                            .and_then(VecDeque::pop_front)
-                    } else {
-                        inbox.coll.remove(&(rv.from, seq, rv.tag))
-                    };
-                    match frame {
-                        Some(f) => {
-                            got.push((rv.clone(), f));
-                            false
-                        }
-                        None => true,
+                    Some(Ok(Got::Frame(f))) => {
+                        got.push((rv.clone(), f));
+                        false
+                    }
+                    Some(Err(e)) => {
+                        bad.get_or_insert(e);
+                        false
                     }
                 });
+                if let Some(e) = bad {
+                    break 'call Err(e);
+                }
+                // A peer that failed, a broken frame, or a lost peer this
+                // call still waits on. (Peers that finished and exited are
+                // fine: this call no longer needs them.)
+                if got.is_empty()
+                    && done.is_empty()
+                    && let Some(e) = engine.failure(eid, &schedule.waiting_on())
+                {
+                    break 'call Err(e);
+                }
             }
             for rv in &done {
                 if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
                     break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
                 }
             }
-            if !done.is_empty() {
+            let progressed = !done.is_empty() || !got.is_empty();
+            if progressed {
                 last_progress = Instant::now();
                 probed = false;
-                if got.is_empty() {
-                    continue;
-                }
             }
-            if got.is_empty() {
-                // Nothing to apply: a peer this call still waits on that is
-                // gone will never send it. (Peers that finished and exited
-                // are fine: this call no longer needs them.)
-                let waiting = schedule.waiting_on();
-                let inbox = lock(&inner.inbox);
-                if let Some((peer, why)) = inbox
-                    .lost
-                    .iter()
-                    .find(|(p, _)| waiting.contains(p))
-                    .cloned()
-                {
-                    break 'call Err(CommError::PeerLost {
-                        ctx: ErrorContext::default(),
-                        peer,
-                        reason: why,
-                    });
-                }
-            }
-            if !got.is_empty() {
-                last_progress = Instant::now();
-                probed = false;
-                for (rv, f) in got {
-                    let differs = if p2p {
-                        f.fp.dtype != fp.dtype
-                    } else {
-                        f.fp != fp
-                    };
-                    if differs {
-                        break 'call Err(CommError::Mismatch {
-                            ctx: ErrorContext::default(),
-                            local: fp,
-                            remote: f.fp,
-                            remote_rank: rv.from,
-                        });
-                    }
-                    let applied = {
-                        let mut reg = lock(&inner.direct);
-                        // The frame came the buffered way: its in-place
-                        // registration must go before the range is reused.
-                        reg.posted.remove(&(rv.from, seq, rv.tag));
-                        let data: &[u8] = match f.slot {
-                            Some((slot, len)) => {
-                                match inner.shm_rx[rv.from].as_ref().and_then(|r| r.slot(slot)) {
-                                    // SAFETY: the peer filled the slot before
-                                    // sending its header and waits for our
-                                    // credit before touching it again.
-                                    Some(p) => unsafe {
-                                        std::slice::from_raw_parts(p.cast_const(), len)
-                                    },
-                                    None => &[],
-                                }
+            for (rv, f) in got {
+                let applied = {
+                    let mut reg = lock(&inner.direct);
+                    // The frame came the buffered way: its in-place
+                    // registration must go before the range is reused.
+                    reg.posted
+                        .remove(&(self.group, self.members[rv.from], seq, rv.tag));
+                    let data: &[u8] = match f.slot {
+                        Some((slot, len)) => {
+                            let from = self.members[rv.from];
+                            match inner.shm_rx[from].as_ref().and_then(|r| r.slot(slot)) {
+                                // SAFETY: the peer filled the slot before
+                                // sending its header and waits for our
+                                // credit before touching it again.
+                                Some(p) => unsafe {
+                                    std::slice::from_raw_parts(p.cast_const(), len)
+                                },
+                                None => &[],
                             }
-                            None => &f.payload,
-                        };
-                        // SAFETY: readers are excluded by the lock.
-                        unsafe { raw.buffers() }.apply(&rv, data, reduce, rv.from)
+                        }
+                        None => &f.payload,
                     };
-                    if let Some((slot, _)) = f.slot {
-                        send_credit(inner, rv.from, f.fp, slot).await;
-                    }
-                    inner.recycle(f.payload);
-                    if let Err(e) = applied {
-                        break 'call Err(e);
-                    }
-                    if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
-                        break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
-                    }
+                    // SAFETY: readers are excluded by the lock.
+                    unsafe { raw.buffers() }.apply(&rv, data, reduce, rv.from)
+                };
+                if let Some((slot, _)) = f.slot {
+                    send_credit(inner, self.members[rv.from], f.fp, slot).await;
                 }
+                inner.recycle(f.payload);
+                if let Err(e) = applied {
+                    break 'call Err(e);
+                }
+                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
+                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
+                }
+            }
+            if progressed {
                 continue;
             }
             let now = Instant::now();
@@ -1702,7 +1497,7 @@ impl TcpBackend {
                 for q in schedule.waiting_on() {
                     let _ = before(
                         now + Duration::from_secs(1),
-                        self.send_frame(q, 0, &probe, &[]),
+                        self.send_frame(self.members[q], 0, &probe, &[]),
                     )
                     .await;
                 }
@@ -1712,21 +1507,61 @@ impl TcpBackend {
             let wake = if wake <= now { deadline } else { wake };
             let _ = before(wake, notified).await;
         };
-        match outcome {
-            Ok(()) => {
-                if finalize && let Some(op) = reduce {
-                    let _reg = lock(&inner.direct);
-                    // SAFETY: readers are excluded by the lock.
-                    unsafe { raw.buffers() }.finalize(op, n)?;
-                }
-                Ok(())
-            }
-            Err(e) => {
-                if !matches!(e, CommError::InvalidArgument { .. }) || !p2p {
-                    self.propagate(&e, fp).await;
-                }
-                Err(e)
-            }
+        if outcome.is_ok()
+            && finalize
+            && let Some(op) = reduce
+        {
+            let _reg = lock(&inner.direct);
+            // SAFETY: readers are excluded by the lock.
+            unsafe { raw.buffers() }.finalize(op, n)?;
+        }
+        outcome
+    }
+}
+
+/// Tells world ranks `to` about a failure in call `fp` (best effort).
+async fn propagate(inner: &Inner, (info, fp, to): (AbortInfo, Fingerprint, Vec<usize>)) {
+    let info = info.encode();
+    let h = FrameHeader {
+        kind: FrameKind::Abort,
+        fingerprint: fp,
+        tag: 0,
+        offset: 0,
+        payload_len: info.len() as u64,
+        flags: 0,
+    }
+    .encode();
+    for q in to {
+        let Some(ws) = inner.writers.get(q).filter(|w| !w.is_empty()) else {
+            continue;
+        };
+        let _ = before(
+            Instant::now() + Duration::from_secs(2),
+            write_frame(&ws[0], &[&h, &info]),
+        )
+        .await;
+    }
+}
+
+/// Cancels a call whose work is dropped before it ends: the engine poisons
+/// its group, and the peers are told (from a spawned task: a drop cannot
+/// wait).
+struct CallGuard<'a> {
+    inner: &'a Arc<Inner>,
+    id: CallId,
+    armed: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let abort = lock(&self.inner.engine).cancel(self.id);
+        self.inner.notify.notify_waiters();
+        if let (Some(abort), Ok(rt)) = (abort, tokio::runtime::Handle::try_current()) {
+            let inner = self.inner.clone();
+            rt.spawn(async move { propagate(&inner, abort).await });
         }
     }
 }
@@ -1738,114 +1573,69 @@ impl Backend for TcpBackend {
     }
 
     fn rank(&self) -> usize {
-        self.inner.rank
+        self.me
     }
 
     fn world_size(&self) -> usize {
-        self.inner.world
+        self.members.len()
+    }
+
+    fn group_id(&self) -> GroupId {
+        self.group
     }
 
     fn default_timeout(&self) -> Duration {
         self.opts.timeout
     }
 
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        self.run(Call::all_reduce("tcp", self.rank(), buf, op)?, opts)
-            .await
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        self.start(op, opts)
     }
 
-    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::broadcast("tcp", r, n, buf, opts)?, opts)
-            .await
-    }
-
-    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::reduce("tcp", r, n, buf, op, opts)?, opts)
-            .await
-    }
-
-    async fn all_gather(
+    async fn new_group(
         &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+        ranks: &[usize],
         opts: &CallOptions,
-    ) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::all_gather("tcp", r, n, output, input)?, opts)
-            .await
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        Ok(self
+            .subgroup(ranks, opts)?
+            .map(|b| Arc::new(b) as Arc<dyn Backend>))
     }
+}
 
-    async fn gather(
-        &self,
-        output: Option<BufferMut<'_>>,
-        input: Buffer<'_>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::gather("tcp", r, n, output, input, opts)?, opts)
-            .await
-    }
-
-    async fn scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Option<Buffer<'_>>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::scatter("tcp", r, n, output, input, opts)?, opts)
-            .await
-    }
-
-    async fn reduce_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        op: ReduceOp,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::reduce_scatter("tcp", r, n, output, input, op)?, opts)
-            .await
-    }
-
-    async fn all_to_all_single(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
-        output_split_sizes: Option<&[usize]>,
-        input_split_sizes: Option<&[usize]>,
-        opts: &CallOptions,
-    ) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        let call = Call::all_to_all(
-            "tcp",
-            r,
-            n,
-            output,
-            input,
-            output_split_sizes,
-            input_split_sizes,
-        )?;
-        self.run(call, opts).await
-    }
-
-    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
-        self.run(Call::barrier(), opts).await
-    }
-
-    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::send("tcp", r, n, buf, dst, opts)?, opts)
-            .await
-    }
-
-    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
-        let (r, n) = (self.rank(), self.world_size());
-        self.run(Call::recv("tcp", r, n, buf, src, opts)?, opts)
-            .await
+impl TcpBackend {
+    /// A subgroup on this mesh (see [`Backend::new_group`]); the QUIC
+    /// backend wraps the handle it returns.
+    pub fn subgroup(&self, ranks: &[usize], opts: &CallOptions) -> Result<Option<TcpBackend>> {
+        let members: Vec<usize> = ranks
+            .iter()
+            .map(|&g| {
+                self.members.get(g).copied().ok_or_else(|| {
+                    CommError::invalid(format!(
+                        "rank {g} is not in this group of {}",
+                        self.members.len()
+                    ))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let mut engine = lock(&self.inner.engine);
+        let id = engine.next_group_id(self.group)?;
+        if !members.contains(&self.inner.rank) {
+            return Ok(None);
+        }
+        let me = engine.add_group(id, members.clone())?;
+        let mut topts = self.opts.clone();
+        if let Some(t) = opts.timeout {
+            topts.timeout = t;
+        }
+        Ok(Some(TcpBackend {
+            inner: self.inner.clone(),
+            opts: topts,
+            group: id,
+            members: members.into(),
+            me,
+            owner: false,
+        }))
     }
 }
 

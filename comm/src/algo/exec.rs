@@ -199,9 +199,7 @@ impl<'a> Call<'a> {
             Op::AllGather { output, input } => {
                 Call::all_gather(backend, rank, world, output, input)
             }
-            Op::Gather { output, input } => {
-                Call::gather(backend, rank, world, output, input, opts)
-            }
+            Op::Gather { output, input } => Call::gather(backend, rank, world, output, input, opts),
             Op::Scatter { output, input } => {
                 Call::scatter(backend, rank, world, output, input, opts)
             }

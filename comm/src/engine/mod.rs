@@ -118,6 +118,13 @@ pub struct Engine<P> {
     aborts: HashMap<GroupId, (usize, AbortInfo)>,
     /// Answers to stall probes: (mesh peer, its call at the asked seq).
     probes: Vec<(usize, Fingerprint)>,
+    /// The latest collective made on each group, answered to probes even
+    /// after it ended (a peer that already failed on a mismatch still says
+    /// what it called).
+    latest: HashMap<GroupId, Fingerprint>,
+    /// Collective frames taken by calls still in flight: a second one is a
+    /// duplicate.
+    taken: std::collections::HashSet<(GroupId, usize, u64, u32)>,
 }
 
 impl<P> Engine<P> {
@@ -146,6 +153,8 @@ impl<P> Engine<P> {
             protocol: None,
             aborts: HashMap::new(),
             probes: Vec::new(),
+            latest: HashMap::new(),
+            taken: std::collections::HashSet::new(),
         }
     }
 
@@ -174,7 +183,12 @@ impl<P> Engine<P> {
             .ok_or_else(|| CommError::invalid(format!("group {} is not known here", parent.0)))?;
         g.children += 1;
         let mut h: u32 = 0x811c_9dc5;
-        for b in parent.0.to_le_bytes().iter().chain(&g.children.to_le_bytes()) {
+        for b in parent
+            .0
+            .to_le_bytes()
+            .iter()
+            .chain(&g.children.to_le_bytes())
+        {
             h = (h ^ u32::from(*b)).wrapping_mul(0x0100_0193);
         }
         // Never WORLD. Ids derive from the parent's id and count alone, so
@@ -200,7 +214,9 @@ impl<P> Engine<P> {
             .position(|&m| m == self.rank)
             .ok_or_else(|| CommError::invalid("internal: a group without this rank"))?;
         if members.iter().any(|&m| m >= self.world) {
-            return Err(CommError::invalid("internal: a group member outside the mesh"));
+            return Err(CommError::invalid(
+                "internal: a group member outside the mesh",
+            ));
         }
         self.groups.insert(
             id,
@@ -263,6 +279,9 @@ impl<P> Engine<P> {
         self.next_call += 1;
         let id = CallId(self.next_call);
         let fp = fingerprint(seq);
+        if !p2p {
+            self.latest.insert(group, fp);
+        }
         self.calls.insert(
             id,
             Running {
@@ -304,10 +323,13 @@ impl<P> Engine<P> {
             }
         }
         let key = (fp.group, from, fp.seq, tag);
-        if self.coll.insert(key, Filed { fp, payload }).is_some() {
+        if self.taken.contains(&key) || self.coll.insert(key, Filed { fp, payload }).is_some() {
             self.protocol.get_or_insert((
                 from,
-                format!("duplicate frame (group {}, seq {}, tag {tag})", fp.group.0, fp.seq),
+                format!(
+                    "duplicate frame (group {}, seq {}, tag {tag})",
+                    fp.group.0, fp.seq
+                ),
             ));
         }
     }
@@ -325,7 +347,10 @@ impl<P> Engine<P> {
             }
             f?
         } else {
-            self.coll.remove(&(c.group, mesh, c.fp.seq, tag))?
+            let key = (c.group, mesh, c.fp.seq, tag);
+            let f = self.coll.remove(&key)?;
+            self.taken.insert(key);
+            f
         };
         let differs = if c.p2p {
             filed.fp.dtype != c.fp.dtype
@@ -384,12 +409,14 @@ impl<P> Engine<P> {
     }
 
     /// How this rank answers a peer's stall probe for call `seq` of
-    /// `group`: its own call at that place, if it is in one.
+    /// `group`: its own call at that place, if it made one that is still in
+    /// flight or is its latest.
     pub fn probe_answer(&self, group: GroupId, seq: u64) -> Option<Fingerprint> {
         self.calls
             .values()
             .find(|c| c.group == group && !c.p2p && c.fp.seq == seq)
             .map(|c| c.fp)
+            .or_else(|| self.latest.get(&group).copied().filter(|f| f.seq == seq))
     }
 
     /// The error `call` must fail with now, if any. `waiting_on` are the
@@ -448,6 +475,10 @@ impl<P> Engine<P> {
                 abort: None,
             };
         };
+        if !c.p2p {
+            self.taken
+                .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
+        }
         let result = result.map_err(|e| e.with_context(c.ctx));
         let mut abort = None;
         if let (Err(e), Some(g)) = (&result, self.groups.get_mut(&c.group)) {
@@ -501,7 +532,12 @@ impl<P> Engine<P> {
 
 /// A peer's abort, as this rank's error for its call `own` (which waits on
 /// group ranks `waiting_on`). `peer` is the aborting peer's group rank.
-pub fn from_abort(peer: usize, a: AbortInfo, own: Fingerprint, waiting_on: Vec<usize>) -> CommError {
+pub fn from_abort(
+    peer: usize,
+    a: AbortInfo,
+    own: Fingerprint,
+    waiting_on: Vec<usize>,
+) -> CommError {
     let ctx = ErrorContext::default();
     match a {
         AbortInfo::Mismatch {

@@ -45,7 +45,10 @@ fn a_frame_with_another_fingerprint_is_a_mismatch_that_poisons_only_its_group() 
     let a = begin(&mut e, sub, OpKind::AllReduce, 4).unwrap();
     e.file(3, fp(sub, 0, OpKind::AllReduce, 5), 0, 7);
     let err = e.take(a.id, 1, 0).unwrap().unwrap_err();
-    assert!(matches!(err, CommError::Mismatch { remote_rank: 1, .. }), "{err}");
+    assert!(
+        matches!(err, CommError::Mismatch { remote_rank: 1, .. }),
+        "{err}"
+    );
     let ended = e.end(a.id, Err(err));
     let (_, _, to) = ended.abort.expect("an abort to send");
     assert_eq!(to, vec![3]);
@@ -64,7 +67,10 @@ fn subgroups_number_their_calls_apart_from_the_parent() {
     assert_eq!((w.seq, s.seq), (0, 0));
     assert_ne!(w.fp, s.fp);
     e.file(1, s.fp, 0, 2);
-    assert!(e.take(w.id, 1, 0).is_none(), "the world call must not take the subgroup's frame");
+    assert!(
+        e.take(w.id, 1, 0).is_none(),
+        "the world call must not take the subgroup's frame"
+    );
     assert_eq!(e.take(s.id, 1, 0).unwrap().unwrap(), 2);
 }
 

@@ -4,7 +4,9 @@
 use std::{ffi::c_int, time::Duration};
 
 use async_trait::async_trait;
-use consort_comm::{Backend, Buffer, BufferMut, CallOptions, OpKind, ReduceOp, Result, validate};
+use consort_comm::{
+    Backend, Buffer, BufferMut, CallOptions, Op, OpKind, ReduceOp, Result, Work, validate,
+};
 
 use super::{Enqueue, NcclBackend, grouped, p2p};
 use crate::{
@@ -30,7 +32,59 @@ impl Backend for NcclBackend {
         self.opts.timeout
     }
 
-    async fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        let o = *opts;
+        match op {
+            Op::AllReduce { buf, op } => {
+                Work::new(async move { self.run_all_reduce(buf, op, &o).await })
+            }
+            Op::Broadcast { buf } => Work::new(async move { self.run_broadcast(buf, &o).await }),
+            Op::Reduce { buf, op } => Work::new(async move { self.run_reduce(buf, op, &o).await }),
+            Op::AllGather { output, input } => {
+                Work::new(async move { self.run_all_gather(output, input, &o).await })
+            }
+            Op::Gather { output, input } => {
+                Work::new(async move { self.run_gather(output, input, &o).await })
+            }
+            Op::Scatter { output, input } => {
+                Work::new(async move { self.run_scatter(output, input, &o).await })
+            }
+            Op::ReduceScatter { output, input, op } => {
+                Work::new(async move { self.run_reduce_scatter(output, input, op, &o).await })
+            }
+            Op::AllToAll {
+                output,
+                input,
+                output_splits,
+                input_splits,
+            } => Work::new(async move {
+                self.run_all_to_all_single(output, input, output_splits, input_splits, &o)
+                    .await
+            }),
+            Op::Barrier => Work::new(async move { self.run_barrier(&o).await }),
+            Op::Send { buf, dst } => Work::new(async move { self.run_send(buf, dst, &o).await }),
+            Op::Recv { buf, src } => Work::new(async move { self.run_recv(buf, src, &o).await }),
+        }
+    }
+
+    async fn synchronize(&self) -> Result<()> {
+        self.wait_for(self.opts.timeout, |t| match &t.poisoned {
+            Some(e) => Some(Err(e.to_aborted())),
+            None => t.queue.is_empty().then_some(Ok(())),
+        })
+        .await
+    }
+}
+
+/// The ops, each checking its arguments, classifying its buffers and
+/// handing NCCL's enqueue call to the launch.
+impl NcclBackend {
+    async fn run_all_reduce(
+        &self,
+        buf: BufferMut<'_>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Result<()> {
         let nop = self.op(op)?;
         self.in_place(OpKind::AllReduce, buf, opts, move |nc, c, s, p, n, dt| {
             // SAFETY: in place on `n` elements of our device.
@@ -39,7 +93,7 @@ impl Backend for NcclBackend {
         .await
     }
 
-    async fn broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
+    async fn run_broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
         validate::root(opts.root, self.world)?;
         let root = opts.root as c_int;
         self.in_place(OpKind::Broadcast, buf, opts, move |nc, c, s, p, n, dt| {
@@ -49,7 +103,7 @@ impl Backend for NcclBackend {
         .await
     }
 
-    async fn reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
+    async fn run_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
         validate::root(opts.root, self.world)?;
         let (nop, root) = (self.op(op)?, opts.root as c_int);
         self.in_place(OpKind::Reduce, buf, opts, move |nc, c, s, p, n, dt| {
@@ -59,7 +113,7 @@ impl Backend for NcclBackend {
         .await
     }
 
-    async fn all_gather(
+    async fn run_all_gather(
         &self,
         output: BufferMut<'_>,
         input: Buffer<'_>,
@@ -77,7 +131,7 @@ impl Backend for NcclBackend {
             .await
     }
 
-    async fn gather(
+    async fn run_gather(
         &self,
         output: Option<BufferMut<'_>>,
         input: Buffer<'_>,
@@ -99,7 +153,7 @@ impl Backend for NcclBackend {
         self.call(OpKind::Gather, false, opts, args, enqueue).await
     }
 
-    async fn scatter(
+    async fn run_scatter(
         &self,
         output: BufferMut<'_>,
         input: Option<Buffer<'_>>,
@@ -121,7 +175,7 @@ impl Backend for NcclBackend {
         self.call(OpKind::Scatter, false, opts, args, enqueue).await
     }
 
-    async fn reduce_scatter(
+    async fn run_reduce_scatter(
         &self,
         output: BufferMut<'_>,
         input: Buffer<'_>,
@@ -146,7 +200,7 @@ impl Backend for NcclBackend {
             .await
     }
 
-    async fn all_to_all_single(
+    async fn run_all_to_all_single(
         &self,
         output: BufferMut<'_>,
         input: Buffer<'_>,
@@ -182,7 +236,7 @@ impl Backend for NcclBackend {
             .await
     }
 
-    async fn barrier(&self, opts: &CallOptions) -> Result<()> {
+    async fn run_barrier(&self, opts: &CallOptions) -> Result<()> {
         // A one-byte all-reduce through the host path: the host returns only
         // once every rank has entered it, as torch's barrier does.
         let mut one = [1u8];
@@ -199,7 +253,7 @@ impl Backend for NcclBackend {
         .await
     }
 
-    async fn send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
+    async fn run_send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
         validate::peer(dst, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
@@ -208,20 +262,12 @@ impl Backend for NcclBackend {
         self.call(OpKind::Send, true, opts, args, enqueue).await
     }
 
-    async fn recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
+    async fn run_recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
         validate::peer(src, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
             Box::new(move |nc, c, s, _, o| p2p(nc, false, o, n, dt, src, c, s));
         self.call(OpKind::Recv, true, opts, args, enqueue).await
-    }
-
-    async fn synchronize(&self) -> Result<()> {
-        self.wait_for(self.opts.timeout, |t| match &t.poisoned {
-            Some(e) => Some(Err(e.to_aborted())),
-            None => t.queue.is_empty().then_some(Ok(())),
-        })
-        .await
     }
 }
