@@ -141,6 +141,8 @@ struct Job {
     /// Opened when the collective is done.
     gate: Option<EventId>,
     reply: Option<Reply>,
+    /// The host backend of a subgroup's call (`None`: the thread's own).
+    group: Option<Arc<dyn Backend>>,
 }
 
 #[derive(Default)]
@@ -168,6 +170,10 @@ pub struct EmulatedComm {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     shared: Arc<Shared>,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// For a subgroup: its host backend, whose calls the parent's thread
+    /// makes (one stream per rank, so calls on every group keep the order
+    /// they were made in).
+    group: Option<Arc<dyn Backend>>,
 }
 
 impl std::fmt::Debug for EmulatedComm {
@@ -207,6 +213,7 @@ impl EmulatedComm {
             jobs: Mutex::new(Some(tx)),
             shared,
             worker: Mutex::new(Some(worker)),
+            group: None,
         })
     }
 
@@ -235,15 +242,17 @@ impl EmulatedComm {
         Ok(Mem::new(d.dtype(), bytes, Some(d.ptr())))
     }
 
-    /// Enqueues one call. Device calls return once enqueued; host calls
-    /// wait for their turn and their result.
-    async fn enqueue(
+    /// Enqueues one call, now (so its place in the order is fixed when it
+    /// is made). Device calls are then done, as far as the host is
+    /// concerned; host calls return the answer to wait for and where it
+    /// goes.
+    fn launch<'a>(
         &self,
         kind: Kind,
         opts: &CallOptions,
-        input: Option<Buffer<'_>>,
-        output: Option<BufferMut<'_>>,
-    ) -> Result<()> {
+        input: Option<Buffer<'a>>,
+        output: Option<BufferMut<'a>>,
+    ) -> Result<Option<Answer<'a>>> {
         if let Some(e) = &self.shared.lock().poisoned {
             return Err(e.to_aborted());
         }
@@ -317,6 +326,7 @@ impl EmulatedComm {
             after,
             gate,
             reply,
+            group: self.group.clone(),
         };
         self.shared.lock().pending += 1;
         let sent = match &*self.jobs.lock().unwrap_or_else(|p| p.into_inner()) {
@@ -333,18 +343,27 @@ impl EmulatedComm {
                 cause: "the emulated communication thread has stopped".into(),
             });
         }
-        let Some(answer) = answer else {
-            return Ok(());
-        };
-        let out = answer.await.map_err(|_| CommError::Aborted {
-            ctx: Default::default(),
-            cause: "the emulated communication thread stopped during the call".into(),
-        })??;
-        if let (Some(h), Some(bytes)) = (host_out, out) {
-            h.into_bytes_mut().copy_from_slice(&bytes);
-        }
-        Ok(())
+        Ok(answer.map(|a| (a, host_out)))
     }
+}
+
+/// A host call's result to come, and the host buffer it goes to.
+type Answer<'a> = (
+    tokio::sync::oneshot::Receiver<Result<Option<Vec<u8>>>>,
+    Option<HostSliceMut<'a>>,
+);
+
+/// Waits for a host call's result. Dropping this future before the answer
+/// cancels the call on the communication thread, which aborts the group.
+async fn answer((answer, host_out): Answer<'_>) -> Result<()> {
+    let out = answer.await.map_err(|_| CommError::Aborted {
+        ctx: Default::default(),
+        cause: "the emulated communication thread stopped during the call".into(),
+    })??;
+    if let (Some(h), Some(bytes)) = (host_out, out) {
+        h.into_bytes_mut().copy_from_slice(&bytes);
+    }
+    Ok(())
 }
 
 impl Drop for EmulatedComm {
@@ -388,7 +407,7 @@ fn comm_thread(
                     std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
                 }
                 if waited {
-                    rt.block_on(run_job(inner, device, &mut job))
+                    rt.block_on(run_or_cancel(inner, device, &mut job))
                 } else {
                     Err(CommError::Timeout {
                         ctx: Default::default(),
@@ -422,6 +441,27 @@ fn comm_thread(
         }
         shared.lock().pending -= 1;
     }
+}
+
+/// Runs a job; a host job whose caller dropped its work is cancelled (the
+/// host backend's call is dropped, which aborts its group).
+async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
+    let group = job.group.clone();
+    let inner = group.as_deref().unwrap_or(inner);
+    let Some(mut reply) = job.reply.take() else {
+        return run_job(inner, device, job).await;
+    };
+    let out = tokio::select! {
+        r = run_job(inner, device, job) => r,
+        () = reply.closed() => Err(CommError::Aborted {
+            ctx: Default::default(),
+            cause: "a call was cancelled: its work was dropped before it finished. Peers may \
+                    be part-way through it, so the group cannot continue"
+                .into(),
+        }),
+    };
+    job.reply = Some(reply);
+    out
 }
 
 /// Snapshots the device arguments, runs the collective on the host
@@ -526,7 +566,33 @@ impl Backend for EmulatedComm {
         {
             return Work::ready(Err(e));
         }
-        Work::new(async move { self.enqueue(kind, &o, input, output).await })
+        match self.launch(kind, &o, input, output) {
+            Ok(Some(a)) => Work::new(answer(a)),
+            Ok(None) => Work::ready(Ok(())),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    async fn new_group(
+        &self,
+        ranks: &[usize],
+        opts: &CallOptions,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        // A subgroup's calls run on this rank's one communication thread,
+        // in the order they are made (one stream per rank).
+        let Some(inner) = self.inner.new_group(ranks, opts).await? else {
+            return Ok(None);
+        };
+        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Ok(Some(Arc::new(EmulatedComm {
+            inner: inner.clone(),
+            device: self.device.clone(),
+            opts: self.opts.clone(),
+            jobs: Mutex::new(jobs),
+            shared: self.shared.clone(),
+            worker: Mutex::new(None),
+            group: Some(inner),
+        })))
     }
 
     async fn synchronize(&self) -> Result<()> {

@@ -27,7 +27,7 @@ fn failed<T>(r: Result<T, CommError>, what: &str) -> Result<T, String> {
 
 /// Runs `f` on every rank of a world from `factory` and panics with every
 /// rank's failure.
-fn everywhere<F, Fut>(factory: Factory, n: usize, f: F)
+pub(crate) fn everywhere<F, Fut>(factory: Factory, n: usize, f: F)
 where
     F: Fn(ProcessGroup) -> Fut,
     Fut: Future<Output = Outcome> + Send + 'static,

@@ -218,6 +218,7 @@ pub fn op_for(dtype: DType, pick: usize) -> ReduceOp {
 pub use consort_comm::with_dtype;
 
 pub mod checks;
+pub mod concurrency;
 
 /// Whether an error is a collective mismatch.
 pub fn is_mismatch(e: &CommError) -> bool {
@@ -304,6 +305,21 @@ macro_rules! conformance {
                 }
 
                 #[test]
+                fn collectives_on_a_subgroup_then_on_its_parent(n in 1usize..=6, mask in any::<u64>(), sort in any::<bool>(), len in len(), dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
+                    $crate::concurrency::subgroup($factory, n, mask, sort, len, dtype, op, seed);
+                }
+
+                #[test]
+                fn disjoint_halves_and_the_world_all_in_flight_at_once(n in 2usize..=6, len in len(), seed in any::<u64>()) {
+                    $crate::concurrency::halves($factory, n, len, seed);
+                }
+
+                #[test]
+                fn several_calls_in_flight_awaited_in_reverse(n in 1usize..=6, len in len(), seed in any::<u64>()) {
+                    $crate::concurrency::in_flight($factory, n, len, seed);
+                }
+
+                #[test]
                 fn mismatched_calls_give_mismatch_on_every_rank(n in 2usize..=12, odd in any::<usize>(), kind in 0usize..4, len in 1usize..50) {
                     checks::mismatch($factory, n, odd % n, kind, len);
                 }
@@ -332,6 +348,22 @@ macro_rules! conformance {
             #[test]
             fn a_timeout_of_duration_max_is_clamped_not_a_panic() {
                 checks::endless_timeout($factory);
+            }
+
+            #[test]
+            fn new_subgroups_and_split_follow_torch() {
+                $crate::concurrency::splits($factory, 6, 3);
+                $crate::concurrency::splits($factory, 5, 1);
+            }
+
+            #[test]
+            fn bad_rank_lists_are_refused_on_every_rank() {
+                $crate::concurrency::bad_groups($factory);
+            }
+
+            #[test]
+            fn a_dropped_call_aborts_its_group_with_a_clear_error() {
+                $crate::concurrency::cancelled($factory, 3);
             }
 
             #[test]

@@ -306,6 +306,10 @@ impl<P> Engine<P> {
             return;
         }
         if let Some(g) = self.groups.get(&fp.group) {
+            if g.poisoned.is_some() {
+                // A failed group's late frames carry nothing anyone reads.
+                return;
+            }
             let running = self
                 .calls
                 .values()
