@@ -329,7 +329,7 @@ mod tests {
         pg.send(&x, 1, 7).await.unwrap();
         pg.recv(&mut y, 1, 8).await.unwrap();
 
-        let seen = rec.0.lock().unwrap();
+        let seen = std::mem::take(&mut *rec.0.lock().unwrap());
         let s = |op, dtype, out_len, in_len, root, tag, extra: &str| Seen {
             op,
             dtype,
@@ -361,8 +361,7 @@ mod tests {
             s(OpKind::Send, I64, None, Some(3), 0, 7, "to 1"),
             s(OpKind::Recv, I64, Some(3), None, 0, 8, "from 1"),
         ];
-        assert_eq!(*seen, want);
-        drop(seen);
+        assert_eq!(seen, want);
         let e = pg.new_group(&[0]).await.unwrap_err();
         assert!(
             e.to_string()

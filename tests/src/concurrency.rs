@@ -77,6 +77,7 @@ pub async fn subgroup_rank(
 }
 
 /// [`subgroup_rank`] on every rank of a world of `n`.
+#[allow(clippy::too_many_arguments)] // one per proptest dimension
 pub fn subgroup(
     factory: Factory,
     n: usize,

@@ -264,6 +264,7 @@ impl Backend for SimRank {
         "sim"
     }
 
+    #[allow(clippy::misnamed_getters)] // the group rank, not the world rank
     fn rank(&self) -> usize {
         self.me
     }

@@ -313,12 +313,11 @@ impl State {
 
     /// Rank `r`'s running call finished its schedule.
     fn finish(&mut self, r: usize, t: u64) {
-        let n_group;
         let rank = &mut self.ranks[r];
         let Some(mut call) = rank.call.take() else {
             return;
         };
-        n_group = call.members.len();
+        let n_group = call.members.len();
         let mut out = Ok(());
         if call.finalize
             && let Some(op) = call.reduce
