@@ -164,7 +164,6 @@ enum Got {
 }
 
 struct Inner {
-    rank: usize,
     /// Write halves by [peer][stream] (empty for this rank).
     writers: Vec<Vec<tokio::sync::Mutex<Writer>>>,
     /// The call rules: groups, calls in flight, filed frames, failures.
@@ -557,7 +556,6 @@ impl TcpBackend {
             writers.push(ws);
         }
         let inner = Arc::new(Inner {
-            rank,
             writers,
             engine: Mutex::new(Engine::new(rank, world)),
             notify: Notify::new(),
@@ -1607,23 +1605,10 @@ impl TcpBackend {
     /// A subgroup on this mesh (see [`Backend::new_group`]); the QUIC
     /// backend wraps the handle it returns.
     pub fn subgroup(&self, ranks: &[usize], opts: &CallOptions) -> Result<Option<TcpBackend>> {
-        let members: Vec<usize> = ranks
-            .iter()
-            .map(|&g| {
-                self.members.get(g).copied().ok_or_else(|| {
-                    CommError::invalid(format!(
-                        "rank {g} is not in this group of {}",
-                        self.members.len()
-                    ))
-                })
-            })
-            .collect::<Result<_>>()?;
-        let mut engine = lock(&self.inner.engine);
-        let id = engine.next_group_id(self.group)?;
-        if !members.contains(&self.inner.rank) {
+        let made = lock(&self.inner.engine).make_group(self.group, ranks)?;
+        let Some((id, members, me)) = made else {
             return Ok(None);
-        }
-        let me = engine.add_group(id, members.clone())?;
+        };
         let mut topts = self.opts.clone();
         if let Some(t) = opts.timeout {
             topts.timeout = t;

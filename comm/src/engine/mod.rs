@@ -206,6 +206,37 @@ impl<P> Engine<P> {
         Ok(id)
     }
 
+    /// Makes a subgroup of `parent` from parent-group ranks `ranks` (checked,
+    /// in group-rank order): every rank of the parent calls it, member or
+    /// not, so that the ids agree. Returns `None` on non-members, else the
+    /// new group's id, its members' mesh ranks and this rank's place.
+    pub fn make_group(
+        &mut self,
+        parent: GroupId,
+        ranks: &[usize],
+    ) -> Result<Option<(GroupId, Vec<usize>, usize)>> {
+        let parent_members = self
+            .members(parent)
+            .ok_or_else(|| CommError::invalid(format!("group {} is not known here", parent.0)))?;
+        let members: Vec<usize> = ranks
+            .iter()
+            .map(|&g| {
+                parent_members.get(g).copied().ok_or_else(|| {
+                    CommError::invalid(format!(
+                        "rank {g} is not in this group of {}",
+                        parent_members.len()
+                    ))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let id = self.next_group_id(parent)?;
+        if !members.contains(&self.rank) {
+            return Ok(None);
+        }
+        let me = self.add_group(id, members.clone())?;
+        Ok(Some((id, members, me)))
+    }
+
     /// Adds a group whose members are these mesh ranks (in group-rank
     /// order); this rank must be one of them.
     pub fn add_group(&mut self, id: GroupId, members: Vec<usize>) -> Result<usize> {

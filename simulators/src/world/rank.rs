@@ -12,7 +12,7 @@ use consort_comm::{
     },
 };
 
-use super::{Call, Raw, Shared, Status, dur_ns, lock, lost, wake};
+use super::{Call, Raw, Shared, Status, dur_ns, lock, wake};
 
 /// One rank of a [`super::SimWorld`], on the world group or a subgroup.
 /// Dropping the world handle is the rank's process exiting: peers that
@@ -306,31 +306,13 @@ impl Backend for SimRank {
         ranks: &[usize],
         opts: &CallOptions,
     ) -> Result<Option<Arc<dyn Backend>>> {
-        let members: Vec<usize> = ranks
-            .iter()
-            .map(|&g| {
-                self.members.get(g).copied().ok_or_else(|| {
-                    CommError::invalid(format!(
-                        "rank {g} is not in this group of {}",
-                        self.members.len()
-                    ))
-                })
-            })
-            .collect::<Result<_>>()?;
-        let mut s = lock(&self.shared);
-        let engine = &mut s.ranks[self.rank].engine;
-        let id = engine.next_group_id(self.group)?;
-        if !members.contains(&self.rank) {
+        // A lost member shows at the group's first collective, as on TCP.
+        let made = lock(&self.shared).ranks[self.rank]
+            .engine
+            .make_group(self.group, ranks)?;
+        let Some((id, members, me)) = made else {
             return Ok(None);
-        }
-        let me = engine.add_group(id, members.clone())?;
-        if let Some(&gone) = members
-            .iter()
-            .find(|&&w| s.ranks[self.rank].engine.is_lost(w))
-        {
-            let g = members.iter().position(|&w| w == gone).unwrap_or(gone);
-            return Err(lost(g));
-        }
+        };
         Ok(Some(Arc::new(SimRank {
             shared: self.shared.clone(),
             rank: self.rank,
