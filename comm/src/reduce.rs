@@ -18,8 +18,13 @@
 //!   either one may be returned.
 //! - **Integers** wrap on overflow (two's complement), as PyTorch's C++
 //!   kernels do. `Avg` on integers divides with truncation toward zero.
-//! - **Avg** combines exactly like `Sum`; the driver divides once at the end
-//!   with [`ReduceOp::finalize`], after the last combine.
+//! - **Avg** combines exactly like `Sum`. On integers, f32 and f64 the
+//!   driver divides once at the end with [`ReduceOp::finalize`], after the
+//!   last combine (Gloo's order). On f16 and bf16 each rank multiplies its
+//!   own input by `1/world` first, with [`ReduceOp::prescale_bytes`], as
+//!   NCCL does, so partial sums stay in range.
+//! - **PremulSum** multiplies each rank's own input by that rank's factor
+//!   ([`ReduceOp::prescale_bytes`]), then combines like `Sum`.
 //! - **BAnd, BOr, BXor** exist for integer dtypes only; on a float dtype they
 //!   return [`CommError::Unsupported`], never a silent bit-twiddle.
 
@@ -29,14 +34,19 @@ use half::{bf16, f16};
 
 use crate::{CommError, DType, Element, Result};
 
-/// A reduction, with the codes of c10d's `ReduceOp` enum.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A reduction, with the codes of c10d's `ReduceOp` enum. Two ops are
+/// equal when their codes are, and for [`ReduceOp::PremulSum`] their
+/// factors' bits too.
+#[derive(Clone, Copy, Debug)]
 #[repr(u8)]
 pub enum ReduceOp {
     /// Element-wise sum (`ReduceOp.SUM`).
     Sum = 0,
-    /// Element-wise mean over ranks (`ReduceOp.AVG`): a sum, divided by the
-    /// world size once at the end.
+    /// Element-wise mean over ranks (`ReduceOp.AVG`). Integers, f32 and f64
+    /// are summed, then divided by the world size once at the end (as
+    /// Gloo); f16 and bf16 are multiplied by `1/world` first and then
+    /// summed (as NCCL), so that an average that fits the type never
+    /// overflows on the way.
     Avg = 1,
     /// Element-wise product (`ReduceOp.PRODUCT`).
     Prod = 2,
@@ -50,10 +60,16 @@ pub enum ReduceOp {
     BOr = 6,
     /// Bitwise xor (`ReduceOp.BXOR`), integer dtypes only.
     BXor = 7,
+    /// `PREMUL_SUM`: each rank multiplies its own input by its factor, then
+    /// the products are summed (torch's `_make_nccl_premul_sum(factor)`).
+    /// Floating dtypes only. Each rank may pass its own factor; only the op
+    /// is compared across ranks. Make it with [`ReduceOp::premul_sum`].
+    PremulSum(f64) = 8,
 }
 
 impl ReduceOp {
-    /// Every op, in code order.
+    /// Every op without a parameter, in code order ([`ReduceOp::PremulSum`]
+    /// carries a factor and is not listed).
     pub const ALL: [ReduceOp; 8] = [
         ReduceOp::Sum,
         ReduceOp::Avg,
@@ -76,21 +92,51 @@ impl ReduceOp {
             ReduceOp::BAnd => "band",
             ReduceOp::BOr => "bor",
             ReduceOp::BXor => "bxor",
+            ReduceOp::PremulSum(_) => "premul_sum",
         }
+    }
+
+    /// `PREMUL_SUM` with this rank's `factor`: the sum over ranks of each
+    /// rank's input times its own factor (torch's
+    /// `dist._make_nccl_premul_sum(factor)`).
+    pub const fn premul_sum(factor: f64) -> ReduceOp {
+        ReduceOp::PremulSum(factor)
     }
 
     /// The c10d enum value.
     pub const fn code(self) -> u8 {
-        self as u8
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+            ReduceOp::Prod => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Max => 4,
+            ReduceOp::BAnd => 5,
+            ReduceOp::BOr => 6,
+            ReduceOp::BXor => 7,
+            ReduceOp::PremulSum(_) => 8,
+        }
     }
 
-    /// Decodes a c10d enum value; `None` for unknown codes (and for
-    /// `PREMUL_SUM`, which consort does not implement).
+    /// Decodes a c10d enum value; `None` for unknown codes. The factor of
+    /// `PREMUL_SUM` (code 8) is each rank's own and not part of the code:
+    /// it decodes as [`ReduceOp::PremulSum`] with factor 1.
     pub const fn from_code(code: u8) -> Option<ReduceOp> {
         if (code as usize) < Self::ALL.len() {
             Some(Self::ALL[code as usize])
+        } else if code == 8 {
+            Some(ReduceOp::PremulSum(1.0))
         } else {
             None
+        }
+    }
+
+    /// The op as ranks compare it: [`ReduceOp::PremulSum`]'s factor, which
+    /// each rank chooses for itself, set to 1.
+    pub const fn compared(self) -> ReduceOp {
+        match self {
+            ReduceOp::PremulSum(_) => ReduceOp::PremulSum(1.0),
+            op => op,
         }
     }
 
@@ -101,20 +147,65 @@ impl ReduceOp {
 
     /// Whether this op is defined for `dtype`.
     pub const fn supports(self, dtype: DType) -> bool {
-        !(self.is_bitwise() && dtype.is_float())
+        match self {
+            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => !dtype.is_float(),
+            ReduceOp::PremulSum(_) => dtype.is_float(),
+            _ => true,
+        }
     }
 
     /// `Ok` if this op is defined for `dtype`, else `Unsupported` with the
     /// alternative.
     pub fn check(self, dtype: DType) -> Result<()> {
         if self.supports(dtype) {
-            Ok(())
-        } else {
-            Err(CommError::unsupported(format!(
+            return Ok(());
+        }
+        Err(CommError::unsupported(if self.is_bitwise() {
+            format!(
                 "ReduceOp::{self:?} is bitwise and {dtype} is a float dtype; bitwise reductions \
                  need an integer dtype (view the bits as u32/u16 first if that is what you mean)"
-            )))
+            )
+        } else {
+            format!(
+                "ReduceOp::PremulSum scales by a float factor and {dtype} is an integer dtype; \
+                 use it on f16, bf16, f32 or f64 (or multiply the integers yourself and use Sum)"
+            )
+        }))
+    }
+
+    /// The factor this rank multiplies its own input by before the first
+    /// combine, if any: [`ReduceOp::PremulSum`]'s, and `1/world_size` for
+    /// [`ReduceOp::Avg`] on f16 and bf16 (see [`ReduceOp::Avg`]).
+    pub fn prescale(self, dtype: DType, world_size: usize) -> Option<f64> {
+        match self {
+            ReduceOp::PremulSum(f) => Some(f),
+            ReduceOp::Avg if is_half(dtype) && world_size > 0 => Some(1.0 / world_size as f64),
+            _ => None,
         }
+    }
+
+    /// Multiplies `buf` (elements of `dtype`, this rank's own input) by
+    /// [`ReduceOp::prescale`]'s factor; nothing for other ops. Drivers call
+    /// it once, before the schedule runs.
+    pub fn prescale_bytes(self, dtype: DType, buf: &mut [u8], world_size: usize) -> Result<()> {
+        let Some(f) = self.prescale(dtype, world_size) else {
+            return Ok(());
+        };
+        self.check(dtype)?;
+        match dtype {
+            DType::F32 => scale_with(buf, |x: f32| (f64::from(x) * f) as f32),
+            DType::F64 => scale_with(buf, |x: f64| x * f),
+            DType::F16 => {
+                let g = f as f32;
+                scale_with(buf, |x: f16| f16::narrow(x.widen() * g))
+            }
+            DType::BF16 => {
+                let g = f as f32;
+                scale_with(buf, |x: bf16| bf16::narrow(x.widen() * g))
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// `dst[i] = dst[i] ⊕ src[i]` for every `i`.
@@ -157,7 +248,9 @@ impl ReduceOp {
     }
 
     /// Finishes a reduction after the last combine: divides by `world_size`
-    /// for [`ReduceOp::Avg`] and does nothing for every other op.
+    /// for [`ReduceOp::Avg`] on integers, f32 and f64, and does nothing for
+    /// every other op (f16 and bf16 Avg divided first, in
+    /// [`ReduceOp::prescale_bytes`]).
     pub fn finalize<T: Element>(self, dst: &mut [T], world_size: usize) -> Result<()> {
         self.finalize_bytes(T::DTYPE, crate::dtype::as_bytes_mut(dst), world_size)
     }
@@ -165,7 +258,8 @@ impl ReduceOp {
     /// The type-erased form of [`ReduceOp::finalize`]. `dst` must be aligned
     /// for `dtype` (it is the caller's output buffer).
     pub fn finalize_bytes(self, dtype: DType, dst: &mut [u8], world_size: usize) -> Result<()> {
-        if self != ReduceOp::Avg {
+        // f16 and bf16 were divided before the sum (`prescale`).
+        if self != ReduceOp::Avg || is_half(dtype) {
             return Ok(());
         }
         if world_size == 0 {
@@ -178,6 +272,39 @@ impl ReduceOp {
             T::divide(d, world_size);
         });
         Ok(())
+    }
+}
+
+impl PartialEq for ReduceOp {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (ReduceOp::PremulSum(a), ReduceOp::PremulSum(b)) => a.to_bits() == b.to_bits(),
+            _ => self.code() == other.code(),
+        }
+    }
+}
+
+impl Eq for ReduceOp {}
+
+impl std::hash::Hash for ReduceOp {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.code().hash(state);
+        if let ReduceOp::PremulSum(f) = self {
+            f.to_bits().hash(state);
+        }
+    }
+}
+
+/// Whether `dtype` is one of the 16-bit floats.
+fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// `x = f(x)` for every element of `buf`, aligned or not.
+fn scale_with<T: Element + bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+    for chunk in buf.chunks_exact_mut(size_of::<T>()) {
+        let x: T = bytemuck::pod_read_unaligned(chunk);
+        chunk.copy_from_slice(bytemuck::bytes_of(&f(x)));
     }
 }
 
@@ -216,7 +343,7 @@ macro_rules! float_kernel {
                 // Each arm is a plain loop over two equal-length slices so
                 // that LLVM vectorises it.
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => {
+                    ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => {
                         for (d, s) in dst.iter_mut().zip(src) { *d += *s; }
                     }
                     ReduceOp::Prod => {
@@ -256,7 +383,7 @@ macro_rules! int_kernel {
             #[inline]
             fn combine(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => {
+                    ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => {
                         for (d, s) in dst.iter_mut().zip(src) { *d = d.wrapping_add(*s); }
                     }
                     ReduceOp::Prod => {
@@ -403,7 +530,7 @@ fn fused<T: Half16>(dst: &mut [T], src: &[T], f: impl Fn(f32, f32) -> f32) {
 #[inline(always)]
 fn combine_half<T: Half16>(op: ReduceOp, dst: &mut [T], src: &[T]) {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => fused(dst, src, |a, b| a + b),
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => fused(dst, src, |a, b| a + b),
         ReduceOp::Prod => fused(dst, src, |a, b| a * b),
         ReduceOp::Min => fused(dst, src, |a, b| {
             let m = if b < a { b } else { a };
@@ -498,7 +625,7 @@ mod simd {
     macro_rules! per_op {
         ($op:expr, $f:ident => $body:block) => {
             match $op {
-                ReduceOp::Sum | ReduceOp::Avg => {
+                ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => {
                     let $f = |a: __m256, b: __m256| _mm256_add_ps(a, b);
                     $body
                 }
@@ -749,6 +876,47 @@ mod tests {
     }
 
     #[test]
+    fn premul_sum_scales_first_and_compares_without_its_factor() {
+        let op = ReduceOp::premul_sum(0.5);
+        let mut x = [2.0f32, -3.0];
+        op.prescale_bytes(DType::F32, crate::dtype::as_bytes_mut(&mut x), 4)
+            .unwrap();
+        assert_eq!(x, [1.0, -1.5]);
+        op.apply(&mut x, &[1.0, 1.0]).unwrap();
+        op.finalize(&mut x, 4).unwrap();
+        assert_eq!(x, [2.0, -0.5]);
+        assert_eq!(op.code(), 8);
+        assert_eq!(ReduceOp::from_code(8), Some(ReduceOp::premul_sum(1.0)));
+        assert_eq!(op.compared(), ReduceOp::premul_sum(3.0).compared());
+        assert_ne!(op, ReduceOp::premul_sum(3.0));
+        assert!(matches!(
+            op.check(DType::I32),
+            Err(CommError::Unsupported { .. })
+        ));
+        assert_eq!(ReduceOp::Sum.prescale(DType::F32, 4), None);
+    }
+
+    #[test]
+    fn half_avg_divides_before_the_sum_and_stays_in_range() {
+        let n = 4;
+        let mut a = [f16::from_f32(60000.0); 2];
+        let mut b = a;
+        for v in [&mut a, &mut b] {
+            ReduceOp::Avg
+                .prescale_bytes(DType::F16, crate::dtype::as_bytes_mut(v), n)
+                .unwrap();
+        }
+        for _ in 1..n {
+            ReduceOp::Avg.apply(&mut a, &b).unwrap();
+        }
+        ReduceOp::Avg.finalize(&mut a, n).unwrap();
+        assert_eq!(a[0].to_f32(), 60000.0);
+        // f32 still divides once at the end, as Gloo does.
+        assert_eq!(ReduceOp::Avg.prescale(DType::F32, n), None);
+        assert_eq!(ReduceOp::Avg.prescale(DType::BF16, n), Some(0.25));
+    }
+
+    #[test]
     fn avg_divides_once_in_finalize() {
         let mut d = [2.0f32, 4.0];
         ReduceOp::Avg.apply(&mut d, &[4.0, 8.0]).unwrap();
@@ -827,6 +995,7 @@ mod tests {
                         ReduceOp::BAnd => a & b,
                         ReduceOp::BOr => a | b,
                         ReduceOp::BXor => a ^ b,
+                        ReduceOp::PremulSum(_) => unreachable!(),
                     }
                 }
             };

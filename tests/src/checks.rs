@@ -15,7 +15,7 @@ use std::sync::{
 use consort_comm::{CommError, DType, ProcessGroup, ReduceOp};
 
 use crate::{
-    Factory, TestElem, assert_same_result, input, is_mismatch, op_for, reference, run_world,
+    Factory, TestElem, assert_same_result, check_reduced, input, is_mismatch, op_for, run_world,
 };
 
 /// What a rank-local check returns: `Err` says what was wrong.
@@ -55,7 +55,7 @@ pub async fn all_reduce_rank(
         let r = pg.rank();
         let mut buf: Vec<T> = (0..len).map(|i| input(seed, r, i, op)).collect();
         failed(pg.all_reduce(&mut buf, op).await, &what)?;
-        assert_same_result(&buf, &reference::<T>(seed, n, len, op), &what)
+        check_reduced(&buf, seed, n, 0, op, &what)
     })
 }
 
@@ -95,7 +95,7 @@ pub async fn reduce_rank(
         let mut buf: Vec<T> = (0..len).map(|i| input(seed, r, i, op)).collect();
         failed(pg.reduce(&mut buf, op, root).await, &what)?;
         if r == root {
-            assert_same_result(&buf, &reference::<T>(seed, n, len, op), &what)?;
+            check_reduced(&buf, seed, n, 0, op, &what)?;
         }
         Ok(())
     })
@@ -154,8 +154,7 @@ pub async fn reduce_scatter_rank(
         let inp: Vec<T> = (0..n * len).map(|i| input(seed, r, i, op)).collect();
         let mut out = vec![T::from_i64(0); len];
         failed(pg.reduce_scatter(&mut out, &inp, op).await, &what)?;
-        let whole = reference::<T>(seed, n, n * len, op);
-        assert_same_result(&out, &whole[r * len..(r + 1) * len], &what)
+        check_reduced(&out, seed, n, r * len, op, &what)
     })
 }
 

@@ -63,6 +63,8 @@ pub trait TestElem: Element + Copy {
     fn divide(a: Self, n: usize) -> Self;
     /// Bitwise equality (NaN-safe).
     fn same(a: Self, b: Self) -> bool;
+    /// The value as an f64 (exact for the suite's small integers).
+    fn to_f64(self) -> f64;
 }
 
 macro_rules! int_elem {
@@ -78,10 +80,12 @@ macro_rules! int_elem {
                     ReduceOp::BAnd => a & b,
                     ReduceOp::BOr => a | b,
                     ReduceOp::BXor => a ^ b,
+                    ReduceOp::PremulSum(_) => unreachable!("premul_sum is refused on integers"),
                 }
             }
             fn divide(a: Self, n: usize) -> Self { ((a as i128) / (n as i128)) as $t }
             fn same(a: Self, b: Self) -> bool { a == b }
+            fn to_f64(self) -> f64 { self as f64 }
         }
     )*};
 }
@@ -96,7 +100,8 @@ macro_rules! float_elem {
             fn reference(op: ReduceOp, a: Self, b: Self) -> Self {
                 let (x, y): (f32, f32) = ($to(a), $to(b));
                 $from(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    // PremulSum: the caller scaled the inputs already.
+                    ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => x + y,
                     ReduceOp::Prod => x * y,
                     ReduceOp::Min => x.min(y),
                     ReduceOp::Max => x.max(y),
@@ -108,6 +113,9 @@ macro_rules! float_elem {
             }
             fn same(a: Self, b: Self) -> bool {
                 $to(a).to_bits() == $to(b).to_bits()
+            }
+            fn to_f64(self) -> f64 {
+                f64::from($to(self))
             }
         }
     };
@@ -122,7 +130,7 @@ impl TestElem for f64 {
     }
     fn reference(op: ReduceOp, a: Self, b: Self) -> Self {
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => a + b,
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => a + b,
             ReduceOp::Prod => a * b,
             ReduceOp::Min => a.min(b),
             ReduceOp::Max => a.max(b),
@@ -134,6 +142,9 @@ impl TestElem for f64 {
     }
     fn same(a: Self, b: Self) -> bool {
         a.to_bits() == b.to_bits()
+    }
+    fn to_f64(self) -> f64 {
+        self
     }
 }
 
@@ -180,6 +191,47 @@ pub fn reference<T: TestElem>(seed: u64, n: usize, len: usize, op: ReduceOp) -> 
         .collect()
 }
 
+/// Checks `got` against elements `start..start + got.len()` of the
+/// reduction of every rank's input. Exact, except `Avg` on f16 and bf16:
+/// each rank scales by `1/n` before the sum (as NCCL does, so that partial
+/// sums stay in range), which rounds n + 1 times, so the result is checked
+/// against the true mean within that rounding.
+pub fn check_reduced<T: TestElem>(
+    got: &[T],
+    seed: u64,
+    n: usize,
+    start: usize,
+    op: ReduceOp,
+    what: &str,
+) -> Result<(), String> {
+    let half = matches!(T::DTYPE, DType::F16 | DType::BF16);
+    if !(half && op == ReduceOp::Avg) {
+        let whole = reference::<T>(seed, n, start + got.len(), op);
+        return assert_same_result(got, &whole[start..], what);
+    }
+    let eps = if T::DTYPE == DType::F16 {
+        2f64.powi(-11)
+    } else {
+        2f64.powi(-8)
+    };
+    for (k, g) in got.iter().enumerate() {
+        let xs: Vec<f64> = (0..n)
+            .map(|r| input::<T>(seed, r, start + k, op).to_f64())
+            .collect();
+        let mean = xs.iter().sum::<f64>() / n as f64;
+        let scale = xs.iter().map(|x| x.abs()).sum::<f64>() / n as f64;
+        let tol = eps * (n as f64 + 1.0) * scale + 1e-7;
+        if (g.to_f64() - mean).abs() > tol {
+            return Err(format!(
+                "{what}: element {}: got {:?}, want {mean} within {tol}",
+                start + k,
+                g
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Compares two slices element by element (NaN-safe); `Err` names the
 /// first difference.
 pub fn assert_same_result<T: TestElem>(got: &[T], want: &[T], what: &str) -> Result<(), String> {
@@ -219,6 +271,10 @@ pub use consort_comm::with_dtype;
 
 pub mod checks;
 pub mod concurrency;
+pub mod scaled;
+pub mod subworld;
+
+pub use subworld::on_subgroup;
 
 /// Whether an error is a collective mismatch.
 pub fn is_mismatch(e: &CommError) -> bool {
@@ -323,6 +379,25 @@ macro_rules! conformance {
                 fn mismatched_calls_give_mismatch_on_every_rank(n in 2usize..=12, odd in any::<usize>(), kind in 0usize..4, len in 1usize..50) {
                     checks::mismatch($factory, n, odd % n, kind, len);
                 }
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig::with_cases($cases))]
+
+                #[test]
+                fn premul_sum_with_a_factor_per_rank(n in 1usize..=16, len in len(), dtype in prop::sample::select(vec![$crate::DType::F32, $crate::DType::F64, $crate::DType::F16, $crate::DType::BF16]), kind in 0usize..3, seed in any::<u64>()) {
+                    $crate::scaled::premul_sum($factory, n, len, dtype, kind, seed);
+                }
+            }
+
+            #[test]
+            fn half_precision_avg_does_not_overflow_where_the_mean_fits() {
+                $crate::scaled::half_avg_in_range($factory, 5);
+            }
+
+            #[test]
+            fn premul_sum_on_integers_is_unsupported_everywhere() {
+                $crate::scaled::premul_sum_on_integers($factory, 3);
             }
 
             #[test]

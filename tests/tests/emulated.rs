@@ -34,6 +34,16 @@ fn emulated(n: usize) -> WorldFuture {
     })
 }
 
+/// The emulated world as a subgroup of a bigger one (see
+/// `consort_tests::subworld`).
+fn emulated_subgroup(n: usize) -> WorldFuture {
+    consort_tests::on_subgroup(emulated, n)
+}
+
 mod emulated_comm {
     consort_tests::conformance!(crate::emulated, cases = 32);
+}
+
+mod emulated_subgroup {
+    consort_tests::conformance!(crate::emulated_subgroup, cases = 32);
 }

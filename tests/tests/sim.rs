@@ -35,6 +35,12 @@ fn tree_all_reduce(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "all_reduce=binomial_tree") })
 }
 
+/// The default policy's world as ranks {n+1, ..., 3, 1} of a world of
+/// n + 2: the whole body on a subgroup.
+fn subgroup_of_a_bigger_world(n: usize) -> WorldFuture {
+    consort_tests::on_subgroup(default_policy, n)
+}
+
 mod default_policy {
     consort_tests::conformance!(crate::default_policy);
 }
@@ -45,4 +51,8 @@ mod other_algorithms {
 
 mod tree_all_reduce {
     consort_tests::conformance!(crate::tree_all_reduce);
+}
+
+mod subgroup {
+    consort_tests::conformance!(crate::subgroup_of_a_bigger_world);
 }

@@ -1306,7 +1306,7 @@ impl TcpBackend {
         let (reduce, finalize, dtype) = (req.reduce, req.finalize, req.dtype);
         let raw = RawBufs {
             dtype,
-            input: (req.input.as_ptr(), req.input.len()),
+            input: (req.input_bytes().as_ptr(), req.input_bytes().len()),
             output: (req.output.as_mut_ptr(), req.output.len()),
             scratch: {
                 let b = scratch_bytes(&mut scratch_store);

@@ -83,6 +83,12 @@ fn world_opts(
     })
 }
 
+/// A TCP world that is a subgroup of a bigger one (see
+/// `consort_tests::subworld`), through shared memory.
+fn tcp_subgroup(n: usize) -> WorldFuture {
+    consort_tests::on_subgroup(tcp_world_shm, n)
+}
+
 mod one_stream {
     consort_tests::conformance!(crate::tcp_world, cases = 32);
 }
@@ -93,6 +99,10 @@ mod shared_memory {
 
 mod in_place {
     consort_tests::conformance!(crate::tcp_world_in_place, cases = 32);
+}
+
+mod subgroup {
+    consort_tests::conformance!(crate::tcp_subgroup, cases = 16);
 }
 
 mod ring_and_chain {

@@ -154,6 +154,11 @@ pub struct Call<'a> {
     pub output_splits: Vec<usize>,
     /// Whether this rank finishes the reduce op (Avg) on its output.
     pub finalize: bool,
+    /// reduce_scatter with a pre-multiplied op ([`ReduceOp::prescale`]):
+    /// this rank's input, scaled. The schedule reads it instead of
+    /// `input` ([`Call::input_bytes`]); a driver that keeps raw pointers
+    /// into it keeps it alive until the call ends.
+    pub scaled_input: Option<Vec<u8>>,
 }
 
 fn ctx(op: OpKind, rank: usize) -> ErrorContext {
@@ -180,7 +185,14 @@ impl<'a> Call<'a> {
             input_splits: Vec::new(),
             output_splits: Vec::new(),
             finalize: false,
+            scaled_input: None,
         }
+    }
+
+    /// The bytes the schedule reads as this rank's input: the scaled copy
+    /// when there is one, else `input`.
+    pub fn input_bytes(&self) -> &[u8] {
+        self.scaled_input.as_deref().unwrap_or(self.input)
     }
 
     /// The call for `op`, checked: one match over every op, for every
@@ -193,7 +205,7 @@ impl<'a> Call<'a> {
         opts: &CallOptions,
     ) -> Result<Self> {
         match op {
-            Op::AllReduce { buf, op } => Call::all_reduce(backend, rank, buf, op),
+            Op::AllReduce { buf, op } => Call::all_reduce(backend, rank, world, buf, op),
             Op::Broadcast { buf } => Call::broadcast(backend, rank, world, buf, opts),
             Op::Reduce { buf, op } => Call::reduce(backend, rank, world, buf, op, opts),
             Op::AllGather { output, input } => {
@@ -240,7 +252,7 @@ impl<'a> Call<'a> {
             dtype: self.dtype,
             count: self.count,
             root: self.root as u32,
-            reduce_op: self.reduce,
+            reduce_op: self.reduce.map(ReduceOp::compared),
         }
     }
 
@@ -263,6 +275,7 @@ impl<'a> Call<'a> {
     pub fn all_reduce(
         backend: &str,
         rank: usize,
+        world: usize,
         buf: BufferMut<'a>,
         op: ReduceOp,
     ) -> Result<Self> {
@@ -270,9 +283,12 @@ impl<'a> Call<'a> {
         let b = buf.host(backend).map_err(|e| e.with_context(c))?;
         op.check(b.dtype()).map_err(|e| e.with_context(c))?;
         let (dtype, len) = (b.dtype(), b.len());
+        let output = b.into_bytes_mut();
+        op.prescale_bytes(dtype, output, world)
+            .map_err(|e| e.with_context(c))?;
         Ok(Call {
             reduce: Some(op),
-            output: b.into_bytes_mut(),
+            output,
             finalize: true,
             ..Call::new(OpKind::AllReduce, dtype, len)
         })
@@ -312,11 +328,15 @@ impl<'a> Call<'a> {
         validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
         op.check(b.dtype()).map_err(|e| e.with_context(c))?;
         let (dtype, len) = (b.dtype(), b.len());
+        // In place: a non-root's buffer is unspecified afterwards, as in torch.
+        let output = b.into_bytes_mut();
+        op.prescale_bytes(dtype, output, world)
+            .map_err(|e| e.with_context(c))?;
         Ok(Call {
             reduce: Some(op),
             root: opts.root,
             peer_or_root: opts.root,
-            output: b.into_bytes_mut(),
+            output,
             finalize: rank == opts.root,
             ..Call::new(OpKind::Reduce, dtype, len)
         })
@@ -427,11 +447,21 @@ impl<'a> Call<'a> {
             .map_err(|e| e.with_context(c))?;
         op.check(o.dtype()).map_err(|e| e.with_context(c))?;
         let (dtype, len) = (o.dtype(), o.len());
+        let scaled_input = match op.prescale(dtype, world) {
+            Some(_) => {
+                let mut v = i.bytes().to_vec();
+                op.prescale_bytes(dtype, &mut v, world)
+                    .map_err(|e| e.with_context(c))?;
+                Some(v)
+            }
+            None => None,
+        };
         Ok(Call {
             reduce: Some(op),
             input: i.bytes(),
             output: o.into_bytes_mut(),
             finalize: true,
+            scaled_input,
             ..Call::new(OpKind::ReduceScatter, dtype, len)
         })
     }

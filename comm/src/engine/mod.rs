@@ -443,6 +443,13 @@ impl<P> Engine<P> {
         self.probes.push((peer, fp));
     }
 
+    /// Whether this rank has made collective `seq` of `group` (it may have
+    /// finished or failed since): a rank that has is not the one a stalled
+    /// call waits for.
+    pub fn made(&self, group: GroupId, seq: u64) -> bool {
+        self.groups.get(&group).is_some_and(|g| g.next_seq > seq)
+    }
+
     /// How this rank answers a peer's stall probe for call `seq` of
     /// `group`: its own call at that place, if it made one that is still in
     /// flight or is its latest.

@@ -198,6 +198,9 @@ struct Call {
     reduce: Option<ReduceOp>,
     dtype: DType,
     input: Raw,
+    /// Owns the bytes `input` points into when the call scaled its input
+    /// (a pre-multiplied reduce_scatter); else `input` is the lender's.
+    _scaled: Option<Vec<u8>>,
     output: Raw,
     scratch: Vec<u64>,
     finalize: bool,

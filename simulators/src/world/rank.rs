@@ -153,7 +153,7 @@ impl SimRank {
 
     /// Registers a call: the engine fixes its sequence number now; it runs
     /// on the rank's stream after the calls made before it.
-    fn begin(&self, req: CallReq<'_>, opts: &CallOptions) -> Result<(u64, Duration)> {
+    fn begin(&self, mut req: CallReq<'_>, opts: &CallOptions) -> Result<(u64, Duration)> {
         let r = self.rank;
         let n = self.members.len();
         let mut s = lock(&self.shared);
@@ -186,9 +186,11 @@ impl SimRank {
             reduce: req.reduce,
             dtype: req.dtype,
             input: Raw {
-                ptr: req.input.as_ptr().cast_mut(),
-                len: req.input.len(),
+                ptr: req.input_bytes().as_ptr().cast_mut(),
+                len: req.input_bytes().len(),
             },
+            // The heap bytes `input` points into when the input was scaled.
+            _scaled: req.scaled_input.take(),
             output: Raw {
                 ptr: req.output.as_mut_ptr(),
                 len: req.output.len(),
@@ -224,24 +226,32 @@ impl SimRank {
                 let mut s = lock(&self.shared);
                 let running = s.ranks[r].call.as_ref().is_some_and(|c| c.id == guard.id);
                 if running {
-                    // Virtual time stands still while a rank stays out of
-                    // every call, so in real time the ranks holding this
-                    // call up are those (the ranks its schedule waits on may
-                    // only be stuck behind them).
-                    let idle: Vec<usize> = self
-                        .members
-                        .iter()
-                        .enumerate()
-                        .filter(|&(_, &w)| {
-                            w != r && s.ranks[w].status == Status::Alive && !s.ranks[w].busy()
-                        })
-                        .map(|(g, _)| g)
-                        .collect();
-                    let waiting_on = if idle.is_empty() {
-                        let call = s.ranks[r].call.as_ref();
-                        call.map(|c| c.schedule.waiting_on()).unwrap_or_default()
-                    } else {
+                    // The members that never made this call hold it up.
+                    // Failing that (p2p, or every member made it): the
+                    // members out of every call, since virtual time stands
+                    // still while a rank stays out of every call (the ranks
+                    // the schedule waits on may only be stuck behind them).
+                    // Failing that, the ranks the schedule still waits for.
+                    let call = s.ranks[r].call.as_ref();
+                    let at = call.filter(|c| !c.p2p).map(|c| (c.group, c.fp.seq));
+                    let pick = |f: &dyn Fn(usize) -> bool| -> Vec<usize> {
+                        let alive = |w: usize| w != r && s.ranks[w].status == Status::Alive;
+                        let m = self.members.iter().enumerate();
+                        m.filter(|&(_, &w)| alive(w) && f(w))
+                            .map(|(g, _)| g)
+                            .collect()
+                    };
+                    let absent = match at {
+                        Some((g, seq)) => pick(&|w| !s.ranks[w].engine.made(g, seq)),
+                        None => Vec::new(),
+                    };
+                    let idle = pick(&|w| !s.ranks[w].busy());
+                    let waiting_on = if !absent.is_empty() {
+                        absent
+                    } else if !idle.is_empty() {
                         idle
+                    } else {
+                        call.map(|c| c.schedule.waiting_on()).unwrap_or_default()
                     };
                     let e = CommError::Timeout {
                         ctx: ErrorContext::default(),
