@@ -23,9 +23,16 @@ pub fn nccl_dtype(d: DType) -> c_int {
     }
 }
 
-/// The built-in NCCL op of `op`; bitwise ops have none.
+/// The built-in NCCL op of `op`; bitwise ops have none, and
+/// `PremulSum` is made per call ([`premul_scalar`]).
 pub fn nccl_op(o: ReduceOp) -> Result<c_int, CommError> {
     Ok(match o {
+        ReduceOp::PremulSum(_) => {
+            return Err(CommError::unsupported(
+                "ReduceOp::PremulSum is not a built-in NCCL op: it is created per call with \
+                 ncclRedOpCreatePreMulSum",
+            ));
+        }
         ReduceOp::Sum => op::SUM,
         ReduceOp::Avg => op::AVG,
         ReduceOp::Prod => op::PROD,
@@ -38,6 +45,28 @@ pub fn nccl_op(o: ReduceOp) -> Result<c_int, CommError> {
             )));
         }
     })
+}
+
+/// The bytes of `factor` in `dtype` (host order), as
+/// `ncclRedOpCreatePreMulSum` reads its scalar: 8 bytes room, the first
+/// `dtype.size_bytes()` used. `None` for integer dtypes (consort refuses
+/// PremulSum on them, as torch does).
+pub fn premul_scalar(factor: f64, d: DType) -> Option<[u8; 8]> {
+    let mut out = [0u8; 8];
+    match d {
+        DType::F64 => out.copy_from_slice(&factor.to_ne_bytes()),
+        DType::F32 => out[..4].copy_from_slice(&(factor as f32).to_ne_bytes()),
+        DType::F16 => {
+            let h = consort_comm::half::f16::from_f64(factor);
+            out[..2].copy_from_slice(&h.to_bits().to_ne_bytes());
+        }
+        DType::BF16 => {
+            let h = consort_comm::half::bf16::from_f64(factor);
+            out[..2].copy_from_slice(&h.to_bits().to_ne_bytes());
+        }
+        _ => return None,
+    }
+    Some(out)
 }
 
 /// NCCL's name of a result code (`ncclSystemError`).

@@ -80,6 +80,14 @@ pub mod op {
     pub const AVG: c_int = 4;
 }
 
+/// `ncclScalarHostImmediate`: a pre-multiplication scalar read from host
+/// memory when the collective is enqueued.
+pub const SCALAR_HOST_IMMEDIATE: c_int = 1;
+
+/// `NCCL_SPLIT_NOCOLOR`: `ncclCommSplit`'s color for ranks that join no new
+/// communicator.
+pub const SPLIT_NOCOLOR: c_int = -1;
+
 /// NCCL's version code for `major.minor.patch` (`NCCL_VERSION`).
 pub const fn version_code(major: i32, minor: i32, patch: i32) -> i32 {
     if major <= 2 && minor <= 8 {
@@ -147,6 +155,15 @@ pub struct Nccl {
     pub send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, Stream) -> R,
     /// `ncclRecv`.
     pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, Stream) -> R,
+    /// `ncclRedOpCreatePreMulSum(op, scalar, datatype, residence, comm)`
+    /// (NCCL 2.11+).
+    pub red_op_create_pre_mul_sum:
+        Option<unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, c_int, Comm) -> R>,
+    /// `ncclRedOpDestroy(op, comm)` (NCCL 2.11+).
+    pub red_op_destroy: Option<unsafe extern "C" fn(c_int, Comm) -> R>,
+    /// `ncclCommSplit(comm, color, key, newcomm, config)` (NCCL 2.18+); a
+    /// null config inherits the parent's.
+    pub comm_split: Option<unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> R>,
 }
 
 impl std::fmt::Debug for Nccl {
@@ -302,6 +319,14 @@ fn open(name: &str) -> Result<Nccl, String> {
             reduce_scatter: sym(&lib, "ncclReduceScatter")?,
             send: sym(&lib, "ncclSend")?,
             recv: sym(&lib, "ncclRecv")?,
+            red_op_create_pre_mul_sum: opt(
+                &lib,
+                "ncclRedOpCreatePreMulSum",
+                version,
+                version_code(2, 11, 0),
+            ),
+            red_op_destroy: opt(&lib, "ncclRedOpDestroy", version, version_code(2, 11, 0)),
+            comm_split: opt(&lib, "ncclCommSplit", version, version_code(2, 18, 0)),
             _lib: lib,
         })
     }

@@ -73,6 +73,22 @@ fn one_communicator_runs_the_host_buffer_conformance() {
     );
 }
 
+/// PremulSum through `ncclRedOpCreatePreMulSum` and f16/bf16 Avg on host
+/// buffers, and a subgroup (`ncclCommSplit` on NCCL 2.18+, else a new
+/// communicator from a broadcast id) that all-reduces next to its parent.
+#[test]
+#[ignore = "needs a GPU with libcuda and libnccl"]
+fn premul_sum_half_avg_and_a_subgroup() {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for kind in 0..3 {
+            consort_tests::scaled::premul_sum(nccl_world, 1, 1000, dtype, kind, 21);
+        }
+    }
+    consort_tests::scaled::half_avg_in_range(nccl_world, 1);
+    consort_tests::scaled::premul_sum_on_integers(nccl_world, 1);
+    consort_tests::concurrency::subgroup(nccl_world, 1, 1, true, 1000, DType::F32, 0, 22);
+}
+
 /// A device call returns once enqueued; the caller's stream, not the host,
 /// waits for it.
 #[test]

@@ -99,6 +99,25 @@ fn dtypes_and_ops_map_to_ncclcodes() {
 }
 
 #[test]
+fn premul_sum_scalars_are_in_the_calls_dtype() {
+    use consort_comm::half::{bf16, f16};
+    use consort_nccl::map::premul_scalar;
+    let f = 0.25f64;
+    assert_eq!(premul_scalar(f, DType::F64).unwrap(), f.to_ne_bytes());
+    assert_eq!(
+        premul_scalar(f, DType::F32).unwrap()[..4],
+        (f as f32).to_ne_bytes()
+    );
+    let h = f16::from_f64(f).to_bits().to_ne_bytes();
+    assert_eq!(premul_scalar(f, DType::F16).unwrap()[..2], h);
+    let b = bf16::from_f64(f).to_bits().to_ne_bytes();
+    assert_eq!(premul_scalar(f, DType::BF16).unwrap()[..2], b);
+    assert_eq!(premul_scalar(f, DType::I32), None);
+    // Made per call, never a built-in op.
+    assert!(nccl_op(ReduceOp::premul_sum(f)).is_err());
+}
+
+#[test]
 fn nccl_errors_carry_the_code_the_text_and_what_to_try() {
     let ctx = ErrorContext {
         rank: Some(3),

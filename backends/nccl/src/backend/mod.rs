@@ -1,17 +1,22 @@
 //! [`NcclBackend`]: `Backend` on NCCL, one process per GPU, stream-ordered
 //! as torch's `ProcessGroupNCCL`.
 //!
-//! A call on device buffers makes the communication stream wait for each
-//! buffer's stream (an event), enqueues the op, records a completion
-//! event, makes each buffer's stream wait for it, hands the work to the
-//! watchdog ([`crate::work`]) and returns: the host never waits for the
-//! GPU. A failure found later (an asynchronous NCCL error, a deadline) is
-//! sticky: the next call and [`Backend::synchronize`] report it.
+//! A call on device buffers is enqueued when it is made (in
+//! `Backend::submit`, before its work is polled, so its place on the stream
+//! is fixed then): the communication stream waits for each buffer's stream
+//! (an event), the op is enqueued, a completion event is recorded, each
+//! buffer's stream waits for it, and the work goes to the watchdog
+//! ([`crate::work`]): the host never waits for the GPU. A failure found
+//! later (an asynchronous NCCL error, a deadline) is sticky: the next call
+//! and [`Backend::synchronize`] report it.
 //!
-//! A call on host buffers completes before it returns. It stages through
-//! one pinned host buffer and one device buffer that are reused (grown when
-//! a call needs more), not allocated per call; host calls take turns on
-//! them.
+//! A call on host buffers stages and enqueues when its work is first
+//! polled, and completes with the work. It stages through one pinned host
+//! buffer and one device buffer that are reused (grown when a call needs
+//! more), not allocated per call; host calls take turns on them, so their
+//! order is the order their works are first polled.
+//!
+//! Subgroups are communicators of their own ([`group`]).
 
 use std::{
     ffi::{c_int, c_void},
@@ -28,6 +33,7 @@ use consort_comm::{
 };
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
 
+mod group;
 mod host;
 mod ops;
 
@@ -35,7 +41,7 @@ use host::Staging;
 
 use crate::{
     keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
-    map::{nccl_dtype, nccl_error, nccl_op},
+    map::{nccl_dtype, nccl_error, nccl_op, premul_scalar},
     probe::{load_nccl, probe_device},
     sys::{self, Comm, Nccl, Stream, result},
     work::{Shared, Slot, Track, Waiter, Work, driver_error, lock, spawn_watchdog},
@@ -171,9 +177,6 @@ impl NcclBackend {
         };
         let ctx =
             CudaContext::new(device).map_err(|e| driver_error(ctx0, "context creation", e))?;
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| driver_error(ctx0, "stream creation", e))?;
         let key = unique_id_key(&opts.group, opts.counter);
         let store_err = |source| CommError::Store { ctx: ctx0, source };
         let id: [u8; UNIQUE_ID_BYTES] = if rank == 0 {
@@ -188,6 +191,31 @@ impl NcclBackend {
             check_unique_id(&key, &v).map_err(CommError::invalid)?
         };
         let comm = init_comm(&nccl, &ctx, ctx0, id, rank, world, opts.timeout).await?;
+        Self::assemble(nccl, ctx, (rank, world, device), comm, opts)
+    }
+
+    /// A backend around a communicator that is already made (by
+    /// `ncclCommInitRank` or `ncclCommSplit`): its own stream, watchdog and
+    /// staging. Destroys `comm` if the rest cannot be set up.
+    fn assemble(
+        nccl: Arc<Nccl>,
+        ctx: Arc<CudaContext>,
+        (rank, world, device): (usize, usize, usize),
+        comm: usize,
+        opts: NcclOptions,
+    ) -> Result<Self> {
+        let ctx0 = ErrorContext {
+            rank: Some(rank),
+            ..Default::default()
+        };
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: ours, made just before, never used.
+                let _ = unsafe { (nccl.comm_destroy)(comm as Comm) };
+                return Err(driver_error(ctx0, "stream creation", e));
+            }
+        };
         let shared = Arc::new(Shared {
             nccl,
             rank,
@@ -438,16 +466,17 @@ impl NcclBackend {
         Ok(())
     }
 
-    /// Runs one call: device arguments are enqueued and the call returns;
-    /// host arguments are staged, enqueued, waited for and copied back.
-    async fn call(
-        &self,
+    /// Makes one call: device arguments are enqueued now and the work is
+    /// already done from the host's side; host arguments are staged,
+    /// enqueued, waited for and copied back by the returned work.
+    fn call<'a>(
+        &'a self,
         op: OpKind,
         p2p: bool,
         opts: &CallOptions,
-        args: Args<'_>,
-        enqueue: Enqueue<'_>,
-    ) -> Result<()> {
+        args: Args<'a>,
+        enqueue: Enqueue<'a>,
+    ) -> consort_comm::Work<'a> {
         let call = Call {
             op,
             p2p,
@@ -458,8 +487,16 @@ impl NcclBackend {
                 input,
                 output,
                 streams,
-            } => self.launch(call, &streams, (input, output), None, enqueue),
-            Args::Host { input, output } => self.host_call(call, input, output, enqueue).await,
+            } => consort_comm::Work::ready(self.launch(
+                call,
+                &streams,
+                (input, output),
+                None,
+                enqueue,
+            )),
+            Args::Host { input, output } => {
+                consort_comm::Work::new(self.host_call(call, input, output, enqueue))
+            }
         }
     }
 
@@ -515,19 +552,32 @@ impl NcclBackend {
         })
     }
 
-    /// The NCCL op of `op`, checked against the loaded library (`ncclAvg`
-    /// arrived in NCCL 2.10).
-    fn op(&self, op: ReduceOp) -> Result<c_int> {
-        let nop = nccl_op(op)?;
-        if op == ReduceOp::Avg && self.shared.nccl.version < sys::version_code(2, 10, 0) {
-            return Err(CommError::unsupported(format!(
-                "ReduceOp::Avg needs NCCL 2.10 or newer; the loaded library ({}) is NCCL {}. \
-                 Point CONSORT_NCCL_LIBRARY at a newer libnccl.so.2, or use Sum and divide",
-                self.shared.nccl.path,
-                self.shared.nccl.version_string()
-            )));
+    /// The NCCL op of `op` on `dtype`, checked against the loaded library
+    /// (`ncclAvg` arrived in NCCL 2.10, pre-multiplied sums in 2.11).
+    fn op(&self, op: ReduceOp, dtype: DType) -> Result<RedOp> {
+        let nccl = &self.shared.nccl;
+        let too_old = |what: &str, since: &str| {
+            CommError::unsupported(format!(
+                "{what} needs NCCL {since} or newer; the loaded library ({}) is NCCL {}. Point \
+                 CONSORT_NCCL_LIBRARY at a newer libnccl.so.2",
+                nccl.path,
+                nccl.version_string()
+            ))
+        };
+        if let ReduceOp::PremulSum(f) = op {
+            op.check(dtype)?;
+            if nccl.red_op_create_pre_mul_sum.is_none() || nccl.red_op_destroy.is_none() {
+                return Err(too_old("ReduceOp::PremulSum", "2.11"));
+            }
+            let scalar = premul_scalar(f, dtype)
+                .ok_or_else(|| CommError::unsupported(format!("ReduceOp::PremulSum on {dtype}")))?;
+            return Ok(RedOp::PremulSum(scalar));
         }
-        Ok(nop)
+        let nop = nccl_op(op)?;
+        if op == ReduceOp::Avg && nccl.version < sys::version_code(2, 10, 0) {
+            return Err(too_old("ReduceOp::Avg", "2.10"));
+        }
+        Ok(RedOp::Builtin(nop))
     }
 
     fn dev(&self, device: i32, ptr: u64, stream: u64) -> Result<Dev> {
@@ -543,17 +593,17 @@ impl NcclBackend {
 
     /// An op on one buffer in place: `f(nccl, comm, stream, address, count,
     /// dtype)` enqueues it.
-    async fn in_place(
-        &self,
+    fn in_place<'a>(
+        &'a self,
         op: OpKind,
-        buf: BufferMut<'_>,
+        buf: BufferMut<'a>,
         opts: &CallOptions,
-        f: impl FnOnce(&Nccl, Comm, Stream, u64, usize, c_int) -> c_int + Send,
-    ) -> Result<()> {
+        f: impl FnOnce(&Nccl, Comm, Stream, u64, usize, c_int) -> c_int + Send + 'a,
+    ) -> Result<consort_comm::Work<'a>> {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, true)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, _, o| f(nc, c, s, o, n, dt));
-        self.call(op, false, opts, args, enqueue).await
+        let enqueue: Enqueue<'a> = Box::new(move |nc, c, s, _, o| f(nc, c, s, o, n, dt));
+        Ok(self.call(op, false, opts, args, enqueue))
     }
 
     /// Gather or scatter as grouped point-to-point calls.
@@ -581,6 +631,53 @@ impl NcclBackend {
             }
             r
         })
+    }
+}
+
+/// The reduce op of one call: built in, or a pre-multiplied sum with its
+/// scalar (in the call's dtype), made on the communicator just before the
+/// enqueue and destroyed just after it, which NCCL allows once the call
+/// that uses it has returned.
+#[derive(Clone, Copy)]
+enum RedOp {
+    Builtin(c_int),
+    PremulSum([u8; 8]),
+}
+
+/// `f(op)` with `op` made for this call when it is a pre-multiplied sum.
+fn with_op(nccl: &Nccl, comm: Comm, op: RedOp, dt: c_int, f: impl FnOnce(c_int) -> c_int) -> c_int {
+    let mut scalar = match op {
+        RedOp::Builtin(o) => return f(o),
+        RedOp::PremulSum(s) => s,
+    };
+    let (Some(create), Some(destroy)) = (nccl.red_op_create_pre_mul_sum, nccl.red_op_destroy)
+    else {
+        return result::INVALID_USAGE;
+    };
+    let mut made: c_int = 0;
+    // SAFETY: `scalar` holds one element of `dt`, read during this call
+    // (host-immediate); `comm` is live under the launch lock.
+    let r = unsafe {
+        create(
+            &mut made,
+            scalar.as_mut_ptr().cast(),
+            dt,
+            sys::SCALAR_HOST_IMMEDIATE,
+            comm,
+        )
+    };
+    if r != result::SUCCESS {
+        return r;
+    }
+    let out = f(made);
+    // SAFETY: made above on `comm`; the call that used it has returned.
+    let d = unsafe { destroy(made, comm) };
+    if out != result::SUCCESS && out != result::IN_PROGRESS {
+        out
+    } else if d != result::SUCCESS {
+        d
+    } else {
+        out
     }
 }
 

@@ -8,7 +8,7 @@ use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, Op, OpKind, ReduceOp, Result, Work, validate,
 };
 
-use super::{Enqueue, NcclBackend, grouped, p2p};
+use super::{Enqueue, NcclBackend, grouped, p2p, with_op};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
@@ -32,39 +32,40 @@ impl Backend for NcclBackend {
         self.opts.timeout
     }
 
+    /// Device calls are enqueued here, so their place on the stream is
+    /// fixed when they are made; host calls stage and enqueue when first
+    /// polled (see the module docs of `backend`).
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let o = *opts;
-        match op {
-            Op::AllReduce { buf, op } => {
-                Work::new(async move { self.run_all_reduce(buf, op, &o).await })
-            }
-            Op::Broadcast { buf } => Work::new(async move { self.run_broadcast(buf, &o).await }),
-            Op::Reduce { buf, op } => Work::new(async move { self.run_reduce(buf, op, &o).await }),
-            Op::AllGather { output, input } => {
-                Work::new(async move { self.run_all_gather(output, input, &o).await })
-            }
-            Op::Gather { output, input } => {
-                Work::new(async move { self.run_gather(output, input, &o).await })
-            }
-            Op::Scatter { output, input } => {
-                Work::new(async move { self.run_scatter(output, input, &o).await })
-            }
+        let made = match op {
+            Op::AllReduce { buf, op } => self.run_all_reduce(buf, op, &o),
+            Op::Broadcast { buf } => self.run_broadcast(buf, &o),
+            Op::Reduce { buf, op } => self.run_reduce(buf, op, &o),
+            Op::AllGather { output, input } => self.run_all_gather(output, input, &o),
+            Op::Gather { output, input } => self.run_gather(output, input, &o),
+            Op::Scatter { output, input } => self.run_scatter(output, input, &o),
             Op::ReduceScatter { output, input, op } => {
-                Work::new(async move { self.run_reduce_scatter(output, input, op, &o).await })
+                self.run_reduce_scatter(output, input, op, &o)
             }
             Op::AllToAll {
                 output,
                 input,
                 output_splits,
                 input_splits,
-            } => Work::new(async move {
-                self.run_all_to_all_single(output, input, output_splits, input_splits, &o)
-                    .await
-            }),
-            Op::Barrier => Work::new(async move { self.run_barrier(&o).await }),
-            Op::Send { buf, dst } => Work::new(async move { self.run_send(buf, dst, &o).await }),
-            Op::Recv { buf, src } => Work::new(async move { self.run_recv(buf, src, &o).await }),
-        }
+            } => self.run_all_to_all_single(output, input, output_splits, input_splits, &o),
+            Op::Barrier => Ok(self.run_barrier(o)),
+            Op::Send { buf, dst } => self.run_send(buf, dst, &o),
+            Op::Recv { buf, src } => self.run_recv(buf, src, &o),
+        };
+        made.unwrap_or_else(|e| Work::ready(Err(e)))
+    }
+
+    async fn new_group(
+        &self,
+        ranks: &[usize],
+        opts: &CallOptions,
+    ) -> Result<Option<std::sync::Arc<dyn Backend>>> {
+        self.make_subgroup(ranks, opts).await
     }
 
     async fn synchronize(&self) -> Result<()> {
@@ -79,46 +80,52 @@ impl Backend for NcclBackend {
 /// The ops, each checking its arguments, classifying its buffers and
 /// handing NCCL's enqueue call to the launch.
 impl NcclBackend {
-    async fn run_all_reduce(
-        &self,
-        buf: BufferMut<'_>,
+    fn run_all_reduce<'a>(
+        &'a self,
+        buf: BufferMut<'a>,
         op: ReduceOp,
         opts: &CallOptions,
-    ) -> Result<()> {
-        let nop = self.op(op)?;
+    ) -> Result<Work<'a>> {
+        let nop = self.op(op, buf.dtype())?;
         self.in_place(OpKind::AllReduce, buf, opts, move |nc, c, s, p, n, dt| {
-            // SAFETY: in place on `n` elements of our device.
-            unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, nop, c, s) }
+            with_op(nc, c, nop, dt, |o| {
+                // SAFETY: in place on `n` elements of our device.
+                unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, o, c, s) }
+            })
         })
-        .await
     }
 
-    async fn run_broadcast(&self, buf: BufferMut<'_>, opts: &CallOptions) -> Result<()> {
+    fn run_broadcast<'a>(&'a self, buf: BufferMut<'a>, opts: &CallOptions) -> Result<Work<'a>> {
         validate::root(opts.root, self.world)?;
         let root = opts.root as c_int;
         self.in_place(OpKind::Broadcast, buf, opts, move |nc, c, s, p, n, dt| {
             // SAFETY: in place on `n` elements of our device.
             unsafe { (nc.broadcast)(p as *const _, p as *mut _, n, dt, root, c, s) }
         })
-        .await
     }
 
-    async fn run_reduce(&self, buf: BufferMut<'_>, op: ReduceOp, opts: &CallOptions) -> Result<()> {
-        validate::root(opts.root, self.world)?;
-        let (nop, root) = (self.op(op)?, opts.root as c_int);
-        self.in_place(OpKind::Reduce, buf, opts, move |nc, c, s, p, n, dt| {
-            // SAFETY: in place on `n` elements of our device.
-            unsafe { (nc.reduce)(p as *const _, p as *mut _, n, dt, nop, root, c, s) }
-        })
-        .await
-    }
-
-    async fn run_all_gather(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+    fn run_reduce<'a>(
+        &'a self,
+        buf: BufferMut<'a>,
+        op: ReduceOp,
         opts: &CallOptions,
-    ) -> Result<()> {
+    ) -> Result<Work<'a>> {
+        validate::root(opts.root, self.world)?;
+        let (nop, root) = (self.op(op, buf.dtype())?, opts.root as c_int);
+        self.in_place(OpKind::Reduce, buf, opts, move |nc, c, s, p, n, dt| {
+            with_op(nc, c, nop, dt, |o| {
+                // SAFETY: in place on `n` elements of our device.
+                unsafe { (nc.reduce)(p as *const _, p as *mut _, n, dt, o, root, c, s) }
+            })
+        })
+    }
+
+    fn run_all_gather<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
+        opts: &CallOptions,
+    ) -> Result<Work<'a>> {
         validate::same_dtype(output.dtype(), input.dtype())?;
         validate::whole_times_world(output.len(), input.len(), self.world, "all_gather output")?;
         let (n, dt) = (input.len(), nccl_dtype(input.dtype()));
@@ -127,16 +134,15 @@ impl NcclBackend {
             // SAFETY: `o` holds world × `n` elements of our device.
             unsafe { (nc.all_gather)(i as *const _, o as *mut _, n, dt, c, s) }
         });
-        self.call(OpKind::AllGather, false, opts, args, enqueue)
-            .await
+        Ok(self.call(OpKind::AllGather, false, opts, args, enqueue))
     }
 
-    async fn run_gather(
-        &self,
-        output: Option<BufferMut<'_>>,
-        input: Buffer<'_>,
+    fn run_gather<'a>(
+        &'a self,
+        output: Option<BufferMut<'a>>,
+        input: Buffer<'a>,
         opts: &CallOptions,
-    ) -> Result<()> {
+    ) -> Result<Work<'a>> {
         validate::root(opts.root, self.world)?;
         let is_root = output.is_some();
         validate::root_only("gather", "an output", is_root, self.rank, opts.root)?;
@@ -150,15 +156,15 @@ impl NcclBackend {
             let shape = (root, world, is_root);
             Self::rooted(nc, c, s, (i, o), (n, dtype), shape, true)
         });
-        self.call(OpKind::Gather, false, opts, args, enqueue).await
+        Ok(self.call(OpKind::Gather, false, opts, args, enqueue))
     }
 
-    async fn run_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Option<Buffer<'_>>,
+    fn run_scatter<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Option<Buffer<'a>>,
         opts: &CallOptions,
-    ) -> Result<()> {
+    ) -> Result<Work<'a>> {
         validate::root(opts.root, self.world)?;
         let is_root = input.is_some();
         validate::root_only("scatter", "an input", is_root, self.rank, opts.root)?;
@@ -172,16 +178,16 @@ impl NcclBackend {
             let shape = (root, world, is_root);
             Self::rooted(nc, c, s, (o, i), (n, dtype), shape, false)
         });
-        self.call(OpKind::Scatter, false, opts, args, enqueue).await
+        Ok(self.call(OpKind::Scatter, false, opts, args, enqueue))
     }
 
-    async fn run_reduce_scatter(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+    fn run_reduce_scatter<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
         op: ReduceOp,
         opts: &CallOptions,
-    ) -> Result<()> {
+    ) -> Result<Work<'a>> {
         validate::same_dtype(output.dtype(), input.dtype())?;
         validate::whole_times_world(
             input.len(),
@@ -189,25 +195,26 @@ impl NcclBackend {
             self.world,
             "reduce_scatter input",
         )?;
-        let nop = self.op(op)?;
+        let nop = self.op(op, output.dtype())?;
         let (n, dt) = (output.len(), nccl_dtype(output.dtype()));
         let args = self.args(Some(input), Some((output, false)))?;
         let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
-            // SAFETY: `i` holds world × `n` elements of our device.
-            unsafe { (nc.reduce_scatter)(i as *const _, o as *mut _, n, dt, nop, c, s) }
+            with_op(nc, c, nop, dt, |op| {
+                // SAFETY: `i` holds world × `n` elements of our device.
+                unsafe { (nc.reduce_scatter)(i as *const _, o as *mut _, n, dt, op, c, s) }
+            })
         });
-        self.call(OpKind::ReduceScatter, false, opts, args, enqueue)
-            .await
+        Ok(self.call(OpKind::ReduceScatter, false, opts, args, enqueue))
     }
 
-    async fn run_all_to_all_single(
-        &self,
-        output: BufferMut<'_>,
-        input: Buffer<'_>,
+    fn run_all_to_all_single<'a>(
+        &'a self,
+        output: BufferMut<'a>,
+        input: Buffer<'a>,
         output_split_sizes: Option<&[usize]>,
         input_split_sizes: Option<&[usize]>,
         opts: &CallOptions,
-    ) -> Result<()> {
+    ) -> Result<Work<'a>> {
         validate::same_dtype(output.dtype(), input.dtype())?;
         let outs = validate::splits(output_split_sizes, output.len(), self.world, "output")?;
         let ins = validate::splits(input_split_sizes, input.len(), self.world, "input")?;
@@ -232,42 +239,48 @@ impl NcclBackend {
                 r
             })
         });
-        self.call(OpKind::AllToAll, false, opts, args, enqueue)
-            .await
+        Ok(self.call(OpKind::AllToAll, false, opts, args, enqueue))
     }
 
-    async fn run_barrier(&self, opts: &CallOptions) -> Result<()> {
+    fn run_barrier(&self, opts: CallOptions) -> Work<'_> {
         // A one-byte all-reduce through the host path: the host returns only
         // once every rank has entered it, as torch's barrier does.
-        let mut one = [1u8];
-        let sum = sys::op::SUM;
-        self.in_place(
-            OpKind::Barrier,
-            BufferMut::from(&mut one[..]),
-            opts,
-            move |nc, c, s, p, n, dt| {
-                // SAFETY: one byte, in place, on our device (staging).
-                unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, sum, c, s) }
-            },
-        )
-        .await
+        Work::new(async move {
+            let mut one = [1u8];
+            let sum = sys::op::SUM;
+            let work = self.in_place(
+                OpKind::Barrier,
+                BufferMut::from(&mut one[..]),
+                &opts,
+                move |nc, c, s, p, n, dt| {
+                    // SAFETY: one byte, in place, on our device (staging).
+                    unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, sum, c, s) }
+                },
+            )?;
+            work.await
+        })
     }
 
-    async fn run_send(&self, buf: Buffer<'_>, dst: usize, opts: &CallOptions) -> Result<()> {
+    fn run_send<'a>(&'a self, buf: Buffer<'a>, dst: usize, opts: &CallOptions) -> Result<Work<'a>> {
         validate::peer(dst, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
         let enqueue: Enqueue<'_> =
             Box::new(move |nc, c, s, i, _| p2p(nc, true, i, n, dt, dst, c, s));
-        self.call(OpKind::Send, true, opts, args, enqueue).await
+        Ok(self.call(OpKind::Send, true, opts, args, enqueue))
     }
 
-    async fn run_recv(&self, buf: BufferMut<'_>, src: usize, opts: &CallOptions) -> Result<()> {
+    fn run_recv<'a>(
+        &'a self,
+        buf: BufferMut<'a>,
+        src: usize,
+        opts: &CallOptions,
+    ) -> Result<Work<'a>> {
         validate::peer(src, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
             Box::new(move |nc, c, s, _, o| p2p(nc, false, o, n, dt, src, c, s));
-        self.call(OpKind::Recv, true, opts, args, enqueue).await
+        Ok(self.call(OpKind::Recv, true, opts, args, enqueue))
     }
 }

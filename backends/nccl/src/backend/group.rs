@@ -1,0 +1,137 @@
+//! Subgroups on NCCL: a new communicator per subgroup, made with
+//! `ncclCommSplit` where the loaded library has it (NCCL 2.18+), otherwise
+//! with `ncclCommInitRank` on a unique id that the subgroup's first rank
+//! makes and broadcasts over the parent communicator (torch passes it
+//! through the store; the parent is already connected, so consort uses
+//! it). Either way every rank of the parent takes part, in the order of its
+//! other calls, as torch's `new_group` requires; ranks outside the list get
+//! `None`.
+
+use std::{ffi::c_int, sync::Arc};
+
+use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, Result};
+
+use super::{NcclBackend, NcclOptions, init_comm};
+use crate::{
+    keys::UNIQUE_ID_BYTES,
+    map::nccl_error,
+    sys::{self, Comm, result},
+    work::{driver_error, lock},
+};
+
+impl NcclBackend {
+    /// `Backend::new_group` (`ranks`: checked, in group-rank order).
+    pub(super) async fn make_subgroup(
+        &self,
+        ranks: &[usize],
+        opts: &CallOptions,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        let me = ranks.iter().position(|&r| r == self.rank);
+        let timeout = opts.timeout_or(self.opts.timeout);
+        let ctx0 = ErrorContext {
+            rank: Some(self.rank),
+            ..Default::default()
+        };
+        let comm = if self.shared.nccl.comm_split.is_some() {
+            self.split(me, timeout, ctx0).await?
+        } else {
+            let Some(root) = ranks.first().copied() else {
+                return Err(CommError::invalid("a subgroup needs at least one rank"));
+            };
+            let mut id = [0u8; UNIQUE_ID_BYTES];
+            if self.rank == root {
+                let made = self
+                    .shared
+                    .nccl
+                    .unique_id()
+                    .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
+                id = made.internal.map(|c| c as u8);
+            }
+            let o = CallOptions::root(root).with_timeout(timeout);
+            self.broadcast(BufferMut::from(&mut id[..]), &o).await?;
+            match me {
+                Some(me) => {
+                    init_comm(
+                        &self.shared.nccl,
+                        &self.ctx,
+                        ctx0,
+                        id,
+                        me,
+                        ranks.len(),
+                        timeout,
+                    )
+                    .await?
+                }
+                None => 0,
+            }
+        };
+        let Some(me) = me else {
+            return Ok(None);
+        };
+        let sub_opts = NcclOptions {
+            device: Some(self.device),
+            timeout,
+            group: format!("{}/{}", self.opts.group, ranks.len()),
+            ..self.opts.clone()
+        };
+        let sub = NcclBackend::assemble(
+            self.shared.nccl.clone(),
+            self.ctx.clone(),
+            (me, ranks.len(), self.device),
+            comm,
+            sub_opts,
+        )?;
+        Ok(Some(Arc::new(sub)))
+    }
+
+    /// `ncclCommSplit` of this communicator, off the async runtime, under
+    /// the launch lock (so no enqueue of this rank interleaves with it).
+    /// Members take color 0 and their group rank as the key; the rest
+    /// `NCCL_SPLIT_NOCOLOR` and get no communicator (0).
+    async fn split(
+        &self,
+        me: Option<usize>,
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<usize> {
+        let shared = self.shared.clone();
+        let cctx = self.ctx.clone();
+        let (color, key) = match me {
+            Some(me) => (0, me as c_int),
+            None => (sys::SPLIT_NOCOLOR, 0),
+        };
+        let work = tokio::task::spawn_blocking(move || -> Result<usize> {
+            cctx.bind_to_thread()
+                .map_err(|e| driver_error(ctx0, "context binding", e))?;
+            let _launches = lock(&shared.slot);
+            shared.check(ctx0)?;
+            let parent = shared.comm().ok_or_else(|| CommError::Aborted {
+                ctx: ctx0,
+                cause: "the NCCL communicator is gone (aborted)".into(),
+            })?;
+            let split = shared.nccl.comm_split.ok_or_else(|| {
+                CommError::unsupported("this NCCL has no ncclCommSplit (it needs 2.18)")
+            })?;
+            let mut made: Comm = std::ptr::null_mut();
+            // SAFETY: `parent` is live (checked above, under the launch
+            // lock); `made` is a valid out-pointer; a null config inherits
+            // the parent's.
+            let r = unsafe { split(parent as Comm, color, key, &mut made, std::ptr::null_mut()) };
+            if r != result::SUCCESS {
+                return Err(nccl_error(ctx0, r, "ncclCommSplit"));
+            }
+            Ok(made as usize)
+        });
+        tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| CommError::Timeout {
+                ctx: ctx0,
+                after: timeout,
+                waiting_on: Vec::new(),
+            })?
+            .map_err(|e| CommError::Aborted {
+                ctx: ctx0,
+                cause: format!("the ncclCommSplit thread failed: {e}"),
+            })?
+    }
+}
