@@ -262,16 +262,7 @@ impl ReduceOp {
         if self != ReduceOp::Avg || is_half(dtype) {
             return Ok(());
         }
-        if world_size == 0 {
-            return Err(CommError::invalid("Avg over a world of 0 ranks"));
-        }
-        crate::with_dtype!(dtype, T => {
-            let d = bytemuck::try_cast_slice_mut::<u8, T>(dst).map_err(|e| {
-                CommError::invalid(format!("finalize needs an aligned {dtype} buffer: {e}"))
-            })?;
-            T::divide(d, world_size);
-        });
-        Ok(())
+        divide_bytes(dtype, dst, world_size)
     }
 }
 
@@ -293,6 +284,23 @@ impl std::hash::Hash for ReduceOp {
             f.to_bits().hash(state);
         }
     }
+}
+
+/// `dst[i] /= world_size` for every element of `dtype` (integers truncate
+/// toward zero; f16 and bf16 divide in f32 and round once). `dst` must be
+/// aligned for `dtype`. What [`ReduceOp::finalize_bytes`] does for `Avg`,
+/// for callers that divide on their own (DDP divides before it sums).
+pub fn divide_bytes(dtype: DType, dst: &mut [u8], world_size: usize) -> Result<()> {
+    if world_size == 0 {
+        return Err(CommError::invalid("Avg over a world of 0 ranks"));
+    }
+    crate::with_dtype!(dtype, T => {
+        let d = bytemuck::try_cast_slice_mut::<u8, T>(dst).map_err(|e| {
+            CommError::invalid(format!("dividing needs an aligned {dtype} buffer: {e}"))
+        })?;
+        T::divide(d, world_size);
+    });
+    Ok(())
 }
 
 /// Whether `dtype` is one of the 16-bit floats.

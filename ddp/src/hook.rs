@@ -92,7 +92,7 @@ pub(crate) async fn run_hook<B: Backend + ?Sized>(
         _ => None,
     };
     let Some(wire) = wire else {
-        ReduceOp::Avg.finalize_bytes(dtype, data.bytes_mut(), world)?;
+        consort_comm::reduce::divide_bytes(dtype, data.bytes_mut(), world)?;
         return with_dtype!(dtype, T => {
             backend
                 .all_reduce(BufferMut::from(data.typed_mut::<T>()), ReduceOp::Sum, opts)

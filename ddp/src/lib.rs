@@ -30,6 +30,7 @@ mod powersgd;
 pub mod reducer;
 mod setup;
 pub mod state_dict;
+mod worker;
 
 pub use device::DeviceModel;
 pub use hook::CommHook;

@@ -39,7 +39,7 @@ use std::{
 };
 
 use consort_comm::{
-    Backend, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, Placement, ReduceOp,
+    Backend, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, Placement,
 };
 use tokio::sync::mpsc;
 
@@ -47,10 +47,11 @@ use crate::{
     StateDict,
     buckets::{BucketError, ParamInfo, assign_buckets, bucket_limits},
     device::{self as dev, Storage},
-    hook::{CommHook, run_hook},
+    hook::CommHook,
     params::{ParamSet, ParamSpec},
-    powersgd::{self, Piece},
+    powersgd::Piece,
     setup::{broadcast_tensors, check_same_model},
+    worker::{Done, Job, worker},
 };
 
 /// How a [`Ddp`] is configured; torch's `DistributedDataParallel`
@@ -203,30 +204,6 @@ struct Slot {
     offset: usize,
     /// Bytes.
     len: usize,
-}
-
-enum Job {
-    Reduce {
-        index: usize,
-        dtype: DType,
-        data: Storage,
-        /// The bucket's parameters as matrices (PowerSGD only).
-        pieces: Arc<Vec<Piece>>,
-        /// Synced steps finished before this one.
-        step: u64,
-    },
-    Count {
-        active: bool,
-    },
-}
-
-enum Done {
-    Reduced {
-        index: usize,
-        data: Storage,
-        result: Result<(), CommError>,
-    },
-    Count(Result<i64, CommError>),
 }
 
 /// DistributedDataParallel: keeps the replicas of one model in step by
@@ -1218,72 +1195,5 @@ impl<B: Backend + ?Sized + 'static> DerefMut for NoSync<'_, B> {
 impl<B: Backend + ?Sized + 'static> Drop for NoSync<'_, B> {
     fn drop(&mut self) {
         self.ddp.sync = true;
-    }
-}
-
-/// The bucket worker: runs jobs one at a time, in the order they came.
-async fn worker<B: Backend + ?Sized + 'static>(
-    backend: Arc<B>,
-    hook: CommHook,
-    opts: CallOptions,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
-    done: mpsc::UnboundedSender<Done>,
-) {
-    let mut psgd = powersgd::State::default();
-    while let Some(job) = jobs.recv().await {
-        let out = match job {
-            Job::Reduce {
-                index,
-                dtype,
-                data: Storage::Device(d),
-                ..
-            } => {
-                // Stream-ordered: returns once enqueued; Avg on the device.
-                let _ = dtype;
-                let result = backend
-                    .all_reduce(BufferMut::Device(d), ReduceOp::Avg, &opts)
-                    .await;
-                Done::Reduced {
-                    index,
-                    data: Storage::Device(d),
-                    result,
-                }
-            }
-            Job::Reduce {
-                index,
-                dtype,
-                data: Storage::Host(mut data),
-                pieces,
-                step,
-            } => {
-                let result = match hook {
-                    CommHook::PowerSgd { rank, start_iter }
-                        if dtype == DType::F32 && step >= start_iter =>
-                    {
-                        let d = data.typed_mut::<f32>();
-                        powersgd::reduce(&*backend, &opts, rank, &mut psgd, &pieces, d).await
-                    }
-                    CommHook::PowerSgd { .. } => {
-                        run_hook(&*backend, CommHook::AllReduce, dtype, &mut data, &opts).await
-                    }
-                    _ => run_hook(&*backend, hook, dtype, &mut data, &opts).await,
-                };
-                Done::Reduced {
-                    index,
-                    data: Storage::Host(data),
-                    result,
-                }
-            }
-            Job::Count { active } => {
-                let mut n = [i64::from(active)];
-                let r = backend
-                    .all_reduce(BufferMut::from(&mut n[..]), ReduceOp::Sum, &opts)
-                    .await;
-                Done::Count(r.map(|()| n[0]))
-            }
-        };
-        if done.send(out).is_err() {
-            return;
-        }
     }
 }
