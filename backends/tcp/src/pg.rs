@@ -703,7 +703,7 @@ async fn shm_setup(
                 u64::from_le_bytes(nonce)
             );
             match Region::create(&n, slot_bytes) {
-                Ok(r) => {
+                Ok((n, r)) => {
                     name = n.clone();
                     mine[p] = Some((n, r));
                 }
@@ -744,8 +744,8 @@ async fn shm_setup(
     let mut tx: Vec<Option<Tx>> = (0..world).map(|_| None).collect();
     for &p in &peers {
         let ok = conns[p][0].as_mut().expect("stream 0").read_u8().await? == 1;
-        if let Some((name, region)) = mine[p].take() {
-            Region::unlink(&name);
+        if let Some((name, mut region)) = mine[p].take() {
+            region.unlink(&name);
             if ok {
                 tx[p] = Some(Tx::new(region));
             }
@@ -1602,6 +1602,13 @@ impl Backend for TcpBackend {
 }
 
 impl TcpBackend {
+    /// The mesh ranks this rank sends to through shared memory (peers on
+    /// this host, when `TcpOptions::shm` is on and the regions mapped).
+    pub fn shared_memory_peers(&self) -> Vec<usize> {
+        let tx = &self.inner.shm_tx;
+        (0..tx.len()).filter(|&p| tx[p].is_some()).collect()
+    }
+
     /// A subgroup on this mesh (see [`Backend::new_group`]); the QUIC
     /// backend wraps the handle it returns.
     pub fn subgroup(&self, ranks: &[usize], opts: &CallOptions) -> Result<Option<TcpBackend>> {

@@ -142,6 +142,15 @@ async fn ranks_with_different_segment_sizes_agree_on_slots() {
     for t in tasks {
         ranks.push(Arc::new(t.await.unwrap().unwrap()));
     }
+    // Every pair really goes through shared memory (sealed memfds here).
+    for (r, b) in ranks.iter().enumerate() {
+        let want: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+        assert_eq!(
+            b.shared_memory_peers(),
+            want,
+            "rank {r}'s shared-memory peers"
+        );
+    }
     let runs: Vec<_> = ranks
         .iter()
         .cloned()
