@@ -26,8 +26,10 @@
 //!   only that call. Any failure after a call began poisons its group: every
 //!   call in flight on it fails, later calls fail fast with the first cause,
 //!   and the failure is sent to the group's peers ([`Ended::abort`]).
-//!   A lost peer breaks every group it belongs to; a frame that breaks the
-//!   protocol breaks every group.
+//!   A lost peer fails every call that waits on it, and so breaks its
+//!   groups; what it sent before it left is still taken (a process that
+//!   exits after its last call strands no slower peer). A frame that
+//!   breaks the protocol breaks every group.
 //! - **Cancellation.** Dropping a call before it finishes poisons its group
 //!   with an error that says so ([`Engine::cancel`]); it never leaves the
 //!   group stuck.
@@ -265,7 +267,7 @@ impl<P> Engine<P> {
     /// Makes a call on `group`: fixes its sequence number now and registers
     /// it as in flight. `fingerprint` builds the call's fingerprint from its
     /// sequence number. Fails fast, without registering, when the group is
-    /// poisoned or a member is gone.
+    /// poisoned.
     pub fn begin(
         &mut self,
         group: GroupId,
@@ -289,22 +291,12 @@ impl<P> Engine<P> {
             g.poisoned = Some(e.clone());
             return Err(e);
         }
-        // A lost peer breaks every collective of its groups. A
-        // point-to-point call only needs its own peer, which may have sent
-        // and left before this call began: its driver decides after taking
-        // what has arrived.
+        // A lost peer fails a call only once the call waits on it
+        // ([`Engine::failure`]): it may have sent its part and left (a
+        // process that exits after its last call), and what it sent is
+        // already in the mailbox. A peer that is gone before its part
+        // arrived still fails every call that needs it.
         if !p2p {
-            let gone = self.lost.iter().find_map(|(p, why)| {
-                g.members
-                    .iter()
-                    .position(|m| m == p)
-                    .map(|gr| (gr, why.clone()))
-            });
-            if let Some((peer, reason)) = gone {
-                let e = CommError::PeerLost { ctx, peer, reason };
-                g.poisoned = Some(e.clone());
-                return Err(e);
-            }
             g.next_seq += 1;
         }
         self.next_call += 1;
