@@ -1,0 +1,516 @@
+//! The sending side and the driver of one call: frames out (vectored,
+//! never cut in half by a deadline), the schedule's actions against the
+//! engine, stall probes and shared-memory slot credits.
+
+use super::*;
+
+/// One stream's write half, and whether a frame on it was cut off.
+pub(crate) struct Writer {
+    pub(super) w: BoxWrite,
+    /// Set while a frame is being written, cleared when it is whole: still
+    /// set afterwards means the writing future was dropped mid-frame (a
+    /// deadline), and the peer would read the next frame's bytes as the rest
+    /// of this one.
+    pub(super) cut: bool,
+}
+
+/// Runs `fut` until `deadline` on tokio's timer wheel (cheap enough for
+/// every send and every wait); `None` if the deadline came first.
+pub(super) async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
+    tokio::time::timeout_at(deadline.into(), fut).await.ok()
+}
+
+/// Writes every slice, looping over partial vectored writes.
+pub(super) async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    parts: &[&[u8]],
+) -> std::io::Result<()> {
+    let mut idx = 0;
+    let mut off = 0;
+    while idx < parts.len() {
+        if parts[idx].len() == off {
+            idx += 1;
+            off = 0;
+            continue;
+        }
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() - idx);
+        slices.push(IoSlice::new(&parts[idx][off..]));
+        for p in &parts[idx + 1..] {
+            slices.push(IoSlice::new(p));
+        }
+        let mut n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 && idx < parts.len() {
+            let left = parts[idx].len() - off;
+            if n >= left {
+                n -= left;
+                idx += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes one whole frame on `w`, or refuses: a stream that once carried a
+/// cut-off frame carries nothing more, so a timeout never desynchronises
+/// it (the peer waits for the missing bytes, then sees the connection end).
+pub(super) async fn write_frame(
+    w: &tokio::sync::Mutex<Writer>,
+    parts: &[&[u8]],
+) -> std::io::Result<()> {
+    let mut g = w.lock().await;
+    if g.cut {
+        return Err(std::io::Error::other(
+            "an earlier frame on this connection was cut off by a deadline; it carries no more \
+             frames",
+        ));
+    }
+    g.cut = true;
+    write_all_vectored(&mut g.w, parts).await?;
+    g.cut = false;
+    Ok(())
+}
+
+pub(super) const CREDIT_TAG: u32 = u32::MAX - 2;
+
+/// Bounds of a shared-memory slot (the segment size, clamped); a peer's
+/// announced slot size outside them is refused.
+pub(super) const SLOT_MIN: usize = 64 * 1024;
+pub(super) const SLOT_MAX: usize = 16 << 20;
+pub(super) const PROBE_TAG: u32 = u32::MAX;
+pub(super) const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
+
+/// A probe (or probe reply) frame: an Abort-kind header whose fingerprint
+/// is the sender's current call (op NewGroup when it is in none).
+pub(super) fn probe_frame(tag: u32, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
+    let fingerprint = fp.unwrap_or(Fingerprint {
+        group: GroupId::WORLD,
+        seq: 0,
+        op: OpKind::NewGroup,
+        dtype: DType::U8,
+        count: 0,
+        root: 0,
+        reduce_op: None,
+    });
+    FrameHeader {
+        kind: FrameKind::Abort,
+        fingerprint,
+        tag,
+        offset: 0,
+        payload_len: 0,
+        flags: 0,
+    }
+    .encode()
+}
+
+/// A call's buffers as raw parts, so that reader tasks can write posted
+/// receives in place while the call runs (see `Registry`).
+pub(super) struct RawBufs {
+    dtype: DType,
+    input: (*const u8, usize),
+    output: (*mut u8, usize),
+    scratch: (*mut u8, usize),
+}
+
+// SAFETY: the parts point into buffers that the call's future borrows for
+// its whole life; they are dereferenced only under the rules of `Registry`.
+unsafe impl Send for RawBufs {}
+// SAFETY: as above.
+unsafe impl Sync for RawBufs {}
+
+impl RawBufs {
+    /// The start of `range` in `buf`, if it lies inside it.
+    pub(super) fn ptr(&self, buf: Buf, range: &std::ops::Range<usize>) -> Option<*mut u8> {
+        let e = self.dtype.size_bytes();
+        let (base, len) = match buf {
+            Buf::Input => (self.input.0.cast_mut(), self.input.1),
+            Buf::Output => self.output,
+            Buf::Scratch => self.scratch,
+        };
+        (range.end * e <= len).then(|| base.wrapping_add(range.start * e))
+    }
+
+    /// The bytes of `range` in `buf`.
+    ///
+    /// # Safety
+    ///
+    /// No one may write that range while the slice lives.
+    unsafe fn bytes(&self, buf: Buf, range: &std::ops::Range<usize>) -> &[u8] {
+        let e = self.dtype.size_bytes();
+        match self.ptr(buf, range) {
+            // SAFETY: in bounds (checked by `ptr`); the caller excludes writers.
+            Some(p) => unsafe { std::slice::from_raw_parts(p, range.len() * e) },
+            None => &[],
+        }
+    }
+
+    /// Every buffer, for a copy, an apply or finalize.
+    ///
+    /// # Safety
+    ///
+    /// The registry lock must be held (no reader writes meanwhile).
+    unsafe fn buffers(&self) -> CallBuffers<'_> {
+        // SAFETY: the parts come from the call's live buffers, which do not
+        // overlap; the caller holds the lock that keeps readers out.
+        unsafe {
+            CallBuffers {
+                dtype: self.dtype,
+                input: std::slice::from_raw_parts(self.input.0, self.input.1),
+                output: std::slice::from_raw_parts_mut(self.output.0, self.output.1),
+                scratch: std::slice::from_raw_parts_mut(self.scratch.0, self.scratch.1),
+            }
+        }
+    }
+}
+
+/// Removes a call and its posted receives from the in-place registry when
+/// it ends (returns, fails, or is cancelled), before its buffers can go
+/// away.
+pub(super) struct DirectGuard<'a>(&'a Inner, u64);
+
+impl Drop for DirectGuard<'_> {
+    fn drop(&mut self) {
+        let mut reg = lock(&self.0.direct);
+        reg.live.remove(&self.1);
+        let call = self.1;
+        reg.posted.retain(|_, d| d.call != call);
+    }
+}
+
+impl TcpBackend {
+    /// Sends a frame to `to` on stream `lane % streams` (frames of one lane
+    /// keep their order; lanes spread over the streams).
+    pub(super) async fn send_frame(
+        &self,
+        to: usize,
+        lane: u32,
+        header: &[u8],
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let ws = &self.inner.writers[to];
+        if ws.is_empty() {
+            return Err(std::io::Error::other("no connection to self"));
+        }
+        write_frame(&ws[lane as usize % ws.len()], &[header, payload]).await
+    }
+
+    /// Sends one data frame to `to`: through a shared-memory slot when the
+    /// peer is on this host and the payload fits, else on the TCP stream.
+    pub(super) async fn send(
+        &self,
+        to: usize,
+        tag: u32,
+        fp: Fingerprint,
+        offset: usize,
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        if let Some(tx) = self.inner.shm_tx.get(to).and_then(Option::as_ref)
+            && payload.len() <= tx.slot_bytes
+        {
+            let slot = loop {
+                let credit = tx.credit.notified();
+                let mut credit = std::pin::pin!(credit);
+                credit.as_mut().enable();
+                if let Some(i) = tx.take() {
+                    break i;
+                }
+                if lock(&self.inner.engine).is_lost(to) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::BrokenPipe,
+                        "peer gone",
+                    ));
+                }
+                // Credits come from the reader task; wake now and then to
+                // notice a lost peer.
+                let _ = tokio::time::timeout(Duration::from_millis(50), credit).await;
+            };
+            let dst = tx
+                .region
+                .slot(slot)
+                .ok_or_else(|| std::io::Error::other("bad slot"))?;
+            // SAFETY: this side owns `slot` until the peer's credit; the slot
+            // holds `slot_bytes >= payload.len()` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), dst, payload.len()) };
+            let mut h = FrameHeader::data(fp, tag, slot as u64, payload.len() as u64);
+            h.flags = FLAG_SHM;
+            return self.send_frame(to, tag, &h.encode(), &[]).await;
+        }
+        let h = FrameHeader::data(fp, tag, offset as u64, payload.len() as u64).encode();
+        self.send_frame(to, tag, &h, payload).await
+    }
+
+    /// Registers a call with the engine, which fixes its sequence number
+    /// now, and returns the work that drives it.
+    pub(super) fn start<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        let ctx = ErrorContext {
+            op: Some(op.kind()),
+            rank: Some(self.me),
+            group: Some(self.group),
+            ..Default::default()
+        };
+        let req = match Call::from_op("tcp", self.me, self.members.len(), op, opts) {
+            Ok(req) => req,
+            Err(e) => return Work::ready(Err(e.with_context(ctx))),
+        };
+        let group = self.group;
+        let begun =
+            lock(&self.inner.engine).begin(group, req.op, |seq| req.fingerprint(group, seq));
+        let begun = match begun {
+            Ok(b) => b,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let opts = *opts;
+        let guard = CallGuard {
+            inner: &self.inner,
+            id: begun.id,
+            armed: true,
+        };
+        Work::new(async move {
+            // Move the whole guard in (a field use alone would capture only
+            // the field): dropping this future cancels the call.
+            let mut guard = guard;
+            let mut req = req;
+            let result = self.drive(&mut req, &opts, &begun).await;
+            guard.armed = false;
+            let ended = lock(&self.inner.engine).end(begun.id, result);
+            if let Some(abort) = ended.abort {
+                propagate(&self.inner, abort).await;
+            }
+            self.inner.notify.notify_waiters();
+            ended.result
+        })
+    }
+
+    pub(super) async fn drive(
+        &self,
+        req: &mut Call<'_>,
+        opts: &CallOptions,
+        begun: &Begun,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let (r, n) = (self.me, self.members.len());
+        let (fp, seq, eid) = (begun.fp, begun.seq, begun.id);
+        let p2p = req.is_p2p();
+        let spec = req.spec(r, n);
+        let algo = self.opts.algo.select(req.op, spec.bytes(), n);
+        let mut schedule = build(&spec, algo, &self.opts.algo)?;
+        let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
+        let (reduce, finalize, dtype) = (req.reduce, req.finalize, req.dtype);
+        let raw = RawBufs {
+            dtype,
+            input: (req.input_bytes().as_ptr(), req.input_bytes().len()),
+            output: (req.output.as_mut_ptr(), req.output.len()),
+            scratch: {
+                let b = scratch_bytes(&mut scratch_store);
+                (b.as_mut_ptr(), b.len())
+            },
+        };
+        let call_id = {
+            let mut reg = lock(&inner.direct);
+            reg.next_call += 1;
+            let id = reg.next_call;
+            reg.live.insert(id);
+            id
+        };
+        // Unregisters the call's receives when it ends, however it ends.
+        let _direct = DirectGuard(inner, call_id);
+        let timeout = opts.timeout_or(self.opts.timeout);
+        let deadline = consort_comm::time::deadline(timeout);
+        let mut posted: Vec<Receive> = Vec::new();
+        let mut last_progress = Instant::now();
+        let mut probed = false;
+        let outcome: Result<()> = 'call: loop {
+            while let Some(a) = schedule.poll() {
+                match a {
+                    Action::Transmit(tx) => {
+                        // SAFETY: a range being sent is never a posted
+                        // receive's range (see `Registry`).
+                        let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
+                        let to = self.members[tx.to];
+                        let sent =
+                            before(deadline, self.send(to, tx.tag, fp, tx.range.start, payload))
+                                .await;
+                        match sent {
+                            Some(Ok(())) => {}
+                            Some(Err(e)) => {
+                                // A peer that failed first usually said why
+                                // before closing: report that cause.
+                                let waiting = schedule.waiting_on();
+                                let said = lock(&inner.engine).failure(eid, &waiting);
+                                break 'call Err(said.unwrap_or_else(|| CommError::PeerLost {
+                                    ctx: ErrorContext::default(),
+                                    peer: tx.to,
+                                    reason: format!("send failed: {e}"),
+                                }));
+                            }
+                            None => {
+                                break 'call Err(CommError::Timeout {
+                                    ctx: ErrorContext::default(),
+                                    after: timeout,
+                                    waiting_on: vec![tx.to],
+                                });
+                            }
+                        }
+                    }
+                    Action::Copy(c) => {
+                        let reg = lock(&inner.direct);
+                        // SAFETY: readers are excluded by the lock.
+                        let copied = unsafe { raw.buffers() }.copy(&c);
+                        drop(reg);
+                        if let Err(e) = copied {
+                            break 'call Err(e);
+                        }
+                    }
+                    Action::Receive(rv) => {
+                        let bytes = rv.range.len() * dtype.size_bytes();
+                        if !p2p
+                            && bytes >= self.opts.in_place_min
+                            && let Some(dst) = raw.ptr(rv.buf, &rv.range)
+                        {
+                            let direct = Direct {
+                                call: call_id,
+                                fp,
+                                dst,
+                                len: bytes,
+                                reduce: rv.reduce.then(|| (reduce.unwrap_or(ReduceOp::Sum), dtype)),
+                            };
+                            let key = (self.group, self.members[rv.from], seq, rv.tag);
+                            lock(&inner.direct).posted.insert(key, direct);
+                        }
+                        posted.push(rv);
+                    }
+                }
+            }
+            if schedule.is_done() {
+                break Ok(());
+            }
+            let notified = inner.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            // Take whatever has arrived for the posted receives.
+            let mut got: Vec<(Receive, Frame)> = Vec::new();
+            let mut done: Vec<Receive> = Vec::new();
+            {
+                let mut engine = lock(&inner.engine);
+                let mut bad = None;
+                posted.retain(|rv| match engine.take(eid, rv.from, rv.tag) {
+                    None => true,
+                    Some(Ok(Got::Done)) => {
+                        done.push(rv.clone());
+                        false
+                    }
+                    Some(Ok(Got::Frame(f))) => {
+                        got.push((rv.clone(), f));
+                        false
+                    }
+                    Some(Err(e)) => {
+                        bad.get_or_insert(e);
+                        false
+                    }
+                });
+                if let Some(e) = bad {
+                    break 'call Err(e);
+                }
+                // A peer that failed, a broken frame, or a lost peer this
+                // call still waits on. (Peers that finished and exited are
+                // fine: this call no longer needs them.)
+                if got.is_empty()
+                    && done.is_empty()
+                    && let Some(e) = engine.failure(eid, &schedule.waiting_on())
+                {
+                    break 'call Err(e);
+                }
+            }
+            for rv in &done {
+                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
+                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
+                }
+            }
+            let progressed = !done.is_empty() || !got.is_empty();
+            if progressed {
+                last_progress = Instant::now();
+                probed = false;
+            }
+            for (rv, f) in got {
+                let applied = {
+                    let mut reg = lock(&inner.direct);
+                    // The frame came the buffered way: its in-place
+                    // registration must go before the range is reused.
+                    reg.posted
+                        .remove(&(self.group, self.members[rv.from], seq, rv.tag));
+                    let data: &[u8] = match f.slot {
+                        Some((slot, len)) => {
+                            let from = self.members[rv.from];
+                            match inner.shm_rx[from].as_ref().and_then(|r| r.slot(slot)) {
+                                // SAFETY: the peer filled the slot before
+                                // sending its header and waits for our
+                                // credit before touching it again.
+                                Some(p) => unsafe {
+                                    std::slice::from_raw_parts(p.cast_const(), len)
+                                },
+                                None => &[],
+                            }
+                        }
+                        None => &f.payload,
+                    };
+                    // SAFETY: readers are excluded by the lock.
+                    unsafe { raw.buffers() }.apply(&rv, data, reduce, rv.from)
+                };
+                if let Some((slot, _)) = f.slot {
+                    send_credit(inner, self.members[rv.from], f.fp, slot).await;
+                }
+                inner.recycle(f.payload);
+                if let Err(e) = applied {
+                    break 'call Err(e);
+                }
+                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
+                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
+                }
+            }
+            if progressed {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(CommError::Timeout {
+                    ctx: ErrorContext::default(),
+                    after: timeout,
+                    waiting_on: schedule.waiting_on(),
+                });
+            }
+            // A call that makes no progress asks the peers it waits on what
+            // they are doing: a peer in another call at this seq is a
+            // mismatch that no frame would reveal.
+            if !p2p && !probed && now.duration_since(last_progress) >= self.opts.stall_probe {
+                probed = true;
+                let probe = probe_frame(PROBE_TAG, Some(fp));
+                for q in schedule.waiting_on() {
+                    let _ = before(
+                        now + Duration::from_secs(1),
+                        self.send_frame(self.members[q], 0, &probe, &[]),
+                    )
+                    .await;
+                }
+            }
+            let wake =
+                deadline.min(last_progress + self.opts.stall_probe.max(Duration::from_millis(10)));
+            let wake = if wake <= now { deadline } else { wake };
+            let _ = before(wake, notified).await;
+        };
+        if outcome.is_ok()
+            && finalize
+            && let Some(op) = reduce
+        {
+            let _reg = lock(&inner.direct);
+            // SAFETY: readers are excluded by the lock.
+            unsafe { raw.buffers() }.finalize(op, n)?;
+        }
+        outcome
+    }
+}
