@@ -42,3 +42,13 @@ fn quic_world(n: usize) -> WorldFuture {
 mod quic {
     consort_tests::conformance!(crate::quic_world, cases = 12);
 }
+
+/// A QUIC world that is a subgroup of a bigger one (see
+/// `consort_tests::subworld`): the whole body on a subgroup.
+fn quic_subgroup(n: usize) -> WorldFuture {
+    consort_tests::on_subgroup(quic_world, n)
+}
+
+mod subgroup {
+    consort_tests::conformance!(crate::quic_subgroup, cases = 6);
+}
