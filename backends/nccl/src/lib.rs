@@ -31,6 +31,7 @@ pub mod keys;
 pub mod map;
 pub mod probe;
 pub mod sys;
+mod turns;
 mod work;
 
 pub use backend::{NcclBackend, NcclOptions};

@@ -10,11 +10,14 @@
 //! later (an asynchronous NCCL error, a deadline) is sticky: the next call
 //! and [`Backend::synchronize`] report it.
 //!
-//! A call on host buffers stages and enqueues when its work is first
-//! polled, and completes with the work. It stages through one pinned host
+//! A call on host buffers takes its place in this rank's order when it is
+//! made, then stages and enqueues when its work is polled and its turn has
+//! come, and completes with the work. It stages through one pinned host
 //! buffer and one device buffer that are reused (grown when a call needs
-//! more), not allocated per call; host calls take turns on them, so their
-//! order is the order their works are first polled.
+//! more), not allocated per call. Host calls take turns on them in the
+//! order they were made ([`crate::turns`]): one made later waits until the
+//! ones before it have run, so poll host calls together (`join!`) or in
+//! the order made.
 //!
 //! Subgroups are communicators of their own ([`group`]).
 
@@ -85,6 +88,8 @@ pub struct NcclBackend {
     shared: Arc<Shared>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     staging: tokio::sync::Mutex<Staging>,
+    /// Host calls' order, fixed when they are made.
+    turns: crate::turns::Turns,
     closed: AtomicBool,
     opts: NcclOptions,
 }
@@ -241,6 +246,7 @@ impl NcclBackend {
             shared,
             watchdog: Mutex::new(Some(watchdog)),
             staging: tokio::sync::Mutex::new(Staging::default()),
+            turns: crate::turns::Turns::default(),
             closed: AtomicBool::new(false),
             opts,
         })
@@ -495,9 +501,38 @@ impl NcclBackend {
                 enqueue,
             )),
             Args::Host { input, output } => {
-                consort_comm::Work::new(self.host_call(call, input, output, enqueue))
+                // Its place among this rank's host calls is fixed now.
+                let ticket = self.turns.take();
+                consort_comm::Work::new(self.host_in_turn(ticket, call, input, output, enqueue))
             }
         }
+    }
+
+    /// A host call once its turn ([`crate::turns`]) has come.
+    async fn host_in_turn(
+        &self,
+        ticket: crate::turns::Ticket<'_>,
+        call: Call,
+        input: Option<&[u8]>,
+        output: Option<(&mut [u8], bool)>,
+        enqueue: Enqueue<'_>,
+    ) -> Result<()> {
+        if let Err(after) = ticket.turn(call.timeout).await {
+            let ctx = ErrorContext {
+                rank: Some(self.rank),
+                op: Some(call.op),
+                ..Default::default()
+            };
+            return Err(CommError::invalid(format!(
+                "a host-buffer call made earlier on this rank has not run within {after:?}, so \
+                 this one cannot start: NCCL runs a rank's calls in the order they were made; \
+                 poll host-buffer calls together (join!) or in that order"
+            ))
+            .with_context(ctx));
+        }
+        let out = self.host_call(call, input, output, enqueue).await;
+        drop(ticket);
+        out
     }
 
     /// Classifies the buffers of one call.

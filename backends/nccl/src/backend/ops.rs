@@ -8,7 +8,7 @@ use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, Op, OpKind, ReduceOp, Result, Work, validate,
 };
 
-use super::{Enqueue, NcclBackend, grouped, p2p, with_op};
+use super::{Call, Enqueue, NcclBackend, grouped, p2p, with_op};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
@@ -244,20 +244,23 @@ impl NcclBackend {
 
     fn run_barrier(&self, opts: CallOptions) -> Work<'_> {
         // A one-byte all-reduce through the host path: the host returns only
-        // once every rank has entered it, as torch's barrier does.
+        // once every rank has entered it, as torch's barrier does. Its place
+        // among host calls is fixed now; its byte lives in the work.
+        let ticket = self.turns.take();
+        let call = Call {
+            op: OpKind::Barrier,
+            p2p: false,
+            timeout: opts.timeout_or(self.opts.timeout),
+        };
         Work::new(async move {
             let mut one = [1u8];
-            let sum = sys::op::SUM;
-            let work = self.in_place(
-                OpKind::Barrier,
-                BufferMut::from(&mut one[..]),
-                &opts,
-                move |nc, c, s, p, n, dt| {
-                    // SAFETY: one byte, in place, on our device (staging).
-                    unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, sum, c, s) }
-                },
-            )?;
-            work.await
+            let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
+            let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, _, o| {
+                // SAFETY: one byte, in place, on our device (staging).
+                unsafe { (nc.all_reduce)(o as *const _, o as *mut _, 1, dt, sum, c, s) }
+            });
+            self.host_in_turn(ticket, call, None, Some((&mut one[..], true)), enqueue)
+                .await
         })
     }
 
