@@ -451,7 +451,11 @@ async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut J
     let Some(mut reply) = job.reply.take() else {
         return run_job(inner, device, job).await;
     };
+    // `biased`: the call is made (its first poll) before the cancellation
+    // is seen, so a dropped call still reaches the host backend and aborts
+    // its group there, telling the peers, instead of never being made.
     let out = tokio::select! {
+        biased;
         r = run_job(inner, device, job) => r,
         () = reply.closed() => Err(CommError::Aborted {
             ctx: Default::default(),
