@@ -19,54 +19,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use consort_comm::{DType, Element};
+use consort_comm::DType;
 use serde_json::{Map, Value, json};
 
 use crate::state_dict::StateDict;
-
-/// One tensor: dtype, shape, and its bytes (little-endian, row-major).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tensor {
-    /// Element type.
-    pub dtype: DType,
-    /// Dimensions (empty for a scalar).
-    pub shape: Vec<usize>,
-    /// `product(shape) * dtype.size_bytes()` bytes.
-    pub data: Vec<u8>,
-}
-
-/// Why a checkpoint could not be written or read.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    /// A file operation failed.
-    #[error("{what} {path}: {source}")]
-    Io {
-        /// What was being done.
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The file is not valid safetensors (or is truncated).
-    #[error("{path} is not a valid safetensors file: {reason}")]
-    Format {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A tensor's bytes do not match its dtype and shape.
-    #[error("{len} bytes do not fit shape {shape:?} of {dtype}")]
-    Size {
-        /// Bytes given.
-        len: usize,
-        /// The shape.
-        shape: Vec<usize>,
-        /// The dtype's name.
-        dtype: &'static str,
-    },
-}
+pub use crate::{error::CheckpointError, tensor::Tensor};
 
 /// safetensors' name for a dtype.
 fn st_name(d: DType) -> &'static str {
@@ -86,37 +43,6 @@ fn st_name(d: DType) -> &'static str {
 
 fn from_st_name(s: &str) -> Option<DType> {
     DType::ALL.into_iter().find(|d| st_name(*d) == s)
-}
-
-impl Tensor {
-    /// A tensor from raw little-endian bytes; checks the length.
-    pub fn new(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Result<Self, CheckpointError> {
-        let want = shape
-            .iter()
-            .try_fold(dtype.size_bytes(), |acc, d| acc.checked_mul(*d));
-        if want != Some(data.len()) {
-            return Err(CheckpointError::Size {
-                len: data.len(),
-                shape,
-                dtype: dtype.name(),
-            });
-        }
-        Ok(Tensor { dtype, shape, data })
-    }
-
-    /// A tensor of `T` values (this host's byte order must be
-    /// little-endian, as on x86-64 and aarch64).
-    pub fn from_slice<T: Element>(
-        shape: Vec<usize>,
-        values: &[T],
-    ) -> Result<Self, CheckpointError> {
-        Self::new(T::DTYPE, shape, bytemuck::cast_slice(values).to_vec())
-    }
-
-    /// The values, if `T` is this tensor's dtype.
-    pub fn to_vec<T: Element>(&self) -> Option<Vec<T>> {
-        (T::DTYPE == self.dtype).then(|| bytemuck::pod_collect_to_vec(&self.data))
-    }
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {

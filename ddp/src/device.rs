@@ -23,9 +23,9 @@ use consort_comm::{
 
 use crate::{
     StateDict, Tensor,
+    error::DdpError,
     hook::Words,
     params::{ParamSet, ParamSpec},
-    reducer::DdpError,
 };
 
 /// A bucket's memory.

@@ -24,12 +24,14 @@ pub mod buckets;
 pub mod candle;
 pub mod checkpoint;
 pub mod device;
+mod error;
 pub mod hook;
 pub mod params;
 mod powersgd;
 pub mod reducer;
 mod setup;
 pub mod state_dict;
+mod tensor;
 mod worker;
 
 pub use device::DeviceModel;

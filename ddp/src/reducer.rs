@@ -43,6 +43,8 @@ use consort_comm::{
 };
 use tokio::sync::mpsc;
 
+pub use crate::error::DdpError;
+
 use crate::{
     StateDict,
     buckets::{BucketError, ParamInfo, assign_buckets, bucket_limits},
@@ -115,71 +117,6 @@ impl DdpOptions {
         self.timeout = Some(t);
         self
     }
-}
-
-/// Why a DDP call failed.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum DdpError {
-    /// A collective failed.
-    #[error("DDP {what} failed: {source}")]
-    Comm {
-        /// What DDP was doing ("bucket 2 (fc1.weight, fc1.bias)").
-        what: String,
-        /// The backend's error (rank, op, seq, cause).
-        source: Box<CommError>,
-    },
-    /// The ranks do not hold the same model.
-    #[error(
-        "rank {rank}: the ranks do not build the same model: {detail}; ranks differing from rank 0: \
-         {ranks:?}. Every rank must construct the same parameters (names, dtypes, shapes, order) \
-         before wrapping it in Ddp"
-    )]
-    ParamMismatch {
-        /// The reporting rank.
-        rank: usize,
-        /// The first differing parameter, as rank 0 and this rank see it.
-        detail: String,
-        /// Ranks whose model differs from rank 0's.
-        ranks: Vec<usize>,
-    },
-    /// The call does not fit the model or the step.
-    #[error("rank {rank}: {reason}")]
-    Usage {
-        /// The reporting rank.
-        rank: usize,
-        /// What is wrong and what to do.
-        reason: String,
-    },
-    /// Gradients missing at `finish` without `find_unused_parameters`.
-    #[error(
-        "rank {rank}: {count} parameter(s) got no gradient this step: {names}. If the model does \
-         not use every parameter in every step, construct Ddp with \
-         DdpOptions::find_unused_parameters(true) (torch: find_unused_parameters=True); \
-         otherwise call mark_ready for every parameter before finish"
-    )]
-    MissingGrads {
-        /// The reporting rank.
-        rank: usize,
-        /// How many.
-        count: usize,
-        /// The first few names.
-        names: String,
-    },
-    /// A checkpoint could not be written or read.
-    #[error("rank {rank}: checkpoint: {reason}")]
-    Checkpoint {
-        /// The reporting rank.
-        rank: usize,
-        /// The cause.
-        reason: String,
-    },
-    /// An earlier failure left this `Ddp` unusable.
-    #[error(
-        "this Ddp failed earlier and cannot continue (the ranks no longer agree on their \
-         collectives); first error: {0}. Restart the job, from the last checkpoint"
-    )]
-    Failed(Box<DdpError>),
 }
 
 /// One bucket: parameters of one dtype whose gradients are reduced

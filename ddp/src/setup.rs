@@ -5,8 +5,8 @@
 use consort_comm::{Backend, Buffer, BufferMut, CallOptions};
 
 use crate::{
+    error::DdpError,
     params::{ParamSet, ParamSpec},
-    reducer::DdpError,
 };
 
 /// 64-bit FNV-1a.

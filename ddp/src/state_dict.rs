@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::checkpoint::Tensor;
+use crate::tensor::Tensor;
 
 /// The prefix DistributedDataParallel adds.
 pub const DDP_PREFIX: &str = "module.";
