@@ -669,3 +669,41 @@ fn bucket_k_plus_1_is_launched_while_bucket_k_is_in_flight() {
         "no rank ever had two bucket all_reduces in flight (most: {most})"
     );
 }
+
+#[test]
+fn half_precision_buckets_hold_the_mean_not_the_sum() {
+    // f16 and bf16 parameters: DDP divides before it sums, on every dtype.
+    use consort_comm::half::{bf16, f16};
+    let world = 4;
+    let (out, _) = run_sim(SimConfig::new(world), move |rank| async move {
+        let r = rank.rank();
+        let mut m = PlainModel::new();
+        m.add_param("h", vec![3], &[f16::from_f32(0.0); 3]).unwrap();
+        m.add_param("b", vec![2], &[bf16::from_f32(0.0); 2])
+            .unwrap();
+        let mut ddp = Ddp::new(rank.clone(), &mut m, DdpOptions::default())
+            .await
+            .unwrap();
+        let g = (4 * r + 4) as f32; // 4, 8, 12, 16: mean 10
+        ddp.mark_ready(1, &[bf16::from_f32(g); 2]).unwrap();
+        ddp.mark_ready(0, &[f16::from_f32(g); 3]).unwrap();
+        ddp.finish().await.unwrap();
+        let h: Vec<f32> = ddp
+            .grad::<f16>(0)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let b: Vec<f32> = ddp
+            .grad::<bf16>(1)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        (h, b)
+    });
+    for (h, b) in out {
+        assert_eq!(h, vec![10.0; 3]);
+        assert_eq!(b, vec![10.0; 2]);
+    }
+}
