@@ -74,13 +74,14 @@ impl NcclBackend {
             group: format!("{}/{}", self.opts.group, ranks.len()),
             ..self.opts.clone()
         };
-        let sub = NcclBackend::assemble(
+        let mut sub = NcclBackend::assemble(
             self.shared.nccl.clone(),
             self.ctx.clone(),
             (me, ranks.len(), self.device),
             comm,
             sub_opts,
         )?;
+        sub.subgroup = true;
         Ok(Some(Arc::new(sub)))
     }
 

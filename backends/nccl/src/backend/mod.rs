@@ -90,6 +90,8 @@ pub struct NcclBackend {
     staging: tokio::sync::Mutex<Staging>,
     /// Host calls' order, fixed when they are made.
     turns: crate::turns::Turns,
+    /// Made by `new_group`: dropping it is how a subgroup ends.
+    subgroup: bool,
     closed: AtomicBool,
     opts: NcclOptions,
 }
@@ -247,6 +249,7 @@ impl NcclBackend {
             watchdog: Mutex::new(Some(watchdog)),
             staging: tokio::sync::Mutex::new(Staging::default()),
             turns: crate::turns::Turns::default(),
+            subgroup: false,
             closed: AtomicBool::new(false),
             opts,
         })
@@ -796,10 +799,15 @@ async fn init_comm(
 impl Drop for NcclBackend {
     fn drop(&mut self) {
         if !self.closed.load(Ordering::SeqCst) {
-            tracing::warn!(
-                rank = self.rank,
-                "NcclBackend dropped without shutdown(); aborting its communicator"
-            );
+            if self.subgroup {
+                // A subgroup ends when its last handle goes, as in torch.
+                tracing::debug!(rank = self.rank, "NCCL subgroup dropped; releasing it");
+            } else {
+                tracing::warn!(
+                    rank = self.rank,
+                    "NcclBackend dropped without shutdown(); aborting its communicator"
+                );
+            }
             let _ = self.abort();
         }
     }
