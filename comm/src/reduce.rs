@@ -64,6 +64,9 @@ pub enum ReduceOp {
     /// the products are summed (torch's `_make_nccl_premul_sum(factor)`).
     /// Floating dtypes only. Each rank may pass its own factor; only the op
     /// is compared across ranks. Make it with [`ReduceOp::premul_sum`].
+    /// The scaling happens in the caller's buffer when the call is made,
+    /// so a call that fails leaves it scaled (as after any failed call,
+    /// its contents are unspecified).
     PremulSum(f64) = 8,
 }
 

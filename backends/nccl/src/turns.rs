@@ -1,9 +1,11 @@
-//! Issue order for host-buffer calls. A host call stages through shared
+//! Issue order for NCCL calls, host-buffer calls above all. A host call stages through shared
 //! memory and enqueues only when its work is polled, so without this a rank
 //! that polls two host calls in another order than it made them would
 //! enqueue them in that order, and NCCL, which checks nothing, would pair
 //! one rank's first call with another's second. Each call takes a ticket
 //! when it is made; its work waits for that ticket's turn before it stages.
+//! A device call whose turn has come when it is made is enqueued at once;
+//! one made while an earlier host call is still waiting goes after it.
 //! A ticket dropped before its turn is skipped; a turn ends when its ticket
 //! drops.
 
@@ -51,6 +53,11 @@ impl Turns {
 }
 
 impl Ticket<'_> {
+    /// Whether every call made before this one has run (or was dropped).
+    pub(crate) fn is_turn(&self) -> bool {
+        lock(&self.turns.state).serving == self.n
+    }
+
     /// Waits until every host call made before this one has run (or was
     /// dropped), at most `timeout`; `Err` when the time ran out.
     pub(crate) async fn turn(&self, timeout: Duration) -> Result<(), Duration> {

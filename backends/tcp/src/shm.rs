@@ -226,10 +226,11 @@ impl Tx {
 }
 
 /// This host's identity: peers with the same one can share memory. The
-/// boot id and hostname, and which `/dev/shm` this process sees: ranks in
-/// separate containers (or in the emulated hosts of the cross-host bench,
-/// each with its own `/dev/shm`) do not share memory, though a memfd
-/// could reach across through `/proc`.
+/// boot id and hostname, which `/dev/shm` this process sees and its PID
+/// namespace: ranks in separate containers (or in the emulated hosts of
+/// the cross-host bench, each with its own `/dev/shm`) do not share
+/// memory, and a memfd's `/proc/<pid>/fd/<fd>` name is never read in
+/// another PID namespace, where it would name another file.
 pub(crate) fn host_id() -> String {
     use std::os::unix::fs::MetadataExt;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -237,7 +238,12 @@ pub(crate) fn host_id() -> String {
     let shm = std::fs::metadata("/dev/shm")
         .map(|m| format!("{}:{}", m.dev(), m.ino()))
         .unwrap_or_default();
-    format!("{}/{}/{shm}", boot.trim(), host.trim())
+    // A memfd is opened by `/proc/<pid>/fd/<fd>`, which names the right
+    // file only inside the creator's PID namespace.
+    let pids = std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino().to_string())
+        .unwrap_or_default();
+    format!("{}/{}/{shm}/{pids}", boot.trim(), host.trim())
 }
 
 #[cfg(test)]

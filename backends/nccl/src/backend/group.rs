@@ -7,7 +7,13 @@
 //! other calls, as torch's `new_group` requires; ranks outside the list get
 //! `None`.
 
-use std::{ffi::c_int, sync::Arc};
+use std::{
+    ffi::c_int,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, Result};
 
@@ -38,17 +44,28 @@ impl NcclBackend {
             let Some(root) = ranks.first().copied() else {
                 return Err(CommError::invalid("a subgroup needs at least one rank"));
             };
+            // The root sends the id, or zeros when it could not make one,
+            // so that every rank fails at once instead of waiting.
             let mut id = [0u8; UNIQUE_ID_BYTES];
+            let mut made = Ok(());
             if self.rank == root {
-                let made = self
-                    .shared
-                    .nccl
-                    .unique_id()
-                    .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
-                id = made.internal.map(|c| c as u8);
+                match self.shared.nccl.unique_id() {
+                    Ok(u) => id = u.internal.map(|c| c as u8),
+                    Err(r) => made = Err(nccl_error(ctx0, r, "ncclGetUniqueId")),
+                }
             }
             let o = CallOptions::root(root).with_timeout(timeout);
             self.broadcast(BufferMut::from(&mut id[..]), &o).await?;
+            made?;
+            if id.iter().all(|&b| b == 0) {
+                return Err(CommError::Aborted {
+                    ctx: ctx0,
+                    cause: format!(
+                        "rank {root}, the subgroup's first rank, could not make an NCCL unique \
+                         id; its log has the cause"
+                    ),
+                });
+            }
             match me {
                 Some(me) => {
                     init_comm(
@@ -101,6 +118,10 @@ impl NcclBackend {
             Some(me) => (0, me as c_int),
             None => (sys::SPLIT_NOCOLOR, 0),
         };
+        // Set when nobody waits for the split any more: a communicator it
+        // makes after that is destroyed, not leaked.
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let gave_up = abandoned.clone();
         let work = tokio::task::spawn_blocking(move || -> Result<usize> {
             cctx.bind_to_thread()
                 .map_err(|e| driver_error(ctx0, "context binding", e))?;
@@ -121,18 +142,34 @@ impl NcclBackend {
             if r != result::SUCCESS {
                 return Err(nccl_error(ctx0, r, "ncclCommSplit"));
             }
+            if gave_up.load(Ordering::SeqCst) && !made.is_null() {
+                // SAFETY: made just above, never handed out.
+                let _ = unsafe { (shared.nccl.comm_destroy)(made) };
+                return Err(CommError::Aborted {
+                    ctx: ctx0,
+                    cause: "ncclCommSplit finished after its deadline".into(),
+                });
+            }
             Ok(made as usize)
         });
-        tokio::time::timeout(timeout, work)
-            .await
-            .map_err(|_| CommError::Timeout {
-                ctx: ctx0,
-                after: timeout,
-                waiting_on: Vec::new(),
-            })?
-            .map_err(|e| CommError::Aborted {
+        match tokio::time::timeout(timeout, work).await {
+            Ok(joined) => joined.map_err(|e| CommError::Aborted {
                 ctx: ctx0,
                 cause: format!("the ncclCommSplit thread failed: {e}"),
-            })?
+            })?,
+            Err(_) => {
+                // A rank that never calls new_group leaves the split blocked
+                // inside NCCL, holding the launch lock: abort the parent
+                // (without that lock), which ends it, and stay failed.
+                abandoned.store(true, Ordering::SeqCst);
+                let e = CommError::Timeout {
+                    ctx: ctx0,
+                    after: timeout,
+                    waiting_on: Vec::new(),
+                };
+                self.shared.abort(e.clone());
+                Err(e)
+            }
+        }
     }
 }

@@ -491,24 +491,52 @@ impl NcclBackend {
             p2p,
             timeout: opts.timeout_or(self.opts.timeout),
         };
+        // Every call's place in this rank's order is fixed now.
+        let ticket = self.turns.take();
         match args {
             Args::Device {
                 input,
                 output,
                 streams,
-            } => consort_comm::Work::ready(self.launch(
-                call,
-                &streams,
-                (input, output),
-                None,
-                enqueue,
-            )),
+            } if ticket.is_turn() => {
+                // Nothing made before it is still waiting: enqueue now.
+                let r = self.launch(call, &streams, (input, output), None, enqueue);
+                drop(ticket);
+                consort_comm::Work::ready(r)
+            }
+            Args::Device {
+                input,
+                output,
+                streams,
+            } => consort_comm::Work::new(async move {
+                // A host call made before it has not run yet: after it.
+                ticket
+                    .turn(call.timeout)
+                    .await
+                    .map_err(|after| self.out_of_turn(call, after))?;
+                let r = self.launch(call, &streams, (input, output), None, enqueue);
+                drop(ticket);
+                r
+            }),
             Args::Host { input, output } => {
-                // Its place among this rank's host calls is fixed now.
-                let ticket = self.turns.take();
                 consort_comm::Work::new(self.host_in_turn(ticket, call, input, output, enqueue))
             }
         }
+    }
+
+    /// A call whose turn did not come within `after`.
+    fn out_of_turn(&self, call: Call, after: Duration) -> CommError {
+        let ctx = ErrorContext {
+            rank: Some(self.rank),
+            op: Some(call.op),
+            ..Default::default()
+        };
+        CommError::invalid(format!(
+            "a host-buffer call made earlier on this rank has not run within {after:?}, so this \
+             one cannot start: NCCL runs a rank's calls in the order they were made; poll \
+             host-buffer calls together (join!) or in that order"
+        ))
+        .with_context(ctx)
     }
 
     /// A host call once its turn ([`crate::turns`]) has come.
@@ -520,19 +548,10 @@ impl NcclBackend {
         output: Option<(&mut [u8], bool)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
-        if let Err(after) = ticket.turn(call.timeout).await {
-            let ctx = ErrorContext {
-                rank: Some(self.rank),
-                op: Some(call.op),
-                ..Default::default()
-            };
-            return Err(CommError::invalid(format!(
-                "a host-buffer call made earlier on this rank has not run within {after:?}, so \
-                 this one cannot start: NCCL runs a rank's calls in the order they were made; \
-                 poll host-buffer calls together (join!) or in that order"
-            ))
-            .with_context(ctx));
-        }
+        ticket
+            .turn(call.timeout)
+            .await
+            .map_err(|after| self.out_of_turn(call, after))?;
         let out = self.host_call(call, input, output, enqueue).await;
         drop(ticket);
         out
@@ -800,14 +819,17 @@ impl Drop for NcclBackend {
     fn drop(&mut self) {
         if !self.closed.load(Ordering::SeqCst) {
             if self.subgroup {
-                // A subgroup ends when its last handle goes, as in torch.
-                tracing::debug!(rank = self.rank, "NCCL subgroup dropped; releasing it");
-            } else {
-                tracing::warn!(
-                    rank = self.rank,
-                    "NcclBackend dropped without shutdown(); aborting its communicator"
-                );
+                // A subgroup ends when its last handle goes, as in torch:
+                // its work in flight finishes first (within its timeout).
+                if let Err(e) = self.shutdown() {
+                    tracing::warn!(rank = self.rank, "NCCL subgroup ended with an error: {e}");
+                }
+                return;
             }
+            tracing::warn!(
+                rank = self.rank,
+                "NcclBackend dropped without shutdown(); aborting its communicator"
+            );
             let _ = self.abort();
         }
     }

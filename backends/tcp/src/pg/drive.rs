@@ -333,9 +333,18 @@ impl TcpBackend {
                         // receive's range (see `Registry`).
                         let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
                         let to = self.members[tx.to];
-                        let sent =
+                        // A peer known to be gone gets nothing: a write to
+                        // its closed socket may still succeed locally.
+                        let gone = lock(&inner.engine).is_lost(to);
+                        let sent = if gone {
+                            Some(Err(std::io::Error::new(
+                                std::io::ErrorKind::BrokenPipe,
+                                "the peer is gone",
+                            )))
+                        } else {
                             before(deadline, self.send(to, tx.tag, fp, tx.range.start, payload))
-                                .await;
+                                .await
+                        };
                         match sent {
                             Some(Ok(())) => {}
                             Some(Err(e)) => {
