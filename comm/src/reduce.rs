@@ -313,6 +313,13 @@ fn is_half(dtype: DType) -> bool {
 
 /// `x = f(x)` for every element of `buf`, aligned or not.
 fn scale_with<T: Element + bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+    // The caller's buffer is aligned in practice: a plain loop there.
+    if let Ok(xs) = bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        for x in xs {
+            *x = f(*x);
+        }
+        return;
+    }
     for chunk in buf.chunks_exact_mut(size_of::<T>()) {
         let x: T = bytemuck::pod_read_unaligned(chunk);
         chunk.copy_from_slice(bytemuck::bytes_of(&f(x)));

@@ -101,13 +101,8 @@ pub(crate) async fn worker<B: Backend + ?Sized + 'static>(
             },
             () = progress(&mut running), if !running.is_empty() => {}
         }
-        while running.front().is_some_and(|s| s.out.is_some()) {
-            let Some(out) = running.pop_front().and_then(|s| s.out) else {
-                break;
-            };
-            if done.send(out).is_err() {
-                return;
-            }
+        if !send_ready(&mut running, &done) {
+            return;
         }
     }
 }
@@ -234,13 +229,22 @@ async fn flush(running: &mut VecDeque<Slot<'_>>, done: &mpsc::UnboundedSender<Do
         if running.iter().any(|s| s.out.is_none()) {
             progress(running).await;
         }
-        while running.front().is_some_and(|s| s.out.is_some()) {
-            let Some(out) = running.pop_front().and_then(|s| s.out) else {
-                break;
-            };
-            if done.send(out).is_err() {
-                return false;
-            }
+        if !send_ready(running, done) {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends the finished results at the front, in job order; `false` when
+/// nobody reads them any more.
+fn send_ready(running: &mut VecDeque<Slot<'_>>, done: &mpsc::UnboundedSender<Done>) -> bool {
+    while running.front().is_some_and(|s| s.out.is_some()) {
+        let Some(out) = running.pop_front().and_then(|s| s.out) else {
+            break;
+        };
+        if done.send(out).is_err() {
+            return false;
         }
     }
     true
