@@ -84,7 +84,13 @@ pub fn save_safetensors(
     sd: &StateDict,
     metadata: &BTreeMap<String, String>,
 ) -> Result<(), CheckpointError> {
-    let path = path.as_ref();
+    write_atomic(path.as_ref(), &to_safetensors_bytes(sd, metadata))
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same
+/// directory, fsync, rename over `path`, fsync the directory. A reader sees
+/// the old file or the new one, never a part.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -98,10 +104,9 @@ pub fn save_safetensors(
         .to_string_lossy()
         .into_owned();
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let bytes = to_safetensors_bytes(sd, metadata);
     let write = || -> Result<(), CheckpointError> {
         let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
-        f.write_all(&bytes).map_err(io("writing", &tmp))?;
+        f.write_all(bytes).map_err(io("writing", &tmp))?;
         f.sync_all().map_err(io("syncing", &tmp))?;
         std::fs::rename(&tmp, path).map_err(io("renaming the finished file onto", path))?;
         if let Ok(d) = std::fs::File::open(&dir) {

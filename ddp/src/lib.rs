@@ -13,6 +13,9 @@
 //!   for tensors in device memory.
 //! - `candle` (feature `candle`): the adapter for candle's `VarMap` and
 //!   `GradStore`.
+//! - [`Sharded`] ([`shard`]): ZeRO-1, ZeRO-2, FSDP and HSDP over any
+//!   backend, with optimizers that update a shard ([`Sgd`], [`AdamW`]),
+//!   full and sharded (resharding) checkpoints, and a memory report.
 //! - [`buckets`]: c10d's bucket assignment.
 //! - [`state_dict`]: PyTorch's `module.` and `_orig_mod.` key prefixes,
 //!   added and stripped in both directions; loading accepts either form.
@@ -30,6 +33,7 @@ pub mod params;
 mod powersgd;
 pub mod reducer;
 mod setup;
+pub mod shard;
 pub mod state_dict;
 mod tensor;
 mod worker;
@@ -38,6 +42,7 @@ pub use device::DeviceModel;
 pub use hook::CommHook;
 pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 pub use reducer::{Ddp, DdpError, DdpOptions, NoSync};
+pub use shard::{AdamW, Memory, Sgd, ShardOptimizer, ShardOptions, Sharded, Strategy};
 
 pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};
 pub use state_dict::{StateDict, StateDictError};

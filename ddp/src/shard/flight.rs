@@ -1,0 +1,61 @@
+//! [`InFlight`]: one collective made now and finished later, so that a
+//! prefetch or a gradient reduction overlaps the caller's compute.
+//!
+//! The call's future owns its buffers and its group handle. It is polled
+//! once where it is launched, synchronously, which makes the call and so fixes its place
+//! in the group's sequence (the same on every rank, as c10d's work
+//! objects are ordered); then a task of its own drives it to the end.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll, Waker},
+};
+
+use consort_comm::CommError;
+
+use super::vals::Vals;
+
+type Outcome = Result<Vals, CommError>;
+
+/// A launched collective and where its result will come from.
+#[derive(Debug)]
+pub(crate) enum InFlight {
+    /// It finished during its first poll.
+    Done(Outcome),
+    /// A task is driving it.
+    Running(tokio::task::JoinHandle<Outcome>),
+}
+
+impl InFlight {
+    /// Makes the call in `fut` now (its first poll, with a waker that does
+    /// nothing: the task polls it again at once and registers its own), and
+    /// leaves the rest to a task on the current tokio runtime.
+    pub(crate) fn launch(fut: impl Future<Output = Outcome> + Send + 'static) -> Self {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return InFlight::Done(Err(CommError::invalid(
+                "the sharded strategies run their collectives on tokio: call them from inside a \
+                 tokio runtime",
+            )));
+        };
+        let mut fut: Pin<Box<dyn Future<Output = Outcome> + Send>> = Box::pin(fut);
+        let mut cx = Context::from_waker(Waker::noop());
+        match fut.as_mut().poll(&mut cx) {
+            Poll::Ready(out) => InFlight::Done(out),
+            Poll::Pending => InFlight::Running(runtime.spawn(fut)),
+        }
+    }
+
+    /// Its result.
+    pub(crate) async fn wait(self) -> Outcome {
+        match self {
+            InFlight::Done(out) => out,
+            InFlight::Running(task) => task.await.unwrap_or_else(|e| {
+                Err(CommError::protocol(
+                    None,
+                    format!("the task driving a sharded collective ended without a result: {e}"),
+                ))
+            }),
+        }
+    }
+}

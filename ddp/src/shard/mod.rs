@@ -1,0 +1,438 @@
+//! Sharded data parallel over any `Backend`: ZeRO-1, ZeRO-2, FSDP (ZeRO-3)
+//! and HSDP, beside [`crate::Ddp`].
+//!
+//! [`Sharded`] owns the model's parameters, gradients and optimizer state
+//! in flat buffers ([`layout`]): one per wrapping unit and dtype, padded
+//! to a multiple of the shard count and cut into equal contiguous shards.
+//! Padding is internal: it never shows in parameters, state dicts or
+//! checkpoints.
+//!
+//! | strategy | parameters | gradients | optimizer state |
+//! |---|---|---|---|
+//! | [`Strategy::Zero1`] | whole | whole (all-reduced) | 1/N |
+//! | [`Strategy::Zero2`] | whole | 1/N (reduce-scattered) | 1/N |
+//! | [`Strategy::Fsdp`] | 1/N, gathered per unit for use | 1/N | 1/N |
+//! | [`Strategy::Hsdp`] | 1/G within a shard group of G | 1/G, then all-reduced across replicas | 1/G |
+//!
+//! A step, on every rank, in the same order:
+//! 1. [`Sharded::gather`] each unit for the forward pass (FSDP and HSDP
+//!    all-gather it, prefetching the next unit; ZeRO-1/2 hand out the
+//!    whole parameters they keep);
+//! 2. [`Sharded::mark_ready`] each parameter's local gradient as backward
+//!    produces it. Once a unit is complete its gradients are averaged
+//!    (all-reduce for ZeRO-1, reduce-scatter otherwise) while backward
+//!    goes on; units launch strictly from the last to the first, so every
+//!    rank makes the same calls in the same order;
+//! 3. [`Sharded::step`]: each rank updates its shard with its
+//!    [`ShardOptimizer`], and ZeRO-1/2 all-gather the updated parameters.
+//!
+//! Checkpoints ([`save`]): a full state dict gathered to rank 0, with the
+//! same keys as DDP's, and sharded checkpoints (each rank its shard, plus
+//! an index) that resume at another world size.
+
+mod flight;
+pub mod layout;
+mod memory;
+pub mod optim;
+pub mod save;
+mod step;
+pub(crate) mod vals;
+
+use std::{collections::HashMap, fmt, sync::Arc, time::Duration};
+
+use consort_comm::{Backend, CallOptions};
+
+pub use layout::{Flat, Layout, Segment};
+pub use memory::Memory;
+pub use optim::{AdamW, Sgd, ShardOptimizer};
+
+use crate::{
+    error::DdpError,
+    params::{ParamSet, ParamSpec},
+    setup,
+};
+use flight::InFlight;
+use vals::Vals;
+
+/// How parameters, gradients and optimizer state are split across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// ZeRO stage 1: optimizer state sharded; gradients all-reduced whole.
+    Zero1,
+    /// ZeRO stage 2: gradients reduce-scattered, each rank keeps 1/N.
+    Zero2,
+    /// FSDP (ZeRO stage 3): parameters sharded at rest too, gathered per
+    /// wrapping unit for use and freed after.
+    Fsdp,
+    /// Hybrid sharding: FSDP within each group of `shard_size` consecutive
+    /// ranks (a node), gradients all-reduced across the replica groups
+    /// (ranks `j, j + shard_size, ...`).
+    Hsdp {
+        /// Ranks per shard group; must divide the world size.
+        shard_size: usize,
+    },
+}
+
+impl Strategy {
+    /// `zero1`, `zero2`, `fsdp`, `hsdp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Fsdp => "fsdp",
+            Strategy::Hsdp { .. } => "hsdp",
+        }
+    }
+
+    /// Parameters are sharded at rest (FSDP, HSDP).
+    pub fn shards_params(self) -> bool {
+        matches!(self, Strategy::Fsdp | Strategy::Hsdp { .. })
+    }
+
+    /// Gradients are kept as a shard (everything but ZeRO-1).
+    pub fn shards_grads(self) -> bool {
+        self != Strategy::Zero1
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Strategy::Hsdp { shard_size } => write!(f, "hsdp (shard groups of {shard_size})"),
+            s => f.write_str(s.name()),
+        }
+    }
+}
+
+/// Options of [`Sharded::new`].
+#[derive(Debug, Clone)]
+pub struct ShardOptions {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Wrapping units: parameter indices, each parameter in exactly one
+    /// (torch: the modules `fully_shard` is applied to). `None`: consecutive
+    /// parameters grouped up to `unit_cap_bytes`.
+    pub units: Option<Vec<Vec<usize>>>,
+    /// The unit size when `units` is `None` (25 MiB, DDP's bucket cap).
+    pub unit_cap_bytes: usize,
+    /// Prefetch the next unit's parameters while this one is used (FSDP
+    /// and HSDP; torch prefetches one unit ahead).
+    pub prefetch: bool,
+    /// Deadline of each collective (`None`: the group's default).
+    pub timeout: Option<Duration>,
+}
+
+impl ShardOptions {
+    /// `strategy` with the defaults.
+    pub fn new(strategy: Strategy) -> Self {
+        ShardOptions {
+            strategy,
+            units: None,
+            unit_cap_bytes: 25 * 1024 * 1024,
+            prefetch: true,
+            timeout: None,
+        }
+    }
+
+    /// Explicit wrapping units.
+    pub fn units(mut self, units: Vec<Vec<usize>>) -> Self {
+        self.units = Some(units);
+        self
+    }
+}
+
+/// Which direction the step is going, for prefetching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Forward,
+    Backward,
+}
+
+/// The group a flat's shards live on: this rank's part of it.
+#[derive(Debug)]
+struct ShardGroup {
+    /// The group (the world, or this rank's HSDP shard group).
+    pg: Arc<dyn Backend>,
+    /// This rank's index in it: the shard it owns.
+    index: usize,
+    /// The replica group (HSDP only).
+    replicas: Option<Arc<dyn Backend>>,
+}
+
+/// One flat buffer's storage on this rank.
+#[derive(Debug)]
+struct FlatState {
+    /// Whole and padded (ZeRO-1/2), or this rank's shard (FSDP, HSDP).
+    params: Arc<Vals>,
+    /// Whole and padded (ZeRO-1), or this rank's shard.
+    grads: Vals,
+    /// The optimizer's slots, each one shard long.
+    state: Vec<Vals>,
+    /// This step's local gradients, whole and padded, until launched.
+    staging: Option<Vals>,
+}
+
+/// Sharded data parallel training of one model: ZeRO-1, ZeRO-2, FSDP or
+/// HSDP. See the [module docs](self).
+pub struct Sharded {
+    backend: Arc<dyn Backend>,
+    group: ShardGroup,
+    strategy: Strategy,
+    rank: usize,
+    specs: Vec<ParamSpec>,
+    layout: Arc<Layout>,
+    flats: Vec<FlatState>,
+    optimizer: Box<dyn ShardOptimizer>,
+    /// Optimizer steps taken.
+    steps: u64,
+    call: CallOptions,
+    prefetch: bool,
+    phase: Phase,
+    /// FSDP/HSDP gathers made ahead of use, by unit.
+    prefetched: HashMap<usize, Vec<InFlight>>,
+    /// Which parameters have their gradient this step.
+    ready: Vec<bool>,
+    /// Units `next_launch..` have been launched this step.
+    next_launch: usize,
+    /// Gradient reductions in flight: (flat, call).
+    pending: Vec<(usize, InFlight)>,
+    failed: Option<DdpError>,
+}
+
+impl fmt::Debug for Sharded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sharded")
+            .field("strategy", &self.strategy)
+            .field("rank", &self.rank)
+            .field("units", &self.layout.units.len())
+            .field("optimizer", &self.optimizer.name())
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Wraps a collective's error with what the strategy was doing.
+pub(crate) fn comm(what: impl Into<String>) -> impl FnOnce(consort_comm::CommError) -> DdpError {
+    let what = what.into();
+    move |source| DdpError::Comm {
+        what,
+        source: Box::new(source),
+    }
+}
+
+impl Sharded {
+    /// Wraps `model` on every rank: checks that the ranks hold the same
+    /// parameters, copies rank 0's parameters and buffers to every rank
+    /// (so a rank-0 resume reaches everyone), makes the HSDP groups, and
+    /// keeps this rank's part of the flat buffers. `model`'s parameters
+    /// are not used after this: read them back with [`Sharded::gather`]
+    /// or [`Sharded::copy_params_to`].
+    ///
+    /// Host models with f32 and f64 parameters; every rank calls it with
+    /// the same options.
+    pub async fn new(
+        backend: Arc<dyn Backend>,
+        model: &mut (impl ParamSet + ?Sized),
+        optimizer: impl ShardOptimizer + 'static,
+        opts: ShardOptions,
+    ) -> Result<Self, DdpError> {
+        let rank = backend.rank();
+        let usage = |reason: String| DdpError::Usage { rank, reason };
+        if model.placement().is_some() {
+            return Err(usage(
+                "the sharded strategies keep parameters in host memory; this model lives on a \
+                 device. Train it with Ddp (device buckets), or give Sharded a host model"
+                    .into(),
+            ));
+        }
+        let specs = model.params();
+        if let Some(s) = specs.iter().find(|s| Vals::zeros(s.dtype, 0).is_none()) {
+            return Err(usage(format!(
+                "parameter {} is {}; the sharded strategies keep f32 and f64 parameters (keep \
+                 f32 master weights and cast for compute)",
+                s.describe(),
+                s.dtype
+            )));
+        }
+        let call = CallOptions {
+            timeout: opts.timeout,
+            ..CallOptions::default()
+        };
+        let buffers = model.buffers();
+        setup::check_same_model(&*backend, &specs, &buffers, &call).await?;
+        setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call).await?;
+        let group = make_groups(&backend, opts.strategy, &call).await?;
+        let units = match &opts.units {
+            Some(u) => u.clone(),
+            None => layout::units_by_cap(&specs, opts.unit_cap_bytes.max(1)),
+        };
+        let shards = group.pg.world_size();
+        let layout = Layout::new(&specs, &units, shards).map_err(usage)?;
+        let flats = layout
+            .flats
+            .iter()
+            .map(|f| {
+                flat_state(
+                    f,
+                    model,
+                    opts.strategy,
+                    group.index,
+                    shards,
+                    optimizer.slots(),
+                )
+            })
+            .collect();
+        let ready = vec![false; specs.len()];
+        let next_launch = layout.units.len();
+        Ok(Sharded {
+            backend,
+            group,
+            strategy: opts.strategy,
+            rank,
+            specs,
+            layout: Arc::new(layout),
+            flats,
+            optimizer: Box::new(optimizer),
+            steps: 0,
+            call,
+            prefetch: opts.prefetch,
+            phase: Phase::Forward,
+            prefetched: HashMap::new(),
+            ready,
+            next_launch,
+            pending: Vec::new(),
+            failed: None,
+        })
+    }
+
+    /// This rank in the world.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The strategy.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// The parameters, in registration order.
+    pub fn params(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// The flat layout (units, flats, shards).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Optimizer steps taken (restored by a sharded checkpoint).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The shard this rank owns, and how many there are.
+    pub fn shard(&self) -> (usize, usize) {
+        (self.group.index, self.layout.shards)
+    }
+
+    /// Records `err` as this wrapper's sticky failure and returns it.
+    fn fail(&mut self, err: DdpError) -> DdpError {
+        self.failed.get_or_insert_with(|| err.clone());
+        err
+    }
+
+    /// The sticky failure, if any.
+    fn check(&self) -> Result<(), DdpError> {
+        match &self.failed {
+            Some(e) => Err(DdpError::Failed(Box::new(e.clone()))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The group the shards live on: the world, or (HSDP) this rank's group of
+/// `shard_size` consecutive ranks, with its replica group beside it.
+async fn make_groups(
+    backend: &Arc<dyn Backend>,
+    strategy: Strategy,
+    call: &CallOptions,
+) -> Result<ShardGroup, DdpError> {
+    let (rank, world) = (backend.rank(), backend.world_size());
+    let Strategy::Hsdp { shard_size: g } = strategy else {
+        return Ok(ShardGroup {
+            pg: backend.clone(),
+            index: rank,
+            replicas: None,
+        });
+    };
+    if g == 0 || world % g != 0 {
+        return Err(DdpError::Usage {
+            rank,
+            reason: format!(
+                "HSDP's shard size {g} must be at least 1 and divide the world size {world} \
+                 (torch: a device mesh of (replicas, shard size))"
+            ),
+        });
+    }
+    let mut shard = None;
+    for start in (0..world).step_by(g) {
+        let ranks: Vec<usize> = (start..start + g).collect();
+        let made = backend
+            .new_group(&ranks, call)
+            .await
+            .map_err(comm(format!("HSDP shard group {ranks:?}")))?;
+        shard = shard.or(made);
+    }
+    let mut replicas = None;
+    for j in 0..g {
+        let ranks: Vec<usize> = (j..world).step_by(g).collect();
+        let made = backend
+            .new_group(&ranks, call)
+            .await
+            .map_err(comm(format!("HSDP replica group {ranks:?}")))?;
+        replicas = replicas.or(made);
+    }
+    let missing = || DdpError::Usage {
+        rank,
+        reason: "the backend made no HSDP group holding this rank".into(),
+    };
+    Ok(ShardGroup {
+        pg: shard.ok_or_else(missing)?,
+        index: rank % g,
+        replicas: Some(replicas.ok_or_else(missing)?),
+    })
+}
+
+/// One flat's storage, filled from the model's (broadcast) parameters.
+fn flat_state(
+    f: &Flat,
+    model: &mut (impl ParamSet + ?Sized),
+    strategy: Strategy,
+    index: usize,
+    shards: usize,
+    slots: usize,
+) -> FlatState {
+    let shards_len = f.shard_len;
+    let padded = f.padded(shards);
+    let mut whole = Vals::zeros(f.dtype, padded).expect("f32 and f64 checked in new");
+    for s in &f.segments {
+        whole.copy_from_bytes(s.offset, model.param_bytes_mut(s.param));
+    }
+    let params = if strategy.shards_params() {
+        whole.slice(f.shard_range(index))
+    } else {
+        whole
+    };
+    let grad_len = if strategy.shards_grads() {
+        shards_len
+    } else {
+        padded
+    };
+    let zeros = |n| Vals::zeros(f.dtype, n).expect("f32 and f64 checked in new");
+    FlatState {
+        params: Arc::new(params),
+        grads: zeros(grad_len),
+        state: (0..slots).map(|_| zeros(shards_len)).collect(),
+        staging: None,
+    }
+}

@@ -1,0 +1,587 @@
+//! The sharded strategies' defining property, on the simulator: ZeRO-1,
+//! ZeRO-2, FSDP and HSDP on N ranks with per-rank batch b train exactly
+//! like one process with batch N·b and the same optimizer, over random
+//! MLPs (uneven sizes, random wrapping units), worlds 1–8, several steps,
+//! SGD with momentum and AdamW. Plus memory, checkpoints that reshard, and
+//! the errors.
+
+mod common;
+
+use std::{collections::BTreeMap, path::Path, sync::Arc};
+
+use common::{Case, Shape, close, make_case, run_sim};
+use consort_comm::Backend;
+use consort_ddp::{
+    AdamW, DdpError, Memory, PlainModel, Sgd, ShardOptimizer, ShardOptions, Sharded, Strategy,
+    load_safetensors,
+};
+use consort_sim::SimConfig;
+use proptest::{prelude::*, strategy::Strategy as _};
+
+/// Which optimizer a case uses.
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    /// SGD, momentum 0.5, lr 1 (exact: every value stays a short binary
+    /// fraction).
+    SgdExact,
+    /// SGD with momentum 0.9, weight decay 0.01.
+    Sgd,
+    /// AdamW, lr 0.01.
+    AdamW,
+}
+
+fn optimizer(o: Opt) -> Box<dyn ShardOptimizer> {
+    match o {
+        Opt::SgdExact => Box::new(Sgd::new(1.0).momentum(0.5)),
+        Opt::Sgd => Box::new(Sgd::new(0.05).momentum(0.9).weight_decay(0.01)),
+        Opt::AdamW => Box::new(AdamW::new(0.01)),
+    }
+}
+
+/// One process, the global batch, the optimizer on each whole parameter
+/// (elementwise, so the same as on any split of it). Returns parameters
+/// and each parameter's optimizer slots.
+fn reference(
+    c: &Case,
+    o: Opt,
+    steps: std::ops::Range<usize>,
+    start: Vec<Vec<f64>>,
+) -> Vec<Vec<f64>> {
+    let opt = optimizer(o);
+    let mut params = start;
+    let mut state: Vec<Vec<Vec<f64>>> = params
+        .iter()
+        .map(|p| vec![vec![0.0; p.len()]; opt.slots()])
+        .collect();
+    let scale = if c.exact {
+        1.0
+    } else {
+        1.0 / (c.world * c.batch) as f64
+    };
+    for (t, step) in c.data.iter().enumerate() {
+        let (xs, ys): (Vec<_>, Vec<_>) = step.iter().flatten().flatten().cloned().unzip();
+        let mut grads = vec![Vec::new(); params.len()];
+        c.mlp
+            .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
+        if !steps.contains(&t) {
+            continue;
+        }
+        for ((p, g), s) in params.iter_mut().zip(&grads).zip(&mut state) {
+            let mut slots: Vec<&mut [f64]> = s.iter_mut().map(|v| v.as_mut_slice()).collect();
+            opt.step_f64(t as u64 + 1, p, g, &mut slots);
+        }
+    }
+    params
+}
+
+/// How a distributed run goes.
+#[derive(Clone, Debug)]
+struct Run {
+    strategy: Strategy,
+    opt: Opt,
+    unit_cap: usize,
+    /// Gather every unit again, in reverse, before backward (FSDP's
+    /// reshard after forward), instead of keeping the forward's copies.
+    regather: bool,
+}
+
+/// One rank's training steps `steps` of `c`; returns its final parameters.
+async fn train(
+    rank: Arc<dyn Backend>,
+    c: &Case,
+    run: &Run,
+    sh: &mut Sharded,
+    steps: std::ops::Range<usize>,
+) -> Result<(), DdpError> {
+    let r = rank.rank();
+    let scale = if c.exact {
+        c.world as f64
+    } else {
+        1.0 / c.batch as f64
+    };
+    let units = sh.layout().units.len();
+    for step in &c.data[steps] {
+        let mut got = Vec::new();
+        for u in 0..units {
+            got.push(sh.gather(u).await?);
+        }
+        if run.regather {
+            got.clear();
+            for u in (0..units).rev() {
+                got.push(sh.gather(u).await?);
+            }
+        }
+        let params: Vec<Vec<f64>> = (0..sh.params().len())
+            .map(|p| {
+                let g = got.iter().find(|g| g.param::<f64>(p).is_ok()).unwrap();
+                g.param::<f64>(p).unwrap().to_vec()
+            })
+            .collect();
+        drop(got);
+        let (xs, ys): (Vec<_>, Vec<_>) = step[0][r].iter().cloned().unzip();
+        let mut err = Ok(());
+        c.mlp.backward(&params, &xs, &ys, scale, |i, g| {
+            if err.is_ok() {
+                err = sh.mark_ready(i, &g);
+            }
+        });
+        err?;
+        sh.step().await?;
+    }
+    Ok(())
+}
+
+/// The initial model on rank `r` (garbage off rank 0: Sharded::new's
+/// broadcast fixes it).
+fn model_for(c: &Case, r: usize) -> PlainModel {
+    let init: Vec<Vec<f64>> = if r == 0 {
+        c.init.clone()
+    } else {
+        c.init
+            .iter()
+            .map(|p| vec![7.0 + r as f64; p.len()])
+            .collect()
+    };
+    c.mlp.model(&init)
+}
+
+fn options(run: &Run) -> ShardOptions {
+    let mut o = ShardOptions::new(run.strategy);
+    o.unit_cap_bytes = run.unit_cap;
+    o
+}
+
+fn read(model: &PlainModel) -> Vec<Vec<f64>> {
+    (0..model.len())
+        .map(|i| model.param::<f64>(i).unwrap().to_vec())
+        .collect()
+}
+
+/// Every rank, every step; each rank's final parameters.
+fn distributed(c: &Case, run: &Run) -> Vec<Vec<Vec<f64>>> {
+    let (c, run) = (Arc::new(c.clone()), Arc::new(run.clone()));
+    let (out, _) = run_sim(SimConfig::new(c.world), move |rank| {
+        let (c, run) = (c.clone(), run.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, rank.rank());
+            let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
+                .await
+                .unwrap();
+            train(rank, &c, &run, &mut sh, 0..c.data.len())
+                .await
+                .unwrap();
+            sh.copy_params_to(&mut model).await.unwrap();
+            read(&model)
+        }
+    });
+    out
+}
+
+/// Cases: an MLP, a world, steps and data (one micro-batch per step).
+fn cases(max_world: usize) -> impl proptest::strategy::Strategy<Value = Case> {
+    (
+        prop::collection::vec(1usize..6, 2..4),
+        1usize..=max_world,
+        1usize..4,
+        1usize..4,
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(|(dims, world, batch, steps, exact, seed)| {
+            make_case(Shape {
+                dims,
+                world,
+                batch,
+                micro: 1,
+                steps,
+                cap: None,
+                view: false,
+                exact,
+                seed,
+            })
+        })
+}
+
+/// A strategy for a world of `world` (HSDP's shard size divides it).
+fn strategy_for(world: usize, pick: usize, g: usize) -> Strategy {
+    match pick % 4 {
+        0 => Strategy::Zero1,
+        1 => Strategy::Zero2,
+        2 => Strategy::Fsdp,
+        _ => {
+            let divisors: Vec<usize> = (1..=world).filter(|d| world % d == 0).collect();
+            Strategy::Hsdp {
+                shard_size: divisors[g % divisors.len()],
+            }
+        }
+    }
+}
+
+fn check(c: &Case, got: &[Vec<Vec<f64>>], want: &[Vec<f64>]) -> Result<(), TestCaseError> {
+    for (r, params) in got.iter().enumerate() {
+        for (p, (g, w)) in params.iter().zip(want).enumerate() {
+            prop_assert_eq!(g.len(), w.len());
+            for (k, (a, b)) in g.iter().zip(w).enumerate() {
+                if c.exact {
+                    prop_assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "rank {} param {} [{}]: {} vs {} (exact)",
+                        r,
+                        p,
+                        k,
+                        a,
+                        b
+                    );
+                } else {
+                    prop_assert!(
+                        (a - b).abs() <= 1e-6 * (1.0 + a.abs().max(b.abs())),
+                        "rank {} param {} [{}]: {} vs {}",
+                        r,
+                        p,
+                        k,
+                        a,
+                        b
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn every_strategy_on_n_ranks_equals_one_process_with_the_global_batch(
+        c in cases(8),
+        pick in 0usize..4,
+        g in 0usize..8,
+        adamw in any::<bool>(),
+        unit_cap in 8usize..400,
+        regather in any::<bool>(),
+    ) {
+        let opt = match (c.exact, adamw) {
+            (true, _) => Opt::SgdExact,
+            (false, true) => Opt::AdamW,
+            (false, false) => Opt::Sgd,
+        };
+        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
+        let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
+        let got = distributed(&c, &run);
+        check(&c, &got, &want)?;
+    }
+}
+
+/// A fixed case: an MLP 5 → 7 → 3 (uneven for every world), 4 steps.
+fn fixed(world: usize) -> Case {
+    make_case(Shape {
+        dims: vec![5, 7, 3],
+        world,
+        batch: 2,
+        micro: 1,
+        steps: 4,
+        cap: None,
+        view: false,
+        exact: false,
+        seed: 11,
+    })
+}
+
+/// Each rank's `memory()` under every strategy is the ZeRO formula, up to
+/// the padding (under one element per shard per flat).
+#[test]
+fn memory_matches_the_formulas() {
+    for world in [1usize, 2, 4, 8] {
+        let c = Arc::new(fixed(world));
+        let psi: usize = c.mlp.sizes().iter().sum::<usize>() * 8;
+        let mut strategies = vec![Strategy::Zero1, Strategy::Zero2, Strategy::Fsdp];
+        if world >= 2 {
+            strategies.push(Strategy::Hsdp {
+                shard_size: world / 2,
+            });
+        }
+        for s in strategies {
+            let c2 = c.clone();
+            let (mem, _) = run_sim(SimConfig::new(world), move |rank| {
+                let c = c2.clone();
+                async move {
+                    let rank: Arc<dyn Backend> = rank;
+                    let mut model = model_for(&c, rank.rank());
+                    let mut o = ShardOptions::new(s);
+                    o.units = Some(vec![(0..4).collect()]);
+                    let sh = Sharded::new(rank, &mut model, AdamW::new(0.01), o)
+                        .await
+                        .unwrap();
+                    sh.memory()
+                }
+            });
+            let n = match s {
+                Strategy::Hsdp { shard_size } => shard_size,
+                _ => world,
+            };
+            let want = Memory::expected(Some(s), psi, n, 2);
+            let pad = 8 * (n - 1);
+            for m in mem {
+                for (got, want, what) in [
+                    (m.params, want.params, "params"),
+                    (m.grads, want.grads, "grads"),
+                    (m.optimizer, want.optimizer, "optimizer"),
+                ] {
+                    let slack = if what == "optimizer" { 2 * pad } else { pad };
+                    assert!(
+                        got >= want && got <= want + slack,
+                        "{s} world {world} {what}: {got} bytes, formula {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Trains steps `0..2` at world `w1` with `s1`, saves a sharded
+/// checkpoint, resumes at world `w2` with `s2`, trains steps `2..4`;
+/// returns world 2's final parameters.
+fn save_then_resume(
+    dir: &Path,
+    w1: usize,
+    s1: Strategy,
+    w2: usize,
+    s2: Strategy,
+) -> Vec<Vec<Vec<f64>>> {
+    let run = |world: usize, s: Strategy, resume: bool| {
+        let c = Arc::new(fixed(world));
+        let dir = dir.to_path_buf();
+        run_sim(SimConfig::new(world), move |rank| {
+            let (c, dir) = (c.clone(), dir.clone());
+            async move {
+                let rank: Arc<dyn Backend> = rank;
+                let run = Run {
+                    strategy: s,
+                    opt: Opt::AdamW,
+                    unit_cap: 64,
+                    regather: false,
+                };
+                let mut model = model_for(&c, rank.rank());
+                let mut sh = Sharded::new(
+                    rank.clone(),
+                    &mut model,
+                    optimizer(Opt::AdamW),
+                    options(&run),
+                )
+                .await
+                .unwrap();
+                if resume {
+                    let meta = sh.load_sharded(&dir).await.unwrap();
+                    assert_eq!(meta.get("epoch").map(String::as_str), Some("2"));
+                    assert_eq!(sh.steps(), 2);
+                    train(rank, &c, &run, &mut sh, 2..4).await.unwrap();
+                } else {
+                    train(rank, &c, &run, &mut sh, 0..2).await.unwrap();
+                    let meta = BTreeMap::from([("epoch".to_string(), "2".to_string())]);
+                    sh.save_sharded(&dir, &meta).await.unwrap();
+                }
+                sh.copy_params_to(&mut model).await.unwrap();
+                read(&model)
+            }
+        })
+        .0
+    };
+    run(w1, s1, false);
+    run(w2, s2, true)
+}
+
+/// Save at world 4, resume at world 2 (and under another strategy):
+/// training continues as one process that never stopped, and as an
+/// unsharded resume would.
+#[test]
+fn a_sharded_checkpoint_resumes_at_another_world_size() {
+    let tmp = std::env::temp_dir().join(format!("consort-reshard-{}", std::process::id()));
+    // The data of the fixed case do not depend on the world for the
+    // reference: the global batch of each step is the same samples.
+    for (w1, s1, w2, s2) in [
+        (4, Strategy::Fsdp, 2, Strategy::Fsdp),
+        (4, Strategy::Zero2, 2, Strategy::Fsdp),
+        (2, Strategy::Hsdp { shard_size: 1 }, 4, Strategy::Zero1),
+        (4, Strategy::Hsdp { shard_size: 2 }, 3, Strategy::Zero2),
+    ] {
+        let dir = tmp.join(format!("{}-{w1}-{}-{w2}", s1.name(), s2.name()));
+        let got = save_then_resume(&dir, w1, s1, w2, s2);
+        // One process: steps 0..2 on world w1's data, then 2..4 on w2's.
+        let (c1, c2) = (fixed(w1), fixed(w2));
+        let mid = reference(&c1, Opt::AdamW, 0..2, c1.init.clone());
+        let want = reference_from(&c2, 2..4, mid, &c1);
+        for params in &got {
+            for (g, w) in params.iter().zip(&want) {
+                for (a, b) in g.iter().zip(w) {
+                    assert!(close(*a, *b), "{s1} at {w1} → {s2} at {w2}: {a} vs {b}");
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The reference for steps `steps` of `c`, from parameters `start` and the
+/// optimizer state of steps `0..steps.start` of `before`.
+fn reference_from(
+    c: &Case,
+    steps: std::ops::Range<usize>,
+    _start: Vec<Vec<f64>>,
+    before: &Case,
+) -> Vec<Vec<f64>> {
+    let opt = optimizer(Opt::AdamW);
+    let mut params = before.init.clone();
+    let mut state: Vec<Vec<Vec<f64>>> = params
+        .iter()
+        .map(|p| vec![vec![0.0; p.len()]; opt.slots()])
+        .collect();
+    for t in 0..steps.end {
+        let (data, world) = if t < steps.start {
+            (before, before.world)
+        } else {
+            (c, c.world)
+        };
+        let (xs, ys): (Vec<_>, Vec<_>) = data.data[t].iter().flatten().flatten().cloned().unzip();
+        let scale = 1.0 / (world * data.batch) as f64;
+        let mut grads = vec![Vec::new(); params.len()];
+        c.mlp
+            .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
+        for ((p, g), s) in params.iter_mut().zip(&grads).zip(&mut state) {
+            let mut slots: Vec<&mut [f64]> = s.iter_mut().map(|v| v.as_mut_slice()).collect();
+            opt.step_f64(t as u64 + 1, p, g, &mut slots);
+        }
+    }
+    params
+}
+
+/// The full state dict has DDP's keys, and its safetensors file loads.
+#[test]
+fn full_checkpoint_has_the_model_keys_and_loads() {
+    let path =
+        std::env::temp_dir().join(format!("consort-full-{}.safetensors", std::process::id()));
+    let c = Arc::new(fixed(4));
+    let p2 = path.clone();
+    let (out, _) = run_sim(SimConfig::new(4), move |rank| {
+        let (c, path) = (c.clone(), p2.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let run = Run {
+                strategy: Strategy::Fsdp,
+                opt: Opt::Sgd,
+                unit_cap: 64,
+                regather: true,
+            };
+            let mut model = model_for(&c, rank.rank());
+            let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
+                .await
+                .unwrap();
+            train(rank, &c, &run, &mut sh, 0..2).await.unwrap();
+            sh.save_full_checkpoint(&path, &Default::default(), &BTreeMap::new())
+                .await
+                .unwrap();
+            sh.copy_params_to(&mut model).await.unwrap();
+            model.state_dict()
+        }
+    });
+    let (sd, _) = load_safetensors(&path).unwrap();
+    assert_eq!(sd, out[0]);
+    let keys: Vec<&str> = sd.tensors.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "layers.0.bias",
+            "layers.0.weight",
+            "layers.1.bias",
+            "layers.1.weight"
+        ]
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// What a user gets wrong is named: a missing gradient, a gradient marked
+/// twice, a shard size that does not divide the world, another optimizer's
+/// checkpoint.
+#[test]
+fn mistakes_are_named() {
+    let c = Arc::new(fixed(2));
+    let (out, _) = run_sim(SimConfig::new(2), move |rank| {
+        let c = c.clone();
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, rank.rank());
+            let bad = Sharded::new(
+                rank.clone(),
+                &mut model,
+                Sgd::new(0.1),
+                ShardOptions::new(Strategy::Hsdp { shard_size: 3 }),
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+            let mut sh = Sharded::new(
+                rank.clone(),
+                &mut model,
+                Sgd::new(0.1),
+                ShardOptions::new(Strategy::Zero2),
+            )
+            .await
+            .unwrap();
+            sh.mark_ready(0, &vec![0.0f64; 35]).unwrap();
+            let twice = sh.mark_ready(0, &vec![0.0f64; 35]).unwrap_err().to_string();
+            let wrong = sh.mark_ready(1, &[0.0f32; 7]).unwrap_err().to_string();
+            let missing = sh.step().await.unwrap_err().to_string();
+            let sticky = sh.gather(0).await.unwrap_err().to_string();
+            (bad, twice, wrong, missing, sticky)
+        }
+    });
+    for (r, (bad, twice, wrong, missing, sticky)) in out.into_iter().enumerate() {
+        assert!(
+            bad.contains("shard size 3") && bad.contains("divide the world size 2"),
+            "{bad}"
+        );
+        assert!(
+            twice.contains("layers.0.weight") && twice.contains("twice"),
+            "{twice}"
+        );
+        assert!(
+            wrong.contains("float32") && wrong.contains("layers.0.bias"),
+            "{wrong}"
+        );
+        assert!(
+            missing.contains(&format!("rank {r}")) && missing.contains("layers.1.weight"),
+            "{missing}"
+        );
+        assert!(sticky.contains("failed earlier"), "{sticky}");
+    }
+}
+
+/// A checkpoint of another optimizer is refused on every rank, naming both.
+#[test]
+fn a_checkpoint_of_another_optimizer_is_refused() {
+    let tmp = std::env::temp_dir().join(format!("consort-otheropt-{}", std::process::id()));
+    let c = Arc::new(fixed(2));
+    let dir = tmp.clone();
+    let (out, _) = run_sim(SimConfig::new(2), move |rank| {
+        let (c, dir) = (c.clone(), dir.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, rank.rank());
+            let o = ShardOptions::new(Strategy::Fsdp);
+            let mut sh = Sharded::new(rank.clone(), &mut model, AdamW::new(0.1), o.clone())
+                .await
+                .unwrap();
+            sh.save_sharded(&dir, &BTreeMap::new()).await.unwrap();
+            let mut other = Sharded::new(rank, &mut model, Sgd::new(0.1).momentum(0.9), o)
+                .await
+                .unwrap();
+            other.load_sharded(&dir).await.unwrap_err().to_string()
+        }
+    });
+    for e in out {
+        assert!(e.contains("adamw") && e.contains("sgd"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
