@@ -6,7 +6,7 @@ mod common;
 
 use std::{sync::Arc, time::Duration};
 
-use common::run_sim;
+use common::{Counting, run_sim};
 use consort_comm::Backend;
 use consort_ddp::{
     CommHook, Ddp, DdpError, DdpOptions, PlainModel, buckets::assign_buckets,
@@ -573,55 +573,6 @@ fn powersgd_error_feedback_keeps_the_sum_of_updates_on_course() {
     eprintln!("PowerSGD rank 2: one step off by {rel_first:.3}, {steps} steps off by {rel:.4}");
 }
 
-/// A backend that counts its calls in flight (made, not yet finished).
-#[derive(Debug)]
-struct Counting {
-    inner: Arc<SimRank>,
-    now: Arc<std::sync::atomic::AtomicUsize>,
-    max: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-/// Counts a call out when its work finishes or is dropped.
-struct Out(Arc<std::sync::atomic::AtomicUsize>);
-
-impl Drop for Out {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-#[async_trait::async_trait]
-impl Backend for Counting {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn default_timeout(&self) -> Duration {
-        self.inner.default_timeout()
-    }
-    fn submit<'a>(
-        &'a self,
-        op: consort_comm::Op<'a>,
-        opts: &consort_comm::CallOptions,
-    ) -> consort_comm::Work<'a> {
-        use std::sync::atomic::Ordering::SeqCst;
-        let work = self.inner.submit(op, opts);
-        let now = self.now.fetch_add(1, SeqCst) + 1;
-        self.max.fetch_max(now, SeqCst);
-        let out = Out(self.now.clone());
-        consort_comm::Work::new(async move {
-            let r = work.await;
-            drop(out);
-            r
-        })
-    }
-}
-
 #[test]
 fn bucket_k_plus_1_is_launched_while_bucket_k_is_in_flight() {
     // Four buckets whose gradients are all ready at once: the worker makes
@@ -629,12 +580,8 @@ fn bucket_k_plus_1_is_launched_while_bucket_k_is_in_flight() {
     // before, so some rank has several in flight; results stay exact.
     let (world, params, n) = (3, 8, 1000);
     let (out, _) = run_sim(SimConfig::new(world), move |rank| async move {
-        let max = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let backend = Arc::new(Counting {
-            inner: rank.clone(),
-            now: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-            max: max.clone(),
-        });
+        let backend = Counting::new(rank.clone());
+        let max = backend.max.clone();
         let mut m = model(&vec![n; params], rank.rank());
         let opts = DdpOptions::default().bucket_cap_mb(2.0 * 4.0 * n as f64 / (1 << 20) as f64);
         let mut ddp = Ddp::new(backend, &mut m, opts).await.unwrap();

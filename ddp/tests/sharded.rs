@@ -585,3 +585,48 @@ fn a_checkpoint_of_another_optimizer_is_refused() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// FSDP gathers the next unit while this one is used: `unit + 1` in the
+/// forward pass, `unit - 1` once gradients flow; without prefetch, one
+/// gather per use.
+#[test]
+fn fsdp_prefetches_one_unit_ahead_in_each_direction() {
+    let c = Arc::new(fixed(2));
+    let (out, _) = run_sim(SimConfig::new(2), move |rank| {
+        let c = c.clone();
+        async move {
+            let mut calls = Vec::new();
+            for prefetch in [true, false] {
+                let counting = common::Counting::new(rank.clone());
+                let backend: Arc<dyn Backend> = counting.clone();
+                let mut model = model_for(&c, rank.rank());
+                let mut o = ShardOptions::new(Strategy::Fsdp).units((0..4).map(|p| vec![p]).collect());
+                o.prefetch = prefetch;
+                let mut sh = Sharded::new(backend, &mut model, Sgd::new(0.1), o).await.unwrap();
+                let made = || counting.made.load(std::sync::atomic::Ordering::SeqCst);
+                let base = made();
+                let mut seen = Vec::new();
+                for u in 0..4 {
+                    let g = sh.gather(u).await.unwrap();
+                    seen.push(made() - base);
+                    drop(g);
+                }
+                // Backward: the last unit's gradients, then gathers going down.
+                sh.mark_ready(3, &[0.5f64; 3]).unwrap();
+                sh.mark_ready(2, &[0.5f64; 21]).unwrap();
+                let before = made();
+                sh.gather(1).await.unwrap();
+                seen.push(made() - before);
+                calls.push(seen);
+            }
+            calls
+        }
+    });
+    for calls in out {
+        // gather(0) + prefetch(1); then each gather takes the prefetched one
+        // and prefetches the next; gather(3) has none after it. In backward,
+        // gather(1) makes its own call and prefetches unit 0.
+        assert_eq!(calls[0], [2, 3, 4, 4, 2], "with prefetch");
+        assert_eq!(calls[1], [1, 2, 3, 4, 1], "without prefetch");
+    }
+}

@@ -20,13 +20,14 @@ mod data;
 mod gpu;
 mod mlp;
 mod plot;
+mod sharded;
 
 use std::{collections::BTreeMap, path::PathBuf, process::ExitCode, sync::Arc};
 
 use clap::Parser;
 use consort::{
     Backend, ProcessGroup, ReduceOp,
-    ddp::{Ddp, DdpOptions, PlainModel, load_safetensors},
+    ddp::{Ddp, DdpOptions, PlainModel, Sharded, load_safetensors},
     sampler::{DistributedSampler, EvalSampler},
     sim::{SimConfig, SimWorld},
 };
@@ -74,6 +75,20 @@ struct Args {
     /// parameters, activations and gradients on GPU LOCAL_RANK).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// How the model is split across ranks: ddp (replicated), zero1
+    /// (optimizer state sharded), zero2 (and gradients), fsdp (and
+    /// parameters, one unit per layer) or hsdp (fsdp within groups of
+    /// --shard-size ranks, replicated across them).
+    #[arg(long, default_value = "ddp")]
+    strategy: String,
+    /// HSDP's shard-group size. Default: LOCAL_WORLD_SIZE when launched on
+    /// more than one node, otherwise half the world (or 1 when odd).
+    #[arg(long)]
+    shard_size: Option<usize>,
+    /// SGD momentum (0: plain SGD). The sharded strategies keep its buffer
+    /// sharded and in OUT/sharded/; DDP supports only 0.
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f64,
 }
 
 fn main() -> ExitCode {
@@ -118,6 +133,20 @@ async fn run(args: Args) -> Result<(), BoxError> {
             return Err(format!("unknown --device {other:?}: expected cpu or cuda").into());
         }
     }
+    if args.strategy != "ddp" && args.device != "cpu" {
+        return Err(format!(
+            "--strategy {} keeps parameters in host memory: use --device cpu, or --strategy ddp \
+             on the GPU",
+            args.strategy
+        )
+        .into());
+    }
+    sharded::strategy(&args, 1)?;
+    if args.strategy == "ddp" && args.momentum != 0.0 {
+        return Err("--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
+                    trainer applies plain SGD"
+            .into());
+    }
     match backend.as_str() {
         "sim" => {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
@@ -126,7 +155,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 .into_iter()
                 .map(|r| {
                     let b: Arc<dyn Backend> = Arc::new(r);
-                    tokio::spawn(train_rank(b, args.clone(), data.clone()))
+                    tokio::spawn(train_any(b, args.clone(), data.clone()))
                 })
                 .collect();
             let mut first = None;
@@ -140,7 +169,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "tcp" => {
             let dist = consort::init_from_env().await?;
             let pg = dist.process_group().await?;
-            let res = train_rank(pg.backend().clone(), args, data).await;
+            let res = train_any(pg.backend().clone(), args, data).await;
             drop(pg);
             dist.shutdown().await?;
             res
@@ -155,7 +184,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
 async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
     let pg = dist.nccl_process_group().await?;
-    let res = train_rank(pg.backend().clone(), args, data).await;
+    let res = train_any(pg.backend().clone(), args, data).await;
     drop(pg);
     dist.shutdown().await?;
     res
@@ -340,14 +369,13 @@ async fn prepare(
 
 impl Job {
     /// Sums `loss` ([sum, samples]) and `acc` ([correct, seen]) over the
-    /// ranks, records the epoch and checkpoints `state`.
-    async fn end_epoch<B: Backend + ?Sized>(
+    /// ranks, records the epoch, checkpoints through `save`, and reports.
+    async fn end_epoch<B: Backend + ?Sized + 'static>(
         &mut self,
         args: &Args,
-        ddp: &mut Ddp<B>,
+        save: Saver<'_, B>,
         epoch: usize,
         (mut loss, mut acc): ([f64; 2], [f64; 2]),
-        state: &consort::ddp::StateDict,
     ) -> Result<(), BoxError> {
         self.pg.all_reduce(&mut loss, ReduceOp::Sum).await?;
         self.pg.all_reduce(&mut acc, ReduceOp::Sum).await?;
@@ -361,8 +389,16 @@ impl Job {
         meta.insert("epoch".to_string(), (epoch + 1).to_string());
         meta.insert("history".to_string(), serde_json::to_string(&self.history)?);
         meta.insert("world_size".to_string(), self.world.to_string());
+        meta.insert("strategy".to_string(), args.strategy.clone());
         meta.insert("format".to_string(), "pt".to_string());
-        ddp.save_checkpoint(&self.path, state, &meta).await?;
+        match save {
+            Saver::Ddp(ddp, state) => ddp.save_checkpoint(&self.path, state, &meta).await?,
+            Saver::Sharded(sh) => {
+                sh.save_full_checkpoint(&self.path, &Default::default(), &meta)
+                    .await?;
+                sh.save_sharded(&args.out.join("sharded"), &meta).await?;
+            }
+        }
         if let Some(b) = &self.bars {
             b.epochs.inc(1);
             b.println(&format!(
@@ -401,6 +437,25 @@ impl Job {
             png.display()
         ));
         Ok(())
+    }
+}
+
+/// Where an epoch's checkpoint goes: DDP's rank-0 file, or a sharded
+/// model's full file plus its sharded directory.
+enum Saver<'a, B: Backend + ?Sized + 'static> {
+    Ddp(&'a mut Ddp<B>, &'a consort::ddp::StateDict),
+    Sharded(&'a mut Sharded),
+}
+
+/// DDP, or the sharded strategy `--strategy` names.
+async fn train_any(
+    backend: Arc<dyn Backend>,
+    args: Arc<Args>,
+    data: Arc<Digits>,
+) -> Result<(), BoxError> {
+    match sharded::strategy(&args, backend.world_size())? {
+        None => train_rank(backend, args, data).await,
+        Some(s) => sharded::train_rank(backend, &args, &data, s).await,
     }
 }
 
@@ -449,7 +504,7 @@ async fn train_rank(
             acc[1] += 1.0;
         }
         let state = model.state_dict();
-        job.end_epoch(&args, &mut ddp, epoch, (loss, acc), &state)
+        job.end_epoch(&args, Saver::Ddp(&mut ddp, &state), epoch, (loss, acc))
             .await?;
     }
     job.finish(&args)
@@ -492,7 +547,8 @@ async fn train_rank_gpu(
         let (loss_sum, correct) = g.take_counters()?;
         let state = model.state_dict()?;
         let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);
-        job.end_epoch(args, &mut ddp, epoch, sums, &state).await?;
+        job.end_epoch(args, Saver::Ddp(&mut ddp, &state), epoch, sums)
+            .await?;
     }
     job.finish(args)
 }

@@ -3,9 +3,16 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::{future::Future, sync::Arc};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+};
 
 use consort_ddp::PlainModel;
+use consort_comm::Backend as _;
 use consort_sim::{SimConfig, SimRank, SimWorld};
 use proptest::prelude::*;
 
@@ -285,4 +292,66 @@ pub fn reference(c: &Case) -> Vec<Vec<f64>> {
 /// Equal within 1e-9, relative.
 pub fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
+}
+
+/// A backend that counts its calls: made in all, and in flight (made, not
+/// yet finished) now and at most.
+#[derive(Debug)]
+pub struct Counting {
+    pub inner: Arc<SimRank>,
+    pub made: Arc<AtomicUsize>,
+    pub now: Arc<AtomicUsize>,
+    pub max: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    pub fn new(inner: Arc<SimRank>) -> Arc<Self> {
+        Arc::new(Counting {
+            inner,
+            made: Arc::default(),
+            now: Arc::default(),
+            max: Arc::default(),
+        })
+    }
+}
+
+/// Counts a call out when its work finishes or is dropped.
+struct Out(Arc<AtomicUsize>);
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl consort_comm::Backend for Counting {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn default_timeout(&self) -> std::time::Duration {
+        self.inner.default_timeout()
+    }
+    fn submit<'a>(
+        &'a self,
+        op: consort_comm::Op<'a>,
+        opts: &consort_comm::CallOptions,
+    ) -> consort_comm::Work<'a> {
+        let work = self.inner.submit(op, opts);
+        self.made.fetch_add(1, SeqCst);
+        let now = self.now.fetch_add(1, SeqCst) + 1;
+        self.max.fetch_max(now, SeqCst);
+        let out = Out(self.now.clone());
+        consort_comm::Work::new(async move {
+            let r = work.await;
+            drop(out);
+            r
+        })
+    }
 }
