@@ -141,7 +141,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         )
         .into());
     }
-    sharded::strategy(&args, 1)?;
+    // The name now; HSDP's shard size once the world size is known.
+    if backend == "sim" || args.strategy != "hsdp" {
+        sharded::strategy(&args, if backend == "sim" { args.world_size } else { 1 })?;
+    }
     if args.strategy == "ddp" && args.momentum != 0.0 {
         return Err("--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
                     trainer applies plain SGD"
