@@ -296,3 +296,41 @@ fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
         );
     }
 }
+
+/// `consort bench sharded`: every strategy's measured bytes are the ZeRO
+/// formula's, up to the padding of each layer's flat buffer to a multiple
+/// of the shard count (uneven layers here), and sharding never keeps more
+/// than DDP.
+#[test]
+fn bench_sharded_bytes_match_the_formulas() {
+    let out = consort(&[
+        "bench", "sharded", "--params", "10001", "--layers", "3", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    assert_eq!(rows.len(), 4 + 4 + 5 + 5, "{text}");
+    for r in &rows {
+        let world = r["world"].as_u64().unwrap() as usize;
+        // At most shards-1 padding elements (4 bytes) per layer, and AdamW
+        // keeps two slots.
+        let pad = 3 * 4 * (world - 1);
+        for (k, slack) in [("params", pad), ("grads", pad), ("optim", 2 * pad)] {
+            let got = r[format!("{k}_bytes")].as_u64().unwrap() as usize;
+            let want = r[format!("{k}_formula")].as_u64().unwrap() as usize;
+            assert!(got >= want && got <= want + slack, "{k}: {r}");
+        }
+        let ratio: f64 = r["total_vs_ddp"].as_str().unwrap().parse().unwrap();
+        assert!(ratio <= 1.0 + 1e-3, "{r}");
+        if r["strategy"] == "fsdp" && world == 8 {
+            assert!(ratio < 0.2, "FSDP at 8 keeps {ratio} of DDP's bytes: {r}");
+        }
+    }
+}

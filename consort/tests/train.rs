@@ -190,12 +190,18 @@ fn bad_requests_fail_with_a_reason() {
             "multiple of the world size",
         ),
         (vec!["--backend", "gloo"], "expected sim, tcp or nccl"),
-        (vec!["--strategy", "zero3"], "expected ddp, zero1, zero2, fsdp or hsdp"),
+        (
+            vec!["--strategy", "zero3"],
+            "expected ddp, zero1, zero2, fsdp or hsdp",
+        ),
         (
             vec!["--strategy", "hsdp", "--shard-size", "3"],
             "--shard-size 3 must divide the world size 4",
         ),
-        (vec!["--momentum", "0.9"], "--momentum needs a sharded --strategy"),
+        (
+            vec!["--momentum", "0.9"],
+            "--momentum needs a sharded --strategy",
+        ),
     ] {
         let out = Command::new(train_bin())
             .args(&args)
@@ -266,7 +272,10 @@ fn sharded_strategies_train_like_ddp_on_the_simulator_and_over_tcp() {
         let text = train(&d, &["--strategy", s]);
         assert!(text.contains(&format!("strategy {s}")), "{text}");
         let got = *accuracies(&d).last().expect("epochs");
-        assert!(got >= 95.0 && (got - acc).abs() <= 0.5, "{s}: {got:.2}% (ddp {acc:.2}%)");
+        assert!(
+            got >= 95.0 && (got - acc).abs() <= 0.5,
+            "{s}: {got:.2}% (ddp {acc:.2}%)"
+        );
         let diff = max_diff(&want, &params(&d));
         assert!(diff <= 1e-4, "{s}: parameters differ from DDP's by {diff}");
         std::fs::remove_dir_all(d).unwrap();
@@ -285,7 +294,10 @@ fn sharded_strategies_train_like_ddp_on_the_simulator_and_over_tcp() {
         let got = *accuracies(&d).last().expect("epochs");
         assert!(got >= 95.0, "{s} over tcp: {got:.2}%");
         let diff = max_diff(&want, &params(&d));
-        assert!(diff <= 1e-4, "{s} over tcp: parameters differ from DDP's by {diff}");
+        assert!(
+            diff <= 1e-4,
+            "{s} over tcp: parameters differ from DDP's by {diff}"
+        );
         assert!(d.join("sharded").join("index.json").exists());
         std::fs::remove_dir_all(d).unwrap();
     }
@@ -299,22 +311,45 @@ fn sharded_strategies_train_like_ddp_on_the_simulator_and_over_tcp() {
 fn a_sharded_run_resumes_at_another_world_size() {
     let whole = out_dir("m-whole");
     let m = ["--momentum", "0.9", "--lr", "0.05"];
-    train(&whole, &[&["--epochs", "3", "--strategy", "fsdp"][..], &m].concat());
+    train(
+        &whole,
+        &[&["--epochs", "3", "--strategy", "fsdp"][..], &m].concat(),
+    );
     let split = out_dir("m-split");
-    train(&split, &[&["--epochs", "2", "--strategy", "fsdp"][..], &m].concat());
-    let args = ["--epochs", "3", "--strategy", "zero2", "--world-size", "2", "--resume"];
+    train(
+        &split,
+        &[&["--epochs", "2", "--strategy", "fsdp"][..], &m].concat(),
+    );
+    let args = [
+        "--epochs",
+        "3",
+        "--strategy",
+        "zero2",
+        "--world-size",
+        "2",
+        "--resume",
+    ];
     let text = train(&split, &[&args[..], &m].concat());
     assert!(text.contains("epochs 3..3"), "{text}");
     let diff = max_diff(&params(&whole), &params(&split));
-    assert!(diff <= 1e-5, "resumed at world 2: parameters differ by {diff}");
+    assert!(
+        diff <= 1e-5,
+        "resumed at world 2: parameters differ by {diff}"
+    );
     // Without the momentum buffers the third epoch would differ: check
     // that the test can tell.
     let lost = out_dir("m-lost");
-    train(&lost, &[&["--epochs", "2", "--strategy", "fsdp"][..], &m].concat());
+    train(
+        &lost,
+        &[&["--epochs", "2", "--strategy", "fsdp"][..], &m].concat(),
+    );
     std::fs::remove_dir_all(lost.join("sharded")).unwrap();
     train(&lost, &[&args[..], &m].concat());
     let diff = max_diff(&params(&whole), &params(&lost));
-    assert!(diff > 1e-4, "a resume without the optimizer state matched too ({diff})");
+    assert!(
+        diff > 1e-4,
+        "a resume without the optimizer state matched too ({diff})"
+    );
     for d in [whole, split, lost] {
         std::fs::remove_dir_all(d).unwrap();
     }

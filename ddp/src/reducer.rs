@@ -363,6 +363,16 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         &self.specs
     }
 
+    /// Bytes of gradient storage in the buckets (every parameter's
+    /// gradient, once: DDP keeps them whole on every rank).
+    pub fn bucket_bytes(&self) -> usize {
+        self.buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .map(|&p| self.specs[p].bytes())
+            .sum()
+    }
+
     /// Each bucket's parameter indices, in launch order.
     pub fn bucket_assignment(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.params.clone()).collect()

@@ -600,9 +600,12 @@ fn fsdp_prefetches_one_unit_ahead_in_each_direction() {
                 let counting = common::Counting::new(rank.clone());
                 let backend: Arc<dyn Backend> = counting.clone();
                 let mut model = model_for(&c, rank.rank());
-                let mut o = ShardOptions::new(Strategy::Fsdp).units((0..4).map(|p| vec![p]).collect());
+                let mut o =
+                    ShardOptions::new(Strategy::Fsdp).units((0..4).map(|p| vec![p]).collect());
                 o.prefetch = prefetch;
-                let mut sh = Sharded::new(backend, &mut model, Sgd::new(0.1), o).await.unwrap();
+                let mut sh = Sharded::new(backend, &mut model, Sgd::new(0.1), o)
+                    .await
+                    .unwrap();
                 let made = || counting.made.load(std::sync::atomic::Ordering::SeqCst);
                 let base = made();
                 let mut seen = Vec::new();

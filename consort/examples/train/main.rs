@@ -146,9 +146,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
         sharded::strategy(&args, if backend == "sim" { args.world_size } else { 1 })?;
     }
     if args.strategy == "ddp" && args.momentum != 0.0 {
-        return Err("--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
+        return Err(
+            "--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
                     trainer applies plain SGD"
-            .into());
+                .into(),
+        );
     }
     match backend.as_str() {
         "sim" => {

@@ -25,7 +25,7 @@ use super::table::Table;
 
 /// One layer's backward: `g = f(p)` with `work` multiply-adds per element
 /// (`bias` makes each rank's gradient its own).
-fn backward_layer(p: &[f32], g: &mut [f32], work: usize, bias: f32) {
+pub(crate) fn backward_layer(p: &[f32], g: &mut [f32], work: usize, bias: f32) {
     for (g, &p) in g.iter_mut().zip(p) {
         let mut x = p + bias;
         for _ in 0..work {

@@ -7,6 +7,7 @@ mod gpus;
 #[cfg(feature = "nccl")]
 mod nccl_bench;
 mod run;
+mod sharded_bench;
 mod sim;
 mod table;
 
@@ -227,6 +228,29 @@ enum BenchCommand {
         #[arg(long, default_value_t = 8)]
         work: usize,
         /// Timed steps per mode (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The sharded strategies against DDP. Alone: per-rank bytes of
+    /// parameters, gradients and optimizer state (AdamW) at worlds 1, 2, 4
+    /// and 8 on the simulator, beside the ZeRO formulas, and each step's
+    /// communication on the cost model. As one rank of a launched job
+    /// (`consort run --standalone --nproc-per-node 2 -- consort bench
+    /// sharded`): each strategy's step time over the real backend.
+    Sharded {
+        /// Parameters (f32), decimal with K/M suffixes.
+        #[arg(long, default_value = "4M", value_parser = parse_count)]
+        params: usize,
+        /// Equal layers (one wrapping unit each).
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Multiply-adds per parameter in the synthetic backward.
+        #[arg(long, default_value_t = 8)]
+        work: usize,
+        /// Timed steps per strategy (the median is reported).
         #[arg(long, default_value_t = 5, value_parser = parse_iters)]
         iters: usize,
         /// One JSON object per row.
@@ -483,6 +507,26 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
             ..
         }) => {
             if let Some(t) = ddp_bench::run(params, layers, work, iters).await? {
+                print!("{}", t.render(json));
+            }
+        }
+        Command::Bench(BenchArgs {
+            machine:
+                Some(BenchCommand::Sharded {
+                    params,
+                    layers,
+                    work,
+                    iters,
+                    json,
+                }),
+            ..
+        }) => {
+            let t = if std::env::var_os("RANK").is_some() {
+                sharded_bench::steps(params, layers, work, iters).await?
+            } else {
+                Some(sharded_bench::memory(params, layers).await?)
+            };
+            if let Some(t) = t {
                 print!("{}", t.render(json));
             }
         }

@@ -11,8 +11,8 @@ use std::{
     },
 };
 
-use consort_ddp::PlainModel;
 use consort_comm::Backend as _;
+use consort_ddp::PlainModel;
 use consort_sim::{SimConfig, SimRank, SimWorld};
 use proptest::prelude::*;
 
