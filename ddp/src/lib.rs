@@ -29,6 +29,7 @@ pub mod checkpoint;
 pub mod device;
 mod error;
 pub mod hook;
+mod launch;
 pub mod params;
 mod powersgd;
 pub mod reducer;

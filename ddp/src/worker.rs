@@ -87,13 +87,7 @@ pub(crate) async fn worker<B: Backend + ?Sized + 'static>(
                     Err(job) => {
                         let mut fut = start(backend, hook, opts, job);
                         // The first poll makes the call: its place is fixed now.
-                        let out = std::future::poll_fn(|cx| {
-                            Poll::Ready(match fut.as_mut().poll(cx) {
-                                Poll::Ready(d) => Some(d),
-                                Poll::Pending => None,
-                            })
-                        })
-                        .await;
+                        let out = crate::launch::make_now(fut.as_mut());
                         running.push_back(Slot { fut, out });
                     }
                 },

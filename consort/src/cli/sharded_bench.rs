@@ -251,9 +251,8 @@ async fn time_steps(
                 ddp.mark_ready(l, &grad[l])?;
             }
             ddp.finish().await?;
-            for l in 0..sizes.len() {
+            for (l, [a, b]) in state.iter_mut().enumerate() {
                 let g = ddp.grad::<f32>(l)?.to_vec();
-                let [a, b] = &mut state[l];
                 opt.step_f32(it as u64 + 1, m.param_mut::<f32>(l)?, &g, &mut [a, b]);
             }
             if it > 0 {

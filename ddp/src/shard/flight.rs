@@ -1,16 +1,12 @@
 //! [`InFlight`]: one collective made now and finished later, so that a
 //! prefetch or a gradient reduction overlaps the caller's compute.
 //!
-//! The call's future owns its buffers and its group handle. It is polled
-//! once where it is launched, synchronously, which makes the call and so fixes its place
-//! in the group's sequence (the same on every rank, as c10d's work
-//! objects are ordered); then a task of its own drives it to the end.
+//! The call's future owns its buffers and its group handle. It is made
+//! where it is launched ([`crate::launch`]: its place in the group's
+//! sequence is fixed then, the same on every rank), and a task of its own
+//! drives it to the end.
 
-use std::{
-    future::Future,
-    pin::Pin,
-    task::{Context, Poll, Waker},
-};
+use std::{future::Future, pin::Pin};
 
 use consort_comm::CommError;
 
@@ -39,10 +35,9 @@ impl InFlight {
             )));
         };
         let mut fut: Pin<Box<dyn Future<Output = Outcome> + Send>> = Box::pin(fut);
-        let mut cx = Context::from_waker(Waker::noop());
-        match fut.as_mut().poll(&mut cx) {
-            Poll::Ready(out) => InFlight::Done(out),
-            Poll::Pending => InFlight::Running(runtime.spawn(fut)),
+        match crate::launch::make_now(fut.as_mut()) {
+            Some(out) => InFlight::Done(out),
+            None => InFlight::Running(runtime.spawn(fut)),
         }
     }
 

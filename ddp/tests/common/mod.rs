@@ -11,7 +11,6 @@ use std::{
     },
 };
 
-use consort_comm::Backend as _;
 use consort_ddp::PlainModel;
 use consort_sim::{SimConfig, SimRank, SimWorld};
 use proptest::prelude::*;
