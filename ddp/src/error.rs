@@ -19,6 +19,19 @@ pub enum DdpError {
         /// The backend's error (rank, op, seq, cause).
         source: Box<CommError>,
     },
+    /// A collective of a sharded strategy failed.
+    #[error("rank {rank}: {strategy} {what} failed: {source}")]
+    ShardComm {
+        /// The reporting rank, in the world.
+        rank: usize,
+        /// The strategy (`fsdp`, `zero2`, ...).
+        strategy: &'static str,
+        /// What it was doing ("reduce_scatter of unit 2's gradients").
+        what: String,
+        /// The backend's error (its rank, op, seq and group are the
+        /// group's: a subgroup numbers its ranks from 0).
+        source: Box<CommError>,
+    },
     /// The ranks do not hold the same model.
     #[error(
         "rank {rank}: the ranks do not build the same model: {detail}; ranks differing from rank 0: \

@@ -633,3 +633,57 @@ fn fsdp_prefetches_one_unit_ahead_in_each_direction() {
         assert_eq!(calls[1], [1, 2, 3, 4, 1], "without prefetch");
     }
 }
+
+/// A rank that dies in the middle of FSDP training is reported on every
+/// survivor as a lost peer, from the call that waited on it, never a hang;
+/// afterwards the wrapper refuses to go on (sticky).
+#[test]
+fn a_crashed_rank_fails_every_survivor_clearly() {
+    use consort_sim::fault::{Fault, Trigger};
+    for s in [
+        Strategy::Zero2,
+        Strategy::Fsdp,
+        Strategy::Hsdp { shard_size: 2 },
+    ] {
+        let c = Arc::new(fixed(4));
+        let cfg = SimConfig::new(4).fault(Fault::Crash {
+            rank: 2,
+            at: Trigger::AfterMessages(40),
+        });
+        let (out, _) = run_sim(cfg, move |rank| {
+            let c = c.clone();
+            async move {
+                let rank: Arc<dyn Backend> = rank;
+                let r = rank.rank();
+                let run = Run {
+                    strategy: s,
+                    opt: Opt::AdamW,
+                    unit_cap: 64,
+                    regather: true,
+                };
+                let mut model = model_for(&c, r);
+                let res = async {
+                    let mut sh =
+                        Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
+                            .await?;
+                    let res = train(rank.clone(), &c, &run, &mut sh, 0..4).await;
+                    let after = sh.step().await.err().map(|e| e.to_string());
+                    res.map(|()| after)
+                }
+                .await;
+                (r, res.map_err(|e| e.to_string()))
+            }
+        });
+        for (r, res) in out {
+            if r == 2 {
+                continue;
+            }
+            let e = res.expect_err("a survivor finished training without rank 2");
+            assert!(e.contains(&format!("rank {r}")), "{s}, rank {r}: {e}");
+            assert!(
+                e.contains("lost") || e.contains("Lost") || e.contains("aborted"),
+                "{s}, rank {r}: {e}"
+            );
+        }
+    }
+}

@@ -211,12 +211,27 @@ impl fmt::Debug for Sharded {
     }
 }
 
-/// Wraps a collective's error with what the strategy was doing.
-pub(crate) fn comm(what: impl Into<String>) -> impl FnOnce(consort_comm::CommError) -> DdpError {
+/// Wraps a collective's error with the rank, the strategy and what it was
+/// doing.
+pub(crate) fn comm(
+    rank: usize,
+    strategy: Strategy,
+    what: impl Into<String>,
+) -> impl FnOnce(consort_comm::CommError) -> DdpError {
     let what = what.into();
-    move |source| DdpError::Comm {
+    move |source| DdpError::ShardComm {
+        rank,
+        strategy: strategy.name(),
         what,
         source: Box::new(source),
+    }
+}
+
+/// DDP's setup errors (shared with it) as a sharded strategy's.
+fn setup_error(strategy: Strategy, rank: usize) -> impl FnOnce(DdpError) -> DdpError {
+    move |e| match e {
+        DdpError::Comm { what, source } => comm(rank, strategy, what)(*source),
+        other => other,
     }
 }
 
@@ -259,8 +274,12 @@ impl Sharded {
             ..CallOptions::default()
         };
         let buffers = model.buffers();
-        setup::check_same_model(&*backend, &specs, &buffers, &call).await?;
-        setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call).await?;
+        setup::check_same_model(&*backend, &specs, &buffers, &call)
+            .await
+            .map_err(setup_error(opts.strategy, rank))?;
+        setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call)
+            .await
+            .map_err(setup_error(opts.strategy, rank))?;
         let group = make_groups(&backend, opts.strategy, &call).await?;
         let units = match &opts.units {
             Some(u) => u.clone(),
@@ -335,6 +354,11 @@ impl Sharded {
         (self.group.index, self.layout.shards)
     }
 
+    /// A collective's error, with this rank and strategy.
+    fn comm_error(&self, what: impl Into<String>, e: consort_comm::CommError) -> DdpError {
+        comm(self.rank, self.strategy, what)(e)
+    }
+
     /// Records `err` as this wrapper's sticky failure and returns it.
     fn fail(&mut self, err: DdpError) -> DdpError {
         self.failed.get_or_insert_with(|| err.clone());
@@ -377,19 +401,21 @@ async fn make_groups(
     let mut shard = None;
     for start in (0..world).step_by(g) {
         let ranks: Vec<usize> = (start..start + g).collect();
-        let made = backend
-            .new_group(&ranks, call)
-            .await
-            .map_err(comm(format!("HSDP shard group {ranks:?}")))?;
+        let made = backend.new_group(&ranks, call).await.map_err(comm(
+            rank,
+            strategy,
+            format!("new_group of shard group {ranks:?}"),
+        ))?;
         shard = shard.or(made);
     }
     let mut replicas = None;
     for j in 0..g {
         let ranks: Vec<usize> = (j..world).step_by(g).collect();
-        let made = backend
-            .new_group(&ranks, call)
-            .await
-            .map_err(comm(format!("HSDP replica group {ranks:?}")))?;
+        let made = backend.new_group(&ranks, call).await.map_err(comm(
+            rank,
+            strategy,
+            format!("new_group of replica group {ranks:?}"),
+        ))?;
         replicas = replicas.or(made);
     }
     let missing = || DdpError::Usage {

@@ -125,7 +125,10 @@ impl Sharded {
         self.backend
             .all_reduce(BufferMut::from(&mut flag[..]), ReduceOp::Max, &self.call)
             .await
-            .map_err(|e| self.fail(super::comm(format!("the status of {what}"))(e)))?;
+            .map_err(|e| {
+                let e = self.comm_error(format!("all_reduce of the status of {what}"), e);
+                self.fail(e)
+            })?;
         match (flag[0], reason.is_empty()) {
             (0, _) => Ok(()),
             (_, false) => Err(DdpError::Checkpoint {
@@ -163,7 +166,10 @@ impl Sharded {
         self.backend
             .broadcast(BufferMut::from(&mut id[..]), &root)
             .await
-            .map_err(|e| self.fail(super::comm("the checkpoint id broadcast")(e)))?;
+            .map_err(|e| {
+                let e = self.comm_error("broadcast of the checkpoint id", e);
+                self.fail(e)
+            })?;
         let id = format!("{:016x}", id[0]);
         let (k, n) = self.shard();
         let files: Vec<String> = (0..n)

@@ -6,7 +6,7 @@ use std::{ops::Range, sync::Arc};
 
 use consort_comm::{Backend, CallOptions, Element, ReduceOp};
 
-use super::{FlatState, InFlight, Layout, Phase, ShardOptimizer, Sharded, Vals, comm, vals};
+use super::{FlatState, InFlight, Layout, Phase, ShardOptimizer, Sharded, Vals, vals};
 use crate::{error::DdpError, params::ParamSet};
 
 /// One wrapping unit's whole parameters, from [`Sharded::gather`]. Under
@@ -163,7 +163,10 @@ impl Sharded {
     async fn finish(&mut self, call: InFlight, what: String) -> Result<Vals, DdpError> {
         match call.wait().await {
             Ok(v) => Ok(v),
-            Err(e) => Err(self.fail(comm(what)(e))),
+            Err(e) => {
+                let e = self.comm_error(what, e);
+                Err(self.fail(e))
+            }
         }
     }
 
