@@ -687,3 +687,157 @@ fn a_crashed_rank_fails_every_survivor_clearly() {
         }
     }
 }
+
+/// A load that fails on one rank (a shard file is missing) fails on every
+/// rank and leaves every rank's parameters as they were; a gather
+/// prefetched before a load that works never hands out the old values.
+#[test]
+fn a_failed_load_changes_nothing_and_a_good_one_drops_old_prefetches() {
+    let tmp = std::env::temp_dir().join(format!("consort-badload-{}", std::process::id()));
+    let c = Arc::new(fixed(2));
+    let dir = tmp.clone();
+    let (out, _) = run_sim(SimConfig::new(2), move |rank| {
+        let (c, dir) = (c.clone(), dir.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let r = rank.rank();
+            let run = Run {
+                strategy: Strategy::Fsdp,
+                opt: Opt::AdamW,
+                unit_cap: 64,
+                regather: false,
+            };
+            let mut model = model_for(&c, r);
+            let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
+                .await
+                .unwrap();
+            sh.save_sharded(&dir, &BTreeMap::new()).await.unwrap();
+            let saved = {
+                sh.copy_params_to(&mut model).await.unwrap();
+                read(&model)
+            };
+            train(rank.clone(), &c, &run, &mut sh, 0..1).await.unwrap();
+            let trained = {
+                sh.copy_params_to(&mut model).await.unwrap();
+                read(&model)
+            };
+            assert_ne!(saved, trained);
+            // Rank 1's shard file goes missing (after both ranks synced).
+            rank.barrier(&Default::default()).await.unwrap();
+            if r == 1 {
+                for e in std::fs::read_dir(&dir).unwrap().flatten() {
+                    if e.file_name().to_string_lossy().starts_with("shard-00001") {
+                        std::fs::remove_file(e.path()).unwrap();
+                    }
+                }
+            }
+            rank.barrier(&Default::default()).await.unwrap();
+            let err = sh.load_sharded(&dir).await.unwrap_err().to_string();
+            let after = {
+                sh.copy_params_to(&mut model).await.unwrap();
+                read(&model)
+            };
+            assert_eq!(
+                after, trained,
+                "rank {r}: a failed load changed the parameters"
+            );
+            // A good checkpoint, and a gather of unit 1 prefetched before it.
+            sh.save_sharded(&dir, &BTreeMap::new()).await.unwrap();
+            train(rank.clone(), &c, &run, &mut sh, 1..2).await.unwrap();
+            let _ = sh.gather(0).await.unwrap(); // prefetches unit 1
+            sh.load_sharded(&dir).await.unwrap();
+            let units = sh.layout().units.clone();
+            let unit1 = sh.gather(1).await.unwrap();
+            let p = units[1][0];
+            let got = unit1.param::<f64>(p).unwrap().to_vec();
+            (err, got, trained[p].clone())
+        }
+    });
+    for (r, (err, got, want)) in out.into_iter().enumerate() {
+        assert!(err.contains(&format!("rank {r}")), "{err}");
+        if r == 1 {
+            assert!(err.contains("shard-00001"), "{err}");
+        } else {
+            assert!(err.contains("another rank failed"), "{err}");
+        }
+        assert_eq!(got, want, "rank {r}: a prefetched gather outlived the load");
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// Ranks that wrap the model differently (other units, another optimizer)
+/// all fail at construction, naming the ranks; a step dropped half-way
+/// makes the next call fail instead of pairing the wrong collectives; a
+/// gathered parameter read as another dtype is an error, not garbage.
+#[test]
+fn misuse_across_ranks_and_cancelled_steps_are_refused() {
+    use std::{future::Future, task::Poll};
+    let c = Arc::new(fixed(3));
+    let (out, _) = run_sim(SimConfig::new(3), move |rank| {
+        let c = c.clone();
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let r = rank.rank();
+            let mut model = model_for(&c, r);
+            let mut o = ShardOptions::new(Strategy::Fsdp);
+            if r == 2 {
+                o = o.units(vec![vec![0, 1], vec![2, 3]]);
+            }
+            let differ = Sharded::new(rank.clone(), &mut model, Sgd::new(0.1), o)
+                .await
+                .unwrap_err()
+                .to_string();
+            let nesterov = Sgd {
+                nesterov: true,
+                ..Sgd::new(0.1)
+            };
+            let bad_opt = Sharded::new(
+                rank.clone(),
+                &mut model,
+                nesterov,
+                ShardOptions::new(Strategy::Fsdp),
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+            let o = ShardOptions::new(Strategy::Fsdp).units(vec![vec![0, 1], vec![2, 3]]);
+            let mut sh = Sharded::new(rank.clone(), &mut model, Sgd::new(0.1), o)
+                .await
+                .unwrap();
+            let g = sh.gather(1).await.unwrap();
+            let dtype = g.param::<f32>(2).unwrap_err().to_string();
+            drop(g);
+            for (p, n) in [(3, 3), (2, 21), (1, 7), (0, 35)] {
+                sh.mark_ready(p, &vec![1.0f64; n]).unwrap();
+            }
+            // Polled once and dropped: left half-way where a reduction was
+            // still running (the last rank to launch may finish at once).
+            let pending = {
+                let mut step = Box::pin(sh.step());
+                std::future::poll_fn(|cx| Poll::Ready(step.as_mut().poll(cx).is_pending())).await
+            };
+            let after = pending.then(|| sh.mark_ready(0, &[0.0f64; 35]).unwrap_err().to_string());
+            (differ, bad_opt, dtype, after)
+        }
+    });
+    let mut cancelled = 0;
+    for (differ, bad_opt, dtype, after) in out {
+        assert!(
+            differ.contains("wrap the model differently") && differ.contains("[2]"),
+            "{differ}"
+        );
+        assert!(bad_opt.contains("Nesterov"), "{bad_opt}");
+        assert!(dtype.contains("float64, not float32"), "{dtype}");
+        if let Some(after) = after {
+            assert!(
+                after.contains("step() was dropped before it finished"),
+                "{after}"
+            );
+            cancelled += 1;
+        }
+    }
+    assert!(
+        cancelled > 0,
+        "no rank's step was left half-way: the test tests nothing"
+    );
+}

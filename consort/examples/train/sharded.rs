@@ -70,10 +70,29 @@ pub(crate) async fn train_rank(
     let sgd = Sgd::new(f64::from(args.lr)).momentum(args.momentum);
     let mut sh = Sharded::new(backend, &mut model, sgd, opts).await?;
     let dir = args.out.join("sharded");
-    if args.resume && dir.join("index.json").exists() {
+    // Rank 0 decides, so that every rank makes the same calls.
+    let mut found = [u8::from(
+        job.pg.rank() == 0 && args.resume && dir.join("index.json").exists(),
+    )];
+    job.pg.broadcast(&mut found, 0).await?;
+    if found[0] == 1 {
         // The optimizer state (and the step count) from the sharded
-        // checkpoint, at whatever world size it was written.
-        sh.load_sharded(&dir).await?;
+        // checkpoint, at whatever world size it was written; it must be of
+        // the epoch the full checkpoint is.
+        let meta = sh.load_sharded(&dir).await?;
+        let epoch = meta.get("epoch").and_then(|e| e.parse::<usize>().ok());
+        if epoch != Some(job.start) {
+            return Err(format!(
+                "rank {}: {} holds epoch {epoch:?} but checkpoint.safetensors epoch {}: a save \
+                 was interrupted between the two. Remove {} to resume from the full checkpoint \
+                 (without the optimizer state)",
+                job.pg.rank(),
+                dir.display(),
+                job.start,
+                dir.display()
+            )
+            .into());
+        }
     }
     if let Some(b) = &job.bars {
         b.println(&format!("strategy {strategy}"));

@@ -32,6 +32,7 @@
 
 mod flight;
 pub mod layout;
+mod load;
 mod memory;
 pub mod optim;
 pub mod save;
@@ -197,6 +198,9 @@ pub struct Sharded {
     /// Gradient reductions in flight: (flat, call).
     pending: Vec<(usize, InFlight)>,
     failed: Option<DdpError>,
+    /// The call under way: still set afterwards only if that call's
+    /// future was dropped before it finished.
+    busy: Option<&'static str>,
 }
 
 impl fmt::Debug for Sharded {
@@ -269,6 +273,22 @@ impl Sharded {
                 s.dtype
             )));
         }
+        optimizer
+            .check()
+            .map_err(|e| usage(format!("{}: {e}", optimizer.name())))?;
+        if let Some(s) = specs
+            .iter()
+            .enumerate()
+            .find(|&(p, s)| model.param_bytes_mut(p).len() != s.bytes())
+        {
+            return Err(usage(format!(
+                "the model exposes {} bytes for parameter {}, not {}: a host model's \
+                 param_bytes_mut must return the whole tensor",
+                model.param_bytes_mut(s.0).len(),
+                s.1.describe(),
+                s.1.bytes()
+            )));
+        }
         let call = CallOptions {
             timeout: opts.timeout,
             ..CallOptions::default()
@@ -280,13 +300,38 @@ impl Sharded {
         setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call)
             .await
             .map_err(setup_error(opts.strategy, rank))?;
-        let group = make_groups(&backend, opts.strategy, &call).await?;
+        let world = backend.world_size();
+        let shards = match opts.strategy {
+            Strategy::Hsdp { shard_size: g } if g == 0 || world % g != 0 => {
+                return Err(usage(format!(
+                    "HSDP's shard size {g} must be at least 1 and divide the world size {world} \
+                     (torch: a device mesh of (replicas, shard size))"
+                )));
+            }
+            Strategy::Hsdp { shard_size } => shard_size,
+            _ => world,
+        };
         let units = match &opts.units {
             Some(u) => u.clone(),
             None => layout::units_by_cap(&specs, opts.unit_cap_bytes.max(1)),
         };
-        let shards = group.pg.world_size();
-        let layout = Layout::new(&specs, &units, shards).map_err(usage)?;
+        let layout = Layout::new(&specs, &units, shards);
+        // Every rank must wrap the model the same way, before any call
+        // that depends on it.
+        let setup = match &layout {
+            Ok(l) => format!(
+                "strategy {}, units {:?}, prefetch {}, optimizer {} ({} slots)",
+                opts.strategy,
+                l.units,
+                opts.prefetch,
+                optimizer.name(),
+                optimizer.slots()
+            ),
+            Err(e) => format!("invalid units ({e})"),
+        };
+        agree_setup(&*backend, opts.strategy, &setup, &call).await?;
+        let layout = layout.map_err(usage)?;
+        let group = make_groups(&backend, opts.strategy, &call).await?;
         let flats = layout
             .flats
             .iter()
@@ -321,6 +366,7 @@ impl Sharded {
             next_launch,
             pending: Vec::new(),
             failed: None,
+            busy: None,
         })
     }
 
@@ -367,11 +413,66 @@ impl Sharded {
 
     /// The sticky failure, if any.
     fn check(&self) -> Result<(), DdpError> {
-        match &self.failed {
-            Some(e) => Err(DdpError::Failed(Box::new(e.clone()))),
-            None => Ok(()),
+        if let Some(e) = &self.failed {
+            return Err(DdpError::Failed(Box::new(e.clone())));
         }
+        if let Some(what) = self.busy {
+            return Err(DdpError::Failed(Box::new(DdpError::Usage {
+                rank: self.rank,
+                reason: format!(
+                    "an earlier {what}() was dropped before it finished (cancelled by a select! \
+                     or a timeout?), so this rank may have made only part of its collectives"
+                ),
+            })));
+        }
+        Ok(())
     }
+
+    /// Starts the public call `what`: refused after a failure or a call
+    /// dropped half-way.
+    fn enter(&mut self, what: &'static str) -> Result<(), DdpError> {
+        self.check()?;
+        self.busy = Some(what);
+        Ok(())
+    }
+
+    /// Ends the call [`Sharded::enter`] started.
+    fn leave(&mut self) {
+        self.busy = None;
+    }
+}
+
+/// Checks that every rank wraps the model the same way (`setup` describes
+/// it): different units, strategies or optimizers would make different
+/// calls, or silently wrong results.
+async fn agree_setup(
+    backend: &dyn Backend,
+    strategy: Strategy,
+    setup: &str,
+    call: &CallOptions,
+) -> Result<(), DdpError> {
+    let rank = backend.rank();
+    let mine = [setup::fnv(setup.as_bytes())];
+    let mut all = vec![0u64; backend.world_size()];
+    backend
+        .all_gather(
+            consort_comm::BufferMut::from(&mut all),
+            consort_comm::Buffer::from(&mine[..]),
+            call,
+        )
+        .await
+        .map_err(comm(rank, strategy, "all_gather of the sharding setup"))?;
+    let differ: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(DdpError::Usage {
+        rank,
+        reason: format!(
+            "the ranks wrap the model differently: ranks {differ:?} differ from rank 0; this rank \
+             has {setup}. Every rank must pass the same ShardOptions and optimizer"
+        ),
+    })
 }
 
 /// The group the shards live on: the world, or (HSDP) this rank's group of
@@ -382,6 +483,8 @@ async fn make_groups(
     call: &CallOptions,
 ) -> Result<ShardGroup, DdpError> {
     let (rank, world) = (backend.rank(), backend.world_size());
+    // The shard size was checked in `Sharded::new`: at least 1, dividing
+    // the world.
     let Strategy::Hsdp { shard_size: g } = strategy else {
         return Ok(ShardGroup {
             pg: backend.clone(),
@@ -389,15 +492,6 @@ async fn make_groups(
             replicas: None,
         });
     };
-    if g == 0 || world % g != 0 {
-        return Err(DdpError::Usage {
-            rank,
-            reason: format!(
-                "HSDP's shard size {g} must be at least 1 and divide the world size {world} \
-                 (torch: a device mesh of (replicas, shard size))"
-            ),
-        });
-    }
     let mut shard = None;
     for start in (0..world).step_by(g) {
         let ranks: Vec<usize> = (start..start + g).collect();

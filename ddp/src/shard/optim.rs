@@ -22,6 +22,12 @@ pub trait ShardOptimizer: Send + Sync + fmt::Debug {
     /// State values kept per parameter element.
     fn slots(&self) -> usize;
 
+    /// Why its settings are invalid, if they are (checked by
+    /// [`crate::Sharded::new`] before any call).
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Updates f32 parameters in place.
     fn step_f32(&self, step: u64, params: &mut [f32], grads: &[f32], state: &mut [&mut [f32]]);
 
@@ -35,6 +41,9 @@ impl<O: ShardOptimizer + ?Sized> ShardOptimizer for Box<O> {
     }
     fn slots(&self) -> usize {
         (**self).slots()
+    }
+    fn check(&self) -> Result<(), String> {
+        (**self).check()
     }
     fn step_f32(&self, step: u64, params: &mut [f32], grads: &[f32], state: &mut [&mut [f32]]) {
         (**self).step_f32(step, params, grads, state);
@@ -166,6 +175,20 @@ impl ShardOptimizer for Sgd {
     fn slots(&self) -> usize {
         usize::from(self.momentum != 0.0)
     }
+    fn check(&self) -> Result<(), String> {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        if !ok(self.lr) || !ok(self.momentum) || !ok(self.weight_decay) || !ok(self.dampening) {
+            return Err(format!(
+                "SGD needs finite, non-negative lr, momentum, dampening and weight_decay: {self:?}"
+            ));
+        }
+        if self.nesterov && (self.momentum == 0.0 || self.dampening != 0.0) {
+            return Err(
+                "Nesterov momentum requires a momentum and zero dampening (as torch)".into(),
+            );
+        }
+        Ok(())
+    }
     fn step_f32(&self, step: u64, params: &mut [f32], grads: &[f32], state: &mut [&mut [f32]]) {
         self.update(step, params, grads, state);
     }
@@ -232,6 +255,22 @@ impl ShardOptimizer for AdamW {
     }
     fn slots(&self) -> usize {
         2
+    }
+    fn check(&self) -> Result<(), String> {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        let beta = |b: f64| (0.0..1.0).contains(&b);
+        if !ok(self.lr)
+            || !ok(self.eps)
+            || !ok(self.weight_decay)
+            || !beta(self.beta1)
+            || !beta(self.beta2)
+        {
+            return Err(format!(
+                "AdamW needs finite, non-negative lr, eps and weight_decay, and betas in [0, 1): \
+                 {self:?}"
+            ));
+        }
+        Ok(())
     }
     fn step_f32(&self, step: u64, params: &mut [f32], grads: &[f32], state: &mut [&mut [f32]]) {
         self.update(step, params, grads, state);

@@ -16,58 +16,55 @@
 //! checkpoint whole. The directory must be visible to every rank (a
 //! shared filesystem, as torch's distributed checkpoints need).
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    path::{Path, PathBuf},
-};
+use std::{collections::BTreeMap, path::Path};
 
 use consort_comm::{BufferMut, CallOptions, DType, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use super::{Sharded, Vals};
 use crate::{
-    checkpoint::{load_safetensors, save_safetensors, write_atomic},
+    checkpoint::{save_safetensors, write_atomic},
     error::DdpError,
     state_dict::StateDict,
     tensor::Tensor,
 };
 
 /// The index file's format tag.
-const FORMAT: &str = "consort-sharded/1";
+pub(super) const FORMAT: &str = "consort-sharded/1";
 
 /// `index.json`.
 #[derive(Debug, Serialize, Deserialize)]
-struct Index {
-    format: String,
-    strategy: String,
-    shards: usize,
-    id: String,
-    steps: u64,
-    optimizer: String,
-    slots: usize,
-    files: Vec<String>,
-    flats: Vec<FlatEntry>,
-    params: Vec<ParamEntry>,
-    metadata: BTreeMap<String, String>,
+pub(super) struct Index {
+    pub(super) format: String,
+    pub(super) strategy: String,
+    pub(super) shards: usize,
+    pub(super) id: String,
+    pub(super) steps: u64,
+    pub(super) optimizer: String,
+    pub(super) slots: usize,
+    pub(super) files: Vec<String>,
+    pub(super) flats: Vec<FlatEntry>,
+    pub(super) params: Vec<ParamEntry>,
+    pub(super) metadata: BTreeMap<String, String>,
 }
 
 /// One flat buffer in the index.
 #[derive(Debug, Serialize, Deserialize)]
-struct FlatEntry {
-    unit: usize,
-    dtype: String,
-    numel: usize,
-    shard_len: usize,
+pub(super) struct FlatEntry {
+    pub(super) unit: usize,
+    pub(super) dtype: String,
+    pub(super) numel: usize,
+    pub(super) shard_len: usize,
 }
 
 /// One parameter in the index.
 #[derive(Debug, Serialize, Deserialize)]
-struct ParamEntry {
-    name: String,
-    dtype: String,
-    shape: Vec<usize>,
-    flat: usize,
-    offset: usize,
+pub(super) struct ParamEntry {
+    pub(super) name: String,
+    pub(super) dtype: String,
+    pub(super) shape: Vec<usize>,
+    pub(super) flat: usize,
+    pub(super) offset: usize,
 }
 
 impl Sharded {
@@ -75,9 +72,16 @@ impl Sharded {
     /// keyed by the model's names like DDP's state dicts. Every rank calls
     /// it (FSDP and HSDP gather each unit).
     pub async fn full_state_dict(&mut self) -> Result<Option<StateDict>, DdpError> {
+        self.enter("full_state_dict")?;
+        let out = self.full_state_dict_inner().await;
+        self.leave();
+        out
+    }
+
+    async fn full_state_dict_inner(&mut self) -> Result<Option<StateDict>, DdpError> {
         let mut sd = StateDict::new();
         for u in 0..self.layout.units.len() {
-            let g = self.gather(u).await?;
+            let g = self.gather_unit(u).await?;
             if self.rank != 0 {
                 continue;
             }
@@ -105,7 +109,19 @@ impl Sharded {
         extra: &StateDict,
         metadata: &BTreeMap<String, String>,
     ) -> Result<(), DdpError> {
-        let sd = self.full_state_dict().await?;
+        self.enter("save_full_checkpoint")?;
+        let out = self.save_full_inner(path, extra, metadata).await;
+        self.leave();
+        out
+    }
+
+    async fn save_full_inner(
+        &mut self,
+        path: &Path,
+        extra: &StateDict,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(), DdpError> {
+        let sd = self.full_state_dict_inner().await?;
         let mut reason = String::new();
         if let Some(mut sd) = sd {
             sd.tensors
@@ -120,10 +136,14 @@ impl Sharded {
 
     /// Every rank's outcome of `what`: an error on every rank if any
     /// failed (`reason` non-empty here).
-    async fn agree(&mut self, what: &str, reason: String) -> Result<(), DdpError> {
+    pub(super) async fn agree(&mut self, what: &str, reason: String) -> Result<(), DdpError> {
         let mut flag = [u32::from(!reason.is_empty())];
         self.backend
-            .all_reduce(BufferMut::from(&mut flag[..]), ReduceOp::Max, &self.call)
+            .all_reduce(
+                BufferMut::from(&mut flag[..]),
+                ReduceOp::Max,
+                &self.slow_call(),
+            )
             .await
             .map_err(|e| {
                 let e = self.comm_error(format!("all_reduce of the status of {what}"), e);
@@ -142,6 +162,16 @@ impl Sharded {
         }
     }
 
+    /// Options for a call that waits on another rank's file I/O: at least
+    /// ten minutes, whatever the step's deadline.
+    fn slow_call(&self) -> CallOptions {
+        let t = self.call.timeout_or(self.backend.default_timeout());
+        CallOptions {
+            timeout: Some(t.max(std::time::Duration::from_secs(600))),
+            ..self.call
+        }
+    }
+
     /// Writes a sharded checkpoint to `dir` (created if missing): this
     /// rank's shard of parameters and optimizer state (under HSDP, the
     /// first replica group writes), then rank 0's index. Call it between
@@ -151,17 +181,25 @@ impl Sharded {
         dir: &Path,
         metadata: &BTreeMap<String, String>,
     ) -> Result<(), DdpError> {
-        self.check()?;
+        self.enter("save_sharded")?;
+        let out = self.save_sharded_inner(dir, metadata).await;
+        self.leave();
+        out
+    }
+
+    async fn save_sharded_inner(
+        &mut self,
+        dir: &Path,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(), DdpError> {
         self.between_steps("save_sharded")?;
         let mut id = [0u64];
         if self.rank == 0 {
-            id[0] = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64);
+            id[0] = next_id(dir);
         }
         let root = CallOptions {
             root: 0,
-            ..self.call
+            ..self.slow_call()
         };
         self.backend
             .broadcast(BufferMut::from(&mut id[..]), &root)
@@ -271,7 +309,7 @@ impl Sharded {
     }
 
     /// A usage error unless no gradient of this step has been marked.
-    fn between_steps(&self, what: &str) -> Result<(), DdpError> {
+    pub(super) fn between_steps(&self, what: &str) -> Result<(), DdpError> {
         if self.ready.iter().any(|&r| r) {
             return Err(DdpError::Usage {
                 rank: self.rank,
@@ -279,135 +317,6 @@ impl Sharded {
                     "{what} in the middle of a step (gradients are marked): call it after step()"
                 ),
             });
-        }
-        Ok(())
-    }
-
-    /// Loads a sharded checkpoint written at any world size and by any
-    /// strategy, into this rank's part of the flat buffers: parameters,
-    /// optimizer state and the step count. Returns the metadata given to
-    /// [`Sharded::save_sharded`]. Every rank calls it between steps.
-    pub async fn load_sharded(&mut self, dir: &Path) -> Result<BTreeMap<String, String>, DdpError> {
-        self.check()?;
-        self.between_steps("load_sharded")?;
-        let loaded = self.read_sharded(dir);
-        let reason = loaded.as_ref().err().cloned().unwrap_or_default();
-        let what = format!("loading the sharded checkpoint {}", dir.display());
-        self.agree(&what, reason).await?;
-        let (steps, metadata) = loaded.unwrap_or_default();
-        self.steps = steps;
-        Ok(metadata)
-    }
-
-    /// Reads and checks the index, then fills this rank's buffers.
-    fn read_sharded(&mut self, dir: &Path) -> Result<(u64, BTreeMap<String, String>), String> {
-        let at = dir.join("index.json");
-        let text = std::fs::read(&at).map_err(|e| {
-            format!(
-                "cannot read {}: {e} (no complete sharded checkpoint there; save_sharded writes \
-                 it last)",
-                at.display()
-            )
-        })?;
-        let index: Index = serde_json::from_slice(&text)
-            .map_err(|e| format!("{} is not a sharded checkpoint index: {e}", at.display()))?;
-        self.check_index(&index, &at)?;
-        let mut files = ShardFiles {
-            dir: dir.to_path_buf(),
-            index: &index,
-            loaded: HashMap::new(),
-        };
-        let by_name: HashMap<&str, &ParamEntry> =
-            index.params.iter().map(|p| (p.name.as_str(), p)).collect();
-        let k = self.group.index;
-        for f in 0..self.flats.len() {
-            let flat = self.layout.flats[f].clone();
-            let mine = flat.valid_range(k);
-            let (need, base) = if self.strategy.shards_params() {
-                (mine.clone(), mine.start)
-            } else {
-                (0..flat.numel, 0)
-            };
-            for seg in &flat.segments {
-                let old = by_name[self.specs[seg.param].name.as_str()];
-                let fs = &mut self.flats[f];
-                let params = std::sync::Arc::make_mut(&mut fs.params);
-                files.copy(seg, old, &need, base, "param", params)?;
-                for (s, v) in fs.state.iter_mut().enumerate() {
-                    files.copy(seg, old, &mine, mine.start, &format!("state{s}"), v)?;
-                }
-            }
-        }
-        Ok((index.steps, index.metadata.clone()))
-    }
-
-    /// The index fits this model and optimizer.
-    fn check_index(&self, index: &Index, at: &Path) -> Result<(), String> {
-        if index.format != FORMAT {
-            return Err(format!(
-                "{} has format {:?}; this consort reads {FORMAT:?}",
-                at.display(),
-                index.format
-            ));
-        }
-        if index.optimizer != self.optimizer.name() || index.slots != self.optimizer.slots() {
-            return Err(format!(
-                "{} holds {} state ({} slot(s) per element), but this run's optimizer is {} ({} \
-                 slot(s)); resume with the same optimizer",
-                at.display(),
-                index.optimizer,
-                index.slots,
-                self.optimizer.name(),
-                self.optimizer.slots()
-            ));
-        }
-        let theirs: HashMap<&str, &ParamEntry> =
-            index.params.iter().map(|p| (p.name.as_str(), p)).collect();
-        for s in &self.specs {
-            match theirs.get(s.name.as_str()) {
-                None => {
-                    return Err(format!(
-                        "{} has no parameter {} (it holds {} parameters); is it this model's?",
-                        at.display(),
-                        s.name,
-                        index.params.len()
-                    ));
-                }
-                Some(p) if p.dtype != s.dtype.name() || p.shape != s.shape => {
-                    return Err(format!(
-                        "{}: parameter {} is {} {:?} there but {} here",
-                        at.display(),
-                        s.name,
-                        p.dtype,
-                        p.shape,
-                        s.describe()
-                    ));
-                }
-                Some(p) if index.flats.get(p.flat).is_none() => {
-                    return Err(format!(
-                        "{}: parameter {} names no flat",
-                        at.display(),
-                        s.name
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
-        if index.params.len() != self.specs.len() {
-            return Err(format!(
-                "{} holds {} parameters, this model {}",
-                at.display(),
-                index.params.len(),
-                self.specs.len()
-            ));
-        }
-        if index.files.len() != index.shards || index.shards == 0 {
-            return Err(format!(
-                "{}: {} shard files for {} shards",
-                at.display(),
-                index.files.len(),
-                index.shards
-            ));
         }
         Ok(())
     }
@@ -421,64 +330,20 @@ fn param_bytes(g: &super::step::Gathered, p: usize, dtype: DType) -> Result<Vec<
     })
 }
 
-/// The old shard files, read when first needed.
-struct ShardFiles<'a> {
-    dir: PathBuf,
-    index: &'a Index,
-    loaded: HashMap<usize, StateDict>,
-}
-
-impl ShardFiles<'_> {
-    /// Copies the elements of `seg` (a parameter in this run's flat) that
-    /// fall in `need` (flat coordinates) from the old checkpoint's tensor
-    /// `what` into `dst`, whose element 0 is flat position `base`.
-    fn copy(
-        &mut self,
-        seg: &super::Segment,
-        old: &ParamEntry,
-        need: &std::ops::Range<usize>,
-        base: usize,
-        what: &str,
-        dst: &mut Vals,
-    ) -> Result<(), String> {
-        let from = need.start.max(seg.offset);
-        let to = need.end.min(seg.offset + seg.numel);
-        let index = self.index;
-        let old_len = index.flats[old.flat].shard_len;
-        let size = dst.dtype().size_bytes();
-        let mut pos = from;
-        while pos < to {
-            let old_pos = old.offset + (pos - seg.offset);
-            let (k, within) = (old_pos / old_len, old_pos % old_len);
-            let run = (to - pos).min(old_len - within);
-            let name = format!("flat{}.{what}", old.flat);
-            let sd = self.file(k)?;
-            let t = sd
-                .tensors
-                .get(&name)
-                .ok_or_else(|| format!("shard file {} has no tensor {name}", index.files[k]))?;
-            let bytes = t
-                .data
-                .get(within * size..(within + run) * size)
-                .ok_or_else(|| format!("tensor {name} of {} is too short", index.files[k]))?;
-            dst.copy_from_bytes(pos - base, bytes);
-            pos += run;
-        }
-        Ok(())
-    }
-
-    /// Old shard file `k`.
-    fn file(&mut self, k: usize) -> Result<&StateDict, String> {
-        if !self.loaded.contains_key(&k) {
-            let name = self
-                .index
-                .files
-                .get(k)
-                .ok_or_else(|| format!("the index lists no shard file {k}"))?;
-            let (sd, _) = load_safetensors(self.dir.join(name)).map_err(|e| e.to_string())?;
-            self.loaded.insert(k, sd);
-        }
-        Ok(&self.loaded[&k])
+/// A save id after the one `dir`'s index holds (ids name the shard
+/// files, so a new save never overwrites the files the index points at):
+/// the wall clock in nanoseconds, or one more than the old id.
+fn next_id(dir: &Path) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let old = std::fs::read(dir.join("index.json"))
+        .ok()
+        .and_then(|t| serde_json::from_slice::<Index>(&t).ok())
+        .and_then(|i| u64::from_str_radix(&i.id, 16).ok());
+    match old {
+        Some(old) => now.max(old.saturating_add(1)),
+        None => now,
     }
 }
 
@@ -489,7 +354,11 @@ fn remove_stale(dir: &Path, keep: &[String]) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("shard-") && name.ends_with(".safetensors") && !keep.contains(&name) {
+        let stale = name.starts_with("shard-") && name.ends_with(".safetensors");
+        // A temporary file of a save that died (every write of this one
+        // has finished by now).
+        let dead = name.starts_with(".shard-") && name.contains(".safetensors.tmp-");
+        if (stale && !keep.contains(&name)) || dead {
             let _ = std::fs::remove_file(e.path());
         }
     }

@@ -47,8 +47,15 @@ impl Gathered {
                 self.layout.flats[f].unit, self.unit
             )));
         };
-        vals::with_vals!(&**vals, v => bytemuck::try_cast_slice(&v[range]).map_err(|_| usage(format!(
-            "parameter {p} is {}, not {}", vals.dtype(), T::DTYPE
+        if vals.dtype() != T::DTYPE {
+            return Err(usage(format!(
+                "parameter {p} is {}, not {}: read it as its own dtype",
+                vals.dtype(),
+                T::DTYPE
+            )));
+        }
+        vals::with_vals!(&**vals, v => bytemuck::try_cast_slice(&v[range]).map_err(|e| usage(format!(
+            "parameter {p} cannot be viewed as {}: {e}", T::DTYPE
         ))))
     }
 
@@ -105,7 +112,14 @@ impl Sharded {
     /// the parameters they keep, with no call. Every rank gathers the same
     /// units in the same order.
     pub async fn gather(&mut self, unit: usize) -> Result<Gathered, DdpError> {
-        self.check()?;
+        self.enter("gather")?;
+        let out = self.gather_unit(unit).await;
+        self.leave();
+        out
+    }
+
+    /// [`Sharded::gather`], inside another call.
+    pub(crate) async fn gather_unit(&mut self, unit: usize) -> Result<Gathered, DdpError> {
         let units = self.layout.units.len();
         if unit >= units {
             return Err(DdpError::Usage {
@@ -160,7 +174,7 @@ impl Sharded {
     }
 
     /// Waits for one call; a failure is sticky.
-    async fn finish(&mut self, call: InFlight, what: String) -> Result<Vals, DdpError> {
+    pub(super) async fn finish(&mut self, call: InFlight, what: String) -> Result<Vals, DdpError> {
         match call.wait().await {
             Ok(v) => Ok(v),
             Err(e) => {
@@ -243,21 +257,32 @@ impl Sharded {
     /// shard with the optimizer, and (ZeRO-1/2) all-gathers the updated
     /// parameters. Every parameter must have had its gradient marked.
     pub async fn step(&mut self) -> Result<(), DdpError> {
-        self.check()?;
+        self.enter("step")?;
+        let out = self.step_inner().await;
+        self.leave();
+        out
+    }
+
+    async fn step_inner(&mut self) -> Result<(), DdpError> {
         if self.next_launch > 0 {
             let missing: Vec<&str> = (0..self.specs.len())
                 .filter(|&p| !self.ready[p])
                 .map(|p| self.specs[p].name.as_str())
                 .collect();
-            let err = DdpError::MissingGrads {
+            let err = DdpError::Usage {
                 rank: self.rank,
-                count: missing.len(),
-                names: missing
-                    .iter()
-                    .take(5)
-                    .copied()
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                reason: format!(
+                    "{} parameter(s) got no gradient this step: {}. The sharded strategies \
+                     reduce every parameter each step: call mark_ready for every parameter \
+                     before step() (with zeros for one the step did not use)",
+                    missing.len(),
+                    missing
+                        .iter()
+                        .take(5)
+                        .copied()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             };
             return Err(self.fail(err));
         }
@@ -280,7 +305,8 @@ impl Sharded {
                 })
                 .collect();
             for (f, call) in calls.into_iter().enumerate() {
-                let what = format!("HSDP all_reduce of flat {f}'s gradient shard across replicas");
+                let unit = self.layout.flats[f].unit;
+                let what = format!("all_reduce of unit {unit}'s gradient shard across replicas");
                 self.flats[f].grads = self.finish(call, what).await?;
             }
         }
