@@ -146,3 +146,101 @@ save_file(sd, sys.argv[1], metadata={"saved_by": "torch"})
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A sharded model's checkpoints from Python: torch loads the full state
+/// dict (DDP's keys), and rebuilding every parameter from the shard files
+/// and index.json alone gives the same tensors, bit for bit.
+#[test]
+fn python_reads_a_sharded_models_checkpoints() {
+    let Some(py) = python("python_reads_a_sharded_models_checkpoints") else {
+        return;
+    };
+    use std::sync::Arc;
+
+    use consort_comm::Backend;
+    use consort_ddp::{AdamW, PlainModel, ShardOptions, Sharded, Strategy};
+    use consort_sim::{SimConfig, SimWorld};
+    let dir = scratch("sharded");
+    let world = SimWorld::new(SimConfig::new(3)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tasks: Vec<_> = world
+            .ranks()
+            .into_iter()
+            .map(|r| {
+                let dir = dir.clone();
+                tokio::spawn(async move {
+                    let b: Arc<dyn Backend> = Arc::new(r);
+                    let mut m = PlainModel::new();
+                    let w: Vec<f32> = (0..35).map(|i| i as f32 * 0.25 - 3.0).collect();
+                    m.add_param("fc1.weight", vec![7, 5], &w).unwrap();
+                    m.add_param("fc1.bias", vec![7], &[0.5f32; 7]).unwrap();
+                    m.add_param("fc2.weight", vec![2, 7], &[1.5f64; 14])
+                        .unwrap();
+                    let opts = ShardOptions::new(Strategy::Fsdp).units(vec![vec![0, 1], vec![2]]);
+                    let mut sh = Sharded::new(b, &mut m, AdamW::new(0.1), opts)
+                        .await
+                        .unwrap();
+                    for p in [2usize, 1, 0] {
+                        let n = sh.params()[p].numel();
+                        if p == 2 {
+                            sh.mark_ready(p, &vec![0.25f64; n]).unwrap();
+                        } else {
+                            sh.mark_ready(p, &vec![-0.5f32; n]).unwrap();
+                        }
+                    }
+                    sh.step().await.unwrap();
+                    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+                    sh.save_full_checkpoint(
+                        &dir.join("full.safetensors"),
+                        &StateDict::new(),
+                        &meta,
+                    )
+                    .await
+                    .unwrap();
+                    sh.save_sharded(&dir.join("sharded"), &meta).await.unwrap();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    let script = r#"
+import sys, json, os, torch
+from safetensors.torch import load_file
+d = sys.argv[1]
+full = load_file(os.path.join(d, "full.safetensors"))
+index = json.load(open(os.path.join(d, "sharded", "index.json")))
+shards = [load_file(os.path.join(d, "sharded", f)) for f in index["files"]]
+flats = [torch.cat([s[f"flat{f}.param"] for s in shards]) for f in range(len(index["flats"]))]
+for p in index["params"]:
+    n = 1
+    for x in p["shape"]:
+        n *= x
+    t = flats[p["flat"]][p["offset"]:p["offset"] + n].reshape(p["shape"])
+    assert torch.equal(t, full[p["name"]]), p["name"]
+assert index["optimizer"] == "adamw" and index["steps"] == 1 and index["shards"] == 3
+print(json.dumps(sorted((k, str(v.dtype), list(v.shape)) for k, v in full.items())))
+"#;
+    let out = Command::new(py)
+        .args(["-c", script])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(r#"["fc1.bias", "torch.float32", [7]]"#)
+            && text.contains(r#"["fc2.weight", "torch.float64", [2, 7]]"#),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
