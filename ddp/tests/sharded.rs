@@ -361,7 +361,9 @@ fn save_then_resume(
                 let run = Run {
                     strategy: s,
                     opt: Opt::AdamW,
-                    unit_cap: 64,
+                    // Other units when resuming: one per parameter, against
+                    // a few larger ones when saving.
+                    unit_cap: if resume { 8 } else { 400 },
                     regather: false,
                 };
                 let mut model = model_for(&c, rank.rank());
@@ -393,7 +395,8 @@ fn save_then_resume(
     run(w2, s2, true)
 }
 
-/// Save at world 4, resume at world 2 (and under another strategy):
+/// Save at world 4, resume at world 2 (and under another strategy, with
+/// other wrapping units):
 /// training continues as one process that never stopped, and as an
 /// unsharded resume would.
 #[test]
