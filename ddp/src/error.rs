@@ -83,6 +83,13 @@ pub enum DdpError {
          collectives); first error: {0}. Restart the job, from the last checkpoint"
     )]
     Failed(Box<DdpError>),
+    /// An earlier failure left this `Sharded` unusable.
+    #[error(
+        "this Sharded model failed earlier and cannot continue (the ranks no longer agree on \
+         their collectives); first error: {0}. Restart the job, from the last checkpoint (a \
+         sharded one resumes at any world size)"
+    )]
+    ShardFailed(Box<DdpError>),
 }
 
 /// Why a checkpoint could not be written or read.

@@ -147,7 +147,7 @@ fn model_for(c: &Case, r: usize) -> PlainModel {
 
 fn options(run: &Run) -> ShardOptions {
     let mut o = ShardOptions::new(run.strategy);
-    o.unit_cap_bytes = run.unit_cap;
+    o.unit_cap_bytes = Some(run.unit_cap);
     o
 }
 
@@ -843,4 +843,31 @@ fn misuse_across_ranks_and_cancelled_steps_are_refused() {
         cancelled > 0,
         "no rank's step was left half-way: the test tests nothing"
     );
+}
+
+/// Without explicit units, ZeRO-1/2 reduce DDP's gradient buckets (c10d's
+/// assignment: 1 MiB first, from the last parameter back), and FSDP wraps
+/// consecutive parameters up to 25 MiB.
+#[test]
+fn default_units_are_ddps_buckets_for_zero_and_consecutive_for_fsdp() {
+    let (out, _) = run_sim(SimConfig::new(2), move |rank| async move {
+        let rank: Arc<dyn Backend> = rank;
+        let mut units = Vec::new();
+        for s in [Strategy::Zero2, Strategy::Fsdp] {
+            let mut m = PlainModel::new();
+            for i in 0..6 {
+                m.add_param(format!("p{i}"), vec![131_072], &vec![0f32; 131_072])
+                    .unwrap();
+            }
+            let sh = Sharded::new(rank.clone(), &mut m, Sgd::new(0.1), ShardOptions::new(s))
+                .await
+                .unwrap();
+            units.push(sh.layout().units.clone());
+        }
+        units
+    });
+    for units in out {
+        assert_eq!(units[0], [vec![0, 1, 2, 3], vec![4, 5]], "zero2");
+        assert_eq!(units[1], [vec![0, 1, 2, 3, 4, 5]], "fsdp");
+    }
 }

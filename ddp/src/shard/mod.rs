@@ -48,6 +48,7 @@ pub use memory::Memory;
 pub use optim::{AdamW, Sgd, ShardOptimizer};
 
 use crate::{
+    buckets,
     error::DdpError,
     params::{ParamSet, ParamSpec},
     setup,
@@ -111,11 +112,14 @@ pub struct ShardOptions {
     /// The strategy.
     pub strategy: Strategy,
     /// Wrapping units: parameter indices, each parameter in exactly one
-    /// (torch: the modules `fully_shard` is applied to). `None`: consecutive
-    /// parameters grouped up to `unit_cap_bytes`.
+    /// (torch: the modules `fully_shard` is applied to). `None`: for ZeRO-1
+    /// and ZeRO-2, DDP's gradient buckets (c10d's assignment, by dtype, in
+    /// reverse parameter order); for FSDP and HSDP, consecutive parameters
+    /// up to the cap.
     pub units: Option<Vec<Vec<usize>>>,
-    /// The unit size when `units` is `None` (25 MiB, DDP's bucket cap).
-    pub unit_cap_bytes: usize,
+    /// The unit size when `units` is `None`: `None` for DDP's caps (1 MiB
+    /// first, then 25 MiB; FSDP and HSDP: 25 MiB).
+    pub unit_cap_bytes: Option<usize>,
     /// Prefetch the next unit's parameters while this one is used (FSDP
     /// and HSDP; torch prefetches one unit ahead).
     pub prefetch: bool,
@@ -129,7 +133,7 @@ impl ShardOptions {
         ShardOptions {
             strategy,
             units: None,
-            unit_cap_bytes: 25 * 1024 * 1024,
+            unit_cap_bytes: None,
             prefetch: true,
             timeout: None,
         }
@@ -313,7 +317,11 @@ impl Sharded {
         };
         let units = match &opts.units {
             Some(u) => u.clone(),
-            None => layout::units_by_cap(&specs, opts.unit_cap_bytes.max(1)),
+            None if opts.strategy.shards_params() => {
+                let cap = opts.unit_cap_bytes.unwrap_or(buckets::DEFAULT_BUCKET_CAP);
+                layout::units_by_cap(&specs, cap.max(1))
+            }
+            None => ddp_buckets(&specs, opts.unit_cap_bytes).map_err(usage)?,
         };
         let layout = Layout::new(&specs, &units, shards);
         // Every rank must wrap the model the same way, before any call
@@ -414,10 +422,10 @@ impl Sharded {
     /// The sticky failure, if any.
     fn check(&self) -> Result<(), DdpError> {
         if let Some(e) = &self.failed {
-            return Err(DdpError::Failed(Box::new(e.clone())));
+            return Err(DdpError::ShardFailed(Box::new(e.clone())));
         }
         if let Some(what) = self.busy {
-            return Err(DdpError::Failed(Box::new(DdpError::Usage {
+            return Err(DdpError::ShardFailed(Box::new(DdpError::Usage {
                 rank: self.rank,
                 reason: format!(
                     "an earlier {what}() was dropped before it finished (cancelled by a select! \
@@ -440,6 +448,30 @@ impl Sharded {
     fn leave(&mut self) {
         self.busy = None;
     }
+}
+
+/// DDP's gradient buckets as wrapping units: c10d's assignment (by dtype,
+/// filled in reverse parameter order, 1 MiB first then 25 MiB, or the one
+/// cap given), reversed so that the first bucket DDP would launch is the
+/// last unit, which the strategies launch first.
+fn ddp_buckets(specs: &[ParamSpec], cap: Option<usize>) -> Result<Vec<Vec<usize>>, String> {
+    let infos: Vec<buckets::ParamInfo> = specs
+        .iter()
+        .map(|s| buckets::ParamInfo {
+            dtype: s.dtype,
+            device: -1,
+            numel: s.numel(),
+        })
+        .collect();
+    let order: Vec<usize> = (0..specs.len()).rev().collect();
+    let limits = buckets::bucket_limits(cap.map(|c| c.max(1)));
+    let mut units =
+        buckets::assign_buckets(&infos, &limits, Some(&order)).map_err(|e| e.to_string())?;
+    units.reverse();
+    for u in &mut units {
+        u.sort_unstable();
+    }
+    Ok(units)
 }
 
 /// Checks that every rank wraps the model the same way (`setup` describes
