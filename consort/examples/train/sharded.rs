@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use consort::{
     Backend,
-    ddp::{Sgd, ShardOptions, Sharded, Strategy},
+    ddp::{Sgd, ShardOptions, Sharded, Strategy, shard::Gathered},
 };
 
 use crate::{
@@ -113,12 +113,7 @@ pub(crate) async fn train_rank(
             }
         }
         let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
-        let params = Params {
-            w1: l1.param(W1)?,
-            b1: l1.param(B1)?,
-            w2: l2.param(W2)?,
-            b2: l2.param(B2)?,
-        };
+        let params = params(&l1, &l2)?;
         let mut acc = [0f64, 0f64];
         for i in job.eval.indices() {
             let s = &data.test[i as usize];
@@ -135,12 +130,7 @@ pub(crate) async fn train_rank(
 /// One optimizer step on `batch`; returns its summed loss.
 async fn step(sh: &mut Sharded, batch: &[&Sample]) -> Result<f64, BoxError> {
     let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
-    let params = Params {
-        w1: l1.param(W1)?,
-        b1: l1.param(B1)?,
-        w2: l2.param(W2)?,
-        b2: l2.param(B2)?,
-    };
+    let params = params(&l1, &l2)?;
     let mut early = Ok(());
     let g = mlp::backward(&params, batch, |w2, b2| {
         early = sh.mark_ready(B2, b2).and_then(|()| sh.mark_ready(W2, w2));
@@ -151,4 +141,14 @@ async fn step(sh: &mut Sharded, batch: &[&Sample]) -> Result<f64, BoxError> {
     sh.mark_ready(W1, &g.w1)?;
     sh.step().await?;
     Ok(g.loss_sum)
+}
+
+/// The MLP's parameters from its two gathered layers.
+fn params<'a>(l1: &'a Gathered, l2: &'a Gathered) -> Result<Params<'a>, BoxError> {
+    Ok(Params {
+        w1: l1.param(W1)?,
+        b1: l1.param(B1)?,
+        w2: l2.param(W2)?,
+        b2: l2.param(B2)?,
+    })
 }
