@@ -46,6 +46,7 @@ use consort_comm::{Backend, CallOptions};
 pub use layout::{Flat, Layout, Segment};
 pub use memory::Memory;
 pub use optim::{AdamW, Sgd, ShardOptimizer};
+pub use step::Gathered;
 
 use crate::{
     buckets,
