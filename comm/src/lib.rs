@@ -29,6 +29,7 @@ pub mod dtype;
 pub mod engine;
 mod error;
 mod fingerprint;
+pub mod flight;
 pub mod frame;
 mod group;
 mod objects;

@@ -227,6 +227,10 @@ impl Dist {
         if let Some(b) = count_var("CONSORT_IN_PLACE_MIN")? {
             opts.in_place_min = b;
         }
+        if let Some(dir) = std::env::var_os("CONSORT_FLIGHT_DIR").filter(|d| !d.is_empty()) {
+            opts.flight_dir = Some(dir.into());
+            dump_on_sigusr1();
+        }
         match std::env::var("CONSORT_SHM").ok().as_deref().map(str::trim) {
             None | Some("" | "1" | "true" | "True") => {}
             Some("0" | "false" | "False") => opts.shm = false,
@@ -513,4 +517,25 @@ async fn bind_ip(env: &DistEnv) -> Result<std::net::IpAddr, CommError> {
         ))
     })?;
     Ok(local.ip())
+}
+
+/// On SIGUSR1, every group's flight record is written to its
+/// `CONSORT_FLIGHT_DIR` (installed once per process, with the first group
+/// that has a directory).
+fn dump_on_sigusr1() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(unix)]
+        if let Ok(mut sig) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+        {
+            tokio::spawn(async move {
+                while sig.recv().await.is_some() {
+                    for path in consort_tcp::dump_flight_records("SIGUSR1") {
+                        eprintln!("flight record written to {}", path.display());
+                    }
+                }
+            });
+        }
+    });
 }

@@ -43,5 +43,7 @@ pub use consort_sampler as sampler;
 
 /// Collective algorithms as sans-IO schedules, and their selection policy.
 pub use consort_comm::algo;
+/// The flight recorder's records and their analysis.
+pub use consort_comm::flight;
 pub use env::{DistEnv, EnvError, Launcher, MAX_LOCAL_WORLD_SIZE, MAX_WORLD_SIZE};
 pub use init::{Dist, InitError, InitOptions, init, init_from_env, store_bind_addr};

@@ -15,7 +15,7 @@ mod shm;
 pub mod store;
 
 pub use auth::Secret;
-pub use pg::{BoxRead, BoxWrite, TcpBackend, TcpOptions};
+pub use pg::{BoxRead, BoxWrite, TcpBackend, TcpOptions, dump_flight_records};
 pub use store::{
     DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer,
 };

@@ -33,6 +33,8 @@
 //! - **Cancellation.** Dropping a call before it finishes poisons its group
 //!   with an error that says so ([`Engine::cancel`]); it never leaves the
 //!   group stuck.
+//! - **Flight record.** Every call made, started and ended is recorded
+//!   ([`Engine::flight`]); the driver stamps the time and writes the dumps.
 //! - **Stall probes.** A call that makes no progress asks its peers which
 //!   call they are in at its sequence number ([`Engine::probe_answer`]); a
 //!   different one is a mismatch that no frame would reveal.
@@ -40,6 +42,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
+use crate::flight::FlightRecorder;
 use crate::frame::AbortInfo;
 use crate::{CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result};
 
@@ -127,6 +130,8 @@ pub struct Engine<P> {
     /// Collective frames taken by calls still in flight: a second one is a
     /// duplicate.
     taken: std::collections::HashSet<(GroupId, usize, u64, u32)>,
+    /// The last calls made, for the flight recorder's dumps.
+    flight: FlightRecorder,
 }
 
 impl<P> Engine<P> {
@@ -157,7 +162,20 @@ impl<P> Engine<P> {
             probes: Vec::new(),
             latest: HashMap::new(),
             taken: std::collections::HashSet::new(),
+            flight: FlightRecorder::default(),
         }
+    }
+
+    /// The flight recorder: the last calls this rank made, on every group.
+    pub fn flight(&self) -> &FlightRecorder {
+        &self.flight
+    }
+
+    /// The flight recorder, to set its clock
+    /// ([`FlightRecorder::set_now_us`]) before telling the engine of an
+    /// event, or to replace it (another capacity).
+    pub fn flight_mut(&mut self) -> &mut FlightRecorder {
+        &mut self.flight
     }
 
     /// This rank in the mesh.
@@ -305,6 +323,7 @@ impl<P> Engine<P> {
         if !p2p {
             self.latest.insert(group, fp);
         }
+        self.flight.issued(id.0, &fp);
         self.calls.insert(
             id,
             Running {
@@ -384,6 +403,7 @@ impl<P> Engine<P> {
         } else {
             filed.fp != c.fp
         };
+        self.flight.started(call.0);
         Some(if differs {
             Err(CommError::Mismatch {
                 ctx: ErrorContext::default(),
@@ -514,6 +534,8 @@ impl<P> Engine<P> {
                 .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
         }
         let result = result.map_err(|e| e.with_context(c.ctx));
+        self.flight
+            .ended(call.0, result.as_ref().err().map(ToString::to_string));
         let mut abort = None;
         if let (Err(e), Some(g)) = (&result, self.groups.get_mut(&c.group)) {
             let first = g.poisoned.is_none();

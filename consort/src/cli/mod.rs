@@ -3,6 +3,7 @@
 mod bench;
 mod collective;
 mod ddp_bench;
+mod debug;
 mod gpus;
 #[cfg(feature = "nccl")]
 mod nccl_bench;
@@ -25,6 +26,18 @@ pub(crate) struct Cli {
     command: Command,
 }
 
+/// What `consort debug` looks into.
+#[derive(Debug, Subcommand)]
+enum DebugCommand {
+    /// Merge the flight records (`rank-K.json`) in DIR: `consort run`
+    /// writes them to `<log dir>/attempt_N/flight/` when a job fails (or a
+    /// worker gets SIGUSR1).
+    Flight {
+        /// The directory of `rank-K.json` files.
+        dir: std::path::PathBuf,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Print the version and the backends compiled in.
@@ -41,6 +54,12 @@ enum Command {
         /// Port to listen on (0 picks a free one and prints it).
         #[arg(long, default_value_t = 29500)]
         port: u16,
+    },
+    /// Look into a failed job: `consort debug flight DIR` merges the ranks'
+    /// flight records and names who is behind, in which call.
+    Debug {
+        #[command(subcommand)]
+        what: DebugCommand,
     },
     /// Launch workers like torchrun: `consort run --nproc-per-node 4 --
     /// program args...` (RANK, WORLD_SIZE, MASTER_ADDR, ... set for each).
@@ -380,6 +399,13 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
                 );
             } else {
                 println!("consort {v} (backends: {})", backends().join(", "));
+            }
+        }
+        Command::Debug {
+            what: DebugCommand::Flight { dir },
+        } => {
+            for line in debug::verdict(&dir)? {
+                println!("{line}");
             }
         }
         Command::Store { host, port } => {

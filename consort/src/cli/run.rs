@@ -428,6 +428,14 @@ async fn run_round(
         .collect();
     let mut pumps = Vec::new();
     let mut error_files = Vec::with_capacity(a.local_world_size);
+    // Where the workers' flight records go when the job fails.
+    let flight_dir = a
+        .log_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("consort-run-{}", std::process::id())))
+        .join(format!("attempt_{restart}"))
+        .join("flight");
+    let _ = std::fs::remove_dir_all(&flight_dir);
     for (local, tail) in tails.iter().enumerate() {
         let rank = a.node_rank * a.local_world_size + local;
         // Per-rank directory: log files (with --log-dir) and the error
@@ -464,6 +472,7 @@ async fn run_round(
             .env("TORCHELASTIC_RUN_ID", &a.rdzv_id)
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
             .env("TORCHELASTIC_ERROR_FILE", &error_file)
+            .env("CONSORT_FLIGHT_DIR", &flight_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -584,6 +593,14 @@ async fn run_round(
                     error_files[local].display()
                 ));
             }
+        }
+        if let Ok(lines) = super::debug::verdict(&flight_dir) {
+            f.tail.push(format!(
+                "flight records in {} (`consort debug flight` reads them):",
+                flight_dir.display()
+            ));
+            f.tail
+                .extend(lines.into_iter().skip(1).map(|l| format!("  {l}")));
         }
         f
     }))

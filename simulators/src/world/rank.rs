@@ -168,6 +168,8 @@ impl SimRank {
         let schedule = build(&spec, algo, &s.algo).map_err(|e| e.with_context(self.ctx(req.op)))?;
         let timeout = opts.timeout_or(self.timeout.unwrap_or(s.ranks[r].timeout));
         let rank = &mut s.ranks[r];
+        let now_us = rank.clock.max(rank.host) / 1000;
+        rank.engine.flight_mut().set_now_us(now_us);
         let begun = rank
             .engine
             .begin(self.group, req.op, |seq| req.fingerprint(self.group, seq))?;

@@ -324,6 +324,7 @@ impl State {
         {
             out = call.buffers().finalize(op, n_group);
         }
+        rank.engine.flight_mut().set_now_us(t / 1000);
         let ended = rank.engine.end(call.eid, out);
         rank.clock = rank.clock.max(t);
         rank.outcomes.insert(call.id, ended.result);

@@ -328,7 +328,9 @@ impl TcpBackend {
             direct: Mutex::new(Registry::default()),
             shm_tx,
             shm_rx,
+            flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
         });
+        super::flight::register(&inner);
         let handles: Vec<JoinHandle<()>> = reads
             .into_iter()
             .map(|(peer, r)| {

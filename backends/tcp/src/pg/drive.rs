@@ -259,8 +259,11 @@ impl TcpBackend {
             Err(e) => return Work::ready(Err(e.with_context(ctx))),
         };
         let group = self.group;
-        let begun =
-            lock(&self.inner.engine).begin(group, req.op, |seq| req.fingerprint(group, seq));
+        let begun = {
+            let mut engine = lock(&self.inner.engine);
+            engine.flight_mut().set_now_us(super::flight::now_us());
+            engine.begin(group, req.op, |seq| req.fingerprint(group, seq))
+        };
         let begun = match begun {
             Ok(b) => b,
             Err(e) => return Work::ready(Err(e)),
@@ -278,7 +281,16 @@ impl TcpBackend {
             let mut req = req;
             let result = self.drive(&mut req, &opts, &begun).await;
             guard.armed = false;
-            let ended = lock(&self.inner.engine).end(begun.id, result);
+            let ended = {
+                let mut engine = lock(&self.inner.engine);
+                engine.flight_mut().set_now_us(super::flight::now_us());
+                engine.end(begun.id, result)
+            };
+            if let Err(e) = &ended.result {
+                // Before the peers hear of it: the first failing rank's
+                // record is written before anything is torn down.
+                super::flight::dump(&self.inner, &e.to_string(), true);
+            }
             if let Some(abort) = ended.abort {
                 propagate(&self.inner, abort).await;
             }
@@ -407,6 +419,7 @@ impl TcpBackend {
             let mut done: Vec<Receive> = Vec::new();
             {
                 let mut engine = lock(&inner.engine);
+                engine.flight_mut().set_now_us(super::flight::now_us());
                 let mut bad = None;
                 posted.retain(|rv| match engine.take(eid, rv.from, rv.tag) {
                     None => true,

@@ -85,6 +85,11 @@ pub struct TcpOptions {
     /// Shared secret: every connection starts with an HMAC challenge-response
     /// ([`crate::auth`]); `None` leaves the port open to anyone who can reach it.
     pub secret: Option<Secret>,
+    /// Where this rank writes its flight record (`rank-K.json`) when a call
+    /// fails, a peer aborts, or [`dump_flight_records`] asks; `None` keeps
+    /// the record in memory only. `consort run` sets `CONSORT_FLIGHT_DIR`
+    /// for its workers, which `init_from_env` passes here.
+    pub flight_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for TcpOptions {
@@ -105,6 +110,7 @@ impl Default for TcpOptions {
             shm: true,
             streams: 1,
             secret: Secret::from_env(),
+            flight_dir: None,
         }
     }
 }
@@ -183,6 +189,8 @@ struct Inner {
     shm_tx: Vec<Option<crate::shm::Tx>>,
     /// Shared-memory slots peers send into, per same-host peer.
     shm_rx: Vec<Option<crate::shm::Region>>,
+    /// Where the flight record goes.
+    flight: flight::FlightOut,
 }
 
 /// Buffers kept in the pool at most.
@@ -247,7 +255,10 @@ impl Drop for TcpBackend {
 
 mod connect;
 mod drive;
+mod flight;
 mod read;
+
+pub use flight::dump_flight_records;
 
 use self::{drive::*, read::*};
 

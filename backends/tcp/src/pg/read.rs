@@ -114,7 +114,15 @@ pub(super) async fn read_loop(
                 }
                 _ => {
                     match AbortInfo::decode(&payload) {
-                        Ok(a) => lock(&inner.engine).aborted(peer, h.fingerprint, a),
+                        Ok(a) => {
+                            let (AbortInfo::Mismatch { message, .. }
+                            | AbortInfo::PeerLost { message, .. }
+                            | AbortInfo::Timeout { message }
+                            | AbortInfo::Other { message }) = &a;
+                            let why = format!("rank {peer} aborted: {message}");
+                            lock(&inner.engine).aborted(peer, h.fingerprint, a);
+                            super::flight::dump(&inner, &why, false);
+                        }
                         Err(e) => lock(&inner.engine)
                             .protocol_error(peer, format!("bad abort frame: {e}")),
                     }

@@ -1,0 +1,419 @@
+//! The flight recorder: the last calls of every group on this rank, kept
+//! at close to no cost, written out when something goes wrong, and the
+//! analysis that merges every rank's record into a verdict ("rank 2 never
+//! entered all_reduce seq 183 (world); ranks 0, 1 and 3 waited in it for
+//! 30.0 s").
+//!
+//! torch's flight recorder (`TORCH_FR_BUFFER_SIZE`, `fr_trace`) is the
+//! model: a ring of entries per rank, one file per rank, matched across
+//! ranks by group and sequence number. The [`crate::engine::Engine`]
+//! records every call it is told of (made, started, ended), so every
+//! driver that uses it records alike; a driver gives the time
+//! ([`FlightRecorder::set_now_us`]) and decides when to dump.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Fingerprint, GroupId};
+
+/// torch's default `TORCH_FR_BUFFER_SIZE`: entries kept per rank.
+pub const DEFAULT_ENTRIES: usize = 2000;
+
+/// Where a recorded call got to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    /// Made (its sequence number fixed); nothing received yet.
+    Issued,
+    /// Its first frame from a peer arrived.
+    Started,
+    /// Finished.
+    Done,
+    /// Failed (see the entry's error).
+    Failed,
+}
+
+/// One recorded call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Record id, increasing on this rank.
+    pub id: u64,
+    /// The group (`world`, or `group 0x...`).
+    pub group: String,
+    /// Sequence number in the group (0 for send and recv).
+    pub seq: u64,
+    /// `all_reduce`, `broadcast`, ...
+    pub op: String,
+    /// Element type.
+    pub dtype: String,
+    /// Elements (the input's, where input and output differ).
+    pub count: u64,
+    /// Where it got to.
+    pub state: State,
+    /// When it was made, µs (the driver's clock: wall time since the Unix
+    /// epoch, or the simulator's virtual time).
+    pub issued_us: u64,
+    /// When its first frame arrived.
+    pub started_us: Option<u64>,
+    /// When it ended.
+    pub ended_us: Option<u64>,
+    /// Its error, if it failed.
+    pub error: Option<String>,
+}
+
+/// The last calls of one rank, oldest first.
+#[derive(Debug, Clone)]
+pub struct FlightRecorder {
+    capacity: usize,
+    entries: VecDeque<Entry>,
+    /// Engine call id → record id, for calls in flight.
+    open: BTreeMap<u64, u64>,
+    next: u64,
+    now_us: u64,
+}
+
+impl Default for FlightRecorder {
+    fn default() -> Self {
+        Self::new(DEFAULT_ENTRIES)
+    }
+}
+
+impl FlightRecorder {
+    /// A recorder that keeps the last `capacity` calls (0 keeps none).
+    pub fn new(capacity: usize) -> Self {
+        FlightRecorder {
+            capacity,
+            entries: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
+            open: BTreeMap::new(),
+            next: 0,
+            now_us: 0,
+        }
+    }
+
+    /// Sets the clock that the next events are stamped with.
+    pub fn set_now_us(&mut self, now_us: u64) {
+        self.now_us = now_us;
+    }
+
+    /// The entries, oldest first.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter()
+    }
+
+    fn entry(&mut self, call: u64) -> Option<&mut Entry> {
+        let id = *self.open.get(&call)?;
+        let first = self.entries.front()?.id;
+        self.entries
+            .get_mut(usize::try_from(id.checked_sub(first)?).ok()?)
+    }
+
+    /// Call `call` was made with fingerprint `fp`.
+    pub(crate) fn issued(&mut self, call: u64, fp: &Fingerprint) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.entries.len() == self.capacity
+            && let Some(old) = self.entries.pop_front()
+        {
+            self.open.retain(|_, id| *id != old.id);
+        }
+        let id = self.next;
+        self.next += 1;
+        self.entries.push_back(Entry {
+            id,
+            group: group_name(fp.group),
+            seq: fp.seq,
+            op: fp.op.name().to_string(),
+            dtype: fp.dtype.name().to_string(),
+            count: fp.count,
+            state: State::Issued,
+            issued_us: self.now_us,
+            started_us: None,
+            ended_us: None,
+            error: None,
+        });
+        self.open.insert(call, id);
+    }
+
+    /// Call `call` took its first frame.
+    pub(crate) fn started(&mut self, call: u64) {
+        let now = self.now_us;
+        if let Some(e) = self.entry(call)
+            && e.state == State::Issued
+        {
+            e.state = State::Started;
+            e.started_us = Some(now);
+        }
+    }
+
+    /// Call `call` ended, with `error` if it failed.
+    pub(crate) fn ended(&mut self, call: u64, error: Option<String>) {
+        let now = self.now_us;
+        if let Some(e) = self.entry(call) {
+            e.state = if error.is_some() {
+                State::Failed
+            } else {
+                State::Done
+            };
+            e.ended_us = Some(now);
+            e.error = error;
+        }
+        self.open.remove(&call);
+    }
+
+    /// This rank's dump: what [`analyze`] reads.
+    pub fn dump(&self, rank: usize, world: usize, reason: &str) -> Dump {
+        Dump {
+            rank,
+            world,
+            pid: std::process::id(),
+            reason: reason.to_string(),
+            dumped_us: self.now_us,
+            entries: self.entries.iter().cloned().collect(),
+        }
+    }
+}
+
+/// A group's name in records and reports.
+pub fn group_name(g: GroupId) -> String {
+    g.to_string()
+}
+
+/// One rank's flight record, as written to `rank-K.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Dump {
+    /// The rank (in the world).
+    pub rank: usize,
+    /// The world size.
+    pub world: usize,
+    /// Its process.
+    pub pid: u32,
+    /// Why it was written ("all_reduce seq 3 failed: ...", "SIGUSR1").
+    pub reason: String,
+    /// When, on the same clock as the entries.
+    pub dumped_us: u64,
+    /// The calls, oldest first.
+    pub entries: Vec<Entry>,
+}
+
+impl Dump {
+    /// As `rank-K.json` holds it.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+
+    /// Reads `rank-K.json`.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    }
+}
+
+/// The verdict on a set of dumps: one line per finding, most telling
+/// first. Matches entries by (group, seq) across ranks, as torch's
+/// `fr_trace` does: the first collective some ranks entered and others
+/// never did, calls that differ at one seq, and the first failure.
+pub fn analyze(dumps: &[Dump]) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(world) = dumps.iter().map(|d| d.world).max() else {
+        return vec!["no flight records to analyze".into()];
+    };
+    let have: BTreeSet<usize> = dumps.iter().map(|d| d.rank).collect();
+    let missing: Vec<usize> = (0..world).filter(|r| !have.contains(r)).collect();
+    if !missing.is_empty() {
+        out.push(format!(
+            "no record from rank(s) {} (killed, stopped or never failed): they are left out \
+             below",
+            list(&missing)
+        ));
+    }
+    // (group, seq) → rank → entry; collectives only.
+    let mut by_call: BTreeMap<(String, u64), BTreeMap<usize, &Entry>> = BTreeMap::new();
+    let mut last_seq: BTreeMap<(String, usize), u64> = BTreeMap::new();
+    let mut first_seq: BTreeMap<(String, usize), u64> = BTreeMap::new();
+    for d in dumps {
+        for e in d
+            .entries
+            .iter()
+            .filter(|e| e.op != "send" && e.op != "recv")
+        {
+            by_call
+                .entry((e.group.clone(), e.seq))
+                .or_default()
+                .insert(d.rank, e);
+            let k = (e.group.clone(), d.rank);
+            last_seq
+                .entry(k.clone())
+                .and_modify(|s| *s = (*s).max(e.seq))
+                .or_insert(e.seq);
+            first_seq
+                .entry(k)
+                .and_modify(|s| *s = (*s).min(e.seq))
+                .or_insert(e.seq);
+        }
+    }
+    let dumped: BTreeMap<usize, u64> = dumps.iter().map(|d| (d.rank, d.dumped_us)).collect();
+    for ((group, seq), ranks) in &by_call {
+        // Ranks of this group that recorded it: a rank whose record of the
+        // group starts after this seq (ring wrapped) says nothing.
+        let members: Vec<usize> = have
+            .iter()
+            .copied()
+            .filter(|r| {
+                first_seq
+                    .get(&(group.clone(), *r))
+                    .is_some_and(|&f| f <= *seq)
+            })
+            .collect();
+        let absent: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|r| !ranks.contains_key(r))
+            .collect();
+        let Some((_, first)) = ranks.iter().next() else {
+            continue;
+        };
+        let differ: Vec<(usize, &&Entry)> = ranks
+            .iter()
+            .filter(|(_, e)| (&e.op, &e.dtype, e.count) != (&first.op, &first.dtype, first.count))
+            .map(|(r, e)| (*r, e))
+            .collect();
+        if !differ.is_empty() {
+            let (r0, e0) = ranks
+                .iter()
+                .next()
+                .map(|(r, e)| (*r, *e))
+                .unwrap_or((0, first));
+            let (r1, e1) = differ[0];
+            out.push(format!(
+                "ranks called different collectives at seq {seq} ({group}): rank {r0} {} of {} x \
+                 {}, rank {r1} {} of {} x {}",
+                e0.op, e0.count, e0.dtype, e1.op, e1.count, e1.dtype
+            ));
+            break;
+        }
+        if !absent.is_empty() && absent.len() < members.len() {
+            let waited: Vec<usize> = ranks.keys().copied().collect();
+            let longest = ranks
+                .iter()
+                .map(|(r, e)| {
+                    let end = e.ended_us.or(dumped.get(r).copied()).unwrap_or(e.issued_us);
+                    end.saturating_sub(e.issued_us)
+                })
+                .max()
+                .unwrap_or(0);
+            let where_ = absent
+                .iter()
+                .map(|r| match last_seq.get(&(group.clone(), *r)) {
+                    Some(s) => format!("rank {r} (last entered seq {s})"),
+                    None => format!("rank {r}"),
+                })
+                .collect::<Vec<_>>();
+            out.push(format!(
+                "{} never entered {} seq {seq} ({group}); {} {} waited in it for {:.1} s",
+                where_.join(", "),
+                first.op,
+                if waited.len() == 1 { "rank" } else { "ranks" },
+                list(&waited),
+                longest as f64 / 1e6
+            ));
+            break;
+        }
+    }
+    let failed = dumps
+        .iter()
+        .flat_map(|d| d.entries.iter().map(move |e| (d.rank, e)))
+        .filter(|(_, e)| e.state == State::Failed)
+        .min_by_key(|(_, e)| e.ended_us.unwrap_or(u64::MAX));
+    if let Some((r, e)) = failed {
+        out.push(format!(
+            "first failure: rank {r}, {} seq {} ({}): {}",
+            e.op,
+            e.seq,
+            e.group,
+            e.error.as_deref().unwrap_or("(no message)")
+        ));
+    }
+    if out.iter().all(|l| l.starts_with("no record")) {
+        out.push(
+            "every recorded collective was entered by every rank that recorded its group".into(),
+        );
+    }
+    out
+}
+
+/// `0, 1 and 3`.
+fn list(ranks: &[usize]) -> String {
+    let s: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match s.len() {
+        0 => String::new(),
+        1 => s[0].clone(),
+        n => format!("{} and {}", s[..n - 1].join(", "), s[n - 1]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, OpKind};
+
+    fn fp(seq: u64, op: OpKind) -> Fingerprint {
+        Fingerprint {
+            group: GroupId::WORLD,
+            seq,
+            op,
+            dtype: DType::F32,
+            count: 4,
+            root: 0,
+            reduce_op: None,
+        }
+    }
+
+    /// Ranks 0 and 1 made seqs 0..=3; rank 2 stopped after seq 2.
+    #[test]
+    fn the_rank_that_never_entered_is_named_with_who_waited() {
+        let dumps: Vec<Dump> = (0..3)
+            .map(|r| {
+                let mut f = FlightRecorder::new(8);
+                let last = if r == 2 { 2 } else { 3 };
+                for s in 0..=last {
+                    f.set_now_us(s * 1_000_000);
+                    f.issued(s, &fp(s, OpKind::AllReduce));
+                    if s < 3 {
+                        f.ended(s, None);
+                    }
+                }
+                f.set_now_us(33_000_000);
+                if r < 2 {
+                    f.ended(3, Some("timed out".into()));
+                }
+                f.dump(r, 3, "test")
+            })
+            .collect();
+        let v = analyze(&dumps);
+        assert_eq!(
+            v[0],
+            "rank 2 (last entered seq 2) never entered all_reduce seq 3 (world); ranks 0 and 1 \
+             waited in it for 30.0 s"
+        );
+        assert!(v[1].starts_with("first failure: rank 0, all_reduce seq 3 (world): timed out"));
+    }
+
+    #[test]
+    fn the_ring_keeps_the_last_entries_and_mismatches_are_named() {
+        let mut f = FlightRecorder::new(2);
+        for s in 0..5 {
+            f.issued(s, &fp(s, OpKind::AllReduce));
+            f.ended(s, None);
+        }
+        let seqs: Vec<u64> = f.entries().map(|e| e.seq).collect();
+        assert_eq!(seqs, [3, 4]);
+        let mut g = FlightRecorder::new(2);
+        g.issued(0, &fp(3, OpKind::Broadcast));
+        let v = analyze(&[f.dump(0, 2, "t"), g.dump(1, 2, "t")]);
+        assert!(
+            v[0].contains("different collectives at seq 3") && v[0].contains("broadcast"),
+            "{v:?}"
+        );
+    }
+}

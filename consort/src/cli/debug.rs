@@ -1,0 +1,53 @@
+//! `consort debug flight DIR`: merges the flight records that the ranks of
+//! a failed job wrote (`rank-K.json`, see `consort_comm::flight`) and says
+//! who is behind and where. `consort run` prints the same verdict in its
+//! failure summary.
+
+use std::path::Path;
+
+use consort::flight::{Dump, analyze};
+
+/// Every `rank-K.json` in `dir`, by rank.
+pub(crate) fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        format!(
+            "cannot read the flight record directory {}: {e}",
+            dir.display()
+        )
+    })?;
+    let mut dumps = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !(name.starts_with("rank-") && name.ends_with(".json")) {
+            continue;
+        }
+        let bytes = std::fs::read(e.path())
+            .map_err(|err| format!("cannot read {}: {err}", e.path().display()))?;
+        dumps.push(
+            Dump::from_json(&bytes)
+                .map_err(|err| format!("{} is not a flight record: {err}", e.path().display()))?,
+        );
+    }
+    dumps.sort_by_key(|d| d.rank);
+    Ok(dumps)
+}
+
+/// The verdict on `dir`'s records, one finding per line.
+pub(crate) fn verdict(dir: &Path) -> Result<Vec<String>, String> {
+    let dumps = read_records(dir)?;
+    if dumps.is_empty() {
+        return Err(format!(
+            "{} holds no flight records (rank-K.json): did the job fail, and did its workers \
+             run under `consort run` (or with CONSORT_FLIGHT_DIR set)?",
+            dir.display()
+        ));
+    }
+    let mut out = vec![format!(
+        "{} flight record(s) from rank(s) {:?} of {}:",
+        dumps.len(),
+        dumps.iter().map(|d| d.rank).collect::<Vec<_>>(),
+        dumps.iter().map(|d| d.world).max().unwrap_or(0)
+    )];
+    out.extend(analyze(&dumps));
+    Ok(out)
+}
