@@ -320,6 +320,9 @@ pub fn analyze(dumps: &[Dump]) -> Vec<String> {
             break;
         }
     }
+    if out.iter().all(|l| l.starts_with("no record")) {
+        out.extend(waiting(dumps));
+    }
     let failed = dumps
         .iter()
         .flat_map(|d| d.entries.iter().map(move |e| (d.rank, e)))
@@ -336,10 +339,44 @@ pub fn analyze(dumps: &[Dump]) -> Vec<String> {
     }
     if out.iter().all(|l| l.starts_with("no record")) {
         out.push(
-            "every recorded collective was entered by every rank that recorded its group".into(),
+            "every recorded collective was entered by every rank that recorded its group, and \
+             none was left unfinished"
+                .into(),
         );
     }
     out
+}
+
+/// The calls still in flight when the records were written, one line per
+/// call: "ranks 0 and 1 were in all_reduce seq 3 (world) ..., for 2.1 s".
+fn waiting(dumps: &[Dump]) -> Vec<String> {
+    let mut open: BTreeMap<(String, u64, String), (Vec<usize>, u64)> = BTreeMap::new();
+    for d in dumps {
+        for e in d
+            .entries
+            .iter()
+            .filter(|e| matches!(e.state, State::Issued | State::Started))
+        {
+            let w = open
+                .entry((e.group.clone(), e.seq, e.op.clone()))
+                .or_insert((Vec::new(), 0));
+            w.0.push(d.rank);
+            w.1 = w.1.max(d.dumped_us.saturating_sub(e.issued_us));
+        }
+    }
+    open.into_iter()
+        .map(|((group, seq, op), (ranks, us))| {
+            let who = if ranks.len() == 1 {
+                format!("rank {} was", list(&ranks))
+            } else {
+                format!("ranks {} were", list(&ranks))
+            };
+            format!(
+                "{who} in {op} seq {seq} ({group}) when the records were written, for {:.1} s",
+                us as f64 / 1e6
+            )
+        })
+        .collect()
 }
 
 /// `0, 1 and 3`.

@@ -227,6 +227,9 @@ impl Dist {
         if let Some(b) = count_var("CONSORT_IN_PLACE_MIN")? {
             opts.in_place_min = b;
         }
+        if let Some(f) = std::env::var_os("CONSORT_HEARTBEAT_FILE").filter(|d| !d.is_empty()) {
+            opts.heartbeat_file = Some(f.into());
+        }
         if let Some(dir) = std::env::var_os("CONSORT_FLIGHT_DIR").filter(|d| !d.is_empty()) {
             opts.flight_dir = Some(dir.into());
             dump_on_sigusr1();

@@ -9,6 +9,7 @@
 //!   schedules over a full mesh of TCP connections.
 
 pub mod auth;
+pub mod heartbeat;
 pub mod iface;
 mod pg;
 mod shm;

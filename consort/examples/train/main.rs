@@ -222,6 +222,17 @@ async fn nccl(_: Arc<Args>, _: Arc<Digits>) -> Result<(), BoxError> {
     )
 }
 
+/// Whether rank 0 continues from the checkpoint: `--resume`, or a world
+/// that a launcher restarted (`TORCHELASTIC_RESTART_COUNT` > 0) after a
+/// failure, when there is a checkpoint to continue from.
+fn resuming(args: &Args) -> bool {
+    let restarted = std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .is_some_and(|n| n > 0);
+    args.resume || (restarted && args.out.join("checkpoint.safetensors").exists())
+}
+
 /// What rank 0 reads back from a checkpoint to continue.
 fn read_checkpoint(args: &Args, model: &mut PlainModel) -> Result<(usize, Vec<Epoch>), BoxError> {
     let path = args.out.join("checkpoint.safetensors");
@@ -318,7 +329,7 @@ async fn prepare(
     if rank == 0 {
         std::fs::create_dir_all(&args.out)
             .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
-        if args.resume {
+        if resuming(args) {
             match read_checkpoint(args, &mut model) {
                 Ok((epoch, h)) => {
                     header[1] = epoch as u64;

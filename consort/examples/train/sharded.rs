@@ -72,7 +72,7 @@ pub(crate) async fn train_rank(
     let dir = args.out.join("sharded");
     // Rank 0 decides, so that every rank makes the same calls.
     let mut found = [u8::from(
-        job.pg.rank() == 0 && args.resume && dir.join("index.json").exists(),
+        job.pg.rank() == 0 && crate::resuming(args) && dir.join("index.json").exists(),
     )];
     job.pg.broadcast(&mut found, 0).await?;
     if found[0] == 1 {

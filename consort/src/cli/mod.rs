@@ -11,6 +11,7 @@ mod run;
 mod sharded_bench;
 mod sim;
 mod table;
+mod watchdog;
 
 use clap::{Parser, Subcommand};
 use consort::{DType, TcpStoreServer};

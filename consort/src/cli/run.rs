@@ -9,7 +9,7 @@
 
 use std::{
     collections::VecDeque,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{ExitStatus, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
@@ -22,7 +22,7 @@ use tokio::{
     signal::unix::{SignalKind, signal},
 };
 
-use super::gpus;
+use super::{gpus, watchdog::Watchdog};
 
 /// The flags, as torchrun names them.
 #[derive(Debug, Clone, clap::Args)]
@@ -69,6 +69,12 @@ pub(crate) struct RunArgs {
     /// Run the program as given even if it ends in .py (torchrun's flag).
     #[arg(long, alias = "no_python")]
     no_python: bool,
+    /// Seconds a worker may go without progress (a finished collective)
+    /// before the agent names it as hung, collects the flight records and
+    /// stops the group, which counts as a failure under --max-restarts.
+    /// Off by default, as torchrun's.
+    #[arg(long, alias = "watchdog_timeout")]
+    watchdog_timeout: Option<f64>,
     /// Seconds between SIGTERM and SIGKILL when stopping the group.
     #[arg(long, alias = "grace_period", default_value_t = 5.0)]
     grace_period: f64,
@@ -179,11 +185,16 @@ struct Exit {
     rank: usize,
     status: ExitStatus,
     tail: Vec<String>,
+    /// What happened, when the status does not say (a hung worker).
+    note: Option<String>,
 }
 
 impl Exit {
     fn describe(&self) -> String {
         use std::os::unix::process::ExitStatusExt;
+        if let Some(n) = &self.note {
+            return n.clone();
+        }
         match (self.status.code(), self.status.signal()) {
             (Some(c), _) => format!("exit code {c}"),
             (None, Some(s)) => format!("signal {s}"),
@@ -236,6 +247,11 @@ fn validate(a: &RunArgs) -> Result<(), String> {
         ("--rdzv-timeout", a.rdzv_timeout, false),
         ("--grace-period", a.grace_period, true),
         ("--monitor-interval", a.monitor_interval, false),
+        (
+            "--watchdog-timeout",
+            a.watchdog_timeout.unwrap_or(1.0),
+            false,
+        ),
     ] {
         consort_comm::time::check_seconds(value, zero).map_err(|why| format!("{flag}: {why}"))?;
     }
@@ -369,12 +385,16 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
             None => break 0,
             Some(f) if restart < a.max_restarts => {
                 eprintln!(
-                    "[consort run] rank {} failed ({}); restarting the group (attempt {} of {})",
+                    "[consort run] rank {} failed ({}); restarting the group (attempt {} of {}). \
+                     Its last output:",
                     f.rank,
                     f.describe(),
                     restart + 1,
                     a.max_restarts
                 );
+                for l in &f.tail {
+                    eprintln!("[consort run]   {l}");
+                }
                 restart += 1;
             }
             Some(f) => {
@@ -391,7 +411,9 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
             }
         }
     };
-    if a.log_dir.is_none() {
+    // A failed job keeps its temporary directory: the summary names the
+    // flight records in it.
+    if a.log_dir.is_none() && code == 0 {
         let _ = std::fs::remove_dir_all(
             std::env::temp_dir().join(format!("consort-run-{}", std::process::id())),
         );
@@ -473,6 +495,10 @@ async fn run_round(
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
             .env("TORCHELASTIC_ERROR_FILE", &error_file)
             .env("CONSORT_FLIGHT_DIR", &flight_dir)
+            .envs(
+                a.watchdog_timeout
+                    .map(|_| ("CONSORT_HEARTBEAT_FILE", beat_file(&flight_dir, rank))),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -512,22 +538,26 @@ async fn run_round(
     let failed_key = format!("{round}/failed");
     let interval = Duration::from_secs_f64(a.monitor_interval);
     let mut done = vec![false; children.len()];
+    let mut watchdog = a.watchdog_timeout.map(|t| {
+        let files = children
+            .iter()
+            .map(|(rank, _, _)| beat_file(&flight_dir, *rank))
+            .collect();
+        Watchdog::new(Duration::from_secs_f64(t), files)
+    });
     let failure = loop {
-        let mut failure = None;
-        for (i, (rank, child, _)) in children.iter_mut().enumerate() {
-            if done[i] {
-                continue;
-            }
-            if let Some(status) = child.try_wait()? {
-                done[i] = true;
-                if !status.success() && failure.is_none() {
-                    failure = Some(Exit {
-                        rank: *rank,
-                        status,
-                        tail: Vec::new(),
-                    });
-                }
-            }
+        let mut failed = reap(&mut children, &mut done)?;
+        if !failed.is_empty() {
+            // The peers of a crashed worker fail within milliseconds of it;
+            // let their exits land, then name the cause.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            failed.extend(reap(&mut children, &mut done)?);
+        }
+        let mut failure = cause(failed);
+        if failure.is_none()
+            && let Some(w) = &mut watchdog
+        {
+            failure = hung(w, &mut children, &done).await;
         }
         if let Some(f) = failure {
             let _ = store
@@ -552,6 +582,7 @@ async fn run_round(
                 tail: vec![format!(
                     "(rank {rank} failed on another node; its output is in that node's log)"
                 )],
+                note: None,
             });
         }
         tokio::select! {
@@ -580,12 +611,14 @@ async fn run_round(
             .checked_sub(a.node_rank * a.local_world_size)
             .filter(|l| *l < a.local_world_size)
         {
+            let report = std::mem::take(&mut f.tail);
             f.tail = tails[local]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .iter()
                 .cloned()
                 .collect();
+            f.tail.extend(report);
             if let Ok(text) = std::fs::read_to_string(&error_files[local]) {
                 let text: String = text.chars().take(4000).collect();
                 f.tail.push(format!(
@@ -604,6 +637,86 @@ async fn run_round(
         }
         f
     }))
+}
+
+/// Collects the workers that have exited since the last look; returns the
+/// failed ones.
+fn reap(children: &mut [(usize, Child, i32)], done: &mut [bool]) -> std::io::Result<Vec<Exit>> {
+    let mut failed = Vec::new();
+    for (i, (rank, child, _)) in children.iter_mut().enumerate() {
+        if done[i] {
+            continue;
+        }
+        if let Some(status) = child.try_wait()? {
+            done[i] = true;
+            if !status.success() {
+                failed.push(Exit {
+                    rank: *rank,
+                    status,
+                    tail: Vec::new(),
+                    note: None,
+                });
+            }
+        }
+    }
+    Ok(failed)
+}
+
+/// The failure to report among workers that failed together: one killed
+/// by a signal (a crash, the OOM killer, a kill) before one that exited
+/// with an error (often a peer's loss that the crash caused), then the
+/// lowest rank. The others are named in its summary.
+fn cause(mut failed: Vec<Exit>) -> Option<Exit> {
+    use std::os::unix::process::ExitStatusExt;
+    failed.sort_by_key(|f| (f.status.signal().is_none(), f.rank));
+    let mut it = failed.into_iter();
+    let mut first = it.next()?;
+    let rest: Vec<String> = it
+        .map(|f| format!("rank {} ({})", f.rank, f.describe()))
+        .collect();
+    if !rest.is_empty() {
+        first
+            .tail
+            .push(format!("also failed after it: {}", rest.join(", ")));
+    }
+    Some(first)
+}
+
+/// Rank `rank`'s heartbeat file, beside the round's flight records.
+fn beat_file(flight_dir: &Path, rank: usize) -> PathBuf {
+    flight_dir
+        .parent()
+        .unwrap_or(flight_dir)
+        .join("heartbeat")
+        .join(format!("rank-{rank}"))
+}
+
+/// The watchdog's check: a hung worker becomes this round's failure. The
+/// other workers are asked for their flight records (SIGUSR1; the hung one
+/// may not be able to answer) before the group is stopped.
+async fn hung(
+    w: &mut Watchdog,
+    children: &mut [(usize, Child, i32)],
+    done: &[bool],
+) -> Option<Exit> {
+    let ranks: Vec<usize> = children.iter().map(|c| c.0).collect();
+    let pids: Vec<i32> = children.iter().map(|c| c.2).collect();
+    let alive: Vec<bool> = done.iter().map(|d| !d).collect();
+    let h = w.check(&ranks, &pids, &alive)?;
+    for (i, &pid) in pids.iter().enumerate() {
+        if alive[i] && i != h.local && pid > 0 {
+            // SAFETY: kill(2) on our own worker with a valid signal.
+            unsafe { libc::kill(pid, libc::SIGUSR1) };
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    use std::os::unix::process::ExitStatusExt;
+    Some(Exit {
+        rank: ranks[h.local],
+        status: ExitStatus::from_raw(libc::SIGKILL),
+        note: Some("a hang (the watchdog stopped it)".into()),
+        tail: h.report,
+    })
 }
 
 /// Copies one worker stream to ours, line by line with `[rankN]: `, keeps

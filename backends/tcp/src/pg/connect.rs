@@ -329,6 +329,17 @@ impl TcpBackend {
             shm_tx,
             shm_rx,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
+            beat: opts.heartbeat_file.as_deref().and_then(|p| {
+                crate::heartbeat::Heartbeat::create(p)
+                    .map_err(|e| {
+                        tracing::warn!(
+                            "rank {rank}: no heartbeat for the launcher's watchdog: cannot map \
+                             {}: {e}",
+                            p.display()
+                        )
+                    })
+                    .ok()
+            }),
         });
         super::flight::register(&inner);
         let handles: Vec<JoinHandle<()>> = reads

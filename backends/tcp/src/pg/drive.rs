@@ -259,11 +259,15 @@ impl TcpBackend {
             Err(e) => return Work::ready(Err(e.with_context(ctx))),
         };
         let group = self.group;
+        let now = super::flight::now_us();
         let begun = {
             let mut engine = lock(&self.inner.engine);
-            engine.flight_mut().set_now_us(super::flight::now_us());
+            engine.flight_mut().set_now_us(now);
             engine.begin(group, req.op, |seq| req.fingerprint(group, seq))
         };
+        if let (Ok(b), Some(beat)) = (&begun, &self.inner.beat) {
+            beat.made(&b.fp, now);
+        }
         let begun = match begun {
             Ok(b) => b,
             Err(e) => return Work::ready(Err(e)),
@@ -281,11 +285,15 @@ impl TcpBackend {
             let mut req = req;
             let result = self.drive(&mut req, &opts, &begun).await;
             guard.armed = false;
+            let now = super::flight::now_us();
             let ended = {
                 let mut engine = lock(&self.inner.engine);
-                engine.flight_mut().set_now_us(super::flight::now_us());
+                engine.flight_mut().set_now_us(now);
                 engine.end(begun.id, result)
             };
+            if let Some(beat) = &self.inner.beat {
+                beat.ended(now);
+            }
             if let Err(e) = &ended.result {
                 // Before the peers hear of it: the first failing rank's
                 // record is written before anything is torn down.

@@ -90,6 +90,9 @@ pub struct TcpOptions {
     /// the record in memory only. `consort run` sets `CONSORT_FLIGHT_DIR`
     /// for its workers, which `init_from_env` passes here.
     pub flight_dir: Option<std::path::PathBuf>,
+    /// The heartbeat file this rank keeps for its agent's watchdog
+    /// ([`crate::heartbeat`]); `consort run` sets `CONSORT_HEARTBEAT_FILE`.
+    pub heartbeat_file: Option<std::path::PathBuf>,
 }
 
 impl Default for TcpOptions {
@@ -111,6 +114,7 @@ impl Default for TcpOptions {
             streams: 1,
             secret: Secret::from_env(),
             flight_dir: None,
+            heartbeat_file: None,
         }
     }
 }
@@ -191,6 +195,8 @@ struct Inner {
     shm_rx: Vec<Option<crate::shm::Region>>,
     /// Where the flight record goes.
     flight: flight::FlightOut,
+    /// The agent's view of this rank's progress.
+    beat: Option<crate::heartbeat::Heartbeat>,
 }
 
 /// Buffers kept in the pool at most.

@@ -1,0 +1,144 @@
+//! The agent's watchdog (`consort run --watchdog-timeout SECONDS`): finds
+//! a worker that has made no progress for that long and names it, with the
+//! call it is in. Progress is read from each worker's heartbeat file
+//! (`consort_tcp::heartbeat`, kept by the comm layer on every call), which
+//! the agent can read even when the worker is stopped or wedged.
+//!
+//! When a rank stops, its peers stop with it (they wait for it in their
+//! next collective), so several ranks stall at once. The watchdog names
+//! the one that holds the others up: a process the kernel reports as
+//! stopped (SIGSTOP) first, then one that is behind (not in a call while
+//! others are, or in an earlier call), then the one whose progress stopped
+//! first.
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use consort_tcp::heartbeat::{self, Beat};
+
+/// One worker's progress as last seen.
+#[derive(Debug)]
+struct Seen {
+    progress: Option<u64>,
+    since: Instant,
+    beat: Option<Beat>,
+}
+
+/// The watchdog over one round's local workers.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    timeout: Duration,
+    files: Vec<PathBuf>,
+    seen: Vec<Seen>,
+}
+
+/// A hung worker: its local index, and the report.
+#[derive(Debug)]
+pub(crate) struct Hung {
+    pub(crate) local: usize,
+    pub(crate) report: Vec<String>,
+}
+
+/// The state letter of `/proc/PID/stat` (`R`, `S`, `D`, `T` stopped, ...).
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ...": the comm may hold spaces and parentheses.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl Watchdog {
+    /// Watches the heartbeat `files` (one per local worker, in local rank
+    /// order) for `timeout`.
+    pub(crate) fn new(timeout: Duration, files: Vec<PathBuf>) -> Self {
+        let now = Instant::now();
+        let seen = files
+            .iter()
+            .map(|_| Seen {
+                progress: None,
+                since: now,
+                beat: None,
+            })
+            .collect();
+        Watchdog {
+            timeout,
+            files,
+            seen,
+        }
+    }
+
+    /// Reads every live worker's heartbeat; returns the hung one, if a
+    /// worker has gone `timeout` without progress. `ranks` and `pids` are
+    /// per local worker; `alive` says which still run.
+    pub(crate) fn check(&mut self, ranks: &[usize], pids: &[i32], alive: &[bool]) -> Option<Hung> {
+        let now = Instant::now();
+        for (i, s) in self.seen.iter_mut().enumerate() {
+            let beat = heartbeat::read(&self.files[i]);
+            let progress = beat.map(|b| b.progress);
+            if progress != s.progress {
+                s.progress = progress;
+                s.since = now;
+            }
+            s.beat = beat;
+        }
+        let stalled: Vec<usize> = (0..self.seen.len())
+            .filter(|&i| alive[i] && now.duration_since(self.seen[i].since) >= self.timeout)
+            .collect();
+        if stalled.is_empty() {
+            return None;
+        }
+        let live: Vec<usize> = (0..self.seen.len()).filter(|&i| alive[i]).collect();
+        let stopped = |i: &usize| matches!(proc_state(pids[*i]), Some('T' | 't'));
+        // Behind: not in a call, or in an earlier call than the others.
+        let key = |i: usize| {
+            self.seen[i]
+                .beat
+                .and_then(|b| b.last.map(|(_, seq, _)| (b.in_call, seq)))
+                .unwrap_or((false, 0))
+        };
+        let culprit = live
+            .iter()
+            .copied()
+            .find(stopped)
+            .or_else(|| {
+                live.iter()
+                    .copied()
+                    .min_by_key(|&i| key(i))
+                    .filter(|&i| live.iter().any(|&j| key(j) != key(i)))
+            })
+            .or_else(|| stalled.iter().copied().min_by_key(|&i| self.seen[i].since))?;
+        let t = now_us();
+        let what = |i: usize| match self.seen[i].beat {
+            Some(b) => b.describe(t),
+            None => "it has not reached its first collective".into(),
+        };
+        let state = match proc_state(pids[culprit]) {
+            Some('T' | 't') => ", stopped (SIGSTOP?)".to_string(),
+            Some(c) => format!(", state {c}"),
+            None => String::new(),
+        };
+        let mut report = vec![format!(
+            "watchdog: rank {} (pid {}{state}) made no progress for {:.1} s \
+             (--watchdog-timeout {}): {}",
+            ranks[culprit],
+            pids[culprit],
+            now.duration_since(self.seen[culprit].since).as_secs_f64(),
+            self.timeout.as_secs_f64(),
+            what(culprit)
+        )];
+        for &i in live.iter().filter(|&&i| i != culprit) {
+            report.push(format!("watchdog: rank {}: {}", ranks[i], what(i)));
+        }
+        Some(Hung {
+            local: culprit,
+            report,
+        })
+    }
+}

@@ -1,0 +1,193 @@
+//! Training that survives a lost worker, in real processes: the example
+//! trainer under `consort run --max-restarts 1`, with one worker killed
+//! (SIGKILL) or stopped (SIGSTOP, found by `--watchdog-timeout`) part-way.
+//! The world restarts, the trainer resumes from its last checkpoint by
+//! itself, the job finishes with an undisturbed run's accuracy, and the
+//! report names the rank.
+//!
+//! Needs the `train` example, which `cargo test --workspace` builds.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::Duration,
+};
+
+fn consort_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_consort"))
+}
+
+fn train_bin() -> PathBuf {
+    let p = consort_bin()
+        .parent()
+        .expect("target dir")
+        .join("examples")
+        .join(format!("train{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo test --workspace`",
+        p.display()
+    );
+    p
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("consort-survive-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn final_accuracy(dir: &Path) -> f64 {
+    let text = std::fs::read_to_string(dir.join("metrics.json")).expect("metrics.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    v.as_array().and_then(|a| a.last()).expect("epochs")["test_accuracy"]
+        .as_f64()
+        .expect("accuracy")
+}
+
+/// The pid of the launcher's worker with `RANK=rank`.
+fn worker_pid(launcher: u32, rank: usize) -> Option<i32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if ppid != Some(launcher) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("RANK={rank}");
+        if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Runs the trainer on 3 workers for 6 epochs; once rank 0 reports epoch
+/// 2, sends `signal` to rank 1. Returns the launcher's output and the run
+/// directory.
+fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, PathBuf) {
+    let out = scratch(name);
+    let mut job = Command::new(consort_bin())
+        .args([
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--grace-period", "1"])
+        .args(extra)
+        .arg("--")
+        .arg(train_bin())
+        .args(["--epochs", "6", "--batch-size", "30", "--out"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("consort run");
+    let (tx, rx) = mpsc::channel::<String>();
+    for stream in [
+        Box::new(job.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(job.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    drop(tx);
+    let mut text = String::new();
+    let mut sent = false;
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(120)) {
+        text.push_str(&line);
+        text.push('\n');
+        if !sent && line.contains("[rank0]: epoch   2/6") {
+            let pid = worker_pid(job.id(), 1).expect("rank 1's pid");
+            // SAFETY: kill(2) on a worker of our own job.
+            unsafe { libc::kill(pid, signal) };
+            sent = true;
+        }
+    }
+    let ok = job.wait().expect("wait").success();
+    assert!(sent, "never saw epoch 2: {text}");
+    (ok, text, out)
+}
+
+/// The same job, undisturbed, on the simulator (the same schedules and so
+/// the same bits as over TCP).
+fn undisturbed() -> f64 {
+    let out = scratch("calm");
+    let st = Command::new(train_bin())
+        .args([
+            "--world-size",
+            "3",
+            "--epochs",
+            "6",
+            "--batch-size",
+            "30",
+            "--out",
+        ])
+        .arg(&out)
+        .env_remove("RANK")
+        .output()
+        .expect("train");
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let acc = final_accuracy(&out);
+    std::fs::remove_dir_all(out).unwrap();
+    acc
+}
+
+#[test]
+fn a_killed_worker_restarts_the_world_and_training_finishes() {
+    let (ok, text, out) = disturbed_run("kill", libc::SIGKILL, &[]);
+    assert!(ok, "the job did not finish: {text}");
+    assert!(
+        text.contains("[consort run] rank 1 failed (signal 9); restarting the group"),
+        "{text}"
+    );
+    assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
+    let (got, want) = (final_accuracy(&out), undisturbed());
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% after a restart, {want:.2}% undisturbed"
+    );
+    std::fs::remove_dir_all(out).unwrap();
+}
+
+#[test]
+fn a_stopped_worker_is_named_by_the_watchdog_and_training_finishes() {
+    let (ok, text, out) = disturbed_run("stop", libc::SIGSTOP, &["--watchdog-timeout", "3"]);
+    assert!(ok, "the job did not finish: {text}");
+    assert!(
+        text.contains("[consort run] rank 1 failed (a hang (the watchdog stopped it))"),
+        "{text}"
+    );
+    assert!(
+        text.contains("watchdog: rank 1 (pid ")
+            && text.contains("stopped (SIGSTOP?)) made no progress for"),
+        "{text}"
+    );
+    assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
+    let (got, want) = (final_accuracy(&out), undisturbed());
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% after a restart, {want:.2}% undisturbed"
+    );
+    std::fs::remove_dir_all(out).unwrap();
+}
