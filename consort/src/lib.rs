@@ -18,6 +18,7 @@
 
 pub mod env;
 mod init;
+pub mod launch;
 
 pub use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, Device, DeviceBuffer, Element,

@@ -3,7 +3,6 @@
 mod bench;
 mod collective;
 mod ddp_bench;
-mod debug;
 mod gpus;
 #[cfg(feature = "nccl")]
 mod nccl_bench;
@@ -11,7 +10,6 @@ mod run;
 mod sharded_bench;
 mod sim;
 mod table;
-mod watchdog;
 
 use clap::{Parser, Subcommand};
 use consort::{DType, TcpStoreServer};
@@ -405,7 +403,7 @@ pub(crate) async fn run(cli: Cli) -> Result<std::process::ExitCode, Box<dyn std:
         Command::Debug {
             what: DebugCommand::Flight { dir },
         } => {
-            for line in debug::verdict(&dir)? {
+            for line in consort::launch::records::verdict(&dir)? {
                 println!("{line}");
             }
         }

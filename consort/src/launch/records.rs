@@ -1,14 +1,14 @@
-//! `consort debug flight DIR`: merges the flight records that the ranks of
-//! a failed job wrote (`rank-K.json`, see `consort_comm::flight`) and says
-//! who is behind and where. `consort run` prints the same verdict in its
-//! failure summary.
+//! The flight records that the ranks of a failed job wrote (`rank-K.json`,
+//! see [`crate::flight`]), read from their directory, and the verdict on
+//! them: who is behind and where. The agent prints it in its failure
+//! summary; `consort debug flight DIR` prints it alone.
 
 use std::path::Path;
 
-use consort::flight::{Dump, analyze};
+use crate::flight::{Dump, analyze};
 
 /// Every `rank-K.json` in `dir`, by rank.
-pub(crate) fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
+pub fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
     let entries = std::fs::read_dir(dir).map_err(|e| {
         format!(
             "cannot read the flight record directory {}: {e}",
@@ -33,7 +33,7 @@ pub(crate) fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
 }
 
 /// The verdict on `dir`'s records, one finding per line.
-pub(crate) fn verdict(dir: &Path) -> Result<Vec<String>, String> {
+pub fn verdict(dir: &Path) -> Result<Vec<String>, String> {
     let dumps = read_records(dir)?;
     if dumps.is_empty() {
         return Err(format!(

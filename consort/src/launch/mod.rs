@@ -1,0 +1,124 @@
+//! The launcher as a library: what `consort run` does, in the shape torch
+//! gives `torch.distributed.elastic` under its thin `torchrun`.
+//!
+//! - [`launch`] ([`agent`]): the agent of one node. Node 0's agent hosts
+//!   the agent store; every agent meets the others there once per round,
+//!   starts its workers, and on a failure stops the round and starts the
+//!   next, up to `max_restarts`.
+//! - `round`: one round's workers, started with torchrun's variables and
+//!   watched until they end.
+//! - `workers`: the child processes: reaping exits and naming the cause,
+//!   copying output with `[rankN]: `, stopping (SIGTERM, then SIGKILL).
+//! - `watchdog`: `--watchdog-timeout`, from each worker's heartbeat.
+//! - [`records`]: the workers' flight records and their verdict.
+//!
+//! The CLI (`consort run`) parses torchrun's flags into a [`LaunchSpec`].
+
+mod agent;
+mod exit;
+pub mod records;
+mod round;
+mod watchdog;
+mod workers;
+
+use std::path::PathBuf;
+
+pub use agent::launch;
+
+/// What to launch, with every flag resolved (`consort run`'s flags, as
+/// torchrun names them). Durations are seconds, as torchrun's flags are.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// The worker's program and its arguments.
+    pub program: Vec<String>,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Workers on this node.
+    pub local_world_size: usize,
+    /// Host of the agent store (node 0).
+    pub master_addr: String,
+    /// Its port.
+    pub master_port: u16,
+    /// Restarts of the whole group after a failure.
+    pub max_restarts: u32,
+    /// Seconds between checks on the workers.
+    pub monitor_interval: f64,
+    /// The run's id (`TORCHELASTIC_RUN_ID`).
+    pub rdzv_id: String,
+    /// Seconds to wait for the store and for every node to join.
+    pub rdzv_timeout: f64,
+    /// Where per-rank logs and flight records go (`None`: a temporary
+    /// directory, kept when the job fails).
+    pub log_dir: Option<PathBuf>,
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    pub grace_period: f64,
+    /// Seconds without progress before a worker counts as hung (`None`:
+    /// no watchdog).
+    pub watchdog_timeout: Option<f64>,
+}
+
+impl LaunchSpec {
+    /// Checks the values the agent depends on.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |why: String| Err(LaunchError::Config(why));
+        if self.program.is_empty() {
+            return bad("no program given: consort run [flags] -- program [args...]".into());
+        }
+        if self.nnodes == 0 || self.node_rank >= self.nnodes || self.local_world_size == 0 {
+            return bad(format!(
+                "node {} of {} nodes with {} workers: expected at least one node and one worker, \
+                 and a node rank below the node count",
+                self.node_rank, self.nnodes, self.local_world_size
+            ));
+        }
+        for (what, v, zero) in [
+            ("rdzv_timeout", self.rdzv_timeout, false),
+            ("grace_period", self.grace_period, true),
+            ("monitor_interval", self.monitor_interval, false),
+            (
+                "watchdog_timeout",
+                self.watchdog_timeout.unwrap_or(1.0),
+                false,
+            ),
+        ] {
+            consort_comm::time::check_seconds(v, zero)
+                .map_err(|why| LaunchError::Config(format!("{what}: {why}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Why the launcher could not run the job (a worker's failure is not an
+/// error: it is the exit code [`launch`] returns).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LaunchError {
+    /// The spec is not valid.
+    #[error("{0}")]
+    Config(String),
+    /// The agent store could not be started or reached.
+    #[error("{0}")]
+    Store(String),
+    /// The nodes did not all join a round.
+    #[error("{0}")]
+    Rendezvous(String),
+    /// A store operation failed.
+    #[error("agent store: {0}")]
+    StoreOp(#[from] consort_comm::StoreError),
+    /// A worker could not be started.
+    #[error("cannot start {program:?}: {source}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// SIGINT or SIGTERM stopped the job (forwarded to every worker).
+    #[error("{0}")]
+    Interrupted(String),
+    /// A file or process operation failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}

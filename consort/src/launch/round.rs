@@ -1,0 +1,295 @@
+//! One round: this node's workers started with torchrun's variables, their
+//! output prefixed with the rank, and watched until they all exit or one
+//! fails (here, hung under the watchdog, or on another node).
+
+use std::{
+    collections::VecDeque,
+    path::PathBuf,
+    process::{ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use consort_comm::store::Store;
+use tokio::{
+    process::{Child, Command},
+    task::JoinHandle,
+};
+
+use super::{
+    LaunchError, LaunchSpec,
+    exit::Exit,
+    records,
+    watchdog::Watchdog,
+    workers::{Signals, beat_file, cause, hung, pump, reap, stop},
+};
+
+/// The last lines of one worker's output.
+type Tail = Arc<Mutex<VecDeque<String>>>;
+
+/// One round's workers on this node.
+struct Round {
+    /// (rank, process, pid) per local worker.
+    children: Vec<(usize, Child, i32)>,
+    tails: Vec<Tail>,
+    pumps: Vec<JoinHandle<()>>,
+    error_files: Vec<PathBuf>,
+    flight_dir: PathBuf,
+}
+
+/// What one round's workers are told, beside their rank.
+struct RoundEnv<'a> {
+    program: &'a [String],
+    restart: u32,
+    world: usize,
+    attempt: PathBuf,
+    flight_dir: PathBuf,
+}
+
+/// Starts this node's workers for one round and watches them. Returns the
+/// first failure (here or, through the store, on another node), or `None`
+/// when every local worker exited 0.
+pub(super) async fn run_round(
+    a: &LaunchSpec,
+    program: &[String],
+    store: &Arc<dyn Store>,
+    round: &str,
+    restart: u32,
+    world: usize,
+    signals: &mut Signals,
+) -> Result<Option<Exit>, LaunchError> {
+    let attempt = a
+        .log_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("consort-run-{}", std::process::id())))
+        .join(format!("attempt_{restart}"));
+    // Where the workers' flight records go when the job fails.
+    let flight_dir = attempt.join("flight");
+    let _ = std::fs::remove_dir_all(&flight_dir);
+    let env = RoundEnv {
+        program,
+        restart,
+        world,
+        attempt,
+        flight_dir: flight_dir.clone(),
+    };
+    let mut r = Round {
+        children: Vec::new(),
+        tails: Vec::new(),
+        pumps: Vec::new(),
+        error_files: Vec::new(),
+        flight_dir,
+    };
+    for local in 0..a.local_world_size {
+        r.spawn(a, &env, local)?;
+    }
+    let failure = r
+        .watch(a, store, &format!("{round}/failed"), signals)
+        .await?;
+    // After a failure this stops the survivors; after a clean round it
+    // only clears what the workers left running in their groups.
+    stop(&mut r.children, a.grace_period, libc::SIGTERM).await;
+    // The pipes close when the workers (and what they started) are gone;
+    // don't wait forever on a grandchild that escaped its process group.
+    for p in std::mem::take(&mut r.pumps) {
+        let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
+    }
+    Ok(failure.map(|f| r.report(a, f)))
+}
+
+impl Round {
+    /// Starts local worker `local`.
+    fn spawn(
+        &mut self,
+        a: &LaunchSpec,
+        env: &RoundEnv<'_>,
+        local: usize,
+    ) -> Result<(), LaunchError> {
+        let rank = a.node_rank * a.local_world_size + local;
+        // Per-rank directory: log files (with --log-dir) and the error
+        // file torch's @record writes (TORCHELASTIC_ERROR_FILE).
+        let dir = env.attempt.join(rank.to_string());
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            LaunchError::Io(std::io::Error::new(
+                e.kind(),
+                format!("cannot create the log directory {}: {e}", dir.display()),
+            ))
+        })?;
+        let error_file = dir.join("error.json");
+        let _ = std::fs::remove_file(&error_file);
+        let mut cmd = Command::new(&env.program[0]);
+        cmd.args(&env.program[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_NAME", "default")
+            .env("WORLD_SIZE", env.world.to_string())
+            .env("LOCAL_WORLD_SIZE", a.local_world_size.to_string())
+            .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
+            .env("ROLE_WORLD_SIZE", env.world.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", a.master_port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
+            .env("TORCHELASTIC_RUN_ID", &a.rdzv_id)
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("TORCHELASTIC_ERROR_FILE", &error_file)
+            .env("CONSORT_FLIGHT_DIR", &env.flight_dir)
+            .envs(
+                a.watchdog_timeout
+                    .map(|_| ("CONSORT_HEARTBEAT_FILE", beat_file(&env.flight_dir, rank))),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group, so stopping a worker stops what it
+            // started too (a shell's children hold its pipes open).
+            .process_group(0)
+            .kill_on_drop(true);
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            cmd.env("OMP_NUM_THREADS", "1");
+        }
+        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            program: env.program[0].clone(),
+            source,
+        })?;
+        let tail = Tail::default();
+        let logs = a.log_dir.is_some().then_some(dir);
+        let log = |name: &str| logs.as_ref().map(|d| d.join(name));
+        if let Some(out) = child.stdout.take() {
+            let p = pump(out, false, rank, tail.clone(), log("stdout.log"));
+            self.pumps.push(tokio::spawn(p));
+        }
+        if let Some(err) = child.stderr.take() {
+            let p = pump(err, true, rank, tail.clone(), log("stderr.log"));
+            self.pumps.push(tokio::spawn(p));
+        }
+        let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+        self.children.push((rank, child, pid));
+        self.tails.push(tail);
+        self.error_files.push(error_file);
+        Ok(())
+    }
+
+    /// Watches the workers until they all exit 0 (`None`) or one fails:
+    /// here, hung under the watchdog, or on another node (`failed_key` in
+    /// the store). SIGINT and SIGTERM are forwarded and end the job.
+    async fn watch(
+        &mut self,
+        a: &LaunchSpec,
+        store: &Arc<dyn Store>,
+        failed_key: &str,
+        signals: &mut Signals,
+    ) -> Result<Option<Exit>, LaunchError> {
+        let interval = Duration::from_secs_f64(a.monitor_interval);
+        let mut done = vec![false; self.children.len()];
+        let mut watchdog = a.watchdog_timeout.map(|t| {
+            let files = self
+                .children
+                .iter()
+                .map(|(rank, _, _)| beat_file(&self.flight_dir, *rank))
+                .collect();
+            Watchdog::new(Duration::from_secs_f64(t), files)
+        });
+        loop {
+            let mut failed = reap(&mut self.children, &mut done)?;
+            if !failed.is_empty() {
+                // The peers of a crashed worker fail within milliseconds of
+                // it; let their exits land, then name the cause.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                failed.extend(reap(&mut self.children, &mut done)?);
+            }
+            let mut failure = cause(failed);
+            if failure.is_none()
+                && let Some(w) = &mut watchdog
+            {
+                failure = hung(w, &mut self.children, &done).await;
+            }
+            if let Some(f) = failure {
+                let _ = store
+                    .set(failed_key, format!("{} {}", f.rank, f.code()).as_bytes())
+                    .await;
+                return Ok(Some(f));
+            }
+            if done.iter().all(|d| *d) {
+                return Ok(None);
+            }
+            // Another node's failure stops this node's workers too.
+            if let Some(f) = elsewhere(store, failed_key).await {
+                return Ok(Some(f));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = signals.int.recv() => {
+                    stop(&mut self.children, a.grace_period, libc::SIGINT).await;
+                    return Err(LaunchError::Interrupted(
+                        "interrupted (SIGINT): forwarded it to every worker and stopped them".into(),
+                    ));
+                }
+                _ = signals.term.recv() => {
+                    stop(&mut self.children, a.grace_period, libc::SIGTERM).await;
+                    return Err(LaunchError::Interrupted(
+                        "terminated (SIGTERM): forwarded it to every worker and stopped them".into(),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The failure with what the agent knows of it: the worker's last
+    /// output (when it ran here), its error file, and the verdict on the
+    /// flight records.
+    fn report(&self, a: &LaunchSpec, mut f: Exit) -> Exit {
+        if let Some(local) = f
+            .rank
+            .checked_sub(a.node_rank * a.local_world_size)
+            .filter(|l| *l < a.local_world_size)
+        {
+            let found = std::mem::take(&mut f.tail);
+            f.tail = self.tails[local]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect();
+            f.tail.extend(found);
+            let file = &self.error_files[local];
+            if let Ok(text) = std::fs::read_to_string(file) {
+                let text: String = text.chars().take(4000).collect();
+                f.tail
+                    .push(format!("error file {}: {text}", file.display()));
+            }
+        }
+        if let Ok(lines) = records::verdict(&self.flight_dir) {
+            f.tail.push(format!(
+                "flight records in {} (`consort debug flight` reads them):",
+                self.flight_dir.display()
+            ));
+            f.tail
+                .extend(lines.into_iter().skip(1).map(|l| format!("  {l}")));
+        }
+        f
+    }
+}
+
+/// Another node's failure, as its agent left it in the store.
+async fn elsewhere(store: &Arc<dyn Store>, failed_key: &str) -> Option<Exit> {
+    if !store.check(&[failed_key]).await.unwrap_or(false) {
+        return None;
+    }
+    let who = store.get(failed_key).await.unwrap_or_default();
+    let who = String::from_utf8_lossy(&who).into_owned();
+    let mut parts = who.split(' ').map(|p| p.parse::<i64>().ok());
+    let rank = parts.next().flatten().unwrap_or(-1);
+    let code = parts.next().flatten().unwrap_or(1).clamp(1, 255) as i32;
+    use std::os::unix::process::ExitStatusExt;
+    Some(Exit {
+        rank: usize::try_from(rank).unwrap_or(usize::MAX),
+        status: ExitStatus::from_raw(code << 8),
+        tail: vec![format!(
+            "(rank {rank} failed on another node; its output is in that node's log)"
+        )],
+        note: None,
+    })
+}
