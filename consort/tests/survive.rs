@@ -191,3 +191,162 @@ fn a_stopped_worker_is_named_by_the_watchdog_and_training_finishes() {
     );
     std::fs::remove_dir_all(out).unwrap();
 }
+
+/// A free local port for an agent store.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One agent of an elastic job (`--nnodes 1:2`, one worker each), training
+/// into `out`; its output goes to the returned channel.
+fn elastic_agent(port: u16, out: &Path) -> (std::process::Child, mpsc::Receiver<String>) {
+    let mut job = Command::new(consort_bin())
+        .args([
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+        ])
+        .args([
+            "--rdzv-last-call",
+            "2",
+            "--grace-period",
+            "1",
+            "--rdzv-endpoint",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--")
+        .arg(train_bin())
+        .args(["--epochs", "6", "--batch-size", "30", "--out"])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("consort run");
+    let (tx, rx) = mpsc::channel::<String>();
+    for stream in [
+        Box::new(job.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(job.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    (job, rx)
+}
+
+/// Reads `rx` into `text` until a line contains `want` (or 120 s pass).
+fn read_until(rx: &mpsc::Receiver<String>, text: &mut String, want: &str) -> bool {
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(120)) {
+        text.push_str(&line);
+        text.push('\n');
+        if line.contains(want) {
+            return true;
+        }
+    }
+    false
+}
+
+/// The same job on the simulator, undisturbed at world `world`.
+fn undisturbed_at(world: usize) -> f64 {
+    let out = scratch(&format!("calm{world}"));
+    let st = Command::new(train_bin())
+        .args(["--epochs", "6", "--batch-size", "30", "--out"])
+        .arg(&out)
+        .args(["--world-size", &world.to_string()])
+        .env_remove("RANK")
+        .output()
+        .expect("train");
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let acc = final_accuracy(&out);
+    std::fs::remove_dir_all(out).unwrap();
+    acc
+}
+
+/// Elastic 1:2 nodes: two agents form a world of 2; one agent is killed
+/// mid-training (its worker dies with it); the other starts a round alone
+/// and finishes at world size 1 from the checkpoint.
+#[test]
+fn elastic_two_nodes_lose_one_and_the_other_finishes_alone() {
+    let (port, out) = (free_port(), scratch("elastic-lose"));
+    let (mut a, rx_a) = elastic_agent(port, &out);
+    let mut text_a = String::new();
+    // The first agent hosts the store; the second joins it.
+    thread::sleep(Duration::from_millis(500));
+    let (mut b, rx_b) = elastic_agent(port, &out);
+    let mut text_b = String::new();
+    assert!(
+        read_until(&rx_a, &mut text_a, "epoch   2/6")
+            || read_until(&rx_b, &mut text_b, "epoch   2/6"),
+        "{text_a}\n{text_b}"
+    );
+    assert!(
+        text_a.contains("2 rank(s)") || text_b.contains("2 rank(s)"),
+        "{text_a}\n{text_b}"
+    );
+    b.kill().unwrap();
+    b.wait().unwrap();
+    assert!(
+        read_until(&rx_a, &mut text_a, "done: test accuracy"),
+        "{text_a}"
+    );
+    assert!(a.wait().unwrap().success(), "{text_a}");
+    assert!(
+        text_a.contains("1 rank(s), global batch 30, epochs "),
+        "{text_a}"
+    );
+    let got = final_accuracy(&out);
+    let want = undisturbed_at(2);
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% after losing a node, {want:.2}% undisturbed"
+    );
+    std::fs::remove_dir_all(out).unwrap();
+}
+
+/// Elastic 1:2 nodes: one agent starts alone (world 1, after the last
+/// call); a second that arrives later joins at the next round, and the two
+/// finish at world size 2.
+#[test]
+fn elastic_a_late_node_joins_at_the_next_round() {
+    let (port, out) = (free_port(), scratch("elastic-join"));
+    let (mut a, rx_a) = elastic_agent(port, &out);
+    let mut text_a = String::new();
+    assert!(read_until(&rx_a, &mut text_a, "epoch   1/6"), "{text_a}");
+    assert!(text_a.contains("1 rank(s)"), "{text_a}");
+    let (mut b, rx_b) = elastic_agent(port, &out);
+    // Node ranks follow the join order of the new round: either agent may
+    // hold rank 0 now.
+    let ok = (a.wait().unwrap().success(), b.wait().unwrap().success());
+    text_a.extend(rx_a.iter().map(|l| l + "\n"));
+    let text_b: String = rx_b.iter().map(|l| l + "\n").collect();
+    assert_eq!(ok, (true, true), "{text_a}\n{text_b}");
+    assert!(
+        text_a.contains("a node waits to join: restarting the group with it"),
+        "{text_a}"
+    );
+    let both = format!("{text_a}{text_b}");
+    assert!(both.contains("2 rank(s), global batch 30"), "{both}");
+    assert!(both.contains("done: test accuracy"), "{both}");
+    let got = final_accuracy(&out);
+    let want = undisturbed_at(1);
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% with a late node, {want:.2}% undisturbed"
+    );
+    std::fs::remove_dir_all(out).unwrap();
+}

@@ -23,9 +23,11 @@ pub(crate) struct RunArgs {
         value_name = "N|gpu|auto|cpu"
     )]
     nproc_per_node: NprocPerNode,
-    /// Number of nodes.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Number of nodes: N, or MIN:MAX for elastic membership (rounds
+    /// close with MAX nodes, or with at least MIN after --rdzv-last-call;
+    /// node ranks follow the join order).
+    #[arg(long, default_value = "1", value_name = "N|MIN:MAX")]
+    nnodes: Nodes,
     /// This node's rank among the nodes.
     #[arg(long, alias = "node_rank", default_value_t = 0)]
     node_rank: usize,
@@ -50,6 +52,10 @@ pub(crate) struct RunArgs {
     /// Directory for per-rank log files (attempt_N/RANK/stdout.log, stderr.log).
     #[arg(long, alias = "log_dir")]
     log_dir: Option<PathBuf>,
+    /// Seconds an elastic round (--nnodes MIN:MAX) waits for more nodes once
+    /// MIN have joined (torch's last_call_timeout).
+    #[arg(long, alias = "rdzv_last_call", default_value_t = 30.0)]
+    rdzv_last_call: f64,
     /// Run the program as given even if it ends in .py (torchrun's flag).
     #[arg(long, alias = "no_python")]
     no_python: bool,
@@ -77,6 +83,42 @@ pub(crate) struct RunArgs {
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<String>,
+}
+
+/// `--nnodes`: `N`, or `MIN:MAX` (torchrun's `parse_min_max_nnodes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Nodes {
+    min: usize,
+    max: usize,
+}
+
+impl std::str::FromStr for Nodes {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let n = |v: &str| {
+            v.trim().parse::<usize>().map_err(|_| {
+                format!("{s:?} is not N or MIN:MAX (such as 2, or 1:4 for elastic membership)")
+            })
+        };
+        match s.split_once(':') {
+            Some((lo, hi)) => Ok(Nodes {
+                min: n(lo)?,
+                max: n(hi)?,
+            }),
+            None => n(s).map(|v| Nodes { min: v, max: v }),
+        }
+    }
+}
+
+impl std::fmt::Display for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.min == self.max {
+            write!(f, "{}", self.max)
+        } else {
+            write!(f, "{}:{}", self.min, self.max)
+        }
+    }
 }
 
 /// `--nproc-per-node`, as torchrun's `determine_local_world_size` reads it.
@@ -163,22 +205,30 @@ fn validate(a: &RunArgs) -> Result<(), String> {
             consort::MAX_LOCAL_WORLD_SIZE
         ));
     }
-    if a.nnodes == 0 || a.nnodes > consort::MAX_WORLD_SIZE {
+    let Nodes { min, max } = a.nnodes;
+    if min == 0 || min > max || max > consort::MAX_WORLD_SIZE {
         return Err(format!(
-            "--nnodes {}: expected 1 to {} nodes",
+            "--nnodes {}: expected 1 to {} nodes (MIN:MAX with MIN <= MAX)",
             a.nnodes,
             consort::MAX_WORLD_SIZE
         ));
     }
-    if a.node_rank >= a.nnodes {
+    if min == max && a.node_rank >= max {
         return Err(format!(
             "--node-rank {} is out of range for --nnodes {} (valid: 0..={})",
             a.node_rank,
             a.nnodes,
-            a.nnodes - 1
+            max - 1
         ));
     }
-    if a.standalone && a.nnodes > 1 {
+    if min < max && a.node_rank != 0 {
+        return Err(format!(
+            "--node-rank {}: with --nnodes {} the nodes are numbered in the order they join; \
+             leave --node-rank out",
+            a.node_rank, a.nnodes
+        ));
+    }
+    if a.standalone && max > 1 {
         return Err("--standalone means a single node; it cannot go with --nnodes > 1".into());
     }
     if !matches!(a.rdzv_backend.as_str(), "static" | "c10d") {
@@ -191,6 +241,7 @@ fn validate(a: &RunArgs) -> Result<(), String> {
         ("--rdzv-timeout", a.rdzv_timeout, false),
         ("--grace-period", a.grace_period, true),
         ("--monitor-interval", a.monitor_interval, false),
+        ("--rdzv-last-call", a.rdzv_last_call, true),
         (
             "--watchdog-timeout",
             a.watchdog_timeout.unwrap_or(1.0),
@@ -259,7 +310,9 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
     }
     let spec = LaunchSpec {
         program,
-        nnodes: a.nnodes,
+        min_nodes: a.nnodes.min,
+        max_nodes: a.nnodes.max,
+        last_call: a.rdzv_last_call,
         node_rank: a.node_rank,
         local_world_size,
         master_addr: a.master_addr,

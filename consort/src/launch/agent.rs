@@ -1,8 +1,10 @@
-//! The agent: one per node. Node 0's agent hosts the TCPStore as the
-//! agent store; every agent meets the others there once per round, starts
-//! its workers ([`super::round`]), and on a failure stops the round and
-//! starts the next with `TORCHELASTIC_RESTART_COUNT + 1`, up to
-//! `max_restarts` (torch's `SimpleElasticAgent`).
+//! The agent: one per node. One agent hosts the TCPStore as the agent
+//! store (node 0, or under elastic membership the first to bind the
+//! endpoint); every agent meets the others there before each round
+//! ([`super::rendezvous`]), starts its workers ([`super::round`]), and
+//! starts the next round when a worker fails (up to `max_restarts`
+//! failures) or a new node waits to join (torch's `SimpleElasticAgent`).
+//! Workers see `TORCHELASTIC_RESTART_COUNT` = the round's index.
 
 use std::{sync::Arc, time::Duration};
 
@@ -10,109 +12,71 @@ use consort_comm::store::Store;
 use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 use tokio::signal::unix::{SignalKind, signal};
 
-use super::{LaunchError, LaunchSpec, round::run_round, workers::Signals};
+use super::{
+    LaunchError, LaunchSpec,
+    rendezvous::{meet, round_key},
+    round::{RoundEnd, run_round},
+    workers::Signals,
+};
 
 /// Runs the agent of this node until the job ends; returns the exit code
 /// for the process: 0, or the failing worker's (128 + signal when killed).
 pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
     spec.validate()?;
     let a = &spec;
-    let program = &a.program;
     // Installed before any worker starts, so no signal slips past them.
     let mut signals = Signals {
         int: signal(SignalKind::interrupt())?,
         term: signal(SignalKind::terminate())?,
     };
-    let addr = crate::env::host_port(&a.master_addr, a.master_port);
-    let rdzv_timeout = Duration::from_secs_f64(a.rdzv_timeout);
-    // Node 0 hosts the agent store (where init_from_env's rank 0 would).
-    let server = if a.node_rank == 0 {
-        let bind = crate::store_bind_addr(&a.master_addr, a.master_port).await;
-        Some(
-            TcpStoreServer::bind_opts(
-                bind.as_str(),
-                consort_tcp::ServerOptions::from_env()
-                    .map_err(|e| LaunchError::Store(e.to_string()))?,
-            )
-            .await
-            .map_err(|e| {
-                LaunchError::Store(format!("{e} (or use --standalone for a free port)"))
-            })?,
-        )
-    } else {
-        None
-    };
-    let store: Arc<dyn Store> = Arc::new(
-        TcpStore::connect(
-            addr.clone(),
-            TcpStoreOptions {
-                connect_timeout: rdzv_timeout,
-                timeout: rdzv_timeout.max(TcpStoreOptions::default().timeout),
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| {
-            LaunchError::Store(format!(
-                "node {} of the launcher cannot reach the agent store (--rdzv-timeout {}s): {e}. \
-                 Start node 0 (it hosts the store) with the same --master-addr/--master-port",
-                a.node_rank, a.rdzv_timeout
-            ))
-        })?,
-    );
-    let world = a.nnodes * a.local_world_size;
-    if world > crate::MAX_WORLD_SIZE {
-        return Err(LaunchError::Config(format!(
-            "--nnodes {} x {} workers is a world of {world}, more than consort supports ({})",
-            a.nnodes,
-            a.local_world_size,
-            crate::MAX_WORLD_SIZE
-        )));
-    }
+    let server = host_store(a).await?;
+    let store = connect(a).await?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
-    let mut restart = 0u32;
+    let (mut round, mut failures) = (0u32, 0u32);
+    let mut last_node;
     let code = loop {
-        // Every node's agent meets the others for this round.
-        let round = format!("{ns}/{restart}");
-        store
-            .set(&format!("{round}/node/{}", a.node_rank), b"1")
-            .await?;
-        let keys: Vec<String> = (0..a.nnodes).map(|n| format!("{round}/node/{n}")).collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        store
-            .wait(&keys, rdzv_timeout)
-            .await
-            .map_err(|e| {
-                LaunchError::Rendezvous(format!(
-                    "rendezvous of {} nodes (round {restart}) failed: {e}. Start `consort run --node-rank N` \
-                     on every node, with the same --nnodes, --master-addr, --master-port and --rdzv-id",
-                    a.nnodes
-                ))
-            })?;
-
-        let failure = run_round(a, program, &store, &round, restart, world, &mut signals).await?;
-        match failure {
-            None => break 0,
-            Some(f) if restart < a.max_restarts => {
+        let Some(m) = meet(a, &*store, &ns, round).await? else {
+            round += 1;
+            continue;
+        };
+        if m.world > crate::MAX_WORLD_SIZE {
+            return Err(LaunchError::Config(format!(
+                "{} nodes' workers make a world of {}, more than consort supports ({})",
+                m.nnodes,
+                m.world,
+                crate::MAX_WORLD_SIZE
+            )));
+        }
+        last_node = m.node_rank;
+        let key = round_key(&ns, round);
+        match run_round(a, &m, &store, &ns, &key, round, &mut signals).await? {
+            RoundEnd::Done => break 0,
+            RoundEnd::NewMember => {
+                eprintln!(
+                    "[consort run] a node waits to join: restarting the group with it (round {})",
+                    round + 1
+                );
+            }
+            RoundEnd::Failed(f) if failures < a.max_restarts => {
+                failures += 1;
                 eprintln!(
                     "[consort run] rank {} failed ({}); restarting the group (attempt {} of {}). \
                      Its last output:",
                     f.rank,
                     f.describe(),
-                    restart + 1,
+                    failures,
                     a.max_restarts
                 );
                 for l in &f.tail {
                     eprintln!("[consort run]   {l}");
                 }
-                restart += 1;
             }
-            Some(f) => {
+            RoundEnd::Failed(f) => {
                 eprintln!(
                     "[consort run] rank {} failed with {} after {} restart(s). Its last output:",
                     f.rank,
                     f.describe(),
-                    restart
+                    failures
                 );
                 for l in &f.tail {
                     eprintln!("[consort run]   {l}");
@@ -120,6 +84,7 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
                 break f.code();
             }
         }
+        round += 1;
     };
     // A failed job keeps its temporary directory: the summary names the
     // flight records in it.
@@ -128,16 +93,63 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
             std::env::temp_dir().join(format!("consort-run-{}", std::process::id())),
         );
     }
-    // Node 0 keeps the store up until every node has finished.
-    store
-        .set(&format!("{ns}/done/{}", a.node_rank), b"1")
-        .await?;
+    // The store's host keeps it up until every node of the last round has
+    // finished.
+    store.set(&format!("{ns}/done/{last_node}"), b"1").await?;
     if let Some(server) = server {
-        let keys: Vec<String> = (0..a.nnodes).map(|n| format!("{ns}/done/{n}")).collect();
+        let n = if a.min_nodes == a.max_nodes {
+            a.max_nodes
+        } else {
+            1
+        };
+        let keys: Vec<String> = (0..n).map(|n| format!("{ns}/done/{n}")).collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         let _ = store.wait(&keys, Duration::from_secs(60)).await;
         drop(store);
         server.shutdown().await;
     }
     Ok(code)
+}
+
+/// The agent store's server, when this agent hosts it: node 0 of a static
+/// job, or under elastic membership the agent that binds the endpoint
+/// first (the others find the port taken and connect to it).
+async fn host_store(a: &LaunchSpec) -> Result<Option<TcpStoreServer>, LaunchError> {
+    let elastic = a.min_nodes != a.max_nodes;
+    if !elastic && a.node_rank != 0 {
+        return Ok(None);
+    }
+    let bind = crate::store_bind_addr(&a.master_addr, a.master_port).await;
+    let opts =
+        consort_tcp::ServerOptions::from_env().map_err(|e| LaunchError::Store(e.to_string()))?;
+    match TcpStoreServer::bind_opts(bind.as_str(), opts).await {
+        Ok(s) => Ok(Some(s)),
+        Err(_) if elastic => Ok(None),
+        Err(e) => Err(LaunchError::Store(format!(
+            "{e} (or use --standalone for a free port)"
+        ))),
+    }
+}
+
+/// The agent store, as a client.
+async fn connect(a: &LaunchSpec) -> Result<Arc<dyn Store>, LaunchError> {
+    let addr = crate::env::host_port(&a.master_addr, a.master_port);
+    let rdzv_timeout = Duration::from_secs_f64(a.rdzv_timeout);
+    let store = TcpStore::connect(
+        addr,
+        TcpStoreOptions {
+            connect_timeout: rdzv_timeout,
+            timeout: rdzv_timeout.max(TcpStoreOptions::default().timeout),
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| {
+        LaunchError::Store(format!(
+            "node {} of the launcher cannot reach the agent store (--rdzv-timeout {}s): {e}. \
+             Start node 0 (it hosts the store) with the same --master-addr/--master-port",
+            a.node_rank, a.rdzv_timeout
+        ))
+    })?;
+    Ok(Arc::new(store))
 }

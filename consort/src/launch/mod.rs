@@ -5,6 +5,8 @@
 //!   the agent store; every agent meets the others there once per round,
 //!   starts its workers, and on a failure stops the round and starts the
 //!   next, up to `max_restarts`.
+//! - `rendezvous`: static (`--nnodes N`) or elastic (`--nnodes MIN:MAX`)
+//!   membership per round.
 //! - `round`: one round's workers, started with torchrun's variables and
 //!   watched until they end.
 //! - `workers`: the child processes: reaping exits and naming the cause,
@@ -17,6 +19,7 @@
 mod agent;
 mod exit;
 pub mod records;
+mod rendezvous;
 mod round;
 mod watchdog;
 mod workers;
@@ -31,10 +34,17 @@ pub use agent::launch;
 pub struct LaunchSpec {
     /// The worker's program and its arguments.
     pub program: Vec<String>,
-    /// Nodes in the job.
-    pub nnodes: usize,
-    /// This node's index, `0..nnodes`.
+    /// Nodes in the job, at least (`--nnodes MIN:MAX`; equal to
+    /// `max_nodes` for a fixed membership).
+    pub min_nodes: usize,
+    /// Nodes in the job, at most.
+    pub max_nodes: usize,
+    /// This node's index, `0..max_nodes` (fixed membership only; elastic
+    /// rounds number nodes in the order they join).
     pub node_rank: usize,
+    /// Seconds an elastic round stays open for more nodes once `min_nodes`
+    /// have joined (torch's `last_call_timeout`).
+    pub last_call: f64,
     /// Workers on this node.
     pub local_world_size: usize,
     /// Host of the agent store (node 0).
@@ -66,17 +76,22 @@ impl LaunchSpec {
         if self.program.is_empty() {
             return bad("no program given: consort run [flags] -- program [args...]".into());
         }
-        if self.nnodes == 0 || self.node_rank >= self.nnodes || self.local_world_size == 0 {
+        if self.min_nodes == 0
+            || self.min_nodes > self.max_nodes
+            || self.node_rank >= self.max_nodes
+            || self.local_world_size == 0
+        {
             return bad(format!(
-                "node {} of {} nodes with {} workers: expected at least one node and one worker, \
-                 and a node rank below the node count",
-                self.node_rank, self.nnodes, self.local_world_size
+                "node {} of {}:{} nodes with {} workers: expected at least one node and one \
+                 worker, MIN <= MAX, and a node rank below the node count",
+                self.node_rank, self.min_nodes, self.max_nodes, self.local_world_size
             ));
         }
         for (what, v, zero) in [
             ("rdzv_timeout", self.rdzv_timeout, false),
             ("grace_period", self.grace_period, true),
             ("monitor_interval", self.monitor_interval, false),
+            ("last_call", self.last_call, true),
             (
                 "watchdog_timeout",
                 self.watchdog_timeout.unwrap_or(1.0),

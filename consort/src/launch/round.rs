@@ -20,9 +20,21 @@ use super::{
     LaunchError, LaunchSpec,
     exit::Exit,
     records,
+    rendezvous::{Membership, waiting},
     watchdog::Watchdog,
     workers::{Signals, beat_file, cause, hung, pump, reap, stop},
 };
+
+/// How a round ended.
+#[derive(Debug)]
+pub(super) enum RoundEnd {
+    /// Every worker exited 0.
+    Done,
+    /// A worker failed (here or on another node), or hung.
+    Failed(Exit),
+    /// A node waits to join (elastic): the group restarts with it.
+    NewMember,
+}
 
 /// The last lines of one worker's output.
 type Tail = Arc<Mutex<VecDeque<String>>>;
@@ -39,9 +51,8 @@ struct Round {
 
 /// What one round's workers are told, beside their rank.
 struct RoundEnv<'a> {
-    program: &'a [String],
+    m: &'a Membership,
     restart: u32,
-    world: usize,
     attempt: PathBuf,
     flight_dir: PathBuf,
 }
@@ -51,13 +62,13 @@ struct RoundEnv<'a> {
 /// when every local worker exited 0.
 pub(super) async fn run_round(
     a: &LaunchSpec,
-    program: &[String],
+    m: &Membership,
     store: &Arc<dyn Store>,
-    round: &str,
+    ns: &str,
+    key: &str,
     restart: u32,
-    world: usize,
     signals: &mut Signals,
-) -> Result<Option<Exit>, LaunchError> {
+) -> Result<RoundEnd, LaunchError> {
     let attempt = a
         .log_dir
         .clone()
@@ -67,9 +78,8 @@ pub(super) async fn run_round(
     let flight_dir = attempt.join("flight");
     let _ = std::fs::remove_dir_all(&flight_dir);
     let env = RoundEnv {
-        program,
+        m,
         restart,
-        world,
         attempt,
         flight_dir: flight_dir.clone(),
     };
@@ -83,8 +93,10 @@ pub(super) async fn run_round(
     for local in 0..a.local_world_size {
         r.spawn(a, &env, local)?;
     }
-    let failure = r
-        .watch(a, store, &format!("{round}/failed"), signals)
+    let newcomers =
+        (a.min_nodes != a.max_nodes && m.nnodes < a.max_nodes).then_some((ns, restart + 1));
+    let end = r
+        .watch(a, store, &format!("{key}/failed"), newcomers, signals)
         .await?;
     // After a failure this stops the survivors; after a clean round it
     // only clears what the workers left running in their groups.
@@ -94,7 +106,10 @@ pub(super) async fn run_round(
     for p in std::mem::take(&mut r.pumps) {
         let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
     }
-    Ok(failure.map(|f| r.report(a, f)))
+    Ok(match end {
+        RoundEnd::Failed(f) => RoundEnd::Failed(r.report(m, f)),
+        other => other,
+    })
 }
 
 impl Round {
@@ -105,7 +120,8 @@ impl Round {
         env: &RoundEnv<'_>,
         local: usize,
     ) -> Result<(), LaunchError> {
-        let rank = a.node_rank * a.local_world_size + local;
+        let m = env.m;
+        let rank = m.rank_offset + local;
         // Per-rank directory: log files (with --log-dir) and the error
         // file torch's @record writes (TORCHELASTIC_ERROR_FILE).
         let dir = env.attempt.join(rank.to_string());
@@ -117,17 +133,17 @@ impl Round {
         })?;
         let error_file = dir.join("error.json");
         let _ = std::fs::remove_file(&error_file);
-        let mut cmd = Command::new(&env.program[0]);
-        cmd.args(&env.program[1..])
+        let mut cmd = Command::new(&a.program[0]);
+        cmd.args(&a.program[1..])
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())
-            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("GROUP_RANK", m.node_rank.to_string())
             .env("ROLE_RANK", rank.to_string())
             .env("ROLE_NAME", "default")
-            .env("WORLD_SIZE", env.world.to_string())
+            .env("WORLD_SIZE", m.world.to_string())
             .env("LOCAL_WORLD_SIZE", a.local_world_size.to_string())
-            .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
-            .env("ROLE_WORLD_SIZE", env.world.to_string())
+            .env("GROUP_WORLD_SIZE", m.nnodes.to_string())
+            .env("ROLE_WORLD_SIZE", m.world.to_string())
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", a.master_port.to_string())
             .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
@@ -150,8 +166,20 @@ impl Round {
         if std::env::var_os("OMP_NUM_THREADS").is_none() {
             cmd.env("OMP_NUM_THREADS", "1");
         }
+        // SAFETY: prctl is async-signal-safe, and this runs in the child
+        // between fork and exec. A worker dies with its agent (SIGKILL when
+        // the agent's thread that started it ends), as a node that is
+        // lost loses its workers, instead of living on orphaned.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
-            program: env.program[0].clone(),
+            program: a.program[0].clone(),
             source,
         })?;
         let tail = Tail::default();
@@ -180,8 +208,9 @@ impl Round {
         a: &LaunchSpec,
         store: &Arc<dyn Store>,
         failed_key: &str,
+        newcomers: Option<(&str, u32)>,
         signals: &mut Signals,
-    ) -> Result<Option<Exit>, LaunchError> {
+    ) -> Result<RoundEnd, LaunchError> {
         let interval = Duration::from_secs_f64(a.monitor_interval);
         let mut done = vec![false; self.children.len()];
         let mut watchdog = a.watchdog_timeout.map(|t| {
@@ -210,14 +239,19 @@ impl Round {
                 let _ = store
                     .set(failed_key, format!("{} {}", f.rank, f.code()).as_bytes())
                     .await;
-                return Ok(Some(f));
+                return Ok(RoundEnd::Failed(f));
             }
             if done.iter().all(|d| *d) {
-                return Ok(None);
+                return Ok(RoundEnd::Done);
             }
             // Another node's failure stops this node's workers too.
             if let Some(f) = elsewhere(store, failed_key).await {
-                return Ok(Some(f));
+                return Ok(RoundEnd::Failed(f));
+            }
+            if let Some((ns, next)) = newcomers
+                && waiting(&**store, ns, next).await
+            {
+                return Ok(RoundEnd::NewMember);
             }
             tokio::select! {
                 _ = tokio::time::sleep(interval) => {}
@@ -240,11 +274,11 @@ impl Round {
     /// The failure with what the agent knows of it: the worker's last
     /// output (when it ran here), its error file, and the verdict on the
     /// flight records.
-    fn report(&self, a: &LaunchSpec, mut f: Exit) -> Exit {
+    fn report(&self, m: &Membership, mut f: Exit) -> Exit {
         if let Some(local) = f
             .rank
-            .checked_sub(a.node_rank * a.local_world_size)
-            .filter(|l| *l < a.local_world_size)
+            .checked_sub(m.rank_offset)
+            .filter(|l| *l < self.children.len())
         {
             let found = std::mem::take(&mut f.tail);
             f.tail = self.tails[local]
