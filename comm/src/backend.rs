@@ -360,6 +360,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// This rank waits about `d` for something outside the group's calls
+    /// (a store, a file, its own compute). Real backends return at once
+    /// (the caller sleeps); the simulator advances this rank's virtual
+    /// clock by `d`, so that its peers' calls can progress meanwhile (an
+    /// idle rank otherwise holds the simulated world at its time).
+    async fn idle(&self, d: Duration) {
+        let _ = d;
+    }
+
     /// Makes a subgroup of this group. `ranks` is already checked (distinct,
     /// inside this group) and in group-rank order; every rank of this group
     /// calls it with the same list, making its subgroups in the same order.

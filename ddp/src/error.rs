@@ -77,6 +77,23 @@ pub enum DdpError {
         /// The cause.
         reason: String,
     },
+    /// A peer was lost and DDP continues on the survivors
+    /// (`OnPeerLost::Shrink`): this step did not happen. Redo it as rank
+    /// `rank` of `world` (re-shard the data, keep the global batch).
+    #[error(
+        "lost rank(s) {lost:?}; continuing on the {world} survivors as rank {rank}: this step's \
+         gradients were dropped, redo it on the new group (cause: {cause})"
+    )]
+    Shrunk {
+        /// This rank in the survivors' group.
+        rank: usize,
+        /// The survivors.
+        world: usize,
+        /// The lost ranks, as the old group numbered them.
+        lost: Vec<usize>,
+        /// The failure that started it.
+        cause: Box<DdpError>,
+    },
     /// An earlier failure left this `Ddp` unusable.
     #[error(
         "this Ddp failed earlier and cannot continue (the ranks no longer agree on their \

@@ -42,7 +42,7 @@ mod worker;
 pub use device::DeviceModel;
 pub use hook::CommHook;
 pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
-pub use reducer::{Ddp, DdpError, DdpOptions, NoSync};
+pub use reducer::{Ddp, DdpError, DdpOptions, NoSync, OnPeerLost};
 pub use shard::{AdamW, Memory, Sgd, ShardOptimizer, ShardOptions, Sharded, Strategy};
 
 pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};

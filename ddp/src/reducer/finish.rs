@@ -23,6 +23,13 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
     /// After the first synced step the buckets are rebuilt in the order
     /// rank 0's gradients became ready (torch's bucket rebuild).
     pub async fn finish(&mut self) -> Result<(), DdpError> {
+        match self.finish_step().await {
+            Err(e) if self.shrinkable(&e) => Err(self.shrink(e).await),
+            other => other,
+        }
+    }
+
+    async fn finish_step(&mut self) -> Result<(), DdpError> {
         self.check()?;
         if !self.sync {
             self.reset_step();
@@ -154,11 +161,9 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         };
         let opts = self.call.with_timeout(self.timeout());
         let opts = CallOptions { root: 0, ..opts };
-        if let Err(source) = self
-            .backend
-            .broadcast(BufferMut::from(&mut order), &opts)
-            .await
-        {
+        let sent =
+            super::on_group!(self, b => b.broadcast(BufferMut::from(&mut order), &opts).await);
+        if let Err(source) = sent {
             let e = DdpError::Comm {
                 what: "broadcast of rank 0's bucket order".into(),
                 source: Box::new(source),
@@ -223,6 +228,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
     }
 
     pub(super) fn timeout(&self) -> Duration {
-        self.call.timeout_or(self.backend.default_timeout())
+        self.call
+            .timeout_or(super::on_group!(self, b => b.default_timeout()))
     }
 }

@@ -32,7 +32,29 @@
 
 mod finish;
 mod mark;
+mod shrink;
 mod step_extras;
+
+pub use shrink::OnPeerLost;
+
+/// Runs `$body` with `$b` bound to the group DDP reduces over now: the
+/// backend it was made with, or the survivors' group after a shrink.
+macro_rules! on_group {
+    ($self:expr, $b:ident => $body:expr) => {
+        match $self.group.clone() {
+            Some(g) => {
+                let $b = &*g;
+                $body
+            }
+            None => {
+                let owned = $self.backend.clone();
+                let $b = &*owned;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use on_group;
 
 use std::{
     fmt,
@@ -72,6 +94,9 @@ pub struct DdpOptions {
     pub comm_hook: CommHook,
     /// Timeout of each collective; `None`: the backend's default.
     pub timeout: Option<Duration>,
+    /// What to do when a peer is lost: fail (torch), or continue on the
+    /// survivors ([`OnPeerLost::Shrink`]).
+    pub on_peer_lost: OnPeerLost,
 }
 
 impl Default for DdpOptions {
@@ -82,6 +107,7 @@ impl Default for DdpOptions {
             broadcast_buffers: true,
             comm_hook: CommHook::AllReduce,
             timeout: None,
+            on_peer_lost: OnPeerLost::Fail,
         }
     }
 }
@@ -114,6 +140,12 @@ impl DdpOptions {
     /// The timeout of every collective DDP runs.
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = Some(t);
+        self
+    }
+
+    /// What to do when a peer is lost ([`OnPeerLost`]).
+    pub fn on_peer_lost(mut self, policy: OnPeerLost) -> Self {
+        self.on_peer_lost = policy;
         self
     }
 }
@@ -175,6 +207,10 @@ pub struct Ddp<B: Backend + ?Sized + 'static> {
     jobs: mpsc::UnboundedSender<Job>,
     done: mpsc::UnboundedReceiver<Done>,
     worker: tokio::task::JoinHandle<()>,
+    /// The survivors' group, after a shrink ([`OnPeerLost::Shrink`]).
+    group: Option<Arc<dyn Backend>>,
+    /// Shrinks so far (they name the store keys of the next).
+    shrinks: u32,
 }
 
 impl<B: Backend + ?Sized + 'static> fmt::Debug for Ddp<B> {
@@ -276,6 +312,8 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             jobs,
             done,
             worker,
+            group: None,
+            shrinks: 0,
         };
         // c10d: iteration 1 has one bucket per dtype (its ready order is
         // not known yet); the list is reversed, since backward produces the
@@ -352,9 +390,20 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         self.rank
     }
 
-    /// The backend.
+    /// The backend it was made with (after a shrink, [`Ddp::group`] is
+    /// the group it reduces over).
     pub fn backend(&self) -> &Arc<B> {
         &self.backend
+    }
+
+    /// The survivors' group, once a peer was lost and DDP shrank past it.
+    pub fn group(&self) -> Option<&Arc<dyn Backend>> {
+        self.group.as_ref()
+    }
+
+    /// Ranks in the group DDP reduces over now.
+    pub fn world_size(&self) -> usize {
+        on_group!(self, b => b.world_size())
     }
 
     /// The parameters, as rank 0 and every other rank agreed on them.

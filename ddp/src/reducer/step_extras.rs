@@ -131,9 +131,11 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         }
         let buffers = model.buffers();
         let res = if self.placement.is_some() {
-            dev::broadcast_device(&*self.backend, model, &[], &buffers, &self.call).await
+            let call = self.call;
+            super::on_group!(self, b => dev::broadcast_device(b, model, &[], &buffers, &call).await)
         } else {
-            broadcast_tensors(&*self.backend, model, &[], &buffers, &self.call).await
+            let call = self.call;
+            super::on_group!(self, b => broadcast_tensors(b, model, &[], &buffers, &call).await)
         };
         if let Err(e) = res {
             return Err(self.fail(e));
@@ -237,11 +239,9 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             root: 0,
             ..self.call
         };
-        if let Err(source) = self
-            .backend
-            .broadcast(BufferMut::from(&mut status[..]), &opts)
-            .await
-        {
+        let sent =
+            super::on_group!(self, b => b.broadcast(BufferMut::from(&mut status[..]), &opts).await);
+        if let Err(source) = sent {
             let e = DdpError::Comm {
                 what: "checkpoint status broadcast".into(),
                 source: Box::new(source),

@@ -313,6 +313,10 @@ impl Backend for SimRank {
         Work::new(self.wait(guard, timeout))
     }
 
+    async fn idle(&self, d: Duration) {
+        self.compute(d).await;
+    }
+
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -1,0 +1,172 @@
+//! Continuing without a lost rank: [`OnPeerLost::Shrink`], beyond what
+//! torchrun does (it restarts the whole world).
+//!
+//! When a step fails because a peer is gone, the survivors:
+//! 1. agree on who is left through the store: each writes that it is
+//!    alive; once every rank but the lost ones has (or the deadline has
+//!    passed), the first to look closes the list with a compare-and-set,
+//!    and everyone takes the closed list;
+//! 2. make a group of the survivors from the current one (no call on the
+//!    broken group: a subgroup is agreed on, not negotiated);
+//! 3. move DDP onto it (a new bucket worker, ranks renumbered in the old
+//!    order) and drop the failed step's gradients.
+//!
+//! `finish` then returns [`DdpError::Shrunk`] with the new rank and world
+//! size: the step did not happen, and the caller redoes it on the new
+//! group (re-sharding its data, keeping the global batch).
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{Backend, CommError, store::Store};
+use tokio::sync::mpsc;
+
+use super::{Ddp, DdpError, on_group};
+use crate::worker::worker;
+
+/// What [`Ddp`] does when a step fails because a peer is gone.
+#[derive(Clone, Debug, Default)]
+pub enum OnPeerLost {
+    /// Fail, and stay failed (torch; a launcher restarts the world).
+    #[default]
+    Fail,
+    /// Agree with the other survivors on who is left, through `store`,
+    /// waiting at most `timeout` for them, and continue on a group of the
+    /// survivors ([`DdpError::Shrunk`]).
+    Shrink {
+        /// A store every rank reaches (the job's rendezvous store).
+        store: Arc<dyn Store>,
+        /// How long the survivors wait for each other.
+        timeout: Duration,
+    },
+}
+
+impl<B: Backend + ?Sized + 'static> Ddp<B> {
+    /// Whether `e` is a lost peer that the options say to shrink past.
+    pub(super) fn shrinkable(&self, e: &DdpError) -> bool {
+        matches!(self.opts.on_peer_lost, OnPeerLost::Shrink { .. })
+            && matches!(e, DdpError::Comm { source, .. } if matches!(**source, CommError::PeerLost { .. }))
+    }
+
+    /// Moves onto a group of the survivors after `cause`; returns
+    /// [`DdpError::Shrunk`], or why it could not.
+    pub(super) async fn shrink(&mut self, cause: DdpError) -> DdpError {
+        let OnPeerLost::Shrink { store, timeout } = self.opts.on_peer_lost.clone() else {
+            return cause;
+        };
+        let (me, world, generation) = (self.rank, self.world_size(), self.shrinks);
+        let agreed = on_group!(self, b => agree(b, &*store, generation, me, world, timeout).await);
+        let members = match agreed {
+            Ok(m) => m,
+            Err(why) => return self.fail(self.usage(why)),
+        };
+        if !members.contains(&me) {
+            let why = format!(
+                "rank {me} was left out of the survivors {members:?} (it reported too late); it \
+                 cannot continue with them"
+            );
+            return self.fail(self.usage(why));
+        }
+        let call = self.call;
+        let made = on_group!(self, b => b.new_group(&members, &call).await);
+        let group = match made {
+            Ok(Some(g)) => g,
+            Ok(None) => return self.fail(self.usage("the survivors' group left this rank out")),
+            Err(source) => {
+                let e = DdpError::Comm {
+                    what: "making the survivors' group".into(),
+                    source: Box::new(source),
+                };
+                return self.fail(e);
+            }
+        };
+        let lost: Vec<usize> = (0..world).filter(|r| !members.contains(r)).collect();
+        let (jobs, job_rx) = mpsc::unbounded_channel();
+        let (done_tx, done) = mpsc::unbounded_channel();
+        let old = std::mem::replace(
+            &mut self.worker,
+            tokio::spawn(worker(
+                group.clone(),
+                self.opts.comm_hook,
+                self.call,
+                job_rx,
+                done_tx,
+            )),
+        );
+        old.abort();
+        self.jobs = jobs;
+        self.done = done;
+        self.in_flight = 0;
+        self.rank = group.rank();
+        self.group = Some(group);
+        self.shrinks += 1;
+        self.failed = None;
+        self.reset_step();
+        DdpError::Shrunk {
+            rank: self.rank,
+            world: members.len(),
+            lost,
+            cause: Box::new(cause),
+        }
+    }
+}
+
+/// The survivors, as every one of them sees it: ranks (of the current
+/// group) that wrote they are alive before the list closed.
+async fn agree<G: Backend + ?Sized>(
+    group: &G,
+    store: &dyn Store,
+    generation: u32,
+    me: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<Vec<usize>, String> {
+    let p = format!("consort/ddp/shrink/{generation}");
+    let fail = |e: consort_comm::StoreError| {
+        format!("rank {me}: the survivors could not agree through the store: {e}")
+    };
+    store
+        .set(&format!("{p}/alive/{me}"), b"1")
+        .await
+        .map_err(fail)?;
+    let closed = format!("{p}/members");
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if store.check(&[&closed]).await.map_err(fail)? {
+            let v = store.get(&closed).await.map_err(fail)?;
+            return Ok(decode(&v));
+        }
+        let mut alive = Vec::new();
+        for r in 0..world {
+            if store
+                .check(&[&format!("{p}/alive/{r}")])
+                .await
+                .map_err(fail)?
+            {
+                alive.push(r);
+            }
+        }
+        if alive.len() + 1 >= world || tokio::time::Instant::now() >= deadline {
+            let list = alive
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let v = store
+                .compare_set(&closed, b"", list.as_bytes())
+                .await
+                .map_err(fail)?;
+            return Ok(decode(&v));
+        }
+        // Idle on the old group too: the simulator lets the peers' failing
+        // calls progress meanwhile.
+        group.idle(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn decode(v: &[u8]) -> Vec<usize> {
+    String::from_utf8_lossy(v)
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}

@@ -1,0 +1,153 @@
+//! DDP that continues without a lost rank (`OnPeerLost::Shrink`), on the
+//! simulator: in a world of 4, rank 2 stops at step 5 of 10. The other
+//! three agree through the store, move onto a group of the three, redo
+//! step 5 there, and finish with the parameters of one process training on
+//! the same global batches (which is what 4 ranks, then 3, compute).
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use common::{Mlp, close, run_sim};
+use consort_comm::{Backend, MemStore, store::Store};
+use consort_ddp::{Ddp, DdpError, DdpOptions, OnPeerLost};
+use consort_sim::SimConfig;
+
+const STEPS: usize = 10;
+const GLOBAL: usize = 12;
+const CRASH_AT: usize = 5;
+
+/// Integer-valued data (every sum exact), a fixed MLP, and each step's
+/// global batch.
+struct Setup {
+    mlp: Mlp,
+    init: Vec<Vec<f64>>,
+    data: Vec<Vec<(Vec<f64>, Vec<f64>)>>,
+}
+
+fn setup() -> Setup {
+    let mlp = Mlp {
+        dims: vec![3, 5, 2],
+    };
+    let mut s = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s % 5) as f64 - 2.0
+    };
+    let init = mlp
+        .sizes()
+        .iter()
+        .map(|&n| (0..n).map(|_| next()).collect())
+        .collect();
+    let data = (0..STEPS)
+        .map(|_| {
+            (0..GLOBAL)
+                .map(|_| {
+                    (
+                        (0..3).map(|_| next()).collect(),
+                        (0..2).map(|_| next()).collect(),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    Setup { mlp, init, data }
+}
+
+/// One process, each whole global batch (sum of the per-sample losses,
+/// lr 2^-6).
+fn reference(s: &Setup) -> Vec<Vec<f64>> {
+    let mut params = s.init.clone();
+    for batch in &s.data {
+        let (xs, ys): (Vec<_>, Vec<_>) = batch.iter().cloned().unzip();
+        let mut grads = vec![Vec::new(); params.len()];
+        s.mlp.backward(&params, &xs, &ys, 1.0, |i, g| grads[i] = g);
+        for (p, g) in params.iter_mut().zip(grads) {
+            for (v, d) in p.iter_mut().zip(g) {
+                *v -= d / 64.0;
+            }
+        }
+    }
+    params
+}
+
+#[test]
+fn three_survivors_finish_like_one_process_with_the_global_batch() {
+    let s = Arc::new(setup());
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let want = reference(&s);
+    let (out, _) = run_sim(SimConfig::new(4), move |rank| {
+        let (s, store) = (s.clone(), store.clone());
+        async move {
+            let r0 = rank.rank();
+            let mut model = s.mlp.model(&s.init);
+            let opts = DdpOptions::default().on_peer_lost(OnPeerLost::Shrink {
+                store,
+                timeout: Duration::from_secs(60),
+            });
+            let mut ddp = Ddp::new(rank, &mut model, opts).await.unwrap();
+            let (mut r, mut world) = (r0, 4);
+            let mut shrunk = None;
+            let mut step = 0;
+            while step < STEPS {
+                if r0 == 2 && step == CRASH_AT {
+                    return None; // this rank's process is gone
+                }
+                let params: Vec<Vec<f64>> = (0..model.len())
+                    .map(|i| model.param::<f64>(i).unwrap().to_vec())
+                    .collect();
+                let per = GLOBAL / world;
+                let (xs, ys): (Vec<_>, Vec<_>) =
+                    s.data[step][r * per..(r + 1) * per].iter().cloned().unzip();
+                // Scaled by the world so that the average is the sum.
+                let mut err = Ok(());
+                s.mlp.backward(&params, &xs, &ys, world as f64, |i, g| {
+                    if err.is_ok() {
+                        err = ddp.mark_ready(i, &g);
+                    }
+                });
+                err.unwrap();
+                match ddp.finish().await {
+                    Ok(()) => {}
+                    Err(DdpError::Shrunk {
+                        rank,
+                        world: w,
+                        lost,
+                        ..
+                    }) => {
+                        shrunk = Some((step, lost.clone(), w));
+                        (r, world) = (rank, w);
+                        continue; // redo this step on the survivors
+                    }
+                    Err(e) => panic!("rank {r0}: {e}"),
+                }
+                for i in 0..model.len() {
+                    let g = ddp.grad::<f64>(i).unwrap().to_vec();
+                    for (v, d) in model.param_mut::<f64>(i).unwrap().iter_mut().zip(g) {
+                        *v -= d / 64.0;
+                    }
+                }
+                step += 1;
+            }
+            let params: Vec<Vec<f64>> = (0..model.len())
+                .map(|i| model.param::<f64>(i).unwrap().to_vec())
+                .collect();
+            Some((params, shrunk, r, ddp.world_size()))
+        }
+    });
+    for (r0, got) in out.into_iter().enumerate() {
+        let Some((params, shrunk, r, world)) = got else {
+            assert_eq!(r0, 2);
+            continue;
+        };
+        assert_eq!(shrunk, Some((CRASH_AT, vec![2], 3)), "rank {r0}");
+        assert_eq!((r, world), ([0, 1, 9, 2][r0], 3), "rank {r0}'s new rank");
+        for (p, (g, w)) in params.iter().zip(&want).enumerate() {
+            for (k, (a, b)) in g.iter().zip(w).enumerate() {
+                assert!(close(*a, *b), "rank {r0} param {p}[{k}]: {a} vs {b}");
+            }
+        }
+    }
+}
