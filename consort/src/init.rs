@@ -286,10 +286,20 @@ impl Dist {
     /// hosts the store waits for all of them before stopping the server, so
     /// that no rank loses the store while it still needs it.
     pub async fn shutdown(self) -> Result<(), InitError> {
+        self.shutdown_without(&[]).await
+    }
+
+    /// [`Dist::shutdown`] after ranks `lost` left the job for good (a
+    /// `Ddp` that shrank past them, `DdpError::Shrunk`): nobody waits for
+    /// them to leave.
+    pub async fn shutdown_without(self, lost: &[usize]) -> Result<(), InitError> {
         let rank = self.env.rank;
         let rdzv = rendezvous_store(&self.store, &self.env);
         let err = |source| InitError::Store { rank, source };
         rdzv.set(&format!("exit/{rank}"), b"1").await.map_err(err)?;
+        for r in lost {
+            rdzv.set(&format!("exit/{r}"), b"1").await.map_err(err)?;
+        }
         if let Some(server) = self.server {
             let keys: Vec<String> = (0..self.env.world_size)
                 .map(|r| format!("exit/{r}"))

@@ -350,3 +350,77 @@ fn elastic_a_late_node_joins_at_the_next_round() {
     );
     std::fs::remove_dir_all(out).unwrap();
 }
+
+/// DDP that shrinks past a killed rank, over TCP, without a launcher
+/// (which would stop the whole world): three trainer processes with
+/// `--on-peer-lost shrink`; rank 2 is killed during epoch 3; ranks 0 and 1
+/// agree through the store, redo the step on a group of two (the same
+/// global batch), and finish.
+#[test]
+fn shrink_over_tcp_the_survivors_finish_without_a_killed_rank() {
+    let (port, out) = (free_port(), scratch("shrink"));
+    let mut ranks: Vec<std::process::Child> = (0..3)
+        .map(|r| {
+            Command::new(train_bin())
+                .args(["--backend", "tcp", "--epochs", "6", "--batch-size", "30"])
+                .args(["--on-peer-lost", "shrink", "--out"])
+                .arg(&out)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("LOCAL_WORLD_SIZE", "3")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                // A hang fails the test in seconds, not in torch's 30 min.
+                .env("CONSORT_TIMEOUT", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("train")
+        })
+        .collect();
+    // Every stream drained as it comes (a full pipe would block a rank).
+    let (tx, rx) = mpsc::channel::<String>();
+    let mut errs = Vec::new();
+    for (r, child) in ranks.iter_mut().enumerate() {
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx = tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if r == 0 {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        errs.push(thread::spawn(move || {
+            let mut text = String::new();
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                text.push_str(&format!("[rank {r}] {line}\n"));
+            }
+            text
+        }));
+    }
+    drop(tx);
+    let mut text = String::new();
+    assert!(read_until(&rx, &mut text, "epoch   2/6"), "{text}");
+    ranks[2].kill().unwrap();
+    let mut ok = Vec::new();
+    for r in ranks.iter_mut() {
+        ok.push(r.wait().unwrap().success());
+    }
+    text.extend(rx.iter().map(|l| l + "\n"));
+    let errs: String = errs.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(&ok[..2], [true, true], "{text}{errs}");
+    assert!(
+        text.contains("lost rank(s) [2]: continuing on 2 rank(s) at step"),
+        "{text}{errs}"
+    );
+    assert!(text.contains("epoch   6/6"), "{text}");
+    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% after a shrink, {want:.2}% undisturbed"
+    );
+    std::fs::remove_dir_all(out).unwrap();
+}

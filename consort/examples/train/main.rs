@@ -27,9 +27,10 @@ use std::{collections::BTreeMap, path::PathBuf, process::ExitCode, sync::Arc};
 use clap::Parser;
 use consort::{
     Backend, ProcessGroup, ReduceOp,
-    ddp::{Ddp, DdpOptions, PlainModel, Sharded, load_safetensors},
+    ddp::{Ddp, DdpError, DdpOptions, OnPeerLost, PlainModel, Sharded, load_safetensors},
     sampler::{DistributedSampler, EvalSampler},
     sim::{SimConfig, SimWorld},
+    store::{MemStore, Store},
 };
 use data::{Digits, Sample};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -85,6 +86,11 @@ struct Args {
     /// more than one node, otherwise half the world (or 1 when odd).
     #[arg(long)]
     shard_size: Option<usize>,
+    /// What DDP does when a rank is lost: fail (a launcher restarts the
+    /// world) or shrink (the survivors agree through the store and go on
+    /// without it, redoing the step; the global batch is kept).
+    #[arg(long, default_value = "fail")]
+    on_peer_lost: String,
     /// SGD momentum (0: plain SGD). The sharded strategies keep its buffer
     /// sharded and in OUT/sharded/; DDP supports only 0.
     #[arg(long, default_value_t = 0.0)]
@@ -141,6 +147,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
         )
         .into());
     }
+    if !matches!(args.on_peer_lost.as_str(), "fail" | "shrink") {
+        return Err(format!(
+            "unknown --on-peer-lost {:?}: expected fail or shrink",
+            args.on_peer_lost
+        )
+        .into());
+    }
     // The name now; HSDP's shard size once the world size is known.
     if backend == "sim" || args.strategy != "hsdp" {
         sharded::strategy(&args, if backend == "sim" { args.world_size } else { 1 })?;
@@ -155,17 +168,20 @@ async fn run(args: Args) -> Result<(), BoxError> {
     match backend.as_str() {
         "sim" => {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
+            let store: Arc<dyn Store> =
+                Arc::new(MemStore::new(std::time::Duration::from_secs(300)));
             let tasks: Vec<_> = world
                 .ranks()
                 .into_iter()
                 .map(|r| {
                     let b: Arc<dyn Backend> = Arc::new(r);
-                    tokio::spawn(train_any(b, args.clone(), data.clone()))
+                    let store = Some(store.clone());
+                    tokio::spawn(train_any(b, args.clone(), data.clone(), store))
                 })
                 .collect();
             let mut first = None;
             for t in tasks {
-                if let Err(e) = t.await.map_err(BoxError::from).and_then(|r| r) {
+                if let Err(e) = t.await.map_err(BoxError::from).and_then(|r| r.map(drop)) {
                     first.get_or_insert(e);
                 }
             }
@@ -174,10 +190,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "tcp" => {
             let dist = consort::init_from_env().await?;
             let pg = dist.process_group().await?;
-            let res = train_any(pg.backend().clone(), args, data).await;
+            let store = Some(dist.store().clone());
+            let res = train_any(pg.backend().clone(), args, data, store).await;
             drop(pg);
-            dist.shutdown().await?;
-            res
+            // Ranks DDP shrank past are gone: nobody waits for them.
+            let lost = res.as_ref().map(Vec::clone).unwrap_or_default();
+            dist.shutdown_without(&lost).await?;
+            res.map(drop)
         }
         "nccl" => nccl(args, data).await,
         other => Err(format!("unknown --backend {other:?}: expected sim, tcp or nccl").into()),
@@ -189,10 +208,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
 async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
     let pg = dist.nccl_process_group().await?;
-    let res = train_any(pg.backend().clone(), args, data).await;
+    let store = Some(dist.store().clone());
+    let res = train_any(pg.backend().clone(), args, data, store).await;
     drop(pg);
-    dist.shutdown().await?;
-    res
+    let lost = res.as_ref().map(Vec::clone).unwrap_or_default();
+    dist.shutdown_without(&lost).await?;
+    res.map(drop)
 }
 
 /// One process per GPU, the model on the GPU.
@@ -425,6 +446,50 @@ impl Job {
         Ok(())
     }
 
+    /// After DDP shrank past lost ranks: the survivors' group, its world,
+    /// the local batch for the same global batch, and epoch `epoch`
+    /// re-sharded over the survivors (training goes on at step `step`).
+    fn shrink(
+        &mut self,
+        group: Arc<dyn Backend>,
+        args: &Args,
+        data: &Digits,
+        epoch: usize,
+        step: usize,
+        lost: &[usize],
+    ) -> Result<(), BoxError> {
+        let (rank, world) = (group.rank(), group.world_size());
+        if args.batch_size % world != 0 {
+            return Err(format!(
+                "rank {rank}: lost rank(s) {lost:?}, and the global batch {} does not split over \
+                 the {world} survivors; restart with a --batch-size that does",
+                args.batch_size
+            )
+            .into());
+        }
+        self.pg = ProcessGroup::new(group);
+        self.world = world;
+        self.local_batch = args.batch_size / world;
+        self.sampler =
+            DistributedSampler::new(data.train.len() as u64, world, rank, true, args.seed, false)?;
+        self.sampler.set_epoch(epoch as u64);
+        self.eval = EvalSampler::new(data.test.len() as u64, world, rank)?;
+        if rank == 0 {
+            let steps = (self.sampler.len() as usize).div_ceil(self.local_batch);
+            let bars = self
+                .bars
+                .get_or_insert_with(|| Bars::new(args.epochs, epoch, steps));
+            bars.println(&format!(
+                "lost rank(s) {lost:?}: continuing on {world} rank(s) at step {} of epoch {}, \
+                 global batch {}",
+                step + 1,
+                epoch + 1,
+                args.batch_size
+            ));
+        }
+        Ok(())
+    }
+
     /// Rank 0 draws the plot and writes the metrics.
     fn finish(self, args: &Args) -> Result<(), BoxError> {
         let Some(b) = self.bars else {
@@ -463,15 +528,19 @@ enum Saver<'a, B: Backend + ?Sized + 'static> {
     Sharded(&'a mut Sharded),
 }
 
-/// DDP, or the sharded strategy `--strategy` names.
+/// DDP, or the sharded strategy `--strategy` names. Returns the world
+/// ranks DDP shrank past (`--on-peer-lost shrink`).
 async fn train_any(
     backend: Arc<dyn Backend>,
     args: Arc<Args>,
     data: Arc<Digits>,
-) -> Result<(), BoxError> {
+    store: Option<Arc<dyn Store>>,
+) -> Result<Vec<usize>, BoxError> {
     match sharded::strategy(&args, backend.world_size())? {
-        None => train_rank(backend, args, data).await,
-        Some(s) => sharded::train_rank(backend, &args, &data, s).await,
+        None => train_rank(backend, args, data, store).await,
+        Some(s) => sharded::train_rank(backend, &args, &data, s)
+            .await
+            .map(|()| Vec::new()),
     }
 }
 
@@ -479,17 +548,30 @@ async fn train_rank(
     backend: Arc<dyn Backend>,
     args: Arc<Args>,
     data: Arc<Digits>,
-) -> Result<(), BoxError> {
+    store: Option<Arc<dyn Store>>,
+) -> Result<Vec<usize>, BoxError> {
+    // World ranks still in the group, in group order; and those lost.
+    let (mut alive, mut lost_world): (Vec<usize>, Vec<usize>) =
+        ((0..backend.world_size()).collect(), Vec::new());
     let (mut job, mut model) = prepare(backend.clone(), &args, &data).await?;
-    let mut ddp = Ddp::new(backend, &mut model, DdpOptions::default()).await?;
+    let mut opts = DdpOptions::default();
+    if let ("shrink", Some(store)) = (args.on_peer_lost.as_str(), store) {
+        opts = opts.on_peer_lost(OnPeerLost::Shrink {
+            store,
+            timeout: std::time::Duration::from_secs(60),
+        });
+    }
+    let mut ddp = Ddp::new(backend, &mut model, opts).await?;
     for epoch in job.start..args.epochs {
         job.sampler.set_epoch(epoch as u64);
-        let idx = job.sampler.indices()?;
+        let mut idx = job.sampler.indices()?;
         let mut loss = [0f64, 0f64]; // [sum, samples]
         if let Some(b) = &job.bars {
             b.steps.reset();
         }
-        for chunk in idx.chunks(job.local_batch) {
+        let mut k = 0;
+        while k * job.local_batch < idx.len() {
+            let chunk = &idx[k * job.local_batch..((k + 1) * job.local_batch).min(idx.len())];
             let batch: Vec<&Sample> = chunk.iter().map(|&i| &data.train[i as usize]).collect();
             let params = Params::of(&model)?;
             let mut early = Ok(());
@@ -499,7 +581,19 @@ async fn train_rank(
             early?;
             ddp.mark_ready(B1, &g.b1)?;
             ddp.mark_ready(W1, &g.w1)?;
-            ddp.finish().await?;
+            match ddp.finish().await {
+                Ok(()) => {}
+                Err(DdpError::Shrunk { lost, .. }) => {
+                    // The step did not happen: redo it on the survivors,
+                    // this epoch re-sharded over them.
+                    forget(&mut alive, &mut lost_world, &lost);
+                    let group = ddp.group().cloned().ok_or("a shrink without a group")?;
+                    job.shrink(group, &args, &data, epoch, k, &lost)?;
+                    idx = job.sampler.indices()?;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
             for i in [W1, B1, W2, B2] {
                 let grad = ddp.grad::<f32>(i)?;
                 for (p, d) in model.param_mut::<f32>(i)?.iter_mut().zip(grad) {
@@ -511,6 +605,7 @@ async fn train_rank(
             if let Some(b) = &job.bars {
                 b.steps.inc(1);
             }
+            k += 1;
         }
         let params = Params::of(&model)?;
         let mut acc = [0f64, 0f64]; // [correct, seen]
@@ -520,10 +615,49 @@ async fn train_rank(
             acc[1] += 1.0;
         }
         let state = model.state_dict();
-        job.end_epoch(&args, Saver::Ddp(&mut ddp, &state), epoch, (loss, acc))
-            .await?;
+        loop {
+            let Err(e) = job
+                .end_epoch(&args, Saver::Ddp(&mut ddp, &state), epoch, (loss, acc))
+                .await
+            else {
+                break;
+            };
+            // A rank lost at the epoch's end: the survivors shrink there too.
+            let e = match e.downcast::<DdpError>() {
+                Ok(d) => *d,
+                Err(e) => match e.downcast::<consort::CommError>() {
+                    Ok(c) => DdpError::Comm {
+                        what: "the epoch's metrics".into(),
+                        source: c,
+                    },
+                    Err(e) => return Err(e),
+                },
+            };
+            match ddp.shrink_after(e).await {
+                DdpError::Shrunk { lost, .. } => {
+                    forget(&mut alive, &mut lost_world, &lost);
+                    job.history.retain(|h| h.epoch != epoch + 1);
+                    let group = ddp.group().cloned().ok_or("a shrink without a group")?;
+                    let steps = idx.len().div_ceil(job.local_batch);
+                    job.shrink(group, &args, &data, epoch, steps, &lost)?;
+                }
+                e => return Err(e.into()),
+            }
+        }
     }
-    job.finish(&args)
+    job.finish(&args)?;
+    Ok(lost_world)
+}
+
+/// Moves the group ranks `lost` (of the group `alive` lists, in order)
+/// from `alive` to `lost_world`.
+fn forget(alive: &mut Vec<usize>, lost_world: &mut Vec<usize>, lost: &[usize]) {
+    lost_world.extend(lost.iter().filter_map(|&i| alive.get(i).copied()));
+    let mut i = 0;
+    alive.retain(|_| {
+        i += 1;
+        !lost.contains(&(i - 1))
+    });
 }
 
 /// [`train_rank`] with the model on the GPU: the same samplers, steps,

@@ -47,6 +47,20 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             && matches!(e, DdpError::Comm { source, .. } if matches!(**source, CommError::PeerLost { .. }))
     }
 
+    /// A collective of the caller's own (a metric's all-reduce, say)
+    /// failed with `error`: under [`OnPeerLost::Shrink`], when a peer is
+    /// lost, agree with the survivors (who meet the same failure) and move
+    /// onto their group, as [`Ddp::finish`] does. Returns
+    /// [`DdpError::Shrunk`], or `error` unchanged when the policy is to
+    /// fail or no peer was lost.
+    pub async fn shrink_after(&mut self, error: DdpError) -> DdpError {
+        if self.shrinkable(&error) {
+            self.shrink(error).await
+        } else {
+            error
+        }
+    }
+
     /// Moves onto a group of the survivors after `cause`; returns
     /// [`DdpError::Shrunk`], or why it could not.
     pub(super) async fn shrink(&mut self, cause: DdpError) -> DdpError {
