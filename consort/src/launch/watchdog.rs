@@ -4,6 +4,9 @@
 //! (`consort_tcp::heartbeat`, kept by the comm layer on every call), which
 //! the agent can read even when the worker is stopped or wedged.
 //!
+//! A worker is watched from its first heartbeat (its comm layer's first
+//! group) on; TCP and QUIC groups keep one, NCCL groups do not yet.
+//!
 //! When a rank stops, its peers stop with it (they wait for it in their
 //! next collective), so several ranks stall at once. The watchdog names
 //! the one that holds the others up: a process the kernel reports as
@@ -88,8 +91,14 @@ impl Watchdog {
             }
             s.beat = beat;
         }
+        // A worker is watched from its first heartbeat on: one whose comm
+        // layer keeps none (NCCL groups, for now) is never called hung.
         let stalled: Vec<usize> = (0..self.seen.len())
-            .filter(|&i| alive[i] && now.duration_since(self.seen[i].since) >= self.timeout)
+            .filter(|&i| {
+                alive[i]
+                    && self.seen[i].beat.is_some()
+                    && now.duration_since(self.seen[i].since) >= self.timeout
+            })
             .collect();
         if stalled.is_empty() {
             return None;
