@@ -123,7 +123,7 @@ pub(crate) fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -
 /// One rank's measurements for every op and size.
 async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, CommError> {
     let (r, n) = (pg.rank(), pg.world_size());
-    let dtype = super::parse_dtypes(&spec.dtype)
+    let dtype = super::parse::parse_dtypes(&spec.dtype)
         .map_err(CommError::invalid)?
         .0[0];
     let ops = parse_ops(&spec.ops.join(",")).map_err(CommError::invalid)?;

@@ -28,7 +28,7 @@ pub(crate) async fn rank(dist: &Dist, spec: &BenchSpec) -> Result<Vec<Row>, BoxE
         device: dev.clone(),
         stream: dev.new_stream()?,
     };
-    let dtype = super::parse_dtypes(&spec.dtype)?.0[0];
+    let dtype = super::parse::parse_dtypes(&spec.dtype)?.0[0];
     let ops = super::collective::parse_ops(&spec.ops.join(","))?;
     let mut rows = Vec::new();
     for &op in &ops {

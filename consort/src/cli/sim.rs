@@ -5,7 +5,10 @@ use consort_comm::{OpKind, algo::AlgoConfig, algo::Algorithm};
 use consort_sim::cost::{Link, Topology, simulate};
 use serde_json::json;
 
-use super::table::Table;
+use super::{
+    parse::{SizeList, parse_sizes},
+    table::Table,
+};
 
 /// What `consort sim` was asked for.
 #[derive(Debug)]
@@ -93,4 +96,60 @@ pub(crate) fn parse_op(s: &str) -> Result<OpKind, String> {
                  scatter, reduce_scatter, all_to_all or barrier"
             )
         })
+}
+
+/// `consort sim`'s flags.
+#[derive(Debug, clap::Args)]
+pub(crate) struct SimCmd {
+    /// The collective.
+    #[arg(long, default_value = "all_reduce", value_parser = parse_op)]
+    op: consort::OpKind,
+    /// Algorithm (snake_case, as CONSORT_ALGO); default: the selection
+    /// policy for each size.
+    #[arg(long)]
+    algo: Option<consort_comm::algo::Algorithm>,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 8)]
+    world_size: usize,
+    /// Ranks per node (default: all on one node).
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    /// Message sizes, with K/M/G suffixes.
+    #[arg(long, default_value = "4K,64K,1M,16M,256M,1G", value_parser = parse_sizes)]
+    sizes: SizeList,
+    /// Intra-node latency, microseconds (default: loopback TCP here).
+    #[arg(long, default_value_t = 9.4)]
+    alpha_intra_us: f64,
+    /// Intra-node bandwidth, GB/s.
+    #[arg(long, default_value_t = 4.76)]
+    bw_intra_gbs: f64,
+    /// Inter-node latency, microseconds.
+    #[arg(long, default_value_t = 25.0)]
+    alpha_inter_us: f64,
+    /// Inter-node bandwidth, GB/s (12.5 = 100 Gb/s).
+    #[arg(long, default_value_t = 12.5)]
+    bw_inter_gbs: f64,
+    /// Largest pipelined segment, bytes.
+    #[arg(long, default_value = "256K", value_parser = parse_sizes)]
+    segment: SizeList,
+    /// One JSON object per row.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `consort sim`.
+pub(crate) async fn command(a: SimCmd) -> Result<(), Box<dyn std::error::Error>> {
+    let args = SimArgs {
+        op: a.op,
+        algo: a.algo,
+        world: a.world_size,
+        ranks_per_node: a.ranks_per_node,
+        sizes: a.sizes.0,
+        intra: Link::new(a.alpha_intra_us, a.bw_intra_gbs),
+        inter: Link::new(a.alpha_inter_us, a.bw_inter_gbs),
+        segment_bytes: a.segment.0.first().copied().unwrap_or(256 * 1024),
+    };
+    let t = tokio::task::spawn_blocking(move || run(&args)).await??;
+    print!("{}", t.render(a.json));
+    Ok(())
 }

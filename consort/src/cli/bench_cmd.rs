@@ -1,0 +1,265 @@
+//! `consort bench`: collectives over N local processes (nccl-tests
+//! style), and, with a subcommand, this machine's ceilings, DDP's cost and
+//! the sharded strategies against DDP.
+
+use clap::Subcommand;
+
+use super::{
+    bench, collective, ddp_bench,
+    parse::{
+        DTypeList, OpList, SizeList, parse_count, parse_dtypes, parse_iters, parse_mode,
+        parse_op_list, parse_sizes,
+    },
+    sharded_bench,
+    table::Table,
+};
+
+type BoxError = Box<dyn std::error::Error>;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    #[command(subcommand)]
+    machine: Option<BenchCommand>,
+    /// Backend: tcp or quic (one OS process per rank, on loopback), sim, or
+    /// nccl (one process per GPU, device buffers; needs the `nccl` feature).
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// nccl only: every rank uses GPU 0 (NCCL 2.30+ through
+    /// NCCL_MULTI_RANK_GPU_ENABLE, older through one NCCL_HOSTID per rank
+    /// over sockets). Slow; for correctness checks on a one-GPU machine.
+    #[arg(long)]
+    share_gpu: bool,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2)]
+    world_size: usize,
+    /// Ops: all_reduce, broadcast, reduce_scatter, all_gather, all_to_all.
+    #[arg(long, default_value = "all_reduce,broadcast,reduce_scatter,all_gather,all_to_all", value_parser = parse_op_list)]
+    ops: OpList,
+    /// Message sizes, with K/M/G suffixes.
+    #[arg(long, default_value = "4K,64K,1M,16M,64M", value_parser = parse_sizes)]
+    sizes: SizeList,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Timed iterations per row (default: as gloo_bench.py, 3..=200 by size).
+    #[arg(long, value_parser = parse_iters)]
+    iters: Option<usize>,
+    /// One JSON object per row.
+    #[arg(long)]
+    json: bool,
+    /// Be one rank of a launched job (`consort run -- consort bench
+    /// --from-env`): the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
+    /// ... and rank 0 prints the table.
+    #[arg(long)]
+    from_env: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Functional-mode simulator: all_reduce of f32 across simulated ranks
+    /// in this process (real payloads), in busbw beside memcpy.
+    SimAllReduce {
+        /// Bytes per rank, with K/M/G suffixes.
+        #[arg(long, default_value = "64M", value_parser = parse_sizes)]
+        size: SizeList,
+        /// Simulated ranks.
+        #[arg(long, default_value_t = 4)]
+        world_size: usize,
+        /// Timed runs (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The loopback TCP ceiling: two processes copying over one socket,
+    /// one way and full duplex.
+    Loopback {
+        /// Bytes to copy each way, with K/M/G suffixes.
+        #[arg(long, default_value = "1G", value_parser = parse_sizes)]
+        size: SizeList,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// DDP's cost on a training step, as one rank of a launched job:
+    /// `consort run --standalone --nproc-per-node 2 -- consort bench ddp`.
+    /// Rank 0 prints the step time without DDP, with DDP, and with one
+    /// all_reduce after backward.
+    Ddp {
+        /// Parameters (f32), decimal with K/M suffixes.
+        #[arg(long, default_value = "25M", value_parser = parse_count)]
+        params: usize,
+        /// Equal layers the parameters are split into.
+        #[arg(long, default_value_t = 25)]
+        layers: usize,
+        /// Multiply-adds per parameter in the synthetic backward.
+        #[arg(long, default_value_t = 8)]
+        work: usize,
+        /// Timed steps per mode (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The sharded strategies against DDP. Alone: per-rank bytes of
+    /// parameters, gradients and optimizer state (AdamW) at worlds 1, 2, 4
+    /// and 8 on the simulator, beside the ZeRO formulas, and each step's
+    /// communication on the cost model. As one rank of a launched job
+    /// (`consort run --standalone --nproc-per-node 2 -- consort bench
+    /// sharded`): each strategy's step time over the real backend.
+    Sharded {
+        /// Parameters (f32), decimal with K/M suffixes.
+        #[arg(long, default_value = "4M", value_parser = parse_count)]
+        params: usize,
+        /// Equal layers (one wrapping unit each).
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Multiply-adds per parameter in the synthetic backward.
+        #[arg(long, default_value_t = 8)]
+        work: usize,
+        /// Timed steps per strategy (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = parse_iters)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sampler throughput: one rank's indices for a dataset of `len`.
+    Sampler {
+        /// Dataset length, with K/M/G suffixes (decimal here: 10M = 10,000,000).
+        #[arg(long, default_value = "10000000")]
+        len: u64,
+        /// World size.
+        #[arg(long, default_value_t = 1)]
+        num_replicas: usize,
+        /// exact or streaming.
+        #[arg(long, default_value = "exact")]
+        mode: String,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+    /// ReduceOp::Sum apply throughput per dtype, beside memcpy.
+    Reduce {
+        /// Buffer sizes in bytes of dst, with K/M/G suffixes.
+        #[arg(long, default_value = "256K,64M", value_parser = parse_sizes)]
+        sizes: SizeList,
+        /// Dtypes: f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64.
+        #[arg(long, default_value = "f32,f16,bf16", value_parser = parse_dtypes)]
+        dtypes: DTypeList,
+        /// Timed runs per cell (the median is reported).
+        #[arg(long, default_value_t = 30, value_parser = parse_iters)]
+        iters: usize,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs `consort bench`.
+pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
+    match args.machine {
+        Some(BenchCommand::Reduce {
+            sizes,
+            dtypes,
+            iters,
+            json,
+        }) => {
+            let t: Table =
+                tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
+                    .await?;
+            print!("{}", t.render(json));
+        }
+        Some(BenchCommand::SimAllReduce {
+            size,
+            world_size,
+            iters,
+            json,
+        }) => {
+            let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
+            print!("{}", t.render(json));
+        }
+        Some(BenchCommand::Sampler {
+            len,
+            num_replicas,
+            mode,
+            json,
+        }) => {
+            let mode = parse_mode(&mode)?;
+            let t = tokio::task::spawn_blocking(move || {
+                bench::sampler(len, num_replicas, mode).map_err(|e| e.to_string())
+            })
+            .await??;
+            print!("{}", t.render(json));
+        }
+        Some(BenchCommand::Ddp {
+            params,
+            layers,
+            work,
+            iters,
+            json,
+        }) => {
+            if let Some(t) = ddp_bench::run(params, layers, work, iters).await? {
+                print!("{}", t.render(json));
+            }
+        }
+        Some(BenchCommand::Sharded {
+            params,
+            layers,
+            work,
+            iters,
+            json,
+        }) => {
+            let t = if std::env::var_os("RANK").is_some() {
+                sharded_bench::steps(params, layers, work, iters).await?
+            } else {
+                Some(sharded_bench::memory(params, layers).await?)
+            };
+            if let Some(t) = t {
+                print!("{}", t.render(json));
+            }
+        }
+        Some(BenchCommand::Loopback { size, json }) => {
+            let bytes = size.0.first().copied().unwrap_or(1 << 30);
+            let t = tokio::task::spawn_blocking(move || {
+                bench::loopback(bytes).map_err(|e| e.to_string())
+            })
+            .await??;
+            print!("{}", t.render(json));
+        }
+        None => collectives(args).await?,
+    }
+    Ok(())
+}
+
+/// `consort bench` without a subcommand: the collectives table.
+async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
+    parse_dtypes(&a.dtype)?;
+    if a.world_size == 0 || a.world_size > consort::MAX_LOCAL_WORLD_SIZE {
+        return Err(format!(
+            "--world-size {}: expected 1 to {} (the ranks run on this host)",
+            a.world_size,
+            consort::MAX_LOCAL_WORLD_SIZE
+        )
+        .into());
+    }
+    let spec = collective::BenchSpec {
+        backend: a.backend,
+        world: a.world_size,
+        ops: a.ops.0.iter().map(|o| o.name().to_string()).collect(),
+        sizes: a.sizes.0,
+        dtype: a.dtype,
+        iters: a.iters,
+        share_gpu: a.share_gpu,
+    };
+    if a.from_env {
+        if let Some(t) = collective::from_env(spec).await? {
+            print!("{}", t.render(a.json));
+        }
+    } else {
+        print!("{}", collective::run(spec).await?.render(a.json));
+    }
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! Hidden helper commands that consort starts itself (bench peers and
+//! ranks), kept apart from the user's subcommands.
+
+use clap::Subcommand;
+
+use super::{bench, collective};
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// The helpers, flattened into the command line but hidden from `--help`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Helper {
+    /// The peer process of `consort bench loopback` (started by it).
+    #[command(hide = true)]
+    BenchLoopbackPeer {
+        /// Port to connect to.
+        port: u16,
+        /// Bytes each way.
+        bytes: usize,
+        /// oneway or duplex.
+        mode: String,
+    },
+    /// One rank of `consort bench --backend tcp` (started by it).
+    #[command(hide = true)]
+    BenchWorker {
+        /// The bench spec, as JSON.
+        spec: String,
+    },
+}
+
+/// Runs a helper.
+pub(crate) async fn run(h: Helper) -> Result<(), BoxError> {
+    match h {
+        Helper::BenchWorker { spec } => collective::worker(&spec).await?,
+        Helper::BenchLoopbackPeer { port, bytes, mode } => {
+            tokio::task::spawn_blocking(move || {
+                bench::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())
+            })
+            .await??;
+        }
+    }
+    Ok(())
+}

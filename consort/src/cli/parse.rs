@@ -1,0 +1,109 @@
+//! Flag values shared by the subcommands: sizes (`4K,1G`), counts
+//! (`25M`), dtypes, op lists, run counts and sampler modes.
+
+use consort::DType;
+
+use super::collective;
+
+/// `--iters`: at least one run (a median of none is undefined).
+pub(crate) fn parse_iters(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("at least 1 timed run is needed (the median of no runs is undefined)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number of runs")),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct OpList(pub(crate) Vec<consort::OpKind>);
+
+pub(crate) fn parse_op_list(s: &str) -> Result<OpList, String> {
+    collective::parse_ops(s).map(OpList)
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct SizeList(pub(crate) Vec<usize>);
+
+#[derive(Debug, Clone)]
+pub(crate) struct DTypeList(pub(crate) Vec<DType>);
+
+/// Parses `4K,64M,1G` (binary multiples) into byte counts.
+pub(crate) fn parse_sizes(s: &str) -> Result<SizeList, String> {
+    s.split(',')
+        .map(|item| {
+            let item = item.trim();
+            let (num, mult) = match item.chars().last().map(|c| c.to_ascii_uppercase()) {
+                Some('K') => (&item[..item.len() - 1], 1usize << 10),
+                Some('M') => (&item[..item.len() - 1], 1 << 20),
+                Some('G') => (&item[..item.len() - 1], 1 << 30),
+                _ => (item, 1),
+            };
+            num.parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_mul(mult))
+                .ok_or_else(|| format!("bad size {item:?}: expected a number with an optional K, M or G suffix, like 4K or 1G"))
+        })
+        .collect::<Result<_, _>>()
+        .map(SizeList)
+}
+
+/// Parses a count with an optional decimal K or M suffix (`25M` is
+/// 25,000,000, as model sizes are quoted).
+pub(crate) fn parse_count(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1_000usize),
+        Some('M') => (&t[..t.len() - 1], 1_000_000),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            format!("bad count {t:?}: expected a number with an optional K or M suffix, like 25M")
+        })
+}
+
+/// Parses a comma-separated dtype list (`f32` or `float32` style).
+pub(crate) fn parse_dtypes(s: &str) -> Result<DTypeList, String> {
+    s.split(',')
+        .map(|item| {
+            let item = item.trim();
+            DType::ALL
+                .into_iter()
+                .find(|d| {
+                    d.name() == item || format!("{d:?}").eq_ignore_ascii_case(item)
+                })
+                .ok_or_else(|| format!("unknown dtype {item:?}: expected one of f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64"))
+        })
+        .collect::<Result<_, _>>()
+        .map(DTypeList)
+}
+
+pub(crate) fn parse_mode(s: &str) -> Result<consort::sampler::Mode, String> {
+    match s {
+        "exact" => Ok(consort::sampler::Mode::Exact),
+        "streaming" => Ok(consort::sampler::Mode::Streaming),
+        other => Err(format!(
+            "unknown --mode {other:?}: expected exact or streaming"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_dtypes_parse() {
+        assert_eq!(parse_sizes("4K,1G,7").unwrap().0, vec![4096, 1 << 30, 7]);
+        assert!(parse_sizes("4X").is_err());
+        assert!(parse_sizes("").is_err());
+        assert!(parse_sizes("99999999999999999G").is_err());
+        assert_eq!(
+            parse_dtypes("f32,bfloat16").unwrap().0,
+            vec![DType::F32, DType::BF16]
+        );
+        assert!(parse_dtypes("f8").unwrap_err().contains("unknown dtype"));
+    }
+}
