@@ -1,7 +1,7 @@
 //! The launcher as a library: what `consort run` does, in the shape torch
 //! gives `torch.distributed.elastic` under its thin `torchrun`.
 //!
-//! - [`launch`] ([`agent`]): the agent of one node. Node 0's agent hosts
+//! - [`launch`] (`agent`): the agent of one node. Node 0's agent hosts
 //!   the agent store; every agent meets the others there once per round,
 //!   starts its workers, and on a failure stops the round and starts the
 //!   next, up to `max_restarts`.
