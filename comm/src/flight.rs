@@ -218,6 +218,9 @@ pub fn analyze(dumps: &[Dump]) -> Vec<String> {
     let Some(world) = dumps.iter().map(|d| d.world).max() else {
         return vec!["no flight records to analyze".into()];
     };
+    // A damaged record must not make the analysis enumerate billions.
+    let seen = dumps.iter().map(|d| d.rank + 1).max().unwrap_or(1);
+    let world = world.min(seen.max(1 << 16));
     let have: BTreeSet<usize> = dumps.iter().map(|d| d.rank).collect();
     let missing: Vec<usize> = (0..world).filter(|r| !have.contains(r)).collect();
     if !missing.is_empty() {

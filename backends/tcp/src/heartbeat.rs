@@ -7,8 +7,11 @@
 //!
 //! Layout, eight little-endian u64: magic, calls finished, last call's
 //! seq, its op (index in `OpKind::ALL`), its group id, when it was made
-//! (µs since the Unix epoch), when the last call ended, and 1 while a call
-//! is in flight (0 otherwise).
+//! (µs since the Unix epoch), when the last call ended, and the calls in
+//! flight (`DETACHED` once the groups are gone: the agent stops watching).
+//!
+//! One heartbeat serves the whole process ([`Heartbeat::shared`]): every
+//! group of every backend made in it counts.
 
 use std::{
     fs::OpenOptions,
@@ -20,6 +23,8 @@ use std::{
 use consort_comm::{Fingerprint, GroupId, OpKind};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"consort1");
+/// Slot 7 once the process has no group left.
+const DETACHED: u64 = u64::MAX;
 const SLOTS: usize = 8;
 const BYTES: usize = SLOTS * 8;
 
@@ -36,6 +41,24 @@ unsafe impl Send for Heartbeat {}
 unsafe impl Sync for Heartbeat {}
 
 impl Heartbeat {
+    /// The process's heartbeat at `path`, made on first use (a second
+    /// group in the same process shares it instead of truncating a file
+    /// that is mapped).
+    pub fn shared(path: &Path) -> std::io::Result<std::sync::Arc<Self>> {
+        static ONE: std::sync::Mutex<Option<(std::path::PathBuf, std::sync::Weak<Heartbeat>)>> =
+            std::sync::Mutex::new(None);
+        let mut one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((p, w)) = one.as_ref()
+            && p == path
+            && let Some(b) = w.upgrade()
+        {
+            return Ok(b);
+        }
+        let b = std::sync::Arc::new(Self::create(path)?);
+        *one = Some((path.to_path_buf(), std::sync::Arc::downgrade(&b)));
+        Ok(b)
+    }
+
     /// Creates (or truncates) `path` and maps it.
     pub fn create(path: &Path) -> std::io::Result<Self> {
         if let Some(dir) = path.parent() {
@@ -84,13 +107,15 @@ impl Heartbeat {
         self.slot(3).store(op as u64, Ordering::Relaxed);
         self.slot(4).store(u64::from(fp.group.0), Ordering::Relaxed);
         self.slot(5).store(now_us, Ordering::Relaxed);
-        self.slot(7).store(1, Ordering::Release);
+        self.slot(7).fetch_add(1, Ordering::Release);
     }
 
     /// A call ended.
     pub(crate) fn ended(&self, now_us: u64) {
         self.slot(6).store(now_us, Ordering::Relaxed);
-        self.slot(7).store(0, Ordering::Relaxed);
+        let _ = self
+            .slot(7)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
         self.slot(1).fetch_add(1, Ordering::Release);
     }
 
@@ -103,6 +128,9 @@ impl Heartbeat {
 
 impl Drop for Heartbeat {
     fn drop(&mut self) {
+        // The groups are gone (the program goes on without collectives):
+        // nothing to watch any more.
+        self.slot(7).store(DETACHED, Ordering::Release);
         // SAFETY: unmaps exactly the mapping `create` made.
         unsafe { libc::munmap(self.slots.cast_mut().cast(), BYTES) };
     }
@@ -117,8 +145,10 @@ pub struct Beat {
     pub last: Option<(GroupId, u64, OpKind)>,
     /// When it was made, µs since the Unix epoch.
     pub made_us: u64,
-    /// Whether it is still in flight.
+    /// Whether a call is in flight.
     pub in_call: bool,
+    /// The process has no group left (it is not watched).
+    pub detached: bool,
 }
 
 impl Beat {
@@ -161,11 +191,13 @@ pub fn read(path: &Path) -> Option<Beat> {
             op,
         )
     });
+    let flight = slot(7)?;
     Some(Beat {
         progress: slot(1)?,
         last,
         made_us,
-        in_call: slot(7)? == 1,
+        in_call: flight > 0 && flight != DETACHED,
+        detached: flight == DETACHED,
     })
 }
 

@@ -33,7 +33,8 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
     let store = connect(a).await?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
     let (mut round, mut failures) = (0u32, 0u32);
-    let mut last_node;
+    // This node's place in the last round, and that round's size and key.
+    let mut last: (usize, usize, String);
     let code = loop {
         let Some(m) = meet(a, &*store, &ns, round).await? else {
             round += 1;
@@ -47,8 +48,8 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
                 crate::MAX_WORLD_SIZE
             )));
         }
-        last_node = m.node_rank;
         let key = round_key(&ns, round);
+        last = (m.node_rank, m.nnodes, key.clone());
         match run_round(a, &m, &store, &ns, &key, round, &mut signals).await? {
             RoundEnd::Done => break 0,
             RoundEnd::NewMember => {
@@ -95,14 +96,10 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
     }
     // The store's host keeps it up until every node of the last round has
     // finished.
-    store.set(&format!("{ns}/done/{last_node}"), b"1").await?;
+    let (node, nnodes, key) = last;
+    store.set(&format!("{key}/done/{node}"), b"1").await?;
     if let Some(server) = server {
-        let n = if a.min_nodes == a.max_nodes {
-            a.max_nodes
-        } else {
-            1
-        };
-        let keys: Vec<String> = (0..n).map(|n| format!("{ns}/done/{n}")).collect();
+        let keys: Vec<String> = (0..nnodes).map(|n| format!("{key}/done/{n}")).collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         let _ = store.wait(&keys, Duration::from_secs(60)).await;
         drop(store);

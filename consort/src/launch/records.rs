@@ -23,10 +23,15 @@ pub fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
         }
         let bytes = std::fs::read(e.path())
             .map_err(|err| format!("cannot read {}: {err}", e.path().display()))?;
-        dumps.push(
-            Dump::from_json(&bytes)
-                .map_err(|err| format!("{} is not a flight record: {err}", e.path().display()))?,
-        );
+        // One damaged file (a worker killed mid-write) must not cost the
+        // verdict on the others.
+        match Dump::from_json(&bytes) {
+            Ok(d) => dumps.push(d),
+            Err(err) => eprintln!(
+                "[consort] skipping {}: not a flight record ({err})",
+                e.path().display()
+            ),
+        }
     }
     dumps.sort_by_key(|d| d.rank);
     Ok(dumps)

@@ -76,7 +76,9 @@ pub(super) async fn run_round(
         .join(format!("attempt_{restart}"));
     // Where the workers' flight records go when the job fails.
     let flight_dir = attempt.join("flight");
+    // A reused --log-dir: no record or heartbeat of an earlier job counts.
     let _ = std::fs::remove_dir_all(&flight_dir);
+    let _ = std::fs::remove_dir_all(attempt.join("heartbeat"));
     let env = RoundEnv {
         m,
         restart,
@@ -95,9 +97,7 @@ pub(super) async fn run_round(
     }
     let newcomers =
         (a.min_nodes != a.max_nodes && m.nnodes < a.max_nodes).then_some((ns, restart + 1));
-    let end = r
-        .watch(a, store, &format!("{key}/failed"), newcomers, signals)
-        .await?;
+    let end = r.watch(a, store, key, newcomers, signals).await?;
     // After a failure this stops the survivors; after a clean round it
     // only clears what the workers left running in their groups.
     stop(&mut r.children, a.grace_period, libc::SIGTERM).await;
@@ -207,11 +207,15 @@ impl Round {
         &mut self,
         a: &LaunchSpec,
         store: &Arc<dyn Store>,
-        failed_key: &str,
+        key: &str,
         newcomers: Option<(&str, u32)>,
         signals: &mut Signals,
     ) -> Result<RoundEnd, LaunchError> {
         let interval = Duration::from_secs_f64(a.monitor_interval);
+        let failed_key = format!("{key}/failed");
+        // Set when a node ends the round for a newcomer: the failures its
+        // stopped workers cause elsewhere are not failures.
+        let end_key = format!("{key}/end");
         let mut done = vec![false; self.children.len()];
         let mut watchdog = a.watchdog_timeout.map(|t| {
             let files = self
@@ -236,21 +240,29 @@ impl Round {
                 failure = hung(w, &mut self.children, &done).await;
             }
             if let Some(f) = failure {
-                let _ = store
-                    .set(failed_key, format!("{} {}", f.rank, f.code()).as_bytes())
-                    .await;
+                if store.check(&[&end_key]).await.unwrap_or(false) {
+                    return Ok(RoundEnd::NewMember);
+                }
+                // The first cause stays: a later node's PeerLost does not
+                // replace it.
+                let cause = format!("{} {}", f.rank, f.code());
+                let _ = store.compare_set(&failed_key, b"", cause.as_bytes()).await;
                 return Ok(RoundEnd::Failed(f));
             }
             if done.iter().all(|d| *d) {
                 return Ok(RoundEnd::Done);
             }
             // Another node's failure stops this node's workers too.
-            if let Some(f) = elsewhere(store, failed_key).await {
+            if store.check(&[&end_key]).await.unwrap_or(false) {
+                return Ok(RoundEnd::NewMember);
+            }
+            if let Some(f) = elsewhere(store, &failed_key).await {
                 return Ok(RoundEnd::Failed(f));
             }
             if let Some((ns, next)) = newcomers
                 && waiting(&**store, ns, next).await
             {
+                let _ = store.compare_set(&end_key, b"", b"new member").await;
                 return Ok(RoundEnd::NewMember);
             }
             tokio::select! {

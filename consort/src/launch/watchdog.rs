@@ -5,7 +5,9 @@
 //! the agent can read even when the worker is stopped or wedged.
 //!
 //! A worker is watched from its first heartbeat (its comm layer's first
-//! group) on; TCP and QUIC groups keep one, NCCL groups do not yet.
+//! group) until its groups are gone; TCP and QUIC groups keep one, NCCL
+//! groups do not yet. Only a stall that holds someone up counts: some
+//! watched worker must be waiting in a call.
 //!
 //! When a rank stops, its peers stop with it (they wait for it in their
 //! next collective), so several ranks stall at once. The watchdog names
@@ -41,6 +43,8 @@ pub(crate) struct Watchdog {
 #[derive(Debug)]
 pub(crate) struct Hung {
     pub(crate) local: usize,
+    /// The kernel reports it stopped (SIGSTOP).
+    pub(crate) stopped: bool,
     pub(crate) report: Vec<String>,
 }
 
@@ -91,37 +95,42 @@ impl Watchdog {
             }
             s.beat = beat;
         }
-        // A worker is watched from its first heartbeat on: one whose comm
-        // layer keeps none (NCCL groups, for now) is never called hung.
+        // A worker is watched from its first heartbeat until its groups are
+        // gone: one whose comm layer keeps none (NCCL groups, for now), or
+        // that is done with collectives, is never called hung.
+        let watched = |i: usize| alive[i] && self.seen[i].beat.is_some_and(|b| !b.detached);
         let stalled: Vec<usize> = (0..self.seen.len())
-            .filter(|&i| {
-                alive[i]
-                    && self.seen[i].beat.is_some()
-                    && now.duration_since(self.seen[i].since) >= self.timeout
-            })
+            .filter(|&i| watched(i) && now.duration_since(self.seen[i].since) >= self.timeout)
             .collect();
-        if stalled.is_empty() {
+        // A hang holds someone up: with no watched worker waiting in a
+        // call, they are all computing (evaluation, a checkpoint), however
+        // long that takes.
+        let waiting = (0..self.seen.len())
+            .any(|i| watched(i) && self.seen[i].beat.is_some_and(|b| b.in_call));
+        if stalled.is_empty() || !waiting {
             return None;
         }
         let live: Vec<usize> = (0..self.seen.len()).filter(|&i| alive[i]).collect();
         let stopped = |i: &usize| matches!(proc_state(pids[*i]), Some('T' | 't'));
-        // Behind: not in a call, or in an earlier call than the others.
+        // Behind: not in a call, or in an earlier call of the same group,
+        // than another stalled worker.
         let key = |i: usize| {
             self.seen[i]
                 .beat
-                .and_then(|b| b.last.map(|(_, seq, _)| (b.in_call, seq)))
-                .unwrap_or((false, 0))
+                .and_then(|b| b.last.map(|(g, seq, _)| (g, b.in_call, seq)))
         };
-        let culprit = live
+        let behind = |i: &usize| {
+            key(*i).is_some_and(|(g, in_call, seq)| {
+                stalled.iter().any(|&j| {
+                    key(j).is_some_and(|(h, j_in, j_seq)| h == g && (j_in, j_seq) > (in_call, seq))
+                })
+            })
+        };
+        let culprit = stalled
             .iter()
             .copied()
             .find(stopped)
-            .or_else(|| {
-                live.iter()
-                    .copied()
-                    .min_by_key(|&i| key(i))
-                    .filter(|&i| live.iter().any(|&j| key(j) != key(i)))
-            })
+            .or_else(|| stalled.iter().copied().find(behind))
             .or_else(|| stalled.iter().copied().min_by_key(|&i| self.seen[i].since))?;
         let t = now_us();
         let what = |i: usize| match self.seen[i].beat {
@@ -147,6 +156,7 @@ impl Watchdog {
         }
         Some(Hung {
             local: culprit,
+            stopped: stopped(&culprit),
             report,
         })
     }

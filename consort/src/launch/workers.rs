@@ -90,7 +90,8 @@ pub(super) async fn hung(
     let alive: Vec<bool> = done.iter().map(|d| !d).collect();
     let h = w.check(&ranks, &pids, &alive)?;
     for (i, &pid) in pids.iter().enumerate() {
-        if alive[i] && i != h.local && pid > 0 {
+        // A stopped worker cannot answer (the signal would wait for it).
+        if alive[i] && pid > 0 && !(i == h.local && h.stopped) {
             // SAFETY: kill(2) on our own worker with a valid signal.
             unsafe { libc::kill(pid, libc::SIGUSR1) };
         }

@@ -211,6 +211,10 @@ pub struct Ddp<B: Backend + ?Sized + 'static> {
     group: Option<Arc<dyn Backend>>,
     /// Shrinks so far (they name the store keys of the next).
     shrinks: u32,
+    /// This wrapper's id in the store, the same on every rank (rank 0's,
+    /// broadcast at construction when shrinking is on): one job's keys
+    /// never meet another's, or an earlier round's.
+    shrink_id: u64,
 }
 
 impl<B: Backend + ?Sized + 'static> fmt::Debug for Ddp<B> {
@@ -281,6 +285,11 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             broadcast_tensors(&*backend, model, &specs, &buffers, &call).await?;
         }
 
+        let shrink_id = if matches!(opts.on_peer_lost, OnPeerLost::Shrink { .. }) {
+            shrink::job_id(&*backend, &call).await?
+        } else {
+            0
+        };
         let (jobs, job_rx) = mpsc::unbounded_channel();
         let (done_tx, done) = mpsc::unbounded_channel();
         let worker = runtime.spawn(worker(
@@ -314,6 +323,7 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             worker,
             group: None,
             shrinks: 0,
+            shrink_id,
         };
         // c10d: iteration 1 has one bucket per dtype (its ready order is
         // not known yet); the list is reversed, since backward produces the

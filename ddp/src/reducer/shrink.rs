@@ -23,6 +23,29 @@ use tokio::sync::mpsc;
 use super::{Ddp, DdpError, on_group};
 use crate::worker::worker;
 
+/// Rank 0's id for this wrapper's shrink keys, to every rank.
+pub(super) async fn job_id<B: Backend + ?Sized>(
+    backend: &B,
+    call: &consort_comm::CallOptions,
+) -> Result<u64, DdpError> {
+    let mut id = [0u64];
+    if backend.rank() == 0 {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        id[0] = t ^ (u64::from(std::process::id()) << 32);
+    }
+    let root = consort_comm::CallOptions { root: 0, ..*call };
+    backend
+        .broadcast(consort_comm::BufferMut::from(&mut id[..]), &root)
+        .await
+        .map_err(|source| DdpError::Comm {
+            what: "broadcast of the shrink id".into(),
+            source: Box::new(source),
+        })?;
+    Ok(id[0])
+}
+
 /// What [`Ddp`] does when a step fails because a peer is gone.
 #[derive(Clone, Debug, Default)]
 pub enum OnPeerLost {
@@ -55,6 +78,10 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
     /// fail or no peer was lost.
     pub async fn shrink_after(&mut self, error: DdpError) -> DdpError {
         if self.shrinkable(&error) {
+            // Buckets the worker still holds come back first.
+            if self.in_flight > 0 {
+                let _ = self.drain().await;
+            }
             self.shrink(error).await
         } else {
             error
@@ -67,8 +94,17 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         let OnPeerLost::Shrink { store, timeout } = self.opts.on_peer_lost.clone() else {
             return cause;
         };
-        let (me, world, generation) = (self.rank, self.world_size(), self.shrinks);
-        let agreed = on_group!(self, b => agree(b, &*store, generation, me, world, timeout).await);
+        let (me, world) = (self.rank, self.world_size());
+        let prefix = format!(
+            "consort/ddp/shrink/{:016x}/{}",
+            self.shrink_id, self.shrinks
+        );
+        // Where this rank is: the survivors must all be at the same step
+        // (a call can finish on some ranks when the lost peer had sent its
+        // part to them and not to others).
+        let at = format!("{},{}", self.steps, self.rebuilt);
+        let agreed =
+            on_group!(self, b => agree(b, &*store, &prefix, me, world, &at, timeout).await);
         let members = match agreed {
             Ok(m) => m,
             Err(why) => return self.fail(self.usage(why)),
@@ -129,17 +165,46 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
 async fn agree<G: Backend + ?Sized>(
     group: &G,
     store: &dyn Store,
-    generation: u32,
+    p: &str,
     me: usize,
     world: usize,
+    at: &str,
     timeout: Duration,
 ) -> Result<Vec<usize>, String> {
-    let p = format!("consort/ddp/shrink/{generation}");
+    let members = close(group, store, p, me, world, at, timeout).await?;
+    let fail = |e: consort_comm::StoreError| {
+        format!("rank {me}: the survivors could not agree through the store: {e}")
+    };
+    for &r in &members {
+        let theirs = store.get(&format!("{p}/alive/{r}")).await.map_err(fail)?;
+        if theirs != at.as_bytes() {
+            return Err(format!(
+                "the survivors are not all at the same step: rank {r} is at (steps, rebuilt) = \
+                 ({}), rank {me} at ({at}); the lost rank's part reached some of them. Restart \
+                 from the last checkpoint",
+                String::from_utf8_lossy(&theirs)
+            ));
+        }
+    }
+    Ok(members)
+}
+
+/// Writes that this rank is alive (and where), and returns the closed list
+/// of ranks that did.
+async fn close<G: Backend + ?Sized>(
+    group: &G,
+    store: &dyn Store,
+    p: &str,
+    me: usize,
+    world: usize,
+    at: &str,
+    timeout: Duration,
+) -> Result<Vec<usize>, String> {
     let fail = |e: consort_comm::StoreError| {
         format!("rank {me}: the survivors could not agree through the store: {e}")
     };
     store
-        .set(&format!("{p}/alive/{me}"), b"1")
+        .set(&format!("{p}/alive/{me}"), at.as_bytes())
         .await
         .map_err(fail)?;
     let closed = format!("{p}/members");

@@ -330,7 +330,7 @@ impl TcpBackend {
             shm_rx,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
             beat: opts.heartbeat_file.as_deref().and_then(|p| {
-                crate::heartbeat::Heartbeat::create(p)
+                crate::heartbeat::Heartbeat::shared(p)
                     .map_err(|e| {
                         tracing::warn!(
                             "rank {rank}: no heartbeat for the launcher's watchdog: cannot map \

@@ -68,8 +68,12 @@ pub(super) fn dump(inner: &Inner, reason: &str, force: bool) -> Option<PathBuf> 
         engine.flight().dump(out.rank, out.world, reason)
     };
     let path = dir.join(format!("rank-{}.json", out.rank));
+    // A name of its own per write: two dumps at once (a failure and a
+    // SIGUSR1, or two groups) never share a temporary file.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
     let tmp = dir.join(format!(
-        ".rank-{}.json.tmp-{}",
+        ".rank-{}.json.tmp-{}-{n}",
         out.rank,
         std::process::id()
     ));

@@ -196,7 +196,7 @@ struct Inner {
     /// Where the flight record goes.
     flight: flight::FlightOut,
     /// The agent's view of this rank's progress.
-    beat: Option<crate::heartbeat::Heartbeat>,
+    beat: Option<Arc<crate::heartbeat::Heartbeat>>,
 }
 
 /// Buffers kept in the pool at most.
