@@ -125,34 +125,6 @@ fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, Path
     (ok, text, out)
 }
 
-/// The same job, undisturbed, on the simulator (the same schedules and so
-/// the same bits as over TCP).
-fn undisturbed() -> f64 {
-    let out = scratch("calm");
-    let st = Command::new(train_bin())
-        .args([
-            "--world-size",
-            "3",
-            "--epochs",
-            "6",
-            "--batch-size",
-            "30",
-            "--out",
-        ])
-        .arg(&out)
-        .env_remove("RANK")
-        .output()
-        .expect("train");
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let acc = final_accuracy(&out);
-    std::fs::remove_dir_all(out).unwrap();
-    acc
-}
-
 #[test]
 fn a_killed_worker_restarts_the_world_and_training_finishes() {
     let (ok, text, out) = disturbed_run("kill", libc::SIGKILL, &[]);
@@ -162,7 +134,7 @@ fn a_killed_worker_restarts_the_world_and_training_finishes() {
         "{text}"
     );
     assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    let (got, want) = (final_accuracy(&out), undisturbed());
+    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
     assert!(
         (got - want).abs() <= 0.5,
         "{got:.2}% after a restart, {want:.2}% undisturbed"
@@ -184,7 +156,7 @@ fn a_stopped_worker_is_named_by_the_watchdog_and_training_finishes() {
         "{text}"
     );
     assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    let (got, want) = (final_accuracy(&out), undisturbed());
+    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
     assert!(
         (got - want).abs() <= 0.5,
         "{got:.2}% after a restart, {want:.2}% undisturbed"
@@ -257,7 +229,8 @@ fn read_until(rx: &mpsc::Receiver<String>, text: &mut String, want: &str) -> boo
     false
 }
 
-/// The same job on the simulator, undisturbed at world `world`.
+/// The same job on the simulator, undisturbed at world `world` (the same
+/// schedules, and so the same bits, as over TCP).
 fn undisturbed_at(world: usize) -> f64 {
     let out = scratch(&format!("calm{world}"));
     let st = Command::new(train_bin())

@@ -172,9 +172,7 @@ async fn agree<G: Backend + ?Sized>(
     timeout: Duration,
 ) -> Result<Vec<usize>, String> {
     let members = close(group, store, p, me, world, at, timeout).await?;
-    let fail = |e: consort_comm::StoreError| {
-        format!("rank {me}: the survivors could not agree through the store: {e}")
-    };
+    let fail = store_error(me);
     for &r in &members {
         let theirs = store.get(&format!("{p}/alive/{r}")).await.map_err(fail)?;
         if theirs != at.as_bytes() {
@@ -200,9 +198,7 @@ async fn close<G: Backend + ?Sized>(
     at: &str,
     timeout: Duration,
 ) -> Result<Vec<usize>, String> {
-    let fail = |e: consort_comm::StoreError| {
-        format!("rank {me}: the survivors could not agree through the store: {e}")
-    };
+    let fail = store_error(me);
     store
         .set(&format!("{p}/alive/{me}"), at.as_bytes())
         .await
@@ -241,6 +237,11 @@ async fn close<G: Backend + ?Sized>(
         group.idle(Duration::from_millis(20)).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A store failure during the agreement, on rank `me`.
+fn store_error(me: usize) -> impl Fn(consort_comm::StoreError) -> String + Copy {
+    move |e| format!("rank {me}: the survivors could not agree through the store: {e}")
 }
 
 fn decode(v: &[u8]) -> Vec<usize> {
