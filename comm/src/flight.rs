@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Fingerprint, GroupId};
+use crate::{DType, Fingerprint, GroupId, OpKind};
 
 /// torch's default `TORCH_FR_BUFFER_SIZE`: entries kept per rank.
 pub const DEFAULT_ENTRIES: usize = 2000;
@@ -62,13 +62,49 @@ pub struct Entry {
     pub error: Option<String>,
 }
 
+/// One call as the ring keeps it: plain values, so recording a call
+/// allocates nothing (the names are written out only in a dump).
+#[derive(Debug, Clone)]
+struct Record {
+    id: u64,
+    group: GroupId,
+    seq: u64,
+    op: OpKind,
+    dtype: DType,
+    count: u64,
+    state: State,
+    issued_us: u64,
+    started_us: Option<u64>,
+    ended_us: Option<u64>,
+    error: Option<String>,
+}
+
+impl Record {
+    fn entry(&self) -> Entry {
+        Entry {
+            id: self.id,
+            group: self.group.to_string(),
+            seq: self.seq,
+            op: self.op.name().to_string(),
+            dtype: self.dtype.name().to_string(),
+            count: self.count,
+            state: self.state,
+            issued_us: self.issued_us,
+            started_us: self.started_us,
+            ended_us: self.ended_us,
+            error: self.error.clone(),
+        }
+    }
+}
+
 /// The last calls of one rank, oldest first.
 #[derive(Debug, Clone)]
 pub struct FlightRecorder {
     capacity: usize,
-    entries: VecDeque<Entry>,
-    /// Engine call id → record id, for calls in flight.
-    open: BTreeMap<u64, u64>,
+    records: VecDeque<Record>,
+    /// (engine call id, record id) of the calls in flight: a handful, so a
+    /// vector that keeps its room.
+    open: Vec<(u64, u64)>,
     next: u64,
     now_us: u64,
 }
@@ -84,8 +120,8 @@ impl FlightRecorder {
     pub fn new(capacity: usize) -> Self {
         FlightRecorder {
             capacity,
-            entries: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
-            open: BTreeMap::new(),
+            records: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
+            open: Vec::new(),
             next: 0,
             now_us: 0,
         }
@@ -97,14 +133,14 @@ impl FlightRecorder {
     }
 
     /// The entries, oldest first.
-    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
-        self.entries.iter()
+    pub fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        self.records.iter().map(Record::entry)
     }
 
-    fn entry(&mut self, call: u64) -> Option<&mut Entry> {
-        let id = *self.open.get(&call)?;
-        let first = self.entries.front()?.id;
-        self.entries
+    fn record(&mut self, call: u64) -> Option<&mut Record> {
+        let id = self.open.iter().find(|(c, _)| *c == call)?.1;
+        let first = self.records.front()?.id;
+        self.records
             .get_mut(usize::try_from(id.checked_sub(first)?).ok()?)
     }
 
@@ -113,19 +149,19 @@ impl FlightRecorder {
         if self.capacity == 0 {
             return;
         }
-        if self.entries.len() == self.capacity
-            && let Some(old) = self.entries.pop_front()
+        if self.records.len() == self.capacity
+            && let Some(old) = self.records.pop_front()
         {
-            self.open.retain(|_, id| *id != old.id);
+            self.open.retain(|(_, id)| *id != old.id);
         }
         let id = self.next;
         self.next += 1;
-        self.entries.push_back(Entry {
+        self.records.push_back(Record {
             id,
-            group: group_name(fp.group),
+            group: fp.group,
             seq: fp.seq,
-            op: fp.op.name().to_string(),
-            dtype: fp.dtype.name().to_string(),
+            op: fp.op,
+            dtype: fp.dtype,
             count: fp.count,
             state: State::Issued,
             issued_us: self.now_us,
@@ -133,33 +169,33 @@ impl FlightRecorder {
             ended_us: None,
             error: None,
         });
-        self.open.insert(call, id);
+        self.open.push((call, id));
     }
 
     /// Call `call` took its first frame.
     pub(crate) fn started(&mut self, call: u64) {
         let now = self.now_us;
-        if let Some(e) = self.entry(call)
-            && e.state == State::Issued
+        if let Some(r) = self.record(call)
+            && r.state == State::Issued
         {
-            e.state = State::Started;
-            e.started_us = Some(now);
+            r.state = State::Started;
+            r.started_us = Some(now);
         }
     }
 
     /// Call `call` ended, with `error` if it failed.
     pub(crate) fn ended(&mut self, call: u64, error: Option<String>) {
         let now = self.now_us;
-        if let Some(e) = self.entry(call) {
-            e.state = if error.is_some() {
+        if let Some(r) = self.record(call) {
+            r.state = if error.is_some() {
                 State::Failed
             } else {
                 State::Done
             };
-            e.ended_us = Some(now);
-            e.error = error;
+            r.ended_us = Some(now);
+            r.error = error;
         }
-        self.open.remove(&call);
+        self.open.retain(|(c, _)| *c != call);
     }
 
     /// This rank's dump: what [`analyze`] reads.
@@ -170,14 +206,9 @@ impl FlightRecorder {
             pid: std::process::id(),
             reason: reason.to_string(),
             dumped_us: self.now_us,
-            entries: self.entries.iter().cloned().collect(),
+            entries: self.entries().collect(),
         }
     }
-}
-
-/// A group's name in records and reports.
-pub fn group_name(g: GroupId) -> String {
-    g.to_string()
 }
 
 /// One rank's flight record, as written to `rank-K.json`.
@@ -214,15 +245,15 @@ impl Dump {
 /// `fr_trace` does: the first collective some ranks entered and others
 /// never did, calls that differ at one seq, and the first failure.
 pub fn analyze(dumps: &[Dump]) -> Vec<String> {
-    let mut out = Vec::new();
     let Some(world) = dumps.iter().map(|d| d.world).max() else {
         return vec!["no flight records to analyze".into()];
     };
+    let mut out = Vec::new();
+    let idx = Index::new(dumps);
     // A damaged record must not make the analysis enumerate billions.
     let seen = dumps.iter().map(|d| d.rank + 1).max().unwrap_or(1);
     let world = world.min(seen.max(1 << 16));
-    let have: BTreeSet<usize> = dumps.iter().map(|d| d.rank).collect();
-    let missing: Vec<usize> = (0..world).filter(|r| !have.contains(r)).collect();
+    let missing: Vec<usize> = (0..world).filter(|r| !idx.have.contains(r)).collect();
     if !missing.is_empty() {
         out.push(format!(
             "no record from rank(s) {} (killed, stopped or never failed): they are left out \
@@ -230,116 +261,11 @@ pub fn analyze(dumps: &[Dump]) -> Vec<String> {
             list(&missing)
         ));
     }
-    // (group, seq) → rank → entry; collectives only.
-    let mut by_call: BTreeMap<(String, u64), BTreeMap<usize, &Entry>> = BTreeMap::new();
-    let mut last_seq: BTreeMap<(String, usize), u64> = BTreeMap::new();
-    let mut first_seq: BTreeMap<(String, usize), u64> = BTreeMap::new();
-    for d in dumps {
-        for e in d
-            .entries
-            .iter()
-            .filter(|e| e.op != "send" && e.op != "recv")
-        {
-            by_call
-                .entry((e.group.clone(), e.seq))
-                .or_default()
-                .insert(d.rank, e);
-            let k = (e.group.clone(), d.rank);
-            last_seq
-                .entry(k.clone())
-                .and_modify(|s| *s = (*s).max(e.seq))
-                .or_insert(e.seq);
-            first_seq
-                .entry(k)
-                .and_modify(|s| *s = (*s).min(e.seq))
-                .or_insert(e.seq);
-        }
+    match idx.divergence() {
+        Some(line) => out.push(line),
+        None => out.extend(waiting(dumps)),
     }
-    let dumped: BTreeMap<usize, u64> = dumps.iter().map(|d| (d.rank, d.dumped_us)).collect();
-    for ((group, seq), ranks) in &by_call {
-        // Ranks of this group that recorded it: a rank whose record of the
-        // group starts after this seq (ring wrapped) says nothing.
-        let members: Vec<usize> = have
-            .iter()
-            .copied()
-            .filter(|r| {
-                first_seq
-                    .get(&(group.clone(), *r))
-                    .is_some_and(|&f| f <= *seq)
-            })
-            .collect();
-        let absent: Vec<usize> = members
-            .iter()
-            .copied()
-            .filter(|r| !ranks.contains_key(r))
-            .collect();
-        let Some((_, first)) = ranks.iter().next() else {
-            continue;
-        };
-        let differ: Vec<(usize, &&Entry)> = ranks
-            .iter()
-            .filter(|(_, e)| (&e.op, &e.dtype, e.count) != (&first.op, &first.dtype, first.count))
-            .map(|(r, e)| (*r, e))
-            .collect();
-        if !differ.is_empty() {
-            let (r0, e0) = ranks
-                .iter()
-                .next()
-                .map(|(r, e)| (*r, *e))
-                .unwrap_or((0, first));
-            let (r1, e1) = differ[0];
-            out.push(format!(
-                "ranks called different collectives at seq {seq} ({group}): rank {r0} {} of {} x \
-                 {}, rank {r1} {} of {} x {}",
-                e0.op, e0.count, e0.dtype, e1.op, e1.count, e1.dtype
-            ));
-            break;
-        }
-        if !absent.is_empty() && absent.len() < members.len() {
-            let waited: Vec<usize> = ranks.keys().copied().collect();
-            let longest = ranks
-                .iter()
-                .map(|(r, e)| {
-                    let end = e.ended_us.or(dumped.get(r).copied()).unwrap_or(e.issued_us);
-                    end.saturating_sub(e.issued_us)
-                })
-                .max()
-                .unwrap_or(0);
-            let where_ = absent
-                .iter()
-                .map(|r| match last_seq.get(&(group.clone(), *r)) {
-                    Some(s) => format!("rank {r} (last entered seq {s})"),
-                    None => format!("rank {r}"),
-                })
-                .collect::<Vec<_>>();
-            out.push(format!(
-                "{} never entered {} seq {seq} ({group}); {} {} waited in it for {:.1} s",
-                where_.join(", "),
-                first.op,
-                if waited.len() == 1 { "rank" } else { "ranks" },
-                list(&waited),
-                longest as f64 / 1e6
-            ));
-            break;
-        }
-    }
-    if out.iter().all(|l| l.starts_with("no record")) {
-        out.extend(waiting(dumps));
-    }
-    let failed = dumps
-        .iter()
-        .flat_map(|d| d.entries.iter().map(move |e| (d.rank, e)))
-        .filter(|(_, e)| e.state == State::Failed)
-        .min_by_key(|(_, e)| e.ended_us.unwrap_or(u64::MAX));
-    if let Some((r, e)) = failed {
-        out.push(format!(
-            "first failure: rank {r}, {} seq {} ({}): {}",
-            e.op,
-            e.seq,
-            e.group,
-            e.error.as_deref().unwrap_or("(no message)")
-        ));
-    }
+    out.extend(first_failure(dumps));
     if out.iter().all(|l| l.starts_with("no record")) {
         out.push(
             "every recorded collective was entered by every rank that recorded its group, and \
@@ -348,6 +274,138 @@ pub fn analyze(dumps: &[Dump]) -> Vec<String> {
         );
     }
     out
+}
+
+/// Every rank's collectives, matched by (group, seq).
+struct Index<'a> {
+    /// (group, seq) → rank → its entry.
+    by_call: BTreeMap<(&'a str, u64), BTreeMap<usize, &'a Entry>>,
+    /// (group, rank) → the first and last seq that rank recorded there.
+    span: BTreeMap<(&'a str, usize), (u64, u64)>,
+    /// When each rank wrote its record.
+    dumped: BTreeMap<usize, u64>,
+    /// The ranks with a record.
+    have: BTreeSet<usize>,
+}
+
+impl<'a> Index<'a> {
+    fn new(dumps: &'a [Dump]) -> Self {
+        let mut idx = Index {
+            by_call: BTreeMap::new(),
+            span: BTreeMap::new(),
+            dumped: dumps.iter().map(|d| (d.rank, d.dumped_us)).collect(),
+            have: dumps.iter().map(|d| d.rank).collect(),
+        };
+        for d in dumps {
+            for e in d
+                .entries
+                .iter()
+                .filter(|e| e.op != "send" && e.op != "recv")
+            {
+                idx.by_call
+                    .entry((&e.group, e.seq))
+                    .or_default()
+                    .insert(d.rank, e);
+                idx.span
+                    .entry((&e.group, d.rank))
+                    .and_modify(|(lo, hi)| (*lo, *hi) = ((*lo).min(e.seq), (*hi).max(e.seq)))
+                    .or_insert((e.seq, e.seq));
+            }
+        }
+        idx
+    }
+
+    /// The first collective where the ranks part: different calls at one
+    /// seq, or one that some ranks entered and others never did.
+    fn divergence(&self) -> Option<String> {
+        for (&(group, seq), ranks) in &self.by_call {
+            let (&r0, &first) = ranks.iter().next()?;
+            let same =
+                |e: &Entry| (&e.op, &e.dtype, e.count) == (&first.op, &first.dtype, first.count);
+            if let Some((r1, e1)) = ranks.iter().find(|(_, e)| !same(e)) {
+                return Some(format!(
+                    "ranks called different collectives at seq {seq} ({group}): rank {r0} {} of \
+                     {} x {}, rank {r1} {} of {} x {}",
+                    first.op, first.count, first.dtype, e1.op, e1.count, e1.dtype
+                ));
+            }
+            // Ranks that recorded this group up to here: one whose ring
+            // starts after this seq says nothing.
+            let members: Vec<usize> = self
+                .have
+                .iter()
+                .copied()
+                .filter(|r| {
+                    self.span
+                        .get(&(group, *r))
+                        .is_some_and(|&(lo, _)| lo <= seq)
+                })
+                .collect();
+            let absent: Vec<usize> = members
+                .iter()
+                .copied()
+                .filter(|r| !ranks.contains_key(r))
+                .collect();
+            if !absent.is_empty() && absent.len() < members.len() {
+                return Some(self.never_entered(group, seq, ranks, &absent));
+            }
+        }
+        None
+    }
+
+    /// "rank 2 (last entered seq 2) never entered all_reduce seq 3 (world);
+    /// ranks 0 and 1 waited in it for 30.0 s".
+    fn never_entered(
+        &self,
+        group: &str,
+        seq: u64,
+        ranks: &BTreeMap<usize, &Entry>,
+        absent: &[usize],
+    ) -> String {
+        let waited: Vec<usize> = ranks.keys().copied().collect();
+        let longest = ranks
+            .iter()
+            .map(|(r, e)| {
+                let end = e
+                    .ended_us
+                    .or(self.dumped.get(r).copied())
+                    .unwrap_or(e.issued_us);
+                end.saturating_sub(e.issued_us)
+            })
+            .max()
+            .unwrap_or(0);
+        let who: Vec<String> = absent
+            .iter()
+            .map(|r| match self.span.get(&(group, *r)) {
+                Some((_, last)) => format!("rank {r} (last entered seq {last})"),
+                None => format!("rank {r}"),
+            })
+            .collect();
+        let op = ranks.values().next().map_or("?", |e| e.op.as_str());
+        format!(
+            "{} never entered {op} seq {seq} ({group}); {} {} waited in it for {:.1} s",
+            who.join(", "),
+            if waited.len() == 1 { "rank" } else { "ranks" },
+            list(&waited),
+            longest as f64 / 1e6
+        )
+    }
+}
+
+/// The earliest failed call across the ranks.
+fn first_failure(dumps: &[Dump]) -> Option<String> {
+    let (r, e) = dumps
+        .iter()
+        .flat_map(|d| d.entries.iter().map(move |e| (d.rank, e)))
+        .filter(|(_, e)| e.state == State::Failed)
+        .min_by_key(|(_, e)| e.ended_us.unwrap_or(u64::MAX))?;
+    Some(format!(
+        "first failure: rank {r}, {} seq {} ({}): {}",
+        e.op,
+        e.seq,
+        e.group,
+        e.error.as_deref().unwrap_or("(no message)")
+    ))
 }
 
 /// The calls still in flight when the records were written, one line per

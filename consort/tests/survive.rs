@@ -95,19 +95,7 @@ fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, Path
         .stderr(Stdio::piped())
         .spawn()
         .expect("consort run");
-    let (tx, rx) = mpsc::channel::<String>();
-    for stream in [
-        Box::new(job.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(job.stderr.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    drop(tx);
+    let rx = lines(&mut job);
     let mut text = String::new();
     let mut sent = false;
     while let Ok(line) = rx.recv_timeout(Duration::from_secs(120)) {
@@ -134,11 +122,7 @@ fn a_killed_worker_restarts_the_world_and_training_finishes() {
         "{text}"
     );
     assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
-    assert!(
-        (got - want).abs() <= 0.5,
-        "{got:.2}% after a restart, {want:.2}% undisturbed"
-    );
+    assert_accuracy(&out, 3, "after a restart");
     std::fs::remove_dir_all(out).unwrap();
 }
 
@@ -156,11 +140,7 @@ fn a_stopped_worker_is_named_by_the_watchdog_and_training_finishes() {
         "{text}"
     );
     assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
-    assert!(
-        (got - want).abs() <= 0.5,
-        "{got:.2}% after a restart, {want:.2}% undisturbed"
-    );
+    assert_accuracy(&out, 3, "after a restart");
     std::fs::remove_dir_all(out).unwrap();
 }
 
@@ -202,6 +182,13 @@ fn elastic_agent(port: u16, out: &Path) -> (std::process::Child, mpsc::Receiver<
         .stderr(Stdio::piped())
         .spawn()
         .expect("consort run");
+    let rx = lines(&mut job);
+    (job, rx)
+}
+
+/// Every line `job` prints (stdout and stderr), as it comes; the channel
+/// closes when both streams do.
+fn lines(job: &mut std::process::Child) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel::<String>();
     for stream in [
         Box::new(job.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
@@ -214,7 +201,17 @@ fn elastic_agent(port: u16, out: &Path) -> (std::process::Child, mpsc::Receiver<
             }
         });
     }
-    (job, rx)
+    rx
+}
+
+/// The run in `out` ended within 0.5 points of an undisturbed run at
+/// world `world`.
+fn assert_accuracy(out: &Path, world: usize, what: &str) {
+    let (got, want) = (final_accuracy(out), undisturbed_at(world));
+    assert!(
+        (got - want).abs() <= 0.5,
+        "{got:.2}% {what}, {want:.2}% undisturbed"
+    );
 }
 
 /// Reads `rx` into `text` until a line contains `want` (or 120 s pass).
@@ -282,12 +279,7 @@ fn elastic_two_nodes_lose_one_and_the_other_finishes_alone() {
         text_a.contains("1 rank(s), global batch 30, epochs "),
         "{text_a}"
     );
-    let got = final_accuracy(&out);
-    let want = undisturbed_at(2);
-    assert!(
-        (got - want).abs() <= 0.5,
-        "{got:.2}% after losing a node, {want:.2}% undisturbed"
-    );
+    assert_accuracy(&out, 2, "after losing a node");
     std::fs::remove_dir_all(out).unwrap();
 }
 
@@ -315,12 +307,7 @@ fn elastic_a_late_node_joins_at_the_next_round() {
     let both = format!("{text_a}{text_b}");
     assert!(both.contains("2 rank(s), global batch 30"), "{both}");
     assert!(both.contains("done: test accuracy"), "{both}");
-    let got = final_accuracy(&out);
-    let want = undisturbed_at(1);
-    assert!(
-        (got - want).abs() <= 0.5,
-        "{got:.2}% with a late node, {want:.2}% undisturbed"
-    );
+    assert_accuracy(&out, 1, "with a late node");
     std::fs::remove_dir_all(out).unwrap();
 }
 
@@ -390,10 +377,6 @@ fn shrink_over_tcp_the_survivors_finish_without_a_killed_rank() {
         "{text}{errs}"
     );
     assert!(text.contains("epoch   6/6"), "{text}");
-    let (got, want) = (final_accuracy(&out), undisturbed_at(3));
-    assert!(
-        (got - want).abs() <= 0.5,
-        "{got:.2}% after a shrink, {want:.2}% undisturbed"
-    );
+    assert_accuracy(&out, 3, "after a shrink");
     std::fs::remove_dir_all(out).unwrap();
 }

@@ -446,6 +446,22 @@ impl Job {
         Ok(())
     }
 
+    /// After `DdpError::Shrunk`: forgets the lost ranks and moves the job
+    /// onto DDP's new group at (epoch, step).
+    fn regroup(
+        &mut self,
+        ddp: &Ddp<dyn Backend>,
+        who: &mut Survivors,
+        lost: &[usize],
+        args: &Args,
+        data: &Digits,
+        (epoch, step): (usize, usize),
+    ) -> Result<(), BoxError> {
+        who.forget(lost);
+        let group = ddp.group().cloned().ok_or("a shrink without a group")?;
+        self.shrink(group, args, data, epoch, step, lost)
+    }
+
     /// After DDP shrank past lost ranks: the survivors' group, its world,
     /// the local batch for the same global batch, and epoch `epoch`
     /// re-sharded over the survivors (training goes on at step `step`).
@@ -550,9 +566,7 @@ async fn train_rank(
     data: Arc<Digits>,
     store: Option<Arc<dyn Store>>,
 ) -> Result<Vec<usize>, BoxError> {
-    // World ranks still in the group, in group order; and those lost.
-    let (mut alive, mut lost_world): (Vec<usize>, Vec<usize>) =
-        ((0..backend.world_size()).collect(), Vec::new());
+    let mut who = Survivors::new(backend.world_size());
     let (mut job, mut model) = prepare(backend.clone(), &args, &data).await?;
     let mut opts = DdpOptions::default();
     if let ("shrink", Some(store)) = (args.on_peer_lost.as_str(), store) {
@@ -586,9 +600,7 @@ async fn train_rank(
                 Err(DdpError::Shrunk { lost, .. }) => {
                     // The step did not happen: redo it on the survivors,
                     // this epoch re-sharded over them.
-                    forget(&mut alive, &mut lost_world, &lost);
-                    let group = ddp.group().cloned().ok_or("a shrink without a group")?;
-                    job.shrink(group, &args, &data, epoch, k, &lost)?;
+                    job.regroup(&ddp, &mut who, &lost, &args, &data, (epoch, k))?;
                     idx = job.sampler.indices()?;
                     continue;
                 }
@@ -615,49 +627,89 @@ async fn train_rank(
             acc[1] += 1.0;
         }
         let state = model.state_dict();
-        loop {
-            let Err(e) = job
-                .end_epoch(&args, Saver::Ddp(&mut ddp, &state), epoch, (loss, acc))
-                .await
-            else {
-                break;
-            };
-            // A rank lost at the epoch's end: the survivors shrink there too.
-            let e = match e.downcast::<DdpError>() {
-                Ok(d) => *d,
-                Err(e) => match e.downcast::<consort::CommError>() {
-                    Ok(c) => DdpError::Comm {
-                        what: "the epoch's metrics".into(),
-                        source: c,
-                    },
-                    Err(e) => return Err(e),
-                },
-            };
-            match ddp.shrink_after(e).await {
-                DdpError::Shrunk { lost, .. } => {
-                    forget(&mut alive, &mut lost_world, &lost);
-                    job.history.retain(|h| h.epoch != epoch + 1);
-                    let group = ddp.group().cloned().ok_or("a shrink without a group")?;
-                    let steps = idx.len().div_ceil(job.local_batch);
-                    job.shrink(group, &args, &data, epoch, steps, &lost)?;
-                }
-                e => return Err(e.into()),
-            }
-        }
+        let steps = idx.len().div_ceil(job.local_batch);
+        let sums = (loss, acc);
+        close_epoch(
+            &mut job,
+            &mut ddp,
+            &mut who,
+            &args,
+            &data,
+            &state,
+            (epoch, steps),
+            sums,
+        )
+        .await?;
     }
     job.finish(&args)?;
-    Ok(lost_world)
+    Ok(who.lost)
 }
 
-/// Moves the group ranks `lost` (of the group `alive` lists, in order)
-/// from `alive` to `lost_world`.
-fn forget(alive: &mut Vec<usize>, lost_world: &mut Vec<usize>, lost: &[usize]) {
-    lost_world.extend(lost.iter().filter_map(|&i| alive.get(i).copied()));
-    let mut i = 0;
-    alive.retain(|_| {
-        i += 1;
-        !lost.contains(&(i - 1))
-    });
+/// The epoch's metrics and checkpoint. A rank lost there makes the
+/// survivors shrink too (`Ddp::shrink_after`), and they close the epoch
+/// again on the smaller group.
+#[allow(clippy::too_many_arguments)]
+async fn close_epoch(
+    job: &mut Job,
+    ddp: &mut Ddp<dyn Backend>,
+    who: &mut Survivors,
+    args: &Args,
+    data: &Digits,
+    state: &consort::ddp::StateDict,
+    (epoch, steps): (usize, usize),
+    sums: ([f64; 2], [f64; 2]),
+) -> Result<(), BoxError> {
+    loop {
+        let Err(e) = job
+            .end_epoch(args, Saver::Ddp(&mut *ddp, state), epoch, sums)
+            .await
+        else {
+            return Ok(());
+        };
+        let e = match e.downcast::<DdpError>() {
+            Ok(d) => *d,
+            Err(e) => match e.downcast::<consort::CommError>() {
+                Ok(c) => DdpError::Comm {
+                    what: "the epoch's metrics".into(),
+                    source: c,
+                },
+                Err(e) => return Err(e),
+            },
+        };
+        match ddp.shrink_after(e).await {
+            DdpError::Shrunk { lost, .. } => {
+                job.history.retain(|h| h.epoch != epoch + 1);
+                job.regroup(ddp, who, &lost, args, data, (epoch, steps))?;
+            }
+            e => return Err(e.into()),
+        }
+    }
+}
+
+/// The world ranks still in DDP's group (in group order) and those lost.
+struct Survivors {
+    alive: Vec<usize>,
+    lost: Vec<usize>,
+}
+
+impl Survivors {
+    fn new(world: usize) -> Self {
+        Survivors {
+            alive: (0..world).collect(),
+            lost: Vec::new(),
+        }
+    }
+
+    /// Group ranks `lost` (of the group `alive` lists) are gone.
+    fn forget(&mut self, lost: &[usize]) {
+        self.lost
+            .extend(lost.iter().filter_map(|&i| self.alive.get(i).copied()));
+        let mut i = 0;
+        self.alive.retain(|_| {
+            i += 1;
+            !lost.contains(&(i - 1))
+        });
+    }
 }
 
 /// [`train_rank`] with the model on the GPU: the same samplers, steps,
