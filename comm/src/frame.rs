@@ -5,14 +5,14 @@
 //! sockets, buffering or retries; a driver reads [`HEADER_LEN`] bytes, calls
 //! [`FrameHeader::decode`], then reads `payload_len` bytes.
 //!
-//! # Layout (version 1, little-endian)
+//! # Layout (version 2, little-endian)
 //!
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `b"CSRT"` |
-//! | 4 | 1 | version (1) |
+//! | 4 | 1 | version (2) |
 //! | 5 | 1 | kind ([`FrameKind`]) |
-//! | 6 | 2 | flags ([`FLAG_SHM`]; other bits must be 0) |
+//! | 6 | 2 | flags (none defined yet: must be 0) |
 //! | 8 | 4 | group id |
 //! | 12 | 4 | root |
 //! | 16 | 8 | seq |
@@ -30,18 +30,13 @@ use crate::{DType, Fingerprint, GroupId, OpKind, ReduceOp};
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"CSRT";
 /// The header version this code writes and reads.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of the header in bytes.
 pub const HEADER_LEN: usize = 56;
 /// Largest payload of an [`FrameKind::Abort`] message.
 pub const MAX_ABORT_MESSAGE: u64 = 64 * 1024;
 
 const NO_REDUCE_OP: u8 = 0xFF;
-
-/// Flag: the payload is not on the stream; it sits in the sender's
-/// shared-memory slot number `offset` (same-host peers). `payload_len` still
-/// gives its length.
-pub const FLAG_SHM: u16 = 1;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -51,6 +46,13 @@ pub enum FrameKind {
     Data = 0,
     /// The sender's group failed; the payload is its UTF-8 error message.
     Abort = 1,
+    /// A stalled call asks the peer which call it is in (no payload); the
+    /// fingerprint is the asker's call.
+    Probe = 2,
+    /// The answer to a [`FrameKind::Probe`] (no payload): the fingerprint
+    /// of the call the peer is in at that group and seq, or op `NewGroup`
+    /// when it is in none.
+    ProbeReply = 3,
 }
 
 /// Limits the decoder enforces, so that a peer cannot make us allocate
@@ -120,7 +122,7 @@ pub struct FrameHeader {
     pub offset: u64,
     /// Payload length in bytes.
     pub payload_len: u64,
-    /// Flags ([`FLAG_SHM`]).
+    /// Flags (none are defined yet; a decoded header has 0).
     pub flags: u16,
 }
 
@@ -135,12 +137,6 @@ impl FrameHeader {
             payload_len,
             flags: 0,
         }
-    }
-
-    /// Whether the payload sits in a shared-memory slot (`offset`), not on
-    /// the stream.
-    pub fn in_shm(&self) -> bool {
-        self.flags & FLAG_SHM != 0
     }
 
     /// Encodes the header.
@@ -181,6 +177,8 @@ impl FrameHeader {
         let kind = match b[5] {
             0 => FrameKind::Data,
             1 => FrameKind::Abort,
+            2 => FrameKind::Probe,
+            3 => FrameKind::ProbeReply,
             v => return Err(bad("kind", v.into())),
         };
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
@@ -191,7 +189,7 @@ impl FrameHeader {
             u64::from_le_bytes(a)
         };
         let flags = u16_at(6);
-        if flags & !FLAG_SHM != 0 || (flags != 0 && kind != FrameKind::Data) {
+        if flags != 0 {
             return Err(bad("flags", flags.into()));
         }
         if b[35] != 0 {
@@ -223,6 +221,11 @@ impl FrameHeader {
                 // The receiver checks the length against the range it
                 // posted (`count` is the fingerprint's; all_to_all leaves
                 // it at 0).
+            }
+            FrameKind::Probe | FrameKind::ProbeReply => {
+                if payload_len != 0 {
+                    return Err(FrameError::Inconsistent("a probe carries no payload"));
+                }
             }
             FrameKind::Abort => {
                 if payload_len > MAX_ABORT_MESSAGE {

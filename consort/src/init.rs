@@ -10,6 +10,7 @@ use std::{sync::Arc, time::Duration};
 
 use consort_comm::store::{DEFAULT_STORE_TIMEOUT, MemStore, PrefixStore, Store, StoreError};
 use consort_comm::{CommError, ProcessGroup, algo::AlgoConfig};
+use consort_shm::ShmTransport;
 use consort_tcp::{TcpBackend, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 
 use crate::env::{DistEnv, EnvError, Launcher};
@@ -234,9 +235,16 @@ impl Dist {
             opts.flight_dir = Some(dir.into());
             dump_on_sigusr1();
         }
+        let mut shm = ShmTransport::default();
+        if let Some(b) = count_var("CONSORT_SHM_QUEUE_BYTES")? {
+            shm.queue_bytes = b;
+        }
+        if let Some(us) = count_var("CONSORT_SHM_SPIN_US")? {
+            opts.spin = Duration::from_micros(us as u64);
+        }
         match std::env::var("CONSORT_SHM").ok().as_deref().map(str::trim) {
-            None | Some("" | "1" | "true" | "True") => {}
-            Some("0" | "false" | "False") => opts.shm = false,
+            None | Some("" | "1" | "true" | "True") => opts.local = Some(shm.shared()),
+            Some("0" | "false" | "False") => opts.local = None,
             Some(v) => {
                 return Err(CommError::invalid(format!(
                     "CONSORT_SHM={v:?} is not valid: expected 1 or 0"
@@ -261,7 +269,7 @@ impl Dist {
             namespace: format!("consort/quic/{}/world", self.env.restart_count),
             streams: tcp.streams,
             secret: tcp.secret.clone(),
-            driver: TcpOptions { shm: false, ..tcp },
+            driver: TcpOptions { local: None, ..tcp },
             ..Default::default()
         };
         if let Some(t) = seconds_var("CONSORT_QUIC_IDLE_TIMEOUT")? {
@@ -544,7 +552,7 @@ fn dump_on_sigusr1() {
         {
             tokio::spawn(async move {
                 while sig.recv().await.is_some() {
-                    for path in consort_tcp::dump_flight_records("SIGUSR1") {
+                    for path in consort_mesh::dump_flight_records("SIGUSR1") {
                         eprintln!("flight record written to {}", path.display());
                     }
                 }

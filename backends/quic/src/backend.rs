@@ -12,7 +12,7 @@
 //!    higher one: one connection per pair, `streams` bidirectional streams
 //!    on each, each opened with a hello (and, with a job secret, the same
 //!    HMAC challenge-response as TCP);
-//! 5. hand the streams to `TcpBackend::from_streams`, which runs the same
+//! 5. hand the streams to `MeshBackend::from_links`, which runs the same
 //!    `comm::algo` schedules and frames as TCP.
 
 use std::{
@@ -24,7 +24,7 @@ use std::{
 
 use async_trait::async_trait;
 use consort_comm::{Backend, CallOptions, CommError, GroupId, Op, Result, Store, Work};
-use consort_tcp::{BoxRead, BoxWrite, Secret, TcpBackend, TcpOptions, auth};
+use consort_mesh::{BoxRead, BoxWrite, MeshBackend, MeshOptions, PeerLink, Secret, auth};
 use quinn::{
     ClientConfig, Connection, Endpoint, IdleTimeout, RecvStream, SendStream, ServerConfig,
     TransportConfig, VarInt,
@@ -56,7 +56,7 @@ pub struct QuicOptions {
     /// HMAC challenge-response.
     pub secret: Option<Secret>,
     /// The driver's options (op timeout, schedules, frame limits).
-    pub driver: TcpOptions,
+    pub driver: MeshOptions,
 }
 
 impl Default for QuicOptions {
@@ -68,9 +68,9 @@ impl Default for QuicOptions {
             connect_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(5),
             secret: Secret::from_env(),
-            driver: TcpOptions {
-                shm: false,
-                ..TcpOptions::default()
+            driver: MeshOptions {
+                local: None,
+                ..MeshOptions::default()
             },
         }
     }
@@ -79,7 +79,7 @@ impl Default for QuicOptions {
 /// The QUIC backend: every link encrypted and mutually authenticated with
 /// per-job certificates pinned through the store.
 pub struct QuicBackend {
-    inner: TcpBackend,
+    inner: MeshBackend,
     endpoint: Endpoint,
     conns: Vec<Connection>,
     /// Refuses every connection that arrives after the mesh is built.
@@ -443,7 +443,23 @@ impl QuicBackend {
                 None => streams.push(Vec::new()),
             }
         }
-        let inner = TcpBackend::from_streams(rank, world, streams, opts.driver.clone())?;
+        let links = streams
+            .into_iter()
+            .enumerate()
+            .map(|(p, s)| {
+                if p == rank {
+                    PeerLink::Me
+                } else {
+                    PeerLink::Streams(s)
+                }
+            })
+            .collect();
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let driver = MeshOptions {
+            local: None,
+            ..opts.driver.clone()
+        };
+        let inner = MeshBackend::from_links("quic", rank, links, wake, driver)?;
         let gate = endpoint.clone();
         let gatekeeper = tokio::spawn(async move {
             while let Some(inc) = gate.accept().await {

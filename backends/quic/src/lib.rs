@@ -5,7 +5,7 @@
 //! rustls with per-job certificates made by rcgen, and the pinning of every
 //! peer's certificate fingerprint as published through the store ([`tls`]).
 //! It owns no algorithm and no frame format: the connected streams go to
-//! the same stream driver as the TCP backend (`TcpBackend::from_streams`),
+//! the same driver as the TCP backend (consort-mesh's `MeshBackend`),
 //! which runs `consort_comm::algo`'s schedules. Rendezvous is TCP's: the
 //! job's store (with `CONSORT_SECRET`, an authenticated one).
 

@@ -4,8 +4,8 @@
 use std::{sync::Arc, time::Duration};
 
 use consort_comm::{Backend, algo::AlgoConfig, store::MemStore};
+use consort_mesh::MeshOptions as TcpOptions;
 use consort_quic::{QuicBackend, QuicOptions};
-use consort_tcp::TcpOptions;
 use consort_tests::WorldFuture;
 
 fn quic_world(n: usize) -> WorldFuture {
@@ -23,7 +23,6 @@ fn quic_world(n: usize) -> WorldFuture {
                     overrides: Vec::new(),
                 },
                 stall_probe: Duration::from_millis(100),
-                shm: false,
                 ..TcpOptions::default()
             },
             ..QuicOptions::default()

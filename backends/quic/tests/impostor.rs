@@ -4,11 +4,11 @@
 use std::{sync::Arc, time::Duration};
 
 use consort_comm::{Backend, ProcessGroup, ReduceOp, Store, store::MemStore};
+use consort_mesh::Secret;
 use consort_quic::{
     QuicBackend, QuicOptions,
     tls::{self, Identity},
 };
-use consort_tcp::Secret;
 use quinn::{ClientConfig, Endpoint, crypto::rustls::QuicClientConfig};
 
 fn opts(secret: Option<&str>) -> QuicOptions {

@@ -5,18 +5,17 @@
 //! - [`store`]: a TCPStore server and client that speak PyTorch's wire
 //!   protocol byte for byte, so that torch processes and consort processes
 //!   rendezvous through one store;
-//! - [`TcpBackend`]: the driver that runs `consort_comm`'s sans-IO
-//!   schedules over a full mesh of TCP connections.
+//! - [`TcpBackend`]: TCP as a transport of consort-mesh's driver
+//!   ([`TcpNet`]: listening, dialling, socket tuning);
+//! - [`iface`]: the address of a named network interface.
 
-pub mod auth;
-pub mod heartbeat;
+mod backend;
 pub mod iface;
-mod pg;
-mod shm;
 pub mod store;
 
-pub use auth::Secret;
-pub use pg::{BoxRead, BoxWrite, TcpBackend, TcpOptions, dump_flight_records};
+pub use backend::{TcpBackend, TcpNet, TcpOptions};
+/// The `CONSORT_SECRET` handshake the store and every stream share.
+pub use consort_mesh::{Secret, auth};
 pub use store::{
     DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer,
 };

@@ -8,6 +8,7 @@
 use std::{sync::Arc, time::Duration};
 
 use consort_comm::{Backend, algo::AlgoConfig, store::MemStore};
+use consort_shm::ShmTransport;
 use consort_tcp::{TcpBackend, TcpOptions};
 use consort_tests::WorldFuture;
 
@@ -69,7 +70,7 @@ fn world_opts(
             stall_probe: Duration::from_millis(100),
             streams,
             in_place_min,
-            shm,
+            local: shm.then(|| ShmTransport::default().shared()),
             ..TcpOptions::default()
         };
         let tasks: Vec<_> = (0..n)
@@ -115,10 +116,9 @@ mod three_streams {
 
 /// Ranks that run with different segment sizes (CONSORT_SEGMENT_BYTES) on
 /// one host: the mesh agrees on the smallest before any schedule runs, and
-/// each shared-memory region's slot size travels with its name, so both
-/// sides of a pair index the same slots.
+/// every pair really goes through shared memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ranks_with_different_segment_sizes_agree_on_slots() {
+async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
     let n = 3;
     let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
     let segments = [64 << 10, 1 << 20, 256 << 10];
@@ -132,7 +132,7 @@ async fn ranks_with_different_segment_sizes_agree_on_slots() {
                     window: 4,
                     overrides: AlgoConfig::parse_overrides("broadcast=chain").unwrap(),
                 },
-                shm: true,
+                local: Some(ShmTransport::default().shared()),
                 ..TcpOptions::default()
             };
             tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts))
@@ -143,6 +143,10 @@ async fn ranks_with_different_segment_sizes_agree_on_slots() {
         ranks.push(Arc::new(t.await.unwrap().unwrap()));
     }
     // Every pair really goes through shared memory (sealed memfds here).
+    for b in &ranks {
+        let t = b.transports();
+        assert_eq!(t.iter().filter(|&&t| t == "shm").count(), n - 1, "{t:?}");
+    }
     for (r, b) in ranks.iter().enumerate() {
         let want: Vec<usize> = (0..n).filter(|&p| p != r).collect();
         assert_eq!(
@@ -158,9 +162,9 @@ async fn ranks_with_different_segment_sizes_agree_on_slots() {
             tokio::spawn(async move {
                 let r = b.rank();
                 let pg = consort_comm::ProcessGroup::new(b);
-                // A broadcast as large as several of the biggest slots: the
-                // chain moves whole segments through the slots.
-                let len = 3 * (1 << 20) / 4 + 5;
+                // A broadcast larger than a queue: the chain moves whole
+                // segments through the queues as the readers free room.
+                let len = 3 * (4 << 20) / 4 + 5;
                 let mut x: Vec<f32> = (0..len)
                     .map(|i| if r == 0 { (i % 97) as f32 } else { -1.0 })
                     .collect();

@@ -1,6 +1,6 @@
 //! The sending side and the driver of one call: frames out (vectored,
-//! never cut in half by a deadline), the schedule's actions against the
-//! engine, stall probes and shared-memory slot credits.
+//! never cut in half by a deadline, or into a polled link), the schedule's
+//! actions against the engine, and stall probes.
 
 use super::*;
 
@@ -77,38 +77,6 @@ pub(super) async fn write_frame(
     Ok(())
 }
 
-pub(super) const CREDIT_TAG: u32 = u32::MAX - 2;
-
-/// Bounds of a shared-memory slot (the segment size, clamped); a peer's
-/// announced slot size outside them is refused.
-pub(super) const SLOT_MIN: usize = 64 * 1024;
-pub(super) const SLOT_MAX: usize = 16 << 20;
-pub(super) const PROBE_TAG: u32 = u32::MAX;
-pub(super) const PROBE_REPLY_TAG: u32 = u32::MAX - 1;
-
-/// A probe (or probe reply) frame: an Abort-kind header whose fingerprint
-/// is the sender's current call (op NewGroup when it is in none).
-pub(super) fn probe_frame(tag: u32, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
-    let fingerprint = fp.unwrap_or(Fingerprint {
-        group: GroupId::WORLD,
-        seq: 0,
-        op: OpKind::NewGroup,
-        dtype: DType::U8,
-        count: 0,
-        root: 0,
-        reduce_op: None,
-    });
-    FrameHeader {
-        kind: FrameKind::Abort,
-        fingerprint,
-        tag,
-        offset: 0,
-        payload_len: 0,
-        flags: 0,
-    }
-    .encode()
-}
-
 /// A call's buffers as raw parts, so that reader tasks can write posted
 /// receives in place while the call runs (see `Registry`).
 pub(super) struct RawBufs {
@@ -183,68 +151,28 @@ impl Drop for DirectGuard<'_> {
     }
 }
 
-impl TcpBackend {
-    /// Sends a frame to `to` on stream `lane % streams` (frames of one lane
-    /// keep their order; lanes spread over the streams).
+impl Inner {
+    /// Sends a frame to world rank `to`: on stream `lane % streams` (frames
+    /// of one lane keep their order; lanes spread over the streams), or
+    /// into its polled link.
     pub(super) async fn send_frame(
-        &self,
+        self: &Arc<Self>,
         to: usize,
         lane: u32,
         header: &[u8],
         payload: &[u8],
     ) -> std::io::Result<()> {
-        let ws = &self.inner.writers[to];
-        if ws.is_empty() {
-            return Err(std::io::Error::other("no connection to self"));
+        match self.links.get(to) {
+            Some(Link::Streams(ws)) if !ws.is_empty() => {
+                write_frame(&ws[lane as usize % ws.len()], &[header, payload]).await
+            }
+            Some(Link::Polled(l)) => self.send_polled(to, l, header, payload).await,
+            _ => Err(std::io::Error::other("no link to this rank")),
         }
-        write_frame(&ws[lane as usize % ws.len()], &[header, payload]).await
     }
+}
 
-    /// Sends one data frame to `to`: through a shared-memory slot when the
-    /// peer is on this host and the payload fits, else on the TCP stream.
-    pub(super) async fn send(
-        &self,
-        to: usize,
-        tag: u32,
-        fp: Fingerprint,
-        offset: usize,
-        payload: &[u8],
-    ) -> std::io::Result<()> {
-        if let Some(tx) = self.inner.shm_tx.get(to).and_then(Option::as_ref)
-            && payload.len() <= tx.slot_bytes
-        {
-            let slot = loop {
-                let credit = tx.credit.notified();
-                let mut credit = std::pin::pin!(credit);
-                credit.as_mut().enable();
-                if let Some(i) = tx.take() {
-                    break i;
-                }
-                if lock(&self.inner.engine).is_lost(to) {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::BrokenPipe,
-                        "peer gone",
-                    ));
-                }
-                // Credits come from the reader task; wake now and then to
-                // notice a lost peer.
-                let _ = tokio::time::timeout(Duration::from_millis(50), credit).await;
-            };
-            let dst = tx
-                .region
-                .slot(slot)
-                .ok_or_else(|| std::io::Error::other("bad slot"))?;
-            // SAFETY: this side owns `slot` until the peer's credit; the slot
-            // holds `slot_bytes >= payload.len()` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), dst, payload.len()) };
-            let mut h = FrameHeader::data(fp, tag, slot as u64, payload.len() as u64);
-            h.flags = FLAG_SHM;
-            return self.send_frame(to, tag, &h.encode(), &[]).await;
-        }
-        let h = FrameHeader::data(fp, tag, offset as u64, payload.len() as u64).encode();
-        self.send_frame(to, tag, &h, payload).await
-    }
-
+impl MeshBackend {
     /// Registers a call with the engine, which fixes its sequence number
     /// now, and returns the work that drives it.
     pub(super) fn start<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
@@ -362,8 +290,14 @@ impl TcpBackend {
                                 "the peer is gone",
                             )))
                         } else {
-                            before(deadline, self.send(to, tx.tag, fp, tx.range.start, payload))
-                                .await
+                            let h = FrameHeader::data(
+                                fp,
+                                tx.tag,
+                                tx.range.start as u64,
+                                payload.len() as u64,
+                            )
+                            .encode();
+                            before(deadline, inner.send_frame(to, tx.tag, &h, payload)).await
                         };
                         match sent {
                             Some(Ok(())) => {}
@@ -474,27 +408,9 @@ impl TcpBackend {
                     // registration must go before the range is reused.
                     reg.posted
                         .remove(&(self.group, self.members[rv.from], seq, rv.tag));
-                    let data: &[u8] = match f.slot {
-                        Some((slot, len)) => {
-                            let from = self.members[rv.from];
-                            match inner.shm_rx[from].as_ref().and_then(|r| r.slot(slot)) {
-                                // SAFETY: the peer filled the slot before
-                                // sending its header and waits for our
-                                // credit before touching it again.
-                                Some(p) => unsafe {
-                                    std::slice::from_raw_parts(p.cast_const(), len)
-                                },
-                                None => &[],
-                            }
-                        }
-                        None => &f.payload,
-                    };
                     // SAFETY: readers are excluded by the lock.
-                    unsafe { raw.buffers() }.apply(&rv, data, reduce, rv.from)
+                    unsafe { raw.buffers() }.apply(&rv, &f.payload, reduce, rv.from)
                 };
-                if let Some((slot, _)) = f.slot {
-                    send_credit(inner, self.members[rv.from], f.fp, slot).await;
-                }
                 inner.recycle(f.payload);
                 if let Err(e) = applied {
                     break 'call Err(e);
@@ -519,14 +435,19 @@ impl TcpBackend {
             // mismatch that no frame would reveal.
             if !p2p && !probed && now.duration_since(last_progress) >= self.opts.stall_probe {
                 probed = true;
-                let probe = probe_frame(PROBE_TAG, Some(fp));
+                let probe = inbound::probe_frame(FrameKind::Probe, Some(fp));
                 for q in schedule.waiting_on() {
                     let _ = before(
                         now + Duration::from_secs(1),
-                        self.send_frame(self.members[q], 0, &probe, &[]),
+                        inner.send_frame(self.members[q], 0, &probe, &[]),
                     )
                     .await;
                 }
+            }
+            // Same-host peers write into shared queues: take what they
+            // wrote, spinning a little before sleeping.
+            if inner.spin() {
+                continue;
             }
             let wake =
                 deadline.min(last_progress + self.opts.stall_probe.max(Duration::from_millis(10)));

@@ -1,41 +1,24 @@
-//! Shared-memory slots for peers on the same host: the fast path that lets
-//! a frame's payload skip the kernel's two TCP copies.
-//!
-//! For each ordered pair of same-host ranks, the sender creates a region
-//! holding [`SLOTS`] slots: a sealed memfd (its size can no longer change,
-//! so no process can truncate it under a mapping and turn a peer's access
-//! into SIGBUS), which the peer opens through `/proc/<pid>/fd/<fd>` and
-//! checks for the seals; the creator closes it once the peer has mapped
-//! it. Where memfds are unavailable, a file under `/dev/shm` (mode 0600,
-//! exclusive create, unlinked as soon as the peer has mapped it) serves
-//! instead, with a short window before the unlink. To send, it copies the
-//! payload into a free slot and sends only the frame header over TCP, with
-//! [`consort_comm::frame::FLAG_SHM`] and the slot number. The receiver
-//! applies the payload straight from the slot (reducing or copying into
-//! place) and hands the slot back with a credit frame. A slot is owned by
-//! exactly one side at a time, and ownership changes hands through the TCP
-//! stream (a system call on each side), which orders the memory accesses.
+//! Shared regions between processes on one host: sealed memfds (their size
+//! can no longer change, so no process can truncate one under a mapping
+//! and turn a peer's access into SIGBUS), which the peer opens through
+//! `/proc/<pid>/fd/<fd>` and checks for the seals; the creator closes its
+//! descriptor once the peer has mapped it. Where memfds are unavailable, a
+//! file under `/dev/shm` (mode 0600, exclusive create, unlinked as soon as
+//! the peer has mapped it) serves instead, with a short window before the
+//! unlink. Also [`host_id`]: which peers can share memory at all.
 
-use std::{fs::OpenOptions, io, os::unix::fs::OpenOptionsExt, path::PathBuf, sync::Mutex};
+use std::{fs::OpenOptions, io, os::unix::fs::OpenOptionsExt, path::PathBuf};
 
-use tokio::sync::Notify;
-
-/// Slots per direction of a pair.
-pub(crate) const SLOTS: usize = 16;
-
-/// A mapping of a shared region of [`SLOTS`] slots. The slot size is the
-/// creator's, told to the peer with the region's name in the hello, so
-/// that both sides index the same offsets whatever their own segment size.
+/// A mapping of a shared region.
 pub(crate) struct Region {
     ptr: *mut u8,
     len: usize,
-    slot_bytes: usize,
     /// The creator's memfd, open until the peer has mapped it.
     memfd: Option<std::fs::File>,
 }
 
-// SAFETY: the mapping is process-wide memory; access follows the slot
-// ownership protocol above.
+// SAFETY: the mapping is process-wide memory; its users (`crate::queue`)
+// order their accesses with atomics.
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
@@ -47,8 +30,7 @@ impl Drop for Region {
     }
 }
 
-fn map(file: &std::fs::File, slot_bytes: usize) -> io::Result<Region> {
-    let len = SLOTS * slot_bytes;
+fn map(file: &std::fs::File, len: usize) -> io::Result<Region> {
     use std::os::fd::AsRawFd;
     // SAFETY: a fresh shared mapping of a file we hold open; checked below.
     let ptr = unsafe {
@@ -67,7 +49,6 @@ fn map(file: &std::fs::File, slot_bytes: usize) -> io::Result<Region> {
     Ok(Region {
         ptr: ptr.cast(),
         len,
-        slot_bytes,
         memfd: None,
     })
 }
@@ -114,15 +95,14 @@ fn sealed_memfd(len: usize) -> io::Result<std::fs::File> {
 }
 
 impl Region {
-    /// Creates a region of [`SLOTS`] slots of `slot_bytes` and returns it
-    /// with the name the peer opens it by: a sealed memfd, or, where that
-    /// fails, `/dev/shm/<fallback>` (which must not exist).
-    pub(crate) fn create(fallback: &str, slot_bytes: usize) -> io::Result<(String, Region)> {
-        let len = SLOTS * slot_bytes;
+    /// Creates a zeroed region of `len` bytes and returns it with the name
+    /// the peer opens it by: a sealed memfd, or, where that fails,
+    /// `/dev/shm/<fallback>` (which must not exist).
+    pub(crate) fn create(fallback: &str, len: usize) -> io::Result<(String, Region)> {
         match sealed_memfd(len) {
             Ok(f) => {
                 use std::os::fd::AsRawFd;
-                let mut r = map(&f, slot_bytes)?;
+                let mut r = map(&f, len)?;
                 let name = memfd_name(f.as_raw_fd());
                 r.memfd = Some(f);
                 return Ok((name, r));
@@ -136,12 +116,12 @@ impl Region {
             .mode(0o600)
             .open(path(fallback))?;
         f.set_len(len as u64)?;
-        Ok((fallback.to_string(), map(&f, slot_bytes)?))
+        Ok((fallback.to_string(), map(&f, len)?))
     }
 
-    /// Maps the peer's region `name` of [`SLOTS`] slots of `slot_bytes`. A
-    /// memfd must carry the seals that fix its size.
-    pub(crate) fn open(name: &str, slot_bytes: usize) -> io::Result<Region> {
+    /// Maps the peer's region `name` of `len` bytes. A memfd must carry
+    /// the seals that fix its size.
+    pub(crate) fn open(name: &str, len: usize) -> io::Result<Region> {
         let memfd = memfd_path(name);
         let at = memfd.clone().unwrap_or_else(|| path(name));
         let f = OpenOptions::new().read(true).write(true).open(at)?;
@@ -156,18 +136,23 @@ impl Region {
                 ));
             }
         }
-        if f.metadata()?.len() < (SLOTS * slot_bytes) as u64 {
+        if f.metadata()?.len() < len as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "shared region too small",
             ));
         }
-        map(&f, slot_bytes)
+        map(&f, len)
     }
 
-    /// Bytes per slot.
-    pub(crate) fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+    /// The mapping's first byte.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The mapping's length.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// Once the peer has mapped (or given up on) region `name`: closes the
@@ -176,52 +161,6 @@ impl Region {
         if self.memfd.take().is_none() && memfd_path(name).is_none() {
             let _ = std::fs::remove_file(path(name));
         }
-    }
-
-    /// Slot `i` as a raw pointer (`None` out of range).
-    pub(crate) fn slot(&self, i: usize) -> Option<*mut u8> {
-        (i < SLOTS && (i + 1) * self.slot_bytes <= self.len)
-            .then(|| self.ptr.wrapping_add(i * self.slot_bytes))
-    }
-}
-
-/// The sending side of a pair: the region and which slots are free.
-pub(crate) struct Tx {
-    pub(crate) region: Region,
-    pub(crate) slot_bytes: usize,
-    free: Mutex<Vec<usize>>,
-    pub(crate) credit: Notify,
-}
-
-impl Tx {
-    pub(crate) fn new(region: Region) -> Self {
-        Tx {
-            slot_bytes: region.slot_bytes,
-            region,
-            free: Mutex::new((0..SLOTS).rev().collect()),
-            credit: Notify::new(),
-        }
-    }
-
-    /// Takes a free slot, if any.
-    pub(crate) fn take(&self) -> Option<usize> {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()
-    }
-
-    /// Returns slot `i` (a credit from the receiver). A credit for a slot
-    /// that is not lent (out of range, or already free) is the peer
-    /// breaking the protocol: an error, and the slot stays as it was.
-    pub(crate) fn give_back(&self, i: usize) -> Result<(), String> {
-        let mut f = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if i >= SLOTS || f.contains(&i) {
-            return Err(format!(
-                "credit for shared-memory slot {i}, which was not lent to it (slots 0..{SLOTS})"
-            ));
-        }
-        f.push(i);
-        drop(f);
-        self.credit.notify_one();
-        Ok(())
     }
 }
 
@@ -246,6 +185,11 @@ pub(crate) fn host_id() -> String {
     format!("{}/{}/{shm}/{pids}", boot.trim(), host.trim())
 }
 
+/// Whether a region name from a peer is one this crate makes.
+pub(crate) fn valid_name(name: &str) -> bool {
+    memfd_path(name).is_some() || (name.starts_with("consort-") && !name.contains('/'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,13 +204,11 @@ mod tests {
         );
         let b = Region::open(&name, 4096).unwrap();
         a.unlink(&name);
-        let pa = a.slot(3).unwrap();
         // SAFETY: in-bounds writes and reads of one mapping seen through two.
         unsafe {
-            pa.write(42);
-            assert_eq!(b.slot(3).unwrap().read(), 42);
+            a.ptr().add(100).write(42);
+            assert_eq!(b.ptr().add(100).read(), 42);
         }
-        assert!(a.slot(SLOTS).is_none());
         assert!(Region::open(&name, 4096).is_err(), "the memfd was closed");
     }
 
@@ -280,7 +222,7 @@ mod tests {
     }
 
     #[test]
-    fn unsealed_or_malformed_regions_are_refused() {
+    fn unsealed_short_or_malformed_regions_are_refused() {
         // A plain /dev/shm file is opened by name (the fallback)...
         let fallback = format!("consort-test-plain-{}", std::process::id());
         let f = OpenOptions::new()
@@ -290,8 +232,9 @@ mod tests {
             .mode(0o600)
             .open(path(&fallback))
             .unwrap();
-        f.set_len((SLOTS * 4096) as u64).unwrap();
+        f.set_len(4096).unwrap();
         assert!(Region::open(&fallback, 4096).is_ok());
+        assert!(Region::open(&fallback, 8192).is_err(), "too small");
         let _ = std::fs::remove_file(path(&fallback));
         // ...but a memfd name must point at a sealed memfd.
         use std::os::fd::AsRawFd;
@@ -300,19 +243,6 @@ mod tests {
         assert!(e.to_string().contains("not sealed"), "{e}");
         assert!(memfd_path("consort-memfd-x-1").is_none());
         assert!(memfd_path("consort-memfd-1").is_none());
-    }
-
-    #[test]
-    fn only_lent_slots_can_be_credited() {
-        let fallback = format!("consort-test-credit-{}", std::process::id());
-        let (name, mut region) = Region::create(&fallback, 4096).unwrap();
-        region.unlink(&name);
-        let tx = Tx::new(region);
-        let e = tx.give_back(3).unwrap_err();
-        assert!(e.contains("not lent"), "{e}");
-        assert!(tx.give_back(SLOTS).is_err());
-        let s = tx.take().unwrap();
-        tx.give_back(s).unwrap();
-        assert!(tx.give_back(s).is_err(), "a second credit for one loan");
+        assert!(!valid_name("../etc/passwd") && !valid_name("other"));
     }
 }

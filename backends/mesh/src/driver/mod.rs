@@ -1,131 +1,52 @@
-//! The TCP backend: [`TcpBackend`] drives `consort_comm::algo`'s schedules
-//! over a full mesh of TCP connections, one per pair of ranks.
+//! The driver: [`MeshBackend`] runs `consort_comm::algo`'s schedules and
+//! the call engine's rules over whatever links the transports hand it.
 //!
-//! This module owns the transport: rendezvous of listen addresses through
-//! the store, the connection handshake, one reader task per peer that
-//! decodes frames into an inbox, vectored writes straight from the caller's
-//! buffer, and the failure rules (abort propagation, `PeerLost` from EOF,
-//! sticky errors, stall probes). It owns no algorithm.
+//! Like quinn's connection driver it holds no rules of its own: the call
+//! engine (`consort_comm::engine`) owns sequence numbers, early frames,
+//! mismatches, poisoning and aborts; the schedules own who sends what. This
+//! module moves frames between them and the links:
 //!
-//! [`connect`] makes the mesh, [`read`] runs the reader tasks, and
-//! [`drive`] sends frames and drives one call; this file holds the types
-//! they share, the `Backend` impl and subgroups.
+//! - [`read`] runs one reader task per stream and decodes frames;
+//! - [`poll`] takes frames from polled (shared-memory) links, from inside
+//!   the calls that wait on them;
+//! - [`inbound`] files a decoded frame: in place into a posted receive, with
+//!   the engine, or as a probe or an abort;
+//! - [`drive`] sends frames and drives one call.
+//!
+//! This file holds the types they share, the `Backend` impl and subgroups.
 
 use std::{
     collections::HashMap,
     io::IoSlice,
-    net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 use async_trait::async_trait;
 use consort_comm::{
     Backend, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, Op, OpKind,
     ReduceOp, Result, Work,
     algo::{
-        Action, AlgoConfig, Buf, Receive, build,
+        Action, Buf, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
     engine::{Begun, CallId, Engine},
-    frame::{AbortInfo, FLAG_SHM, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
-    store::Store,
+    frame::{AbortInfo, FrameHeader, FrameKind, FrameLimits, HEADER_LEN},
 };
 use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
+    io::{AsyncReadExt, AsyncWrite, AsyncWriteExt},
     sync::Notify,
     task::JoinHandle,
 };
 
-/// The read side of one data stream to a peer: a TCP read half, or any
-/// other ordered byte stream (a QUIC stream).
-pub type BoxRead = std::pin::Pin<Box<dyn AsyncRead + Send>>;
-/// The write side of one data stream to a peer.
-pub type BoxWrite = std::pin::Pin<Box<dyn AsyncWrite + Send>>;
-
-/// The first bytes of a data connection: magic, version, rank, world size.
-const HELLO_MAGIC: [u8; 4] = *b"CSRH";
-const HELLO_LEN: usize = 4 + 1 + 4 + 4 + 1 + 1;
-/// Socket buffer size: a few segments in flight each way.
-const SOCKET_BUFFER: usize = 4 << 20;
-
-/// How a [`TcpBackend`] connects and runs.
-#[derive(Clone, Debug)]
-pub struct TcpOptions {
-    /// Default deadline of every op (torch's process-group default: 30 min).
-    pub timeout: Duration,
-    /// Deadline for building the mesh.
-    pub connect_timeout: Duration,
-    /// Address to listen on and advertise; `None`: the address this process
-    /// uses to reach the store (it is routable from the store's host).
-    pub bind_addr: Option<IpAddr>,
-    /// Segment size, window and algorithm overrides.
-    pub algo: AlgoConfig,
-    /// How long a call may make no progress before it probes its peers.
-    pub stall_probe: Duration,
-    /// Largest frame payload accepted.
-    pub limits: FrameLimits,
-    /// Store key namespace of this group's addresses.
-    pub namespace: String,
-    /// Payloads of at least this many bytes are applied by the reader task
-    /// straight into the call's buffer when the receive is already posted
-    /// (no second copy); smaller ones are buffered. Default 64 KiB.
-    pub in_place_min: usize,
-    /// Same-host peers pass payloads through shared memory (`/dev/shm`)
-    /// and only headers over TCP; falls back to TCP per pair when that is
-    /// not possible. Default on.
-    pub shm: bool,
-    /// TCP connections per pair of ranks (1 to 8); frames spread over them
-    /// by tag. On this project's loopback benches 2 streams measured no
-    /// better than 1 (the sender writes every stream from one task), so
-    /// the default is 1; it can help where one flow is capped.
-    pub streams: usize,
-    /// Shared secret: every connection starts with an HMAC challenge-response
-    /// ([`crate::auth`]); `None` leaves the port open to anyone who can reach it.
-    pub secret: Option<Secret>,
-    /// Where this rank writes its flight record (`rank-K.json`) when a call
-    /// fails, a peer aborts, or [`dump_flight_records`] asks; `None` keeps
-    /// the record in memory only. `consort run` sets `CONSORT_FLIGHT_DIR`
-    /// for its workers, which `init_from_env` passes here.
-    pub flight_dir: Option<std::path::PathBuf>,
-    /// The heartbeat file this rank keeps for its agent's watchdog
-    /// ([`crate::heartbeat`]); `consort run` sets `CONSORT_HEARTBEAT_FILE`.
-    pub heartbeat_file: Option<std::path::PathBuf>,
-}
-
-impl Default for TcpOptions {
-    fn default() -> Self {
-        TcpOptions {
-            timeout: Duration::from_secs(30 * 60),
-            connect_timeout: Duration::from_secs(300),
-            bind_addr: None,
-            algo: AlgoConfig {
-                segment_bytes: 1 << 20,
-                window: 4,
-                overrides: Vec::new(),
-            },
-            stall_probe: Duration::from_millis(500),
-            limits: FrameLimits::default(),
-            namespace: "consort/tcp/world".into(),
-            in_place_min: 64 * 1024,
-            shm: true,
-            streams: 1,
-            secret: Secret::from_env(),
-            flight_dir: None,
-            heartbeat_file: None,
-        }
-    }
-}
+use crate::{
+    MeshOptions,
+    link::{BoxRead, BoxWrite, PeerLink, PolledLink},
+};
 
 #[derive(Debug)]
 struct Frame {
-    fp: Fingerprint,
     payload: Vec<u8>,
-    /// The payload is still in the peer's shared-memory slot: (slot, bytes).
-    /// The call applies it from there and then returns the slot.
-    slot: Option<(usize, usize)>,
 }
 
 /// Bounce-buffer chunk of in-place receives: L2-sized, so the kernel's copy
@@ -177,22 +98,35 @@ enum Got {
     Done,
 }
 
+/// How the driver reaches one peer.
+enum Link {
+    Me,
+    /// Write halves, by stream.
+    Streams(Vec<tokio::sync::Mutex<Writer>>),
+    Polled(poll::Polled),
+}
+
 struct Inner {
-    /// Write halves by [peer][stream] (empty for this rank).
-    writers: Vec<Vec<tokio::sync::Mutex<Writer>>>,
+    /// This rank's link to each peer.
+    links: Vec<Link>,
     /// The call rules: groups, calls in flight, filed frames, failures.
     engine: Mutex<Engine<Got>>,
-    notify: Notify,
+    /// Woken when a frame is filed, a peer is lost, or a polled link rings.
+    notify: Arc<Notify>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.
     pool: Mutex<Vec<Vec<u8>>>,
     /// Receives the readers may apply in place.
     direct: Mutex<Registry>,
-    /// Shared-memory slots this rank sends into, per same-host peer.
-    shm_tx: Vec<Option<crate::shm::Tx>>,
-    /// Shared-memory slots peers send into, per same-host peer.
-    shm_rx: Vec<Option<crate::shm::Region>>,
+    /// Indices of the polled links (empty: no call spins).
+    polled: Vec<usize>,
+    /// How long a waiting call spins on the polled links.
+    spin: Duration,
+    /// Whether spinning yields the core (more ranks here than cores).
+    yield_spin: bool,
+    limits: FrameLimits,
+    in_place_min: usize,
     /// Where the flight record goes.
     flight: flight::FlightOut,
     /// The agent's view of this rank's progress.
@@ -224,11 +158,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One rank's handle on a TCP process group: the world group, or a
-/// subgroup that shares the world's connections.
-pub struct TcpBackend {
+/// One rank's handle on a mesh process group (TCP, QUIC, shared memory, or
+/// a mix per peer): the world group, or a subgroup that shares the world's
+/// links.
+pub struct MeshBackend {
+    /// "tcp", "quic" (see `Backend::name`).
+    name: &'static str,
     inner: Arc<Inner>,
-    opts: TcpOptions,
+    opts: MeshOptions,
     group: GroupId,
     /// Mesh rank of each group rank.
     members: Arc<[usize]>,
@@ -238,9 +175,9 @@ pub struct TcpBackend {
     owner: bool,
 }
 
-impl std::fmt::Debug for TcpBackend {
+impl std::fmt::Debug for MeshBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpBackend")
+        f.debug_struct("MeshBackend")
             .field("rank", &self.me)
             .field("world_size", &self.members.len())
             .field("group", &self.group)
@@ -248,7 +185,7 @@ impl std::fmt::Debug for TcpBackend {
     }
 }
 
-impl Drop for TcpBackend {
+impl Drop for MeshBackend {
     fn drop(&mut self) {
         if !self.owner {
             return;
@@ -259,9 +196,11 @@ impl Drop for TcpBackend {
     }
 }
 
-mod connect;
+mod assemble;
 mod drive;
 mod flight;
+mod inbound;
+mod poll;
 mod read;
 
 pub use flight::dump_flight_records;
@@ -269,7 +208,7 @@ pub use flight::dump_flight_records;
 use self::{drive::*, read::*};
 
 /// Tells world ranks `to` about a failure in call `fp` (best effort).
-async fn propagate(inner: &Inner, (info, fp, to): (AbortInfo, Fingerprint, Vec<usize>)) {
+async fn propagate(inner: &Arc<Inner>, (info, fp, to): (AbortInfo, Fingerprint, Vec<usize>)) {
     let info = info.encode();
     let h = FrameHeader {
         kind: FrameKind::Abort,
@@ -281,12 +220,9 @@ async fn propagate(inner: &Inner, (info, fp, to): (AbortInfo, Fingerprint, Vec<u
     }
     .encode();
     for q in to {
-        let Some(ws) = inner.writers.get(q).filter(|w| !w.is_empty()) else {
-            continue;
-        };
         let _ = before(
             Instant::now() + Duration::from_secs(2),
-            write_frame(&ws[0], &[&h, &info]),
+            inner.send_frame(q, 0, &h, &info),
         )
         .await;
     }
@@ -316,9 +252,9 @@ impl Drop for CallGuard<'_> {
 }
 
 #[async_trait]
-impl Backend for TcpBackend {
+impl Backend for MeshBackend {
     fn name(&self) -> &'static str {
-        "tcp"
+        self.opts_name()
     }
 
     fn rank(&self) -> usize {
@@ -352,17 +288,39 @@ impl Backend for TcpBackend {
     }
 }
 
-impl TcpBackend {
-    /// The mesh ranks this rank sends to through shared memory (peers on
-    /// this host, when `TcpOptions::shm` is on and the regions mapped).
-    pub fn shared_memory_peers(&self) -> Vec<usize> {
-        let tx = &self.inner.shm_tx;
-        (0..tx.len()).filter(|&p| tx[p].is_some()).collect()
+impl MeshBackend {
+    /// The backend's name in errors and `Backend::name`: the transport of
+    /// the network peers ("tcp", "quic"), or of the local ones when all are
+    /// on this host.
+    fn opts_name(&self) -> &'static str {
+        self.name
     }
 
-    /// A subgroup on this mesh (see [`Backend::new_group`]); the QUIC
-    /// backend wraps the handle it returns.
-    pub fn subgroup(&self, ranks: &[usize], opts: &CallOptions) -> Result<Option<TcpBackend>> {
+    /// The transport that reaches each world rank: "self", "stream" (TCP
+    /// or QUIC), or a local transport's name ("shm").
+    pub fn transports(&self) -> Vec<&'static str> {
+        self.inner
+            .links
+            .iter()
+            .map(|l| match l {
+                Link::Me => "self",
+                Link::Streams(_) => "stream",
+                Link::Polled(p) => p.link.name(),
+            })
+            .collect()
+    }
+
+    /// The world ranks this rank reaches through shared memory.
+    pub fn shared_memory_peers(&self) -> Vec<usize> {
+        let links = &self.inner.links;
+        (0..links.len())
+            .filter(|&p| matches!(links[p], Link::Polled(_)))
+            .collect()
+    }
+
+    /// A subgroup on this mesh (see [`Backend::new_group`]); the TCP and
+    /// QUIC backends wrap the handle it returns.
+    pub fn subgroup(&self, ranks: &[usize], opts: &CallOptions) -> Result<Option<MeshBackend>> {
         let made = lock(&self.inner.engine).make_group(self.group, ranks)?;
         let Some((id, members, me)) = made else {
             return Ok(None);
@@ -371,7 +329,8 @@ impl TcpBackend {
         if let Some(t) = opts.timeout {
             topts.timeout = t;
         }
-        Ok(Some(TcpBackend {
+        Ok(Some(MeshBackend {
+            name: self.name,
             inner: self.inner.clone(),
             opts: topts,
             group: id,

@@ -1,0 +1,89 @@
+//! Building a [`MeshBackend`] from the links the transports made: the
+//! writers, the reader tasks of the streams, the watchers of the polled
+//! links, and the flight recorder and heartbeat.
+
+use super::*;
+
+impl MeshBackend {
+    /// A backend over links already connected and authenticated, one per
+    /// world rank (`links[rank]` is [`PeerLink::Me`]). Streams must come in
+    /// the same number for every peer that has them. `name` is the
+    /// backend's name in errors ("tcp", "quic"). Must run inside a tokio
+    /// runtime (the readers are tasks).
+    pub fn from_links(
+        name: &'static str,
+        rank: usize,
+        links: Vec<PeerLink>,
+        wake: Arc<Notify>,
+        opts: MeshOptions,
+    ) -> Result<Self> {
+        let world = links.len();
+        if world == 0 || rank >= world || !matches!(links[rank], PeerLink::Me) {
+            return Err(CommError::invalid(format!(
+                "rank {rank} of a world of {world} needs one link per rank, and none to itself"
+            )));
+        }
+        let mut out = Vec::with_capacity(world);
+        let mut reads = Vec::new();
+        let mut polled = Vec::new();
+        for (peer, link) in links.into_iter().enumerate() {
+            out.push(match link {
+                PeerLink::Me => Link::Me,
+                PeerLink::Streams(streams) => {
+                    let mut ws = Vec::new();
+                    for (r, w) in streams {
+                        reads.push((peer, r));
+                        ws.push(tokio::sync::Mutex::new(Writer { w, cut: false }));
+                    }
+                    Link::Streams(ws)
+                }
+                PeerLink::Polled(link) => {
+                    polled.push(peer);
+                    Link::Polled(poll::Polled::new(link))
+                }
+            });
+        }
+        let local_ranks = polled.len() + 1;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let inner = Arc::new(Inner {
+            links: out,
+            engine: Mutex::new(Engine::new(rank, world)),
+            notify: wake,
+            readers: Mutex::new(Vec::new()),
+            pool: Mutex::new(Vec::new()),
+            direct: Mutex::new(Registry::default()),
+            polled,
+            spin: opts.spin,
+            yield_spin: local_ranks > cores,
+            limits: opts.limits,
+            in_place_min: opts.in_place_min,
+            flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
+            beat: opts.heartbeat_file.as_deref().and_then(|p| {
+                crate::heartbeat::Heartbeat::shared(p)
+                    .map_err(|e| {
+                        tracing::warn!(
+                            "rank {rank}: no heartbeat for the launcher's watchdog: cannot map \
+                             {}: {e}",
+                            p.display()
+                        )
+                    })
+                    .ok()
+            }),
+        });
+        super::flight::register(&inner);
+        let handles: Vec<JoinHandle<()>> = reads
+            .into_iter()
+            .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r)))
+            .collect();
+        *lock(&inner.readers) = handles;
+        Ok(MeshBackend {
+            name,
+            inner,
+            opts,
+            group: GroupId::WORLD,
+            members: (0..world).collect(),
+            me: rank,
+            owner: true,
+        })
+    }
+}

@@ -1,0 +1,144 @@
+//! What happens to a frame once a link has decoded its header: the one
+//! place both kinds of link (streams and polled queues) file frames.
+//!
+//! A data frame goes in place into a posted receive when the call has
+//! posted one of its size (no second copy), or is filed with the engine as
+//! an early or small frame. Probes are answered, probe replies and aborts
+//! go to the engine.
+
+use super::*;
+
+/// Takes the posted receive that a data frame of header `h` fills whole,
+/// if the call has posted one and the frame is large enough to go in place.
+pub(super) fn take_posted(inner: &Inner, peer: usize, h: &FrameHeader) -> Option<Direct> {
+    let len = h.payload_len as usize;
+    if h.kind != FrameKind::Data
+        || len < inner.in_place_min
+        || matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv)
+    {
+        return None;
+    }
+    let key = (h.fingerprint.group, peer, h.fingerprint.seq, h.tag);
+    let mut reg = lock(&inner.direct);
+    match reg.posted.get(&key) {
+        Some(d) if d.fp == h.fingerprint && d.len == len => reg.posted.remove(&key),
+        _ => None,
+    }
+}
+
+/// Copies or reduces `bytes` into bytes `off..` of posted receive `d`,
+/// under the registry lock, if its call is still live (otherwise they are
+/// dropped). `bytes` holds whole elements.
+pub(super) fn apply_chunk(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes: &[u8]) {
+    let reg = lock(&inner.direct);
+    if reg.live.contains(&d.call) && off + bytes.len() <= d.len {
+        // SAFETY: the registering call is live and holds no other
+        // reference to this range (see `Registry`), `off + len <= d.len`
+        // bytes from `dst` lie inside its buffer, and we hold the lock.
+        let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), bytes.len()) };
+        if let Some(e) = apply(d.reduce, dst, bytes) {
+            lock(&inner.engine).protocol_error(peer, e);
+        }
+    }
+}
+
+/// Reduces (or copies) `data` into `dst`; the error, if any, for the call
+/// to report.
+pub(super) fn apply(
+    reduce: Option<(ReduceOp, DType)>,
+    dst: &mut [u8],
+    data: &[u8],
+) -> Option<String> {
+    match reduce {
+        Some((op, dtype)) => op
+            .apply_bytes(dtype, dst, data)
+            .err()
+            .map(|e| format!("reducing a received payload failed: {e}")),
+        None => {
+            dst.copy_from_slice(data);
+            None
+        }
+    }
+}
+
+/// Files a data frame that was applied in place.
+pub(super) fn file_done(inner: &Inner, peer: usize, h: &FrameHeader) {
+    lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Done);
+    inner.notify.notify_waiters();
+}
+
+/// Files a data frame whose payload was buffered.
+pub(super) fn file_frame(inner: &Inner, peer: usize, h: &FrameHeader, payload: Vec<u8>) {
+    lock(&inner.engine).file(peer, h.fingerprint, h.tag, Got::Frame(Frame { payload }));
+    inner.notify.notify_waiters();
+}
+
+/// Handles a frame that is not data. Returns the reply to send to `peer`,
+/// if any (a probe's answer).
+pub(super) fn control(
+    inner: &Inner,
+    peer: usize,
+    h: &FrameHeader,
+    payload: &[u8],
+) -> Option<[u8; HEADER_LEN]> {
+    match h.kind {
+        FrameKind::Data => None,
+        FrameKind::Probe => {
+            let asked = h.fingerprint;
+            let cur = lock(&inner.engine).probe_answer(asked.group, asked.seq);
+            Some(probe_frame(FrameKind::ProbeReply, cur))
+        }
+        FrameKind::ProbeReply => {
+            if h.fingerprint.op != OpKind::NewGroup {
+                lock(&inner.engine).probe_reply(peer, h.fingerprint);
+                inner.notify.notify_waiters();
+            }
+            None
+        }
+        FrameKind::Abort => {
+            match AbortInfo::decode(payload) {
+                Ok(a) => {
+                    let (AbortInfo::Mismatch { message, .. }
+                    | AbortInfo::PeerLost { message, .. }
+                    | AbortInfo::Timeout { message }
+                    | AbortInfo::Other { message }) = &a;
+                    let why = format!("rank {peer} aborted: {message}");
+                    lock(&inner.engine).aborted(peer, h.fingerprint, a);
+                    super::flight::dump(inner, &why, false);
+                }
+                Err(e) => lock(&inner.engine).protocol_error(peer, format!("bad abort frame: {e}")),
+            }
+            inner.notify.notify_waiters();
+            None
+        }
+    }
+}
+
+/// Reports a link that broke the protocol.
+pub(super) fn broken(inner: &Inner, peer: usize, why: String) {
+    lock(&inner.engine).protocol_error(peer, why);
+    inner.notify.notify_waiters();
+}
+
+/// A probe (or probe reply) frame: the fingerprint is the sender's current
+/// call (op NewGroup when it is in none).
+pub(super) fn probe_frame(kind: FrameKind, fp: Option<Fingerprint>) -> [u8; HEADER_LEN] {
+    let fingerprint = fp.unwrap_or(Fingerprint {
+        group: GroupId::WORLD,
+        seq: 0,
+        op: OpKind::NewGroup,
+        dtype: DType::U8,
+        count: 0,
+        root: 0,
+        reduce_op: None,
+    });
+    FrameHeader {
+        kind,
+        fingerprint,
+        tag: 0,
+        offset: 0,
+        payload_len: 0,
+        flags: 0,
+    }
+    .encode()
+}

@@ -1,0 +1,96 @@
+//! The stream reader: one task per peer stream that decodes frames and
+//! hands them to [`super::inbound`], reading a posted receive's payload
+//! through an L2-sized bounce buffer straight into place.
+
+use super::{inbound::*, *};
+
+/// Reads frames from one peer stream until it ends, then reports the peer
+/// lost.
+pub(super) async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: BoxRead) {
+    let mut head = [0u8; HEADER_LEN];
+    let mut bounce = vec![0u64; BOUNCE / 8];
+    let why = loop {
+        if let Err(e) = r.read_exact(&mut head).await {
+            break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "connection closed (EOF): its process exited or crashed".to_string()
+            } else {
+                format!("connection error: {e}")
+            };
+        }
+        let h = match FrameHeader::decode(&head, &inner.limits) {
+            Ok(h) => h,
+            Err(e) => {
+                broken(&inner, peer, e.to_string());
+                break format!("bad frame: {e}");
+            }
+        };
+        if let Some(d) = take_posted(&inner, peer, &h) {
+            match read_in_place(&inner, peer, &mut r, &mut bounce, &d).await {
+                Ok(()) => {
+                    file_done(&inner, peer, &h);
+                    continue;
+                }
+                Err(e) => break format!("connection error mid-frame: {e}"),
+            }
+        }
+        let payload = match read_payload(&inner, &mut r, h.payload_len as usize).await {
+            Ok(p) => p,
+            Err(why) => break why,
+        };
+        if h.kind == FrameKind::Data {
+            file_frame(&inner, peer, &h, payload);
+        } else {
+            let reply = control(&inner, peer, &h, &payload);
+            inner.recycle(payload);
+            if let Some(reply) = reply {
+                let _ = inner.send_frame(peer, 0, &reply, &[]).await;
+            }
+        }
+    };
+    lock(&inner.engine).peer_lost(peer, why);
+    inner.notify.notify_waiters();
+}
+
+/// Reads a payload into spare capacity: no zeroing, and the buffer comes
+/// from the pool when one is big enough.
+async fn read_payload(
+    inner: &Inner,
+    r: &mut BoxRead,
+    len: usize,
+) -> std::result::Result<Vec<u8>, String> {
+    let mut payload = inner.buffer(len);
+    while payload.len() < len {
+        let mut limited = (&mut *r).take((len - payload.len()) as u64);
+        match limited.read_buf(&mut payload).await {
+            Ok(0) => return Err("connection closed mid-frame".to_string()),
+            Ok(_) => {}
+            Err(e) => return Err(format!("connection error mid-frame: {e}")),
+        }
+    }
+    Ok(payload)
+}
+
+/// Streams a payload into a registered receive, chunk by chunk: each chunk
+/// is read into the (cache-hot) bounce buffer, then copied or reduced into
+/// place (see [`apply_chunk`]; a receive whose call has ended is read and
+/// dropped, keeping the stream in step).
+async fn read_in_place(
+    inner: &Inner,
+    peer: usize,
+    r: &mut BoxRead,
+    bounce: &mut [u64],
+    d: &Direct,
+) -> std::io::Result<()> {
+    // SAFETY: u64 has no padding; every byte pattern is a valid u8.
+    let buf: &mut [u8] =
+        unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast(), bounce.len() * 8) };
+    let mut off = 0;
+    while off < d.len {
+        let n = (d.len - off).min(buf.len());
+        r.read_exact(&mut buf[..n]).await?;
+        // Chunks are whole elements: BOUNCE is a multiple of 8.
+        apply_chunk(inner, peer, d, off, &buf[..n]);
+        off += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,30 @@
+//! consort-mesh: the transport seam of consort's CPU backends.
+//!
+//! This crate owns what every CPU transport shares, so that the transports
+//! own only moving bytes and failure signals:
+//!
+//! - [`MeshBackend`]: the one driver loop between the call engine
+//!   (`consort_comm::engine`) and the links, with the in-place receive
+//!   registry and the flight recorder's dumps;
+//! - [`link`]: the seam itself ([`PeerLink`], [`PolledLink`],
+//!   [`LocalTransport`]);
+//! - [`rendezvous`]: the mesh rendezvous through the store, and the choice
+//!   of transport per peer;
+//! - [`auth`]: the `CONSORT_SECRET` challenge every stream starts with;
+//! - [`heartbeat`]: the file the launcher's watchdog reads.
+//!
+//! consort-tcp (TCP streams), consort-quic (QUIC streams) and consort-shm
+//! (same-host queues) build on it; none depends on another.
+
+pub mod auth;
+mod driver;
+pub mod heartbeat;
+pub mod link;
+mod options;
+pub mod rendezvous;
+
+pub use auth::Secret;
+pub use driver::{MeshBackend, dump_flight_records};
+pub use link::{BoxRead, BoxWrite, LocalSetup, LocalTransport, PeerLink, PolledLink};
+pub use options::MeshOptions;
+pub use rendezvous::StreamTransport;

@@ -1,0 +1,131 @@
+//! The transport seam: what a transport hands the driver for each peer.
+//!
+//! A transport owns only moving bytes and failure signals. It gives the
+//! driver one [`PeerLink`] per peer:
+//!
+//! - [`PeerLink::Streams`]: ordered byte streams (TCP connections, QUIC
+//!   streams). The driver runs one reader task per stream and writes whole
+//!   frames to them; the end of a stream is the peer's loss.
+//! - [`PeerLink::Polled`]: a link the waiting calls poll themselves, with no
+//!   task and no system call per message (shared-memory queues). The driver
+//!   spins on it for [`crate::MeshOptions::spin`], then arms it and sleeps
+//!   until the transport rings the [`Notify`] it was given.
+//!
+//! A [`LocalTransport`] makes polled links to the peers on this host; which
+//! peers get one is decided by [`crate::rendezvous`], in the order NCCL's
+//! `canConnect` tries its transports: same-host memory first, then the
+//! network.
+
+use std::{fmt, pin::Pin, sync::Arc, time::Instant};
+
+use async_trait::async_trait;
+use consort_comm::store::Store;
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    sync::Notify,
+};
+
+/// The read side of one data stream to a peer: a TCP read half, or any
+/// other ordered byte stream (a QUIC stream).
+pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
+/// The write side of one data stream to a peer.
+pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
+
+/// How the driver reaches one peer.
+pub enum PeerLink {
+    /// This rank itself: nothing.
+    Me,
+    /// Ordered byte streams, the same number for every peer that has them.
+    Streams(Vec<(BoxRead, BoxWrite)>),
+    /// A link the waiting calls poll (same-host shared memory).
+    Polled(Box<dyn PolledLink>),
+}
+
+impl PeerLink {
+    /// The transport's name, for logs and [`crate::MeshBackend::transports`].
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PeerLink::Me => "self",
+            PeerLink::Streams(_) => "stream",
+            PeerLink::Polled(l) => l.name(),
+        }
+    }
+}
+
+impl fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind())
+    }
+}
+
+/// Why a polled link can carry no more: the peer's process exited, or it
+/// closed its end. Bytes it wrote before are still read first.
+pub type Closed = String;
+
+/// A byte pipe each way to one peer that the driver polls: the sender
+/// appends frames, the receiver takes bytes as they come.
+///
+/// Every length is a multiple of 8 and the driver only ever writes frames
+/// padded to 8 bytes, so an element never straddles two reads.
+pub trait PolledLink: Send + Sync {
+    /// The transport's name ("shm").
+    fn name(&self) -> &'static str;
+
+    /// Appends bytes of `parts` (taken as one concatenation) from byte
+    /// `from` on, as many as fit now, in multiples of 8 unless the end is
+    /// reached; returns how many it took. Only one sender at a time.
+    fn push(&self, parts: &[&[u8]], from: usize) -> usize;
+
+    /// Hands what has arrived to `take`, one contiguous run at a time (at
+    /// most two per call, around the end of the queue); `take` returns how
+    /// many bytes it consumed (a multiple of 8), and the link frees them.
+    /// Returns the bytes consumed, or, once nothing is left and the peer is
+    /// gone, why. Only one receiver at a time.
+    fn pull(&self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, Closed>;
+
+    /// Asks to be woken (through the transport's [`Notify`]) when the peer
+    /// next writes to this rank, or frees room for it: called before the
+    /// waiting call sleeps, and followed by one more poll, so that nothing
+    /// that arrived in between is missed.
+    fn arm(&self);
+
+    /// Whether the peer's process is known to be gone.
+    fn is_closed(&self) -> bool;
+}
+
+/// What a [`LocalTransport`] connects with.
+pub struct LocalSetup<'a> {
+    /// The store every rank meets in.
+    pub store: &'a Arc<dyn Store>,
+    /// The key prefix of this mesh.
+    pub namespace: &'a str,
+    /// This rank.
+    pub rank: usize,
+    /// The peers to connect, with the card each published.
+    pub peers: &'a [(usize, String)],
+    /// When setting up must be done.
+    pub deadline: Instant,
+    /// What the transport notifies when a polled link has something for a
+    /// sleeping call.
+    pub wake: Arc<Notify>,
+}
+
+/// A same-host transport (shared memory): it says which peers it can reach
+/// and makes a polled link to each.
+#[async_trait]
+pub trait LocalTransport: Send + Sync + fmt::Debug {
+    /// The transport's name ("shm").
+    fn name(&self) -> &'static str;
+
+    /// What this rank publishes for the others to decide on (a host
+    /// identity): a single line.
+    fn card(&self) -> String;
+
+    /// Whether this rank (card `mine`) can reach a peer that published
+    /// `theirs`. Must give the same answer on both sides.
+    fn can_connect(&self, mine: &str, theirs: &str) -> bool;
+
+    /// Connects to every peer in `setup.peers` (all of them, or fails).
+    /// The result has one link per peer, in order.
+    async fn connect(&self, setup: LocalSetup<'_>) -> std::io::Result<Vec<Box<dyn PolledLink>>>;
+}

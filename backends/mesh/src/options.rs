@@ -1,0 +1,83 @@
+//! [`MeshOptions`]: everything a mesh backend is built with.
+
+use std::{net::IpAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use consort_comm::{algo::AlgoConfig, frame::FrameLimits};
+
+use crate::{auth::Secret, link::LocalTransport};
+
+/// How a [`crate::MeshBackend`] connects and runs (the TCP backend's
+/// `TcpOptions`).
+#[derive(Clone, Debug)]
+pub struct MeshOptions {
+    /// Default deadline of every op (torch's process-group default: 30 min).
+    pub timeout: Duration,
+    /// Deadline for building the mesh.
+    pub connect_timeout: Duration,
+    /// Address to listen on and advertise; `None`: the address this process
+    /// uses to reach the store (it is routable from the store's host).
+    pub bind_addr: Option<IpAddr>,
+    /// Segment size, window and algorithm overrides.
+    pub algo: AlgoConfig,
+    /// How long a call may make no progress before it probes its peers.
+    pub stall_probe: Duration,
+    /// Largest frame payload accepted.
+    pub limits: FrameLimits,
+    /// Store key namespace of this group's addresses.
+    pub namespace: String,
+    /// Payloads of at least this many bytes are applied by the reader task
+    /// straight into the call's buffer when the receive is already posted
+    /// (no second copy); smaller ones are buffered. Default 64 KiB.
+    pub in_place_min: usize,
+    /// The transport for peers on this host, tried before the network
+    /// (`consort_shm::ShmTransport`: shared-memory queues). `None`: every
+    /// peer is reached over the network. Every rank must agree; a rank
+    /// without it turns it off for the whole mesh.
+    pub local: Option<Arc<dyn LocalTransport>>,
+    /// How long a call waiting on a polled (same-host) link spins before it
+    /// sleeps until the peer rings. While it spins it yields the core when
+    /// this host runs more ranks than it has cores. Default 50 µs;
+    /// `CONSORT_SHM_SPIN_US` sets it under `init_from_env`.
+    pub spin: Duration,
+    /// TCP connections per pair of ranks (1 to 8); frames spread over them
+    /// by tag. On this project's loopback benches 2 streams measured no
+    /// better than 1 (the sender writes every stream from one task), so
+    /// the default is 1; it can help where one flow is capped.
+    pub streams: usize,
+    /// Shared secret: every connection starts with an HMAC challenge-response
+    /// ([`crate::auth`]); `None` leaves the port open to anyone who can reach it.
+    pub secret: Option<Secret>,
+    /// Where this rank writes its flight record (`rank-K.json`) when a call
+    /// fails, a peer aborts, or [`crate::dump_flight_records`] asks; `None` keeps
+    /// the record in memory only. `consort run` sets `CONSORT_FLIGHT_DIR`
+    /// for its workers, which `init_from_env` passes here.
+    pub flight_dir: Option<PathBuf>,
+    /// The heartbeat file this rank keeps for its agent's watchdog
+    /// ([`crate::heartbeat`]); `consort run` sets `CONSORT_HEARTBEAT_FILE`.
+    pub heartbeat_file: Option<PathBuf>,
+}
+
+impl Default for MeshOptions {
+    fn default() -> Self {
+        MeshOptions {
+            timeout: Duration::from_secs(30 * 60),
+            connect_timeout: Duration::from_secs(300),
+            bind_addr: None,
+            algo: AlgoConfig {
+                segment_bytes: 1 << 20,
+                window: 4,
+                overrides: Vec::new(),
+            },
+            stall_probe: Duration::from_millis(500),
+            limits: FrameLimits::default(),
+            namespace: "consort/tcp/world".into(),
+            in_place_min: 64 * 1024,
+            local: None,
+            spin: Duration::from_micros(50),
+            streams: 1,
+            secret: Secret::from_env(),
+            flight_dir: None,
+            heartbeat_file: None,
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! consort-shm: the same-host transport. Peers on one host talk through
+//! per-pair shared-memory queues that the waiting calls poll, with no
+//! socket and no system call per message; headers and payloads travel
+//! together, copied once in and once out.
+//!
+//! This crate owns moving bytes and failure signals only (the driver and
+//! its rules are consort-mesh's):
+//!
+//! - [`queue`]: one direction of a pair, a lock-free byte queue;
+//! - [`region`]: sealed memfds that hold them, and [`ShmTransport`]'s host
+//!   identity;
+//! - [`bell`]: the datagram a side rings when the other sleeps;
+//! - the failure signals: a peer that drops its mesh closes its queues;
+//!   a peer process that dies is seen through a pidfd.
+//!
+//! Give a [`ShmTransport`] to `MeshOptions::local`, and the mesh uses it
+//! for every peer with the same host identity; the rest go over the
+//! network.
+
+mod bell;
+mod queue;
+mod region;
+
+use std::{
+    io,
+    os::unix::net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use async_trait::async_trait;
+use consort_mesh::{LocalSetup, LocalTransport, PolledLink};
+use tokio::{io::unix::AsyncFd, sync::Notify, task::JoinHandle};
+
+use crate::{bell::Bell, queue::Queue, region::Region};
+
+/// The same-host transport, for `MeshOptions::local`.
+#[derive(Clone, Debug)]
+pub struct ShmTransport {
+    /// Bytes of each direction's queue (a power of two, at least 64 KiB).
+    /// Default 4 MiB; `CONSORT_SHM_QUEUE_BYTES` sets it under
+    /// `init_from_env`.
+    pub queue_bytes: usize,
+}
+
+impl Default for ShmTransport {
+    fn default() -> Self {
+        ShmTransport {
+            queue_bytes: 4 << 20,
+        }
+    }
+}
+
+impl ShmTransport {
+    /// The transport as an `Arc<dyn LocalTransport>`, for `MeshOptions`.
+    pub fn shared(self) -> Arc<dyn LocalTransport> {
+        Arc::new(self)
+    }
+}
+
+/// One peer's queues, its bell, and whether it is gone.
+struct ShmLink {
+    out: Queue,
+    inbox: Queue,
+    peer_bell: SocketAddr,
+    bell: Arc<Bell>,
+    /// Set when the peer's process exits (its pidfd).
+    dead: Arc<AtomicBool>,
+    watch: Option<JoinHandle<()>>,
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.out.close_writer();
+        self.inbox.close_reader();
+        self.bell.ring(&self.peer_bell);
+        if let Some(w) = &self.watch {
+            w.abort();
+        }
+    }
+}
+
+impl PolledLink for ShmLink {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn push(&self, parts: &[&[u8]], from: usize) -> usize {
+        let (n, wake) = self.out.push(parts, from);
+        if wake {
+            self.bell.ring(&self.peer_bell);
+        }
+        n
+    }
+
+    fn pull(&self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, String> {
+        // Read `dead` before the queue: whatever the peer wrote before it
+        // died is then taken before its loss is reported.
+        let dead = self.dead.load(Ordering::SeqCst);
+        let (n, wake, closed) = self.inbox.pull(take)?;
+        if wake {
+            self.bell.ring(&self.peer_bell);
+        }
+        if n == 0 && closed {
+            return Err("the peer closed its shared-memory queues (its group was dropped)".into());
+        }
+        if n == 0 && dead {
+            return Err("its process exited or crashed (seen through its pidfd)".into());
+        }
+        Ok(n)
+    }
+
+    fn arm(&self) {
+        self.inbox.arm_reader();
+        self.out.arm_writer();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.dead.load(Ordering::SeqCst) || self.out.reader_closed()
+    }
+}
+
+/// What a rank publishes for one peer: its queue toward it, its bell and
+/// its pid.
+struct Offer {
+    region: String,
+    cap: usize,
+    bell: String,
+    pid: u32,
+}
+
+impl Offer {
+    fn encode(&self) -> String {
+        format!("{}\n{}\n{}\n{}", self.region, self.cap, self.bell, self.pid)
+    }
+
+    fn decode(b: &[u8]) -> Option<Offer> {
+        let s = std::str::from_utf8(b).ok()?;
+        let mut l = s.split('\n');
+        let o = Offer {
+            region: l.next()?.to_string(),
+            cap: l.next()?.parse().ok()?,
+            bell: l.next()?.to_string(),
+            pid: l.next()?.parse().ok()?,
+        };
+        (l.next().is_none() && region::valid_name(&o.region)).then_some(o)
+    }
+}
+
+fn bad(what: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.into())
+}
+
+/// Waits for a peer's process to exit, then marks it dead and wakes the
+/// mesh. `None` for this very process (ranks that share a process see a
+/// dropped peer through its closed queues).
+fn watch(pid: u32, dead: Arc<AtomicBool>, wake: Arc<Notify>) -> io::Result<Option<JoinHandle<()>>> {
+    if pid == std::process::id() {
+        return Ok(None);
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the AsyncFd owns the descriptor, which is neither replaced
+    // nor closed while registered.
+    let fd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .map_err(io::Error::from)?;
+    Ok(Some(tokio::spawn(async move {
+        // A pidfd becomes readable once the process has exited.
+        let _ = fd.readable().await;
+        dead.store(true, Ordering::SeqCst);
+        wake.notify_waiters();
+    })))
+}
+
+#[async_trait]
+impl LocalTransport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn card(&self) -> String {
+        region::host_id().replace('\n', " ")
+    }
+
+    fn can_connect(&self, mine: &str, theirs: &str) -> bool {
+        mine == theirs
+    }
+
+    async fn connect(&self, setup: LocalSetup<'_>) -> io::Result<Vec<Box<dyn PolledLink>>> {
+        let cap = self.queue_bytes;
+        if !cap.is_power_of_two() || cap < queue::MIN_CAP {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the shared-memory queue size must be a power of two of at least {} bytes, \
+                     not {cap} (CONSORT_SHM_QUEUE_BYTES)",
+                    queue::MIN_CAP
+                ),
+            ));
+        }
+        let store = setup.store;
+        let (ns, rank) = (setup.namespace, setup.rank);
+        let key = |from: usize, to: usize| format!("{ns}/shm/{from}to{to}");
+        let bell = Arc::new(Bell::bind(setup.wake.clone())?);
+        let left = || {
+            setup
+                .deadline
+                .saturating_duration_since(std::time::Instant::now())
+        };
+        let store_err = |e: consort_comm::store::StoreError| io::Error::other(e.to_string());
+        // 1. A queue toward every peer, offered under a key of its own.
+        let mut outs = Vec::new();
+        for &(p, _) in setup.peers {
+            let fallback = format!("consort-{}-{rank}to{p}-{}", std::process::id(), nonce()?);
+            let (name, region) = Region::create(&fallback, Queue::region_len(cap))?;
+            let offer = Offer {
+                region: name.clone(),
+                cap,
+                bell: bell.name().to_string(),
+                pid: std::process::id(),
+            };
+            store
+                .set(&key(rank, p), offer.encode().as_bytes())
+                .await
+                .map_err(store_err)?;
+            outs.push((name, region));
+        }
+        // 2. Map every peer's queue toward this rank, and say so.
+        let mut ins = Vec::new();
+        for &(p, _) in setup.peers {
+            let k = key(p, rank);
+            store.wait(&[&k], left()).await.map_err(store_err)?;
+            let raw = store.get(&k).await.map_err(store_err)?;
+            let offer =
+                Offer::decode(&raw).ok_or_else(|| bad(format!("rank {p}'s offer is malformed")))?;
+            let region = Region::open(&offer.region, Queue::region_len(offer.cap))
+                .map_err(|e| bad(format!("mapping rank {p}'s queue: {e}")))?;
+            let inbox = Queue::new(region)
+                .ok_or_else(|| bad(format!("rank {p}'s queue has a bad size ({})", offer.cap)))?;
+            store
+                .set(&format!("{k}/mapped"), b"1")
+                .await
+                .map_err(store_err)?;
+            ins.push((inbox, offer));
+        }
+        // 3. Once each peer has mapped this rank's queue, its name goes.
+        let mut links: Vec<Box<dyn PolledLink>> = Vec::new();
+        for ((&(p, _), (name, mut region)), (inbox, offer)) in setup.peers.iter().zip(outs).zip(ins)
+        {
+            let mapped = format!("{}/mapped", key(rank, p));
+            store.wait(&[&mapped], left()).await.map_err(store_err)?;
+            region.unlink(&name);
+            let dead = Arc::new(AtomicBool::new(false));
+            links.push(Box::new(ShmLink {
+                out: Queue::new(region).ok_or_else(|| bad("bad queue size"))?,
+                inbox,
+                peer_bell: bell::address(&offer.bell)?,
+                bell: bell.clone(),
+                watch: watch(offer.pid, dead.clone(), setup.wake.clone())?,
+                dead,
+            }));
+        }
+        Ok(links)
+    }
+}
+
+fn nonce() -> io::Result<String> {
+    let mut n = [0u8; 8];
+    getrandom::fill(&mut n).map_err(|e| io::Error::other(e.to_string()))?;
+    Ok(format!("{:016x}", u64::from_le_bytes(n)))
+}

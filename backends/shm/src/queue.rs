@@ -1,0 +1,259 @@
+//! One direction of a pair: a single-producer, single-consumer byte queue
+//! in a shared region, polled by both sides with no system call.
+//!
+//! Layout: a header of four cache lines, then `cap` bytes of data (a power
+//! of two, at least 64 KiB). The producer owns `write`, the consumer owns
+//! `read`; both only grow, and `write - read` bytes are waiting. Every
+//! amount is a multiple of 8, so an element never straddles the end.
+//!
+//! Waking: a side about to sleep sets its flag (`reader_sleeping` or
+//! `writer_waiting`) and polls once more; the other side, after it moves
+//! its counter, swaps the flag back and, if it was set, rings the sleeper's
+//! bell. Both use sequentially consistent accesses, so either the sleeper
+//! sees the new counter or the other side sees the flag.
+//!
+//! The peer's process is trusted with nothing: counters that make no sense
+//! close the queue with an error rather than reading out of bounds.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use crate::region::Region;
+
+/// Bytes before the data: four cache lines.
+pub(crate) const HEADER: usize = 256;
+/// The smallest data size.
+pub(crate) const MIN_CAP: usize = 64 * 1024;
+
+const WRITE: usize = 0;
+const READ: usize = 64;
+const READER_SLEEPING: usize = 128;
+const WRITER_WAITING: usize = 132;
+const WRITER_CLOSED: usize = 136;
+const READER_CLOSED: usize = 140;
+
+/// One side's view of a queue.
+pub(crate) struct Queue {
+    region: Region,
+    cap: usize,
+}
+
+impl Queue {
+    /// A queue over `region`, whose data is `region.len() - HEADER` bytes
+    /// (a power of two, at least [`MIN_CAP`]).
+    pub(crate) fn new(region: Region) -> Option<Queue> {
+        let cap = region.len().checked_sub(HEADER)?;
+        (cap.is_power_of_two() && cap >= MIN_CAP).then_some(Queue { region, cap })
+    }
+
+    /// The region's bytes a queue of `cap` needs.
+    pub(crate) fn region_len(cap: usize) -> usize {
+        HEADER + cap
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `off` is an 8-aligned offset inside the header of a
+        // page-aligned mapping that lives as long as `self`.
+        unsafe { &*self.region.ptr().add(off).cast::<AtomicU64>() }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as in `u64_at`, 4-aligned.
+        unsafe { &*self.region.ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    fn data(&self) -> *mut u8 {
+        self.region.ptr().wrapping_add(HEADER)
+    }
+
+    /// Producer: appends bytes of `parts` (one concatenation) from `from`
+    /// on, as many as fit, in multiples of 8 unless the end is reached.
+    /// Returns how many it took and whether the reader must be woken.
+    pub(crate) fn push(&self, parts: &[&[u8]], from: usize) -> (usize, bool) {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let w = self.u64_at(WRITE).load(Ordering::Relaxed);
+        let r = self.u64_at(READ).load(Ordering::Acquire);
+        let used = w.wrapping_sub(r);
+        if used > self.cap as u64 {
+            // A peer that corrupted its counter: nothing more goes in.
+            return (0, false);
+        }
+        let free = self.cap - used as usize;
+        let left = total.saturating_sub(from);
+        let mut n = left.min(free);
+        if n < left {
+            n &= !7;
+        }
+        if n == 0 {
+            return (0, false);
+        }
+        // Copy bytes from..from+n of the parts to position w.
+        let mut skip = from;
+        let mut pos = (w as usize) & (self.cap - 1);
+        let mut todo = n;
+        for p in parts {
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            let mut src = &p[skip..];
+            skip = 0;
+            while !src.is_empty() && todo > 0 {
+                let run = src.len().min(todo).min(self.cap - pos);
+                // SAFETY: `pos + run <= cap` lies in the data; the consumer
+                // does not read these bytes before `write` moves past them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), run);
+                }
+                src = &src[run..];
+                todo -= run;
+                pos = (pos + run) & (self.cap - 1);
+            }
+            if todo == 0 {
+                break;
+            }
+        }
+        self.u64_at(WRITE)
+            .store(w.wrapping_add(n as u64), Ordering::SeqCst);
+        let wake = self.u32_at(READER_SLEEPING).load(Ordering::SeqCst) != 0
+            && self.u32_at(READER_SLEEPING).swap(0, Ordering::SeqCst) != 0;
+        (n, wake)
+    }
+
+    /// Consumer: hands the waiting bytes to `take` (at most two runs, around
+    /// the end); frees what it consumed. Returns the bytes consumed, whether
+    /// the writer must be woken, and whether the queue is empty and its
+    /// writer closed it. `Err` for counters that make no sense.
+    pub(crate) fn pull(
+        &self,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<(usize, bool, bool), String> {
+        let closed = self.u32_at(WRITER_CLOSED).load(Ordering::SeqCst) != 0;
+        let r = self.u64_at(READ).load(Ordering::Relaxed);
+        let w = self.u64_at(WRITE).load(Ordering::SeqCst);
+        let avail = w.wrapping_sub(r);
+        if avail > self.cap as u64 || avail % 8 != 0 {
+            return Err(format!(
+                "the shared-memory queue from the peer is corrupt (write {w}, read {r})"
+            ));
+        }
+        if avail == 0 {
+            return Ok((0, false, closed));
+        }
+        let avail = avail as usize;
+        let pos = (r as usize) & (self.cap - 1);
+        let first = avail.min(self.cap - pos);
+        // SAFETY: the producer wrote these bytes before moving `write` past
+        // them (acquired above) and leaves them until `read` moves.
+        let a = unsafe { std::slice::from_raw_parts(self.data().add(pos), first) };
+        let mut n = take(a).min(first);
+        if n == first && avail > first {
+            // SAFETY: as above; the run that wrapped to the start.
+            let b = unsafe { std::slice::from_raw_parts(self.data(), avail - first) };
+            n += take(b).min(avail - first);
+        }
+        self.u64_at(READ)
+            .store(r.wrapping_add(n as u64), Ordering::SeqCst);
+        let wake = n > 0
+            && self.u32_at(WRITER_WAITING).load(Ordering::SeqCst) != 0
+            && self.u32_at(WRITER_WAITING).swap(0, Ordering::SeqCst) != 0;
+        Ok((n, wake, false))
+    }
+
+    /// Consumer: asks the producer to ring when it next writes.
+    pub(crate) fn arm_reader(&self) {
+        self.u32_at(READER_SLEEPING).store(1, Ordering::SeqCst);
+    }
+
+    /// Producer: asks the consumer to ring when it next frees room.
+    pub(crate) fn arm_writer(&self) {
+        self.u32_at(WRITER_WAITING).store(1, Ordering::SeqCst);
+    }
+
+    /// Producer: nothing more will be written.
+    pub(crate) fn close_writer(&self) {
+        self.u32_at(WRITER_CLOSED).store(1, Ordering::SeqCst);
+    }
+
+    /// Consumer: nothing more will be read.
+    pub(crate) fn close_reader(&self) {
+        self.u32_at(READER_CLOSED).store(1, Ordering::SeqCst);
+    }
+
+    /// Producer: whether the consumer has closed its end.
+    pub(crate) fn reader_closed(&self) -> bool {
+        self.u32_at(READER_CLOSED).load(Ordering::SeqCst) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(cap: usize) -> (Queue, Queue) {
+        let (name, mut a) = Region::create("consort-unused", Queue::region_len(cap)).unwrap();
+        let b = Region::open(&name, Queue::region_len(cap)).unwrap();
+        a.unlink(&name);
+        (Queue::new(a).unwrap(), Queue::new(b).unwrap())
+    }
+
+    fn drain(q: &Queue) -> Vec<u8> {
+        let mut got = Vec::new();
+        q.pull(&mut |b| {
+            got.extend_from_slice(b);
+            b.len()
+        })
+        .unwrap();
+        got
+    }
+
+    #[test]
+    fn bytes_come_out_in_order_across_the_end() {
+        let (tx, rx) = pair(MIN_CAP);
+        let mut sent = Vec::new();
+        let mut got = Vec::new();
+        for round in 0..40u32 {
+            // Lengths are whole words, as the driver pads its frames.
+            let msg: Vec<u8> = (0..(round as usize * 997 % 9000) / 8 * 8 + 8)
+                .map(|i| (i as u32 ^ round) as u8)
+                .collect();
+            let mut done = 0;
+            while done < msg.len() {
+                done += tx.push(&[&msg], done).0;
+                got.extend(drain(&rx));
+            }
+            sent.extend_from_slice(&msg);
+        }
+        got.extend(drain(&rx));
+        assert_eq!(got, sent);
+    }
+
+    #[test]
+    fn a_full_queue_takes_what_fits_and_a_sleeper_is_woken_once() {
+        let (tx, rx) = pair(MIN_CAP);
+        let big = vec![1u8; MIN_CAP + 16];
+        let (n, _) = tx.push(&[&big], 0);
+        assert_eq!(n, MIN_CAP, "takes what fits, a multiple of 8");
+        assert_eq!(tx.push(&[&big], n).0, 0, "full");
+        rx.arm_reader();
+        tx.arm_writer();
+        assert_eq!(drain(&rx).len(), MIN_CAP);
+        let (_, wake, _) = rx.pull(&mut |b| b.len()).unwrap();
+        assert!(!wake, "nothing consumed, no ring");
+        let (n2, wake) = tx.push(&[&big], n);
+        assert_eq!(n2, 16);
+        assert!(wake, "the reader armed");
+        assert!(!tx.push(&[&big], n + 16).1);
+    }
+
+    #[test]
+    fn a_closed_writer_is_seen_after_its_bytes_and_corruption_is_refused() {
+        let (tx, rx) = pair(MIN_CAP);
+        tx.push(&[&[7u8; 16]], 0);
+        tx.close_writer();
+        let (n, _, closed) = rx.pull(&mut |b| b.len()).unwrap();
+        assert_eq!((n, closed), (16, false), "the bytes first");
+        assert!(rx.pull(&mut |b| b.len()).unwrap().2);
+        tx.u64_at(WRITE).store(1 << 40, Ordering::SeqCst);
+        assert!(rx.pull(&mut |b| b.len()).is_err());
+    }
+}
