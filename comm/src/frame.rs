@@ -53,6 +53,12 @@ pub enum FrameKind {
     /// of the call the peer is in at that group and seq, or op `NewGroup`
     /// when it is in none.
     ProbeReply = 3,
+    /// Elements the receiver reads itself from the sender's memory (same
+    /// host, CMA): instead of the payload, 8 bytes follow with its address
+    /// in the sender's process; `payload_len` is the payload's length. The
+    /// sender keeps those bytes unchanged until the receiver says it has
+    /// read them.
+    Pull = 4,
 }
 
 /// Limits the decoder enforces, so that a peer cannot make us allocate
@@ -179,6 +185,7 @@ impl FrameHeader {
             1 => FrameKind::Abort,
             2 => FrameKind::Probe,
             3 => FrameKind::ProbeReply,
+            4 => FrameKind::Pull,
             v => return Err(bad("kind", v.into())),
         };
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
@@ -205,7 +212,7 @@ impl FrameHeader {
         let offset = u64_at(40);
         let payload_len = u64_at(48);
         match kind {
-            FrameKind::Data => {
+            FrameKind::Data | FrameKind::Pull => {
                 if payload_len > limits.max_payload {
                     return Err(FrameError::PayloadTooLarge {
                         len: payload_len,

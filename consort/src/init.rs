@@ -239,6 +239,20 @@ impl Dist {
         if let Some(b) = count_var("CONSORT_SHM_QUEUE_BYTES")? {
             shm.queue_bytes = b;
         }
+        match std::env::var("CONSORT_SHM_CMA")
+            .ok()
+            .as_deref()
+            .map(str::trim)
+        {
+            None | Some("") => {}
+            Some("1" | "true" | "True") => shm.cma = true,
+            Some("0" | "false" | "False") => shm.cma = false,
+            Some(v) => {
+                return Err(CommError::invalid(format!(
+                    "CONSORT_SHM_CMA={v:?} is not valid: expected 1 or 0"
+                )));
+            }
+        }
         if let Some(us) = count_var("CONSORT_SHM_SPIN_US")? {
             opts.spin = Duration::from_micros(us as u64);
         }

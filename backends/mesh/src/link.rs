@@ -91,6 +91,39 @@ pub trait PolledLink: Send + Sync {
 
     /// Whether the peer's process is known to be gone.
     fn is_closed(&self) -> bool;
+
+    /// Whether the peer can read this process's memory (CMA), so that
+    /// large payloads may go as [`consort_comm::frame::FrameKind::Pull`]
+    /// frames, copied once, by the receiver.
+    fn peer_pulls(&self) -> bool {
+        false
+    }
+
+    /// Reads `dst.len()` bytes at address `addr` of the peer's process.
+    fn read_peer(&self, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        let _ = (addr, dst);
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
+
+    /// Receiver: one more of the peer's pull frames has been read.
+    fn count_pull(&self) {}
+
+    /// Sender: how many of this rank's pull frames the peer has read.
+    fn pulls_read(&self) -> u64 {
+        0
+    }
+
+    /// Sender: the bytes of this rank's pull frames up to number `upto`
+    /// are gone (the call that sent them ended without waiting).
+    fn revoke(&self, upto: u64) {
+        let _ = upto;
+    }
+
+    /// Receiver: the last of the peer's pull frame numbers whose bytes are
+    /// gone. A pull read at or below it read nothing valid.
+    fn revoked(&self) -> u64 {
+        0
+    }
 }
 
 /// What a [`LocalTransport`] connects with.

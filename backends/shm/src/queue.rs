@@ -30,6 +30,8 @@ const READER_SLEEPING: usize = 128;
 const WRITER_WAITING: usize = 132;
 const WRITER_CLOSED: usize = 136;
 const READER_CLOSED: usize = 140;
+const PULLED: usize = 192;
+const REVOKED: usize = 200;
 
 /// One side's view of a queue.
 pub(crate) struct Queue {
@@ -177,6 +179,30 @@ impl Queue {
     /// Consumer: nothing more will be read.
     pub(crate) fn close_reader(&self) {
         self.u32_at(READER_CLOSED).store(1, Ordering::SeqCst);
+    }
+
+    /// Consumer: one more of the producer's pull frames is read.
+    /// Returns whether the producer must be woken.
+    pub(crate) fn count_pull(&self) -> bool {
+        self.u64_at(PULLED).fetch_add(1, Ordering::SeqCst);
+        self.u32_at(WRITER_WAITING).load(Ordering::SeqCst) != 0
+            && self.u32_at(WRITER_WAITING).swap(0, Ordering::SeqCst) != 0
+    }
+
+    /// Producer: how many of its pull frames the consumer has read.
+    pub(crate) fn pulls_read(&self) -> u64 {
+        self.u64_at(PULLED).load(Ordering::SeqCst)
+    }
+
+    /// Producer: the bytes of pull frames up to number `upto` are no longer
+    /// there to read.
+    pub(crate) fn revoke(&self, upto: u64) {
+        self.u64_at(REVOKED).fetch_max(upto, Ordering::SeqCst);
+    }
+
+    /// Consumer: the last pull frame number whose bytes are gone.
+    pub(crate) fn revoked(&self) -> u64 {
+        self.u64_at(REVOKED).load(Ordering::SeqCst)
     }
 
     /// Producer: whether the consumer has closed its end.

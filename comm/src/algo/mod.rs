@@ -28,7 +28,7 @@ pub use select::LATENCY_BOUND_BYTES;
 use std::{collections::HashMap, fmt, ops::Range};
 
 pub use programs::{CallSpec, build};
-pub use select::{AlgoConfig, Algorithm, ParseAlgoError};
+pub use select::{AlgoConfig, Algorithm, Fabric, ParseAlgoError};
 
 use crate::OpKind;
 
@@ -200,6 +200,17 @@ impl Schedule {
         self.program.scratch_len()
     }
 
+    /// Whether no range this rank transmits is written again before the
+    /// call ends: true for the ops that only move data (broadcast,
+    /// all_gather, gather, scatter, all_to_all), whose every range is
+    /// written at most once, before it is sent on. A driver may then let a
+    /// receiver read a transmitted range until the call ends (single-copy
+    /// transfers, where the receiver reads the sender's memory) instead of
+    /// capturing the bytes at once. Reductions write ranges they have sent.
+    pub fn sources_stay(&self) -> bool {
+        sources_stay(self.op)
+    }
+
     fn fill_window(&mut self) {
         let window = self.program.window().max(1);
         while self.active.len() < window && self.next_lane < self.lanes.len() {
@@ -289,6 +300,14 @@ impl Schedule {
         v.dedup();
         v
     }
+}
+
+/// See [`Schedule::sources_stay`].
+pub fn sources_stay(op: OpKind) -> bool {
+    matches!(
+        op,
+        OpKind::Broadcast | OpKind::AllGather | OpKind::Gather | OpKind::Scatter | OpKind::AllToAll
+    )
 }
 
 /// The `i`-th of `parts` balanced parts of `0..len` (lengths differ by at

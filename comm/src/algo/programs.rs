@@ -157,6 +157,11 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             window: usize::MAX,
             scratch: 0,
         }),
+        (OpKind::Broadcast, Algorithm::Direct) => Box::new(Listed {
+            lanes: direct_broadcast(r, n, spec.root, spec.count),
+            window: usize::MAX,
+            scratch: 0,
+        }),
         (OpKind::Scatter, Algorithm::Direct) => Box::new(Listed {
             lanes: direct(r, n, spec.root, spec.count, false),
             window: usize::MAX,
@@ -627,6 +632,28 @@ fn direct(r: usize, n: usize, root: usize, m: usize, gather: bool) -> Vec<Vec<Ac
             send(root, 1, Buf::Output, 0..0),
         ]]
     }
+}
+
+/// Direct broadcast: the root sends the whole buffer to every rank at once,
+/// each acknowledging it. Where the transport lets the receivers read the
+/// root's memory (same host), every reader copies from the root once, all
+/// in parallel: the shared-memory schedule.
+fn direct_broadcast(r: usize, n: usize, root: usize, count: usize) -> Vec<Vec<Action>> {
+    if r == root {
+        return (0..n)
+            .filter(|&p| p != root)
+            .map(|p| {
+                vec![
+                    send(p, 0, Buf::Output, 0..count),
+                    recv(p, 1, Buf::Output, 0..0, false),
+                ]
+            })
+            .collect();
+    }
+    vec![vec![
+        recv(root, 0, Buf::Output, 0..count, false),
+        send(root, 1, Buf::Output, 0..0),
+    ]]
 }
 
 /// Pairwise exchange: at step `s`, send to `r+s` and receive from `r-s`.

@@ -149,6 +149,95 @@ proptest! {
     }
 }
 
+/// Whether two element ranges of one buffer share an element.
+fn overlap(a: &(Buf, Range<usize>), b: &(Buf, Range<usize>)) -> bool {
+    a.0 == b.0 && a.1.start < b.1.end && b.1.start < a.1.end
+}
+
+proptest! {
+    /// The ops that say their sources stay (single-copy transfers rely on
+    /// it) never write, by a receive or a copy, a range they transmitted
+    /// earlier in the call, in any delivery order.
+    #[test]
+    fn schedules_whose_sources_stay_never_write_a_sent_range(
+        n in 1usize..9,
+        count in 0usize..300,
+        root_pick in 0usize..8,
+        seg in prop::sample::select(vec![4usize, 64, 1 << 20]),
+        seed in any::<u64>(),
+    ) {
+        let cfg = AlgoConfig { segment_bytes: seg, window: 3, overrides: Vec::new() };
+        for (op, algo) in collective_algos().into_iter().filter(|(o, _)| sources_stay(*o)) {
+            let mut scheds = world_of(op, algo, n, count, root_pick % n, &cfg);
+            let mut sent: Vec<Vec<(Buf, Range<usize>)>> = vec![Vec::new(); n];
+            let mut rng = seed;
+            let mut in_flight: Vec<(usize, usize, u32)> = Vec::new();
+            let mut posted: Vec<std::collections::HashSet<(usize, u32)>> =
+                vec![Default::default(); n];
+            loop {
+                for (r, s) in scheds.iter_mut().enumerate() {
+                    while let Some(a) = s.poll() {
+                        let written = match a {
+                            Action::Transmit(t) => {
+                                sent[r].push((t.buf, t.range.clone()));
+                                in_flight.push((t.to, r, t.tag));
+                                None
+                            }
+                            Action::Receive(rv) => {
+                                posted[r].insert((rv.from, rv.tag));
+                                Some((rv.buf, rv.range))
+                            }
+                            Action::Copy(c) => Some((c.dst_buf, c.dst)),
+                        };
+                        if let Some(w) = written {
+                            prop_assert!(
+                                !sent[r].iter().any(|x| overlap(x, &w)),
+                                "{op:?}/{algo:?}: rank {r} writes {w:?}, which it sent"
+                            );
+                        }
+                    }
+                }
+                let ready: Vec<usize> = (0..in_flight.len())
+                    .filter(|&i| posted[in_flight[i].0].contains(&(in_flight[i].1, in_flight[i].2)))
+                    .collect();
+                if ready.is_empty() {
+                    break;
+                }
+                rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let (to, from, tag) = in_flight.swap_remove(ready[(rng >> 33) as usize % ready.len()]);
+                posted[to].remove(&(from, tag));
+                scheds[to].handle_recv(from, tag).unwrap();
+            }
+            prop_assert!(scheds.iter().all(Schedule::is_done), "{op:?}/{algo:?} stalled");
+        }
+    }
+}
+
+#[test]
+fn a_reduction_writes_what_it_sent_so_its_sources_do_not_stay() {
+    // The rule is not vacuous: ring all_reduce receives into chunks it sent.
+    assert!(!sources_stay(OpKind::AllReduce) && !sources_stay(OpKind::ReduceScatter));
+    let cfg = AlgoConfig {
+        segment_bytes: 4,
+        window: 1,
+        overrides: Vec::new(),
+    };
+    let mut s = world_of(OpKind::AllReduce, Algorithm::Ring, 2, 8, 0, &cfg).remove(0);
+    let mut sent = Vec::new();
+    let mut rewrote = false;
+    while let Some(a) = s.poll() {
+        match a {
+            Action::Transmit(t) => sent.push((t.buf, t.range)),
+            Action::Receive(rv) => {
+                rewrote |= sent.iter().any(|x| overlap(x, &(rv.buf, rv.range.clone())));
+                s.handle_recv(rv.from, rv.tag).unwrap();
+            }
+            Action::Copy(_) => {}
+        }
+    }
+    assert!(rewrote);
+}
+
 #[test]
 fn every_rank_receives_a_frame_in_every_collective() {
     // So that a mismatched call is seen by every rank (see Fingerprint).

@@ -166,13 +166,120 @@ impl Inner {
             Some(Link::Streams(ws)) if !ws.is_empty() => {
                 write_frame(&ws[lane as usize % ws.len()], &[header, payload]).await
             }
-            Some(Link::Polled(l)) => self.send_polled(to, l, header, payload).await,
+            Some(Link::Polled(l)) => self
+                .send_polled(to, l, header, payload, false)
+                .await
+                .map(|_| ()),
             _ => Err(std::io::Error::other("no link to this rank")),
+        }
+    }
+
+    /// Sends a data frame to world rank `to`. A large payload to a peer
+    /// that can read this process's memory goes as a pull frame when
+    /// `pulls` takes them: the peer copies it itself, and `pulls` waits for
+    /// that before the call ends.
+    async fn send_data(
+        self: &Arc<Self>,
+        to: usize,
+        h: FrameHeader,
+        payload: &[u8],
+        pulls: Option<&mut Pulls<'_>>,
+    ) -> std::io::Result<()> {
+        if let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to))
+            && payload.len() >= PULL_MIN
+            && l.link.peer_pulls()
+        {
+            let header = FrameHeader {
+                kind: FrameKind::Pull,
+                ..h
+            }
+            .encode();
+            let addr = (payload.as_ptr() as u64).to_le_bytes();
+            let seq = self.send_polled(to, l, &header, &addr, true).await?;
+            pulls.out.push((to, seq));
+            return Ok(());
+        }
+        self.send_frame(to, h.tag, &h.encode(), payload).await
+    }
+
+    /// Waits until the peers have read every pull frame of `pulls`.
+    async fn wait_pulls(
+        self: &Arc<Self>,
+        pulls: &mut Pulls<'_>,
+        (deadline, timeout): (Instant, Duration),
+    ) -> Result<()> {
+        for &(to, seq) in &pulls.out {
+            let Some(Link::Polled(l)) = self.links.get(to) else {
+                continue;
+            };
+            while l.link.pulls_read() < seq {
+                if l.link.is_closed() || lock(&self.engine).is_lost(to) {
+                    return Err(CommError::PeerLost {
+                        ctx: ErrorContext::default(),
+                        peer: to,
+                        reason: "it left before reading this rank's payload".into(),
+                    });
+                }
+                let notified = self.notify.notified();
+                let mut notified = std::pin::pin!(notified);
+                notified.as_mut().enable();
+                if self.spin() || l.link.pulls_read() >= seq {
+                    continue;
+                }
+                let wake = deadline.min(Instant::now() + Duration::from_millis(10));
+                if before(wake, notified).await.is_none() && Instant::now() >= deadline {
+                    return Err(CommError::Timeout {
+                        ctx: ErrorContext::default(),
+                        after: timeout,
+                        waiting_on: vec![to],
+                    });
+                }
+            }
+        }
+        pulls.out.clear();
+        Ok(())
+    }
+}
+
+/// Payloads at least this large go to peers that can read this process's
+/// memory as pull frames (one copy instead of two through the queue).
+const PULL_MIN: usize = 64 * 1024;
+
+/// The pull frames a call has sent and not yet seen read. If the call ends
+/// before they are read (it failed or was dropped), their bytes are revoked
+/// before they can go away: a peer that reads them late reports an error
+/// instead of using them.
+pub(super) struct Pulls<'a> {
+    inner: &'a Inner,
+    out: Vec<(usize, u64)>,
+}
+
+impl Drop for Pulls<'_> {
+    fn drop(&mut self) {
+        for &(to, seq) in &self.out {
+            if let Some(Link::Polled(l)) = self.inner.links.get(to) {
+                l.link.revoke(seq);
+            }
         }
     }
 }
 
 impl MeshBackend {
+    /// What this group's links can do: single-copy when every other member
+    /// is a same-host peer that can read this rank's memory.
+    fn fabric(&self) -> Fabric {
+        let all = self.members.iter().all(|&m| match &self.inner.links[m] {
+            Link::Me => true,
+            Link::Polled(l) => l.link.peer_pulls(),
+            Link::Streams(_) => false,
+        });
+        if all && self.members.len() > 1 {
+            Fabric::SingleCopy
+        } else {
+            Fabric::Network
+        }
+    }
+
     /// Registers a call with the engine, which fixes its sequence number
     /// now, and returns the work that drives it.
     pub(super) fn start<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
@@ -246,7 +353,10 @@ impl MeshBackend {
         let (fp, seq, eid) = (begun.fp, begun.seq, begun.id);
         let p2p = req.is_p2p();
         let spec = req.spec(r, n);
-        let algo = self.opts.algo.select(req.op, spec.bytes(), n);
+        let algo = self
+            .opts
+            .algo
+            .select_on(req.op, spec.bytes(), n, self.fabric());
         let mut schedule = build(&spec, algo, &self.opts.algo)?;
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
         let (reduce, finalize, dtype) = (req.reduce, req.finalize, req.dtype);
@@ -271,6 +381,14 @@ impl MeshBackend {
         let timeout = opts.timeout_or(self.opts.timeout);
         let deadline = consort_comm::time::deadline(timeout);
         let mut posted: Vec<Receive> = Vec::new();
+        // Declared after the buffers' raw parts and before nothing that
+        // outlives them: dropped (revoking what was not read) before the
+        // call's buffers can go.
+        let mut pulls = Pulls {
+            inner,
+            out: Vec::new(),
+        };
+        let may_pull = schedule.sources_stay();
         let mut last_progress = Instant::now();
         let mut probed = false;
         let outcome: Result<()> = 'call: loop {
@@ -295,9 +413,9 @@ impl MeshBackend {
                                 tx.tag,
                                 tx.range.start as u64,
                                 payload.len() as u64,
-                            )
-                            .encode();
-                            before(deadline, inner.send_frame(to, tx.tag, &h, payload)).await
+                            );
+                            let pulls = may_pull.then_some(&mut pulls);
+                            before(deadline, inner.send_data(to, h, payload, pulls)).await
                         };
                         match sent {
                             Some(Ok(())) => {}
@@ -351,7 +469,9 @@ impl MeshBackend {
                 }
             }
             if schedule.is_done() {
-                break Ok(());
+                // The peers read this rank's pull frames before its buffers
+                // may change.
+                break inner.wait_pulls(&mut pulls, (deadline, timeout)).await;
             }
             let notified = inner.notify.notified();
             let mut notified = std::pin::pin!(notified);

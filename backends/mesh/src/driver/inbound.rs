@@ -12,7 +12,7 @@ use super::*;
 /// if the call has posted one and the frame is large enough to go in place.
 pub(super) fn take_posted(inner: &Inner, peer: usize, h: &FrameHeader) -> Option<Direct> {
     let len = h.payload_len as usize;
-    if h.kind != FrameKind::Data
+    if !matches!(h.kind, FrameKind::Data | FrameKind::Pull)
         || len < inner.in_place_min
         || matches!(h.fingerprint.op, OpKind::Send | OpKind::Recv)
     {
@@ -82,7 +82,7 @@ pub(super) fn control(
     payload: &[u8],
 ) -> Option<[u8; HEADER_LEN]> {
     match h.kind {
-        FrameKind::Data => None,
+        FrameKind::Data | FrameKind::Pull => None,
         FrameKind::Probe => {
             let asked = h.fingerprint;
             let cur = lock(&inner.engine).probe_answer(asked.group, asked.seq);

@@ -27,7 +27,7 @@ use consort_comm::{
     Backend, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, Op, OpKind,
     ReduceOp, Result, Work,
     algo::{
-        Action, Buf, Receive, build,
+        Action, Buf, Fabric, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
     engine::{Begun, CallId, Engine},

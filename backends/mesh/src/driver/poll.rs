@@ -7,11 +7,16 @@
 //! [`super::inbound`]: a posted receive is filled straight from the shared
 //! queue, the one copy after the sender's.
 //!
+//! A [`FrameKind::Pull`] frame carries the payload's address in the
+//! sender's memory instead of the payload: the receiver reads it straight
+//! into place (one copy in all), counts it read, and the sender, which
+//! waits for that count before its call ends, may then change the bytes.
+//!
 //! Waiting spins on every polled link for [`MeshOptions::spin`] (yielding
 //! the core when this host runs more ranks than cores), then arms the links
 //! and sleeps until a peer rings.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::{inbound::*, *};
 
@@ -24,6 +29,8 @@ pub(super) struct Polled {
     recv: Mutex<Decoder>,
     /// The peer has been reported lost.
     lost: AtomicBool,
+    /// Pull frames sent on this link (the last one's number).
+    pub(super) pulls_sent: AtomicU64,
 }
 
 impl Polled {
@@ -33,6 +40,7 @@ impl Polled {
             send: tokio::sync::Mutex::new(()),
             recv: Mutex::new(Decoder::default()),
             lost: AtomicBool::new(false),
+            pulls_sent: AtomicU64::new(0),
         }
     }
 }
@@ -41,14 +49,20 @@ impl Polled {
 enum Sink {
     Place(Direct),
     Buffer(Vec<u8>),
+    /// A pull frame: the 8 bytes of the payload's address.
+    Address([u8; 8]),
 }
+
+/// Largest piece of a pull read under the registry lock at once.
+const PULL_PIECE: usize = 1 << 20;
 
 /// The frame being taken: its header, its sink and how far it has come.
 struct Current {
     h: FrameHeader,
     sink: Sink,
+    /// Bytes of what the queue holds of it (payload or address) taken.
     got: usize,
-    /// Padding still to skip after the payload.
+    /// Padding still to skip after them.
     pad: usize,
 }
 
@@ -56,6 +70,10 @@ pub(super) struct Decoder {
     head: [u8; HEADER_LEN],
     have: usize,
     cur: Option<Current>,
+    /// Pull frames taken on this link (the last one's number).
+    pulls: u64,
+    /// Where pulled bytes wait to be reduced into place.
+    bounce: Vec<u8>,
 }
 
 impl Default for Decoder {
@@ -64,6 +82,8 @@ impl Default for Decoder {
             head: [0; HEADER_LEN],
             have: 0,
             cur: None,
+            pulls: 0,
+            bounce: Vec::new(),
         }
     }
 }
@@ -73,13 +93,16 @@ pub(super) fn padding(payload: usize) -> usize {
     (8 - payload % 8) % 8
 }
 
+/// A peer's index and its link.
+type From<'a> = (usize, &'a dyn PolledLink);
+
 impl Decoder {
     /// Takes frames out of `bytes`; returns how many bytes it used (all of
     /// them), or why the stream is broken. Replies to send go to `replies`.
     fn feed(
         &mut self,
         inner: &Inner,
-        peer: usize,
+        from: From<'_>,
         mut bytes: &[u8],
         replies: &mut Vec<[u8; HEADER_LEN]>,
     ) -> std::result::Result<usize, String> {
@@ -92,16 +115,22 @@ impl Decoder {
                 bytes = &bytes[n..];
                 if self.have == HEADER_LEN {
                     self.have = 0;
-                    self.begin(inner, peer, replies)?;
+                    self.begin(inner, from, replies)?;
                 }
                 continue;
             };
-            let len = cur.h.payload_len as usize;
+            // What the queue holds of this frame: the payload, or a pull
+            // frame's address.
+            let len = match cur.sink {
+                Sink::Address(_) => 8,
+                _ => cur.h.payload_len as usize,
+            };
             if cur.got < len {
                 let n = (len - cur.got).min(bytes.len());
                 match &mut cur.sink {
-                    Sink::Place(d) => apply_chunk(inner, peer, d, cur.got, &bytes[..n]),
+                    Sink::Place(d) => apply_chunk(inner, from.0, d, cur.got, &bytes[..n]),
                     Sink::Buffer(b) => b.extend_from_slice(&bytes[..n]),
+                    Sink::Address(a) => a[cur.got..cur.got + n].copy_from_slice(&bytes[..n]),
                 }
                 cur.got += n;
                 bytes = &bytes[n..];
@@ -110,7 +139,7 @@ impl Decoder {
             cur.pad -= skip;
             bytes = &bytes[skip..];
             if cur.got == len && cur.pad == 0 {
-                self.finish(inner, peer, replies);
+                self.finish(inner, from, replies)?;
             }
         }
         Ok(total)
@@ -120,30 +149,41 @@ impl Decoder {
     fn begin(
         &mut self,
         inner: &Inner,
-        peer: usize,
+        from: From<'_>,
         replies: &mut Vec<[u8; HEADER_LEN]>,
     ) -> std::result::Result<(), String> {
         let h = FrameHeader::decode(&self.head, &inner.limits).map_err(|e| e.to_string())?;
         let len = h.payload_len as usize;
-        let sink = match take_posted(inner, peer, &h) {
-            Some(d) => Sink::Place(d),
-            None => Sink::Buffer(inner.buffer(len)),
+        let (sink, inline) = if h.kind == FrameKind::Pull {
+            (Sink::Address([0; 8]), 8)
+        } else if let Some(d) = take_posted(inner, from.0, &h) {
+            (Sink::Place(d), len)
+        } else {
+            (Sink::Buffer(inner.buffer(len)), len)
         };
         self.cur = Some(Current {
             h,
             sink,
             got: 0,
-            pad: padding(len),
+            pad: padding(inline),
         });
-        if len == 0 {
-            self.finish(inner, peer, replies);
+        if inline == 0 {
+            self.finish(inner, from, replies)?;
         }
         Ok(())
     }
 
-    /// The current frame is whole: file it.
-    fn finish(&mut self, inner: &Inner, peer: usize, replies: &mut Vec<[u8; HEADER_LEN]>) {
-        let Some(cur) = self.cur.take() else { return };
+    /// The current frame is whole: file it (a pull frame: read it first).
+    fn finish(
+        &mut self,
+        inner: &Inner,
+        from: From<'_>,
+        replies: &mut Vec<[u8; HEADER_LEN]>,
+    ) -> std::result::Result<(), String> {
+        let Some(cur) = self.cur.take() else {
+            return Ok(());
+        };
+        let peer = from.0;
         match cur.sink {
             Sink::Place(_) => file_done(inner, peer, &cur.h),
             Sink::Buffer(b) if cur.h.kind == FrameKind::Data => file_frame(inner, peer, &cur.h, b),
@@ -151,7 +191,75 @@ impl Decoder {
                 replies.extend(control(inner, peer, &cur.h, &b));
                 inner.recycle(b);
             }
+            Sink::Address(a) => {
+                self.pulls += 1;
+                self.pull(inner, from, &cur.h, u64::from_le_bytes(a))?;
+            }
         }
+        Ok(())
+    }
+
+    /// Reads a pull frame's payload from the sender's memory: into the
+    /// posted receive (reduced through the bounce buffer), or into a
+    /// buffer filed with the engine; then counts it read.
+    fn pull(
+        &mut self,
+        inner: &Inner,
+        (peer, link): From<'_>,
+        h: &FrameHeader,
+        addr: u64,
+    ) -> std::result::Result<(), String> {
+        let len = h.payload_len as usize;
+        let failed =
+            |e: std::io::Error| format!("reading a payload from rank {peer}'s memory: {e}");
+        let filed = match take_posted(inner, peer, h) {
+            Some(d) => {
+                let mut off = 0;
+                while off < len {
+                    let n = (len - off).min(PULL_PIECE);
+                    if d.reduce.is_some() {
+                        if self.bounce.len() < n {
+                            self.bounce.resize(n, 0);
+                        }
+                        link.read_peer(addr + off as u64, &mut self.bounce[..n])
+                            .map_err(failed)?;
+                        apply_chunk(inner, peer, &d, off, &self.bounce[..n]);
+                    } else {
+                        let reg = lock(&inner.direct);
+                        if reg.live.contains(&d.call) {
+                            // SAFETY: the registering call is live and holds
+                            // no other reference to this range (see
+                            // `Registry`), `off + n <= d.len`, and we hold
+                            // the lock.
+                            let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
+                            link.read_peer(addr + off as u64, dst).map_err(failed)?;
+                        }
+                    }
+                    off += n;
+                }
+                None
+            }
+            None => {
+                let mut b = inner.buffer(len);
+                b.resize(len, 0);
+                link.read_peer(addr, &mut b).map_err(failed)?;
+                Some(b)
+            }
+        };
+        // The sender revokes its bytes before it lets them go: a pull it
+        // revoked read nothing valid.
+        if link.revoked() >= self.pulls {
+            return Err(format!(
+                "rank {peer}'s call ended before this rank read its payload (it failed or was \
+                 cancelled)"
+            ));
+        }
+        link.count_pull();
+        match filed {
+            None => file_done(inner, peer, h),
+            Some(b) => file_frame(inner, peer, h, b),
+        }
+        Ok(())
     }
 }
 
@@ -174,15 +282,17 @@ impl Inner {
             };
             let mut replies = Vec::new();
             let mut bad = None;
-            let pulled = l
-                .link
-                .pull(&mut |bytes| match dec.feed(self, p, bytes, &mut replies) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        bad.get_or_insert(e);
-                        bytes.len()
-                    }
-                });
+            let link = &*l.link;
+            let pulled =
+                l.link.pull(
+                    &mut |bytes| match dec.feed(self, (p, link), bytes, &mut replies) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            bad.get_or_insert(e);
+                            bytes.len()
+                        }
+                    },
+                );
             drop(dec);
             for reply in replies {
                 let inner = self.clone();
@@ -242,14 +352,16 @@ impl Inner {
     /// Writes one whole frame into polled link `l` to world rank `to`,
     /// taking this rank's own frames while it waits for room (two ranks
     /// sending to each other through full queues would otherwise wait on
-    /// each other).
+    /// each other). With `pull`, `payload` is a pull frame's address, and
+    /// the frame's number comes back.
     pub(super) async fn send_polled(
         self: &Arc<Self>,
         to: usize,
         l: &Polled,
         header: &[u8],
         payload: &[u8],
-    ) -> std::io::Result<()> {
+        pull: bool,
+    ) -> std::io::Result<u64> {
         let zeros = [0u8; 8];
         let parts = [header, payload, &zeros[..padding(payload.len())]];
         let total: usize = parts.iter().map(|p| p.len()).sum();
@@ -260,7 +372,11 @@ impl Inner {
             let n = l.link.push(&parts, done);
             done += n;
             if done == total {
-                return Ok(());
+                return Ok(if pull {
+                    l.pulls_sent.fetch_add(1, Ordering::SeqCst) + 1
+                } else {
+                    0
+                });
             }
             if l.link.is_closed() || lock(&self.engine).is_lost(to) {
                 return Err(std::io::Error::new(

@@ -24,6 +24,11 @@ pub(super) async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: BoxRead) {
                 break format!("bad frame: {e}");
             }
         };
+        if h.kind == FrameKind::Pull {
+            let why = "a pull frame on a stream (pull frames are for shared memory only)";
+            broken(&inner, peer, why.into());
+            break why.to_string();
+        }
         if let Some(d) = take_posted(&inner, peer, &h) {
             match read_in_place(&inner, peer, &mut r, &mut bounce, &d).await {
                 Ok(()) => {
