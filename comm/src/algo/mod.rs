@@ -25,7 +25,9 @@ mod select;
 
 pub use select::LATENCY_BOUND_BYTES;
 
-use std::{collections::HashMap, fmt, ops::Range};
+use std::{fmt, ops::Range};
+
+use rustc_hash::FxHashMap;
 
 pub use programs::{CallSpec, build};
 pub use select::{AlgoConfig, Algorithm, Fabric, ParseAlgoError};
@@ -170,7 +172,7 @@ pub struct Schedule {
     next_lane: usize,
     /// Round-robin cursor into `active`.
     cursor: usize,
-    posted: HashMap<(usize, u32), (usize, Receive)>,
+    posted: FxHashMap<(usize, u32), (usize, Receive)>,
 }
 
 impl Schedule {
@@ -184,7 +186,7 @@ impl Schedule {
             active: Vec::new(),
             next_lane: 0,
             cursor: 0,
-            posted: HashMap::new(),
+            posted: FxHashMap::default(),
         };
         s.fill_window();
         s

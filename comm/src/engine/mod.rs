@@ -39,7 +39,9 @@
 //!   call they are in at its sequence number ([`Engine::probe_answer`]); a
 //!   different one is a mismatch that no frame would reveal.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::time::Duration;
 
 use crate::flight::FlightRecorder;
@@ -108,28 +110,28 @@ struct Running {
 pub struct Engine<P> {
     rank: usize,
     world: usize,
-    groups: HashMap<GroupId, GroupState>,
-    calls: HashMap<CallId, Running>,
+    groups: FxHashMap<GroupId, GroupState>,
+    calls: FxHashMap<CallId, Running>,
     next_call: u64,
     /// Collective frames by (group, mesh sender, seq, tag).
-    coll: HashMap<(GroupId, usize, u64, u32), Filed<P>>,
+    coll: FxHashMap<(GroupId, usize, u64, u32), Filed<P>>,
     /// Point-to-point frames by (group, mesh sender, tag), in order.
-    p2p: HashMap<(GroupId, usize, u32), VecDeque<Filed<P>>>,
+    p2p: FxHashMap<(GroupId, usize, u32), VecDeque<Filed<P>>>,
     /// Peers whose connection ended (mesh ranks), with why.
     lost: Vec<(usize, String)>,
     /// The first frame that broke the protocol: (mesh peer, why).
     protocol: Option<(usize, String)>,
     /// The first abort received per group: (mesh peer, what it said).
-    aborts: HashMap<GroupId, (usize, AbortInfo)>,
+    aborts: FxHashMap<GroupId, (usize, AbortInfo)>,
     /// Answers to stall probes: (mesh peer, its call at the asked seq).
     probes: Vec<(usize, Fingerprint)>,
     /// The latest collective made on each group, answered to probes even
     /// after it ended (a peer that already failed on a mismatch still says
     /// what it called).
-    latest: HashMap<GroupId, Fingerprint>,
+    latest: FxHashMap<GroupId, Fingerprint>,
     /// Collective frames taken by calls still in flight: a second one is a
     /// duplicate.
-    taken: std::collections::HashSet<(GroupId, usize, u64, u32)>,
+    taken: FxHashSet<(GroupId, usize, u64, u32)>,
     /// The last calls made, for the flight recorder's dumps.
     flight: FlightRecorder,
 }
@@ -137,7 +139,7 @@ pub struct Engine<P> {
 impl<P> Engine<P> {
     /// The engine of mesh rank `rank` of `world`, with the world group.
     pub fn new(rank: usize, world: usize) -> Self {
-        let mut groups = HashMap::new();
+        let mut groups = FxHashMap::default();
         groups.insert(
             GroupId::WORLD,
             GroupState {
@@ -152,16 +154,16 @@ impl<P> Engine<P> {
             rank,
             world,
             groups,
-            calls: HashMap::new(),
+            calls: FxHashMap::default(),
             next_call: 0,
-            coll: HashMap::new(),
-            p2p: HashMap::new(),
+            coll: FxHashMap::default(),
+            p2p: FxHashMap::default(),
             lost: Vec::new(),
             protocol: None,
-            aborts: HashMap::new(),
+            aborts: FxHashMap::default(),
             probes: Vec::new(),
-            latest: HashMap::new(),
-            taken: std::collections::HashSet::new(),
+            latest: FxHashMap::default(),
+            taken: FxHashSet::default(),
             flight: FlightRecorder::default(),
         }
     }

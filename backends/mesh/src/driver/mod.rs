@@ -16,7 +16,6 @@
 //! This file holds the types they share, the `Backend` impl and subgroups.
 
 use std::{
-    collections::HashMap,
     io::IoSlice,
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
@@ -82,10 +81,10 @@ unsafe impl Sync for Direct {}
 #[derive(Default)]
 struct Registry {
     /// Calls whose buffers readers may still write.
-    live: std::collections::HashSet<u64>,
+    live: rustc_hash::FxHashSet<u64>,
     next_call: u64,
     /// Posted receives by (group, mesh sender, seq, tag).
-    posted: HashMap<DirectKey, Direct>,
+    posted: rustc_hash::FxHashMap<DirectKey, Direct>,
 }
 
 type DirectKey = (GroupId, usize, u64, u32);
