@@ -57,6 +57,9 @@ struct RoundEnv<'a> {
     flight_dir: PathBuf,
 }
 
+/// How long a failed round waits for the running workers' flight records.
+const RECORD_GRACE: Duration = Duration::from_millis(500);
+
 /// Starts this node's workers for one round and watches them. Returns the
 /// first failure (here or, through the store, on another node), or `None`
 /// when every local worker exited 0.
@@ -98,6 +101,9 @@ pub(super) async fn run_round(
     let newcomers =
         (a.min_nodes != a.max_nodes && m.nnodes < a.max_nodes).then_some((ns, restart + 1));
     let end = r.watch(a, store, key, newcomers, signals).await?;
+    if matches!(end, RoundEnd::Failed(_)) {
+        r.await_records().await;
+    }
     // After a failure this stops the survivors; after a clean round it
     // only clears what the workers left running in their groups.
     stop(&mut r.children, a.grace_period, libc::SIGTERM).await;
@@ -280,6 +286,24 @@ impl Round {
                     ));
                 }
             }
+        }
+    }
+
+    /// Gives the workers still running a moment to write the flight record
+    /// that a peer's abort makes them write, before they are stopped: up
+    /// to [`RECORD_GRACE`], until each has a record or has exited.
+    async fn await_records(&mut self) {
+        let deadline = tokio::time::Instant::now() + RECORD_GRACE;
+        loop {
+            let flight = &self.flight_dir;
+            let waiting = self.children.iter_mut().any(|(rank, c, _)| {
+                matches!(c.try_wait(), Ok(None))
+                    && !flight.join(format!("rank-{rank}.json")).exists()
+            });
+            if !waiting || tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 

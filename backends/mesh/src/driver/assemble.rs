@@ -1,5 +1,5 @@
 //! Building a [`MeshBackend`] from the links the transports made: the
-//! writers, the reader tasks of the streams, the watchers of the polled
+//! writers, the reader tasks of the streams, the idle poller of the polled
 //! links, and the flight recorder and heartbeat.
 
 use super::*;
@@ -8,13 +8,15 @@ impl MeshBackend {
     /// A backend over links already connected and authenticated, one per
     /// world rank (`links[rank]` is [`PeerLink::Me`]). Streams must come in
     /// the same number for every peer that has them. `name` is the
-    /// backend's name in errors ("tcp", "quic"). Must run inside a tokio
-    /// runtime (the readers are tasks).
+    /// backend's name in errors ("tcp", "quic"); `bell` is what the polled
+    /// links' transport notifies when a peer rings (see
+    /// [`crate::LocalSetup::wake`]). Must run inside a tokio runtime (the
+    /// readers are tasks).
     pub fn from_links(
         name: &'static str,
         rank: usize,
         links: Vec<PeerLink>,
-        wake: Arc<Notify>,
+        bell: Arc<Notify>,
         opts: MeshOptions,
     ) -> Result<Self> {
         let world = links.len();
@@ -48,7 +50,7 @@ impl MeshBackend {
         let inner = Arc::new(Inner {
             links: out,
             engine: Mutex::new(Engine::new(rank, world)),
-            notify: wake,
+            notify: Notify::new(),
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),
@@ -71,10 +73,13 @@ impl MeshBackend {
             }),
         });
         super::flight::register(&inner);
-        let handles: Vec<JoinHandle<()>> = reads
+        let mut handles: Vec<JoinHandle<()>> = reads
             .into_iter()
             .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r)))
             .collect();
+        if !inner.polled.is_empty() {
+            handles.push(tokio::spawn(poll::idle(Arc::downgrade(&inner), bell)));
+        }
         *lock(&inner.readers) = handles;
         Ok(MeshBackend {
             name,

@@ -111,7 +111,7 @@ struct Inner {
     /// The call rules: groups, calls in flight, filed frames, failures.
     engine: Mutex<Engine<Got>>,
     /// Woken when a frame is filed, a peer is lost, or a polled link rings.
-    notify: Arc<Notify>,
+    notify: Notify,
     readers: Mutex<Vec<JoinHandle<()>>>,
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.

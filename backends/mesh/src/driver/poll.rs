@@ -263,6 +263,45 @@ impl Decoder {
     }
 }
 
+/// How often the polled links are looked at while no call waits on them
+/// (a ring comes sooner).
+const IDLE_POLL: Duration = Duration::from_millis(10);
+
+/// The polled links' background task, a stream reader's counterpart:
+///
+/// - it relays the bell: when a peer rings (this rank armed its links and
+///   sleeps), it takes what came and wakes the sleeping calls;
+/// - outside calls, it looks at the links every [`IDLE_POLL`] and arms
+///   them, so that a peer's abort still reaches this rank at once (and its
+///   flight record is written), a probe is answered, and a lost peer is
+///   reported, though no call is waiting.
+pub(super) async fn idle(inner: std::sync::Weak<Inner>, bell: Arc<Notify>) {
+    let mut rung = false;
+    loop {
+        let ring = bell.notified();
+        let mut ring = std::pin::pin!(ring);
+        ring.as_mut().enable();
+        {
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            inner.poll_links();
+            if rung {
+                inner.notify.notify_waiters();
+            }
+            if lock(&inner.engine).in_flight() == 0 {
+                for &p in &inner.polled {
+                    if let Link::Polled(l) = &inner.links[p] {
+                        l.link.arm();
+                    }
+                }
+                inner.poll_links();
+            }
+        }
+        rung = tokio::time::timeout(IDLE_POLL, ring).await.is_ok();
+    }
+}
+
 impl Inner {
     /// Takes what the polled links hold; returns the bytes taken. A link
     /// whose peer is gone, once drained, reports the peer lost.
