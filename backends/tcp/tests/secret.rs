@@ -10,6 +10,17 @@ use consort_comm::{
 use consort_tcp::{Secret, TcpBackend, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
+/// The address rank `rank` listens on: the second line of the card it
+/// publishes under `<namespace>/card/<rank>` (waits for it).
+async fn address(store: &dyn Store, namespace: &str, rank: usize) -> String {
+    let card = store
+        .get(&format!("{namespace}/card/{rank}"))
+        .await
+        .unwrap();
+    let card = String::from_utf8(card).unwrap();
+    card.lines().nth(1).expect("an address line").to_string()
+}
+
 fn client_opts(secret: Option<&str>) -> TcpStoreOptions {
     TcpStoreOptions {
         timeout: Duration::from_secs(5),
@@ -63,13 +74,9 @@ async fn the_mesh_refuses_strangers_and_works_with_the_secret() {
     let s0 = store.clone();
     let o0 = opts.clone();
     let r0 = tokio::spawn(async move { TcpBackend::connect(s0, 0, 2, o0).await });
-    let addr = loop {
-        if let Ok(v) = store.get("consort/tcp/world/addr/0").await {
-            break String::from_utf8(v).unwrap();
-        }
-    };
+    let addr = address(&*store, &opts.namespace, 0).await;
     let mut stranger = TcpStream::connect(&addr).await.unwrap();
-    let mut hello = b"CSRH\x01".to_vec();
+    let mut hello = b"CSRH\x02".to_vec();
     hello.extend_from_slice(&1u32.to_le_bytes());
     hello.extend_from_slice(&2u32.to_le_bytes());
     hello.extend_from_slice(&[0u8; 64]);
@@ -138,7 +145,7 @@ async fn the_mesh_works_over_ipv6() {
     for t in tasks {
         assert_eq!(t.await.unwrap().unwrap(), vec![3.0; 4]);
     }
-    let a = String::from_utf8(store.get("consort/tcp/world/addr/0").await.unwrap()).unwrap();
+    let a = address(&*store, &opts.namespace, 0).await;
     assert!(a.starts_with("[::1]:"), "{a}");
 }
 
@@ -153,14 +160,9 @@ async fn a_silent_stray_connection_does_not_block_the_mesh() {
         ..TcpOptions::default()
     };
     let rank0 = tokio::spawn(TcpBackend::connect(store.clone(), 0, 2, opts.clone()));
-    let addr = store
-        .get(&format!("{}/addr/0", opts.namespace))
-        .await
-        .unwrap();
+    let addr = address(&*store, &opts.namespace, 0).await;
     // Connects first, and then sends nothing, for the whole test.
-    let _stray = TcpStream::connect(String::from_utf8(addr).unwrap())
-        .await
-        .unwrap();
+    let _stray = TcpStream::connect(addr).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let rank1 = tokio::spawn(TcpBackend::connect(store.clone(), 1, 2, opts));
     let pgs = [rank0.await.unwrap(), rank1.await.unwrap()]

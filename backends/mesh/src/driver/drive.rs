@@ -80,10 +80,10 @@ pub(super) async fn write_frame(
 /// A call's buffers as raw parts, so that reader tasks can write posted
 /// receives in place while the call runs (see `Registry`).
 pub(super) struct RawBufs {
-    dtype: DType,
-    input: (*const u8, usize),
-    output: (*mut u8, usize),
-    scratch: (*mut u8, usize),
+    pub(super) dtype: DType,
+    pub(super) input: (*const u8, usize),
+    pub(super) output: (*mut u8, usize),
+    pub(super) scratch: (*mut u8, usize),
 }
 
 // SAFETY: the parts point into buffers that the call's future borrows for
@@ -109,7 +109,7 @@ impl RawBufs {
     /// # Safety
     ///
     /// No one may write that range while the slice lives.
-    unsafe fn bytes(&self, buf: Buf, range: &std::ops::Range<usize>) -> &[u8] {
+    pub(super) unsafe fn bytes(&self, buf: Buf, range: &std::ops::Range<usize>) -> &[u8] {
         let e = self.dtype.size_bytes();
         match self.ptr(buf, range) {
             // SAFETY: in bounds (checked by `ptr`); the caller excludes writers.
@@ -123,7 +123,7 @@ impl RawBufs {
     /// # Safety
     ///
     /// The registry lock must be held (no reader writes meanwhile).
-    unsafe fn buffers(&self) -> CallBuffers<'_> {
+    pub(super) unsafe fn buffers(&self) -> CallBuffers<'_> {
         // SAFETY: the parts come from the call's live buffers, which do not
         // overlap; the caller holds the lock that keeps readers out.
         unsafe {
@@ -140,7 +140,7 @@ impl RawBufs {
 /// Removes a call and its posted receives from the in-place registry when
 /// it ends (returns, fails, or is cancelled), before its buffers can go
 /// away.
-pub(super) struct DirectGuard<'a>(&'a Inner, u64);
+pub(super) struct DirectGuard<'a>(pub(super) &'a Inner, pub(super) u64);
 
 impl Drop for DirectGuard<'_> {
     fn drop(&mut self) {
@@ -178,7 +178,7 @@ impl Inner {
     /// that can read this process's memory goes as a pull frame when
     /// `pulls` takes them: the peer copies it itself, and `pulls` waits for
     /// that before the call ends.
-    async fn send_data(
+    pub(super) async fn send_data(
         self: &Arc<Self>,
         to: usize,
         h: FrameHeader,
@@ -203,7 +203,7 @@ impl Inner {
     }
 
     /// Waits until the peers have read every pull frame of `pulls`.
-    async fn wait_pulls(
+    pub(super) async fn wait_pulls(
         self: &Arc<Self>,
         pulls: &mut Pulls<'_>,
         (deadline, timeout): (Instant, Duration),
@@ -250,8 +250,8 @@ const PULL_MIN: usize = 64 * 1024;
 /// before they can go away: a peer that reads them late reports an error
 /// instead of using them.
 pub(super) struct Pulls<'a> {
-    inner: &'a Inner,
-    out: Vec<(usize, u64)>,
+    pub(super) inner: &'a Inner,
+    pub(super) out: Vec<(usize, u64)>,
 }
 
 impl Drop for Pulls<'_> {
@@ -267,7 +267,7 @@ impl Drop for Pulls<'_> {
 impl MeshBackend {
     /// What this group's links can do: single-copy when every other member
     /// is a same-host peer that can read this rank's memory.
-    fn fabric(&self) -> Fabric {
+    pub(super) fn fabric(&self) -> Fabric {
         let all = self.members.iter().all(|&m| match &self.inner.links[m] {
             Link::Me => true,
             Link::Polled(l) => l.link.peer_pulls(),
@@ -340,248 +340,5 @@ impl MeshBackend {
             self.inner.notify.notify_waiters();
             ended.result
         })
-    }
-
-    pub(super) async fn drive(
-        &self,
-        req: &mut Call<'_>,
-        opts: &CallOptions,
-        begun: &Begun,
-    ) -> Result<()> {
-        let inner = &self.inner;
-        let (r, n) = (self.me, self.members.len());
-        let (fp, seq, eid) = (begun.fp, begun.seq, begun.id);
-        let p2p = req.is_p2p();
-        let spec = req.spec(r, n);
-        let algo = self
-            .opts
-            .algo
-            .select_on(req.op, spec.bytes(), n, self.fabric());
-        let mut schedule = build(&spec, algo, &self.opts.algo)?;
-        let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
-        let (reduce, finalize, dtype) = (req.reduce, req.finalize, req.dtype);
-        let raw = RawBufs {
-            dtype,
-            input: (req.input_bytes().as_ptr(), req.input_bytes().len()),
-            output: (req.output.as_mut_ptr(), req.output.len()),
-            scratch: {
-                let b = scratch_bytes(&mut scratch_store);
-                (b.as_mut_ptr(), b.len())
-            },
-        };
-        let call_id = {
-            let mut reg = lock(&inner.direct);
-            reg.next_call += 1;
-            let id = reg.next_call;
-            reg.live.insert(id);
-            id
-        };
-        // Unregisters the call's receives when it ends, however it ends.
-        let _direct = DirectGuard(inner, call_id);
-        let timeout = opts.timeout_or(self.opts.timeout);
-        let deadline = consort_comm::time::deadline(timeout);
-        let mut posted: Vec<Receive> = Vec::new();
-        // Declared after the buffers' raw parts and before nothing that
-        // outlives them: dropped (revoking what was not read) before the
-        // call's buffers can go.
-        let mut pulls = Pulls {
-            inner,
-            out: Vec::new(),
-        };
-        let may_pull = schedule.sources_stay();
-        let mut last_progress = Instant::now();
-        let mut probed = false;
-        let outcome: Result<()> = 'call: loop {
-            while let Some(a) = schedule.poll() {
-                match a {
-                    Action::Transmit(tx) => {
-                        // SAFETY: a range being sent is never a posted
-                        // receive's range (see `Registry`).
-                        let payload = unsafe { raw.bytes(tx.buf, &tx.range) };
-                        let to = self.members[tx.to];
-                        // A peer known to be gone gets nothing: a write to
-                        // its closed socket may still succeed locally.
-                        let gone = lock(&inner.engine).is_lost(to);
-                        let sent = if gone {
-                            Some(Err(std::io::Error::new(
-                                std::io::ErrorKind::BrokenPipe,
-                                "the peer is gone",
-                            )))
-                        } else {
-                            let h = FrameHeader::data(
-                                fp,
-                                tx.tag,
-                                tx.range.start as u64,
-                                payload.len() as u64,
-                            );
-                            let pulls = may_pull.then_some(&mut pulls);
-                            before(deadline, inner.send_data(to, h, payload, pulls)).await
-                        };
-                        match sent {
-                            Some(Ok(())) => {}
-                            Some(Err(e)) => {
-                                // A peer that failed first usually said why
-                                // before closing: report that cause.
-                                let waiting = schedule.waiting_on();
-                                let said = lock(&inner.engine).failure(eid, &waiting);
-                                break 'call Err(said.unwrap_or_else(|| CommError::PeerLost {
-                                    ctx: ErrorContext::default(),
-                                    peer: tx.to,
-                                    reason: format!("send failed: {e}"),
-                                }));
-                            }
-                            None => {
-                                break 'call Err(CommError::Timeout {
-                                    ctx: ErrorContext::default(),
-                                    after: timeout,
-                                    waiting_on: vec![tx.to],
-                                });
-                            }
-                        }
-                    }
-                    Action::Copy(c) => {
-                        let reg = lock(&inner.direct);
-                        // SAFETY: readers are excluded by the lock.
-                        let copied = unsafe { raw.buffers() }.copy(&c);
-                        drop(reg);
-                        if let Err(e) = copied {
-                            break 'call Err(e);
-                        }
-                    }
-                    Action::Receive(rv) => {
-                        let bytes = rv.range.len() * dtype.size_bytes();
-                        if !p2p
-                            && bytes >= self.opts.in_place_min
-                            && let Some(dst) = raw.ptr(rv.buf, &rv.range)
-                        {
-                            let direct = Direct {
-                                call: call_id,
-                                fp,
-                                dst,
-                                len: bytes,
-                                reduce: rv.reduce.then(|| (reduce.unwrap_or(ReduceOp::Sum), dtype)),
-                            };
-                            let key = (self.group, self.members[rv.from], seq, rv.tag);
-                            lock(&inner.direct).posted.insert(key, direct);
-                        }
-                        posted.push(rv);
-                    }
-                }
-            }
-            if schedule.is_done() {
-                // The peers read this rank's pull frames before its buffers
-                // may change.
-                break inner.wait_pulls(&mut pulls, (deadline, timeout)).await;
-            }
-            let notified = inner.notify.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            // Take whatever has arrived for the posted receives.
-            let mut got: Vec<(Receive, Frame)> = Vec::new();
-            let mut done: Vec<Receive> = Vec::new();
-            {
-                let mut engine = lock(&inner.engine);
-                engine.flight_mut().set_now_us(super::flight::now_us());
-                let mut bad = None;
-                posted.retain(|rv| match engine.take(eid, rv.from, rv.tag) {
-                    None => true,
-                    Some(Ok(Got::Done)) => {
-                        done.push(rv.clone());
-                        false
-                    }
-                    Some(Ok(Got::Frame(f))) => {
-                        got.push((rv.clone(), f));
-                        false
-                    }
-                    Some(Err(e)) => {
-                        bad.get_or_insert(e);
-                        false
-                    }
-                });
-                if let Some(e) = bad {
-                    break 'call Err(e);
-                }
-                // A peer that failed, a broken frame, or a lost peer this
-                // call still waits on. (Peers that finished and exited are
-                // fine: this call no longer needs them.)
-                if got.is_empty()
-                    && done.is_empty()
-                    && let Some(e) = engine.failure(eid, &schedule.waiting_on())
-                {
-                    break 'call Err(e);
-                }
-            }
-            for rv in &done {
-                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
-                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
-                }
-            }
-            let progressed = !done.is_empty() || !got.is_empty();
-            if progressed {
-                last_progress = Instant::now();
-                probed = false;
-            }
-            for (rv, f) in got {
-                let applied = {
-                    let mut reg = lock(&inner.direct);
-                    // The frame came the buffered way: its in-place
-                    // registration must go before the range is reused.
-                    reg.posted
-                        .remove(&(self.group, self.members[rv.from], seq, rv.tag));
-                    // SAFETY: readers are excluded by the lock.
-                    unsafe { raw.buffers() }.apply(&rv, &f.payload, reduce, rv.from)
-                };
-                inner.recycle(f.payload);
-                if let Err(e) = applied {
-                    break 'call Err(e);
-                }
-                if let Err(e) = schedule.handle_recv(rv.from, rv.tag) {
-                    break 'call Err(CommError::protocol(Some(rv.from), e.to_string()));
-                }
-            }
-            if progressed {
-                continue;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                break Err(CommError::Timeout {
-                    ctx: ErrorContext::default(),
-                    after: timeout,
-                    waiting_on: schedule.waiting_on(),
-                });
-            }
-            // A call that makes no progress asks the peers it waits on what
-            // they are doing: a peer in another call at this seq is a
-            // mismatch that no frame would reveal.
-            if !p2p && !probed && now.duration_since(last_progress) >= self.opts.stall_probe {
-                probed = true;
-                let probe = inbound::probe_frame(FrameKind::Probe, Some(fp));
-                for q in schedule.waiting_on() {
-                    let _ = before(
-                        now + Duration::from_secs(1),
-                        inner.send_frame(self.members[q], 0, &probe, &[]),
-                    )
-                    .await;
-                }
-            }
-            // Same-host peers write into shared queues: take what they
-            // wrote, spinning a little before sleeping.
-            if inner.spin() {
-                continue;
-            }
-            let wake =
-                deadline.min(last_progress + self.opts.stall_probe.max(Duration::from_millis(10)));
-            let wake = if wake <= now { deadline } else { wake };
-            let _ = before(wake, notified).await;
-        };
-        if outcome.is_ok()
-            && finalize
-            && let Some(op) = reduce
-        {
-            let _reg = lock(&inner.direct);
-            // SAFETY: readers are excluded by the lock.
-            unsafe { raw.buffers() }.finalize(op, n)?;
-        }
-        outcome
     }
 }

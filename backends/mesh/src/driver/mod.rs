@@ -11,7 +11,7 @@
 //!   the calls that wait on them;
 //! - [`inbound`] files a decoded frame: in place into a posted receive, with
 //!   the engine, or as a probe or an abort;
-//! - [`drive`] sends frames and drives one call.
+//! - [`drive`] sends frames and starts calls; [`call`] drives one.
 //!
 //! This file holds the types they share, the `Backend` impl and subgroups.
 
@@ -196,6 +196,7 @@ impl Drop for MeshBackend {
 }
 
 mod assemble;
+mod call;
 mod drive;
 mod flight;
 mod inbound;

@@ -1,0 +1,327 @@
+//! One call, driven: the schedule's actions against the links and the
+//! engine. [`CallRun`] holds the call's state; its methods are the steps
+//! of [`MeshBackend::drive`]'s loop: act on what the schedule asks, take
+//! what has arrived, and wait (probing stalled peers, spinning on polled
+//! links, then sleeping).
+
+use super::*;
+
+/// A call in progress.
+struct CallRun<'c> {
+    b: &'c MeshBackend,
+    schedule: consort_comm::algo::Schedule,
+    raw: RawBufs,
+    begun: &'c Begun,
+    /// The call's key in the in-place registry.
+    call_id: u64,
+    p2p: bool,
+    reduce: Option<ReduceOp>,
+    deadline: Instant,
+    timeout: Duration,
+    /// Receives posted and not yet taken.
+    posted: Vec<Receive>,
+    /// Scratch lists of [`CallRun::collect`], kept to avoid allocating.
+    got: Vec<(Receive, Frame)>,
+    done: Vec<Receive>,
+    /// Whether large payloads may go as pull frames (the sources stay).
+    may_pull: bool,
+    last_progress: Instant,
+    probed: bool,
+}
+
+impl MeshBackend {
+    /// Drives one call to its end.
+    pub(super) async fn drive(
+        &self,
+        req: &mut Call<'_>,
+        opts: &CallOptions,
+        begun: &Begun,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let n = self.members.len();
+        let spec = req.spec(self.me, n);
+        let algo = self
+            .opts
+            .algo
+            .select_on(req.op, spec.bytes(), n, self.fabric());
+        let schedule = build(&spec, algo, &self.opts.algo)?;
+        let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
+        let raw = RawBufs {
+            dtype: req.dtype,
+            input: (req.input_bytes().as_ptr(), req.input_bytes().len()),
+            output: (req.output.as_mut_ptr(), req.output.len()),
+            scratch: {
+                let b = scratch_bytes(&mut scratch_store);
+                (b.as_mut_ptr(), b.len())
+            },
+        };
+        let call_id = {
+            let mut reg = lock(&inner.direct);
+            reg.next_call += 1;
+            let id = reg.next_call;
+            reg.live.insert(id);
+            id
+        };
+        // Unregisters the call's receives when it ends, however it ends.
+        let _direct = DirectGuard(inner, call_id);
+        let timeout = opts.timeout_or(self.opts.timeout);
+        // Dropped (revoking what was not read) before the call's buffers
+        // can go, however the call ends.
+        let mut pulls = Pulls {
+            inner,
+            out: Vec::new(),
+        };
+        let mut run = CallRun {
+            b: self,
+            may_pull: schedule.sources_stay(),
+            schedule,
+            raw,
+            begun,
+            call_id,
+            p2p: req.is_p2p(),
+            reduce: req.reduce,
+            deadline: consort_comm::time::deadline(timeout),
+            timeout,
+            posted: Vec::new(),
+            got: Vec::new(),
+            done: Vec::new(),
+            last_progress: Instant::now(),
+            probed: false,
+        };
+        run.run(&mut pulls).await?;
+        if req.finalize
+            && let Some(op) = req.reduce
+        {
+            let _reg = lock(&inner.direct);
+            // SAFETY: readers are excluded by the lock.
+            unsafe { run.raw.buffers() }.finalize(op, n)?;
+        }
+        Ok(())
+    }
+}
+
+impl CallRun<'_> {
+    async fn run(&mut self, pulls: &mut Pulls<'_>) -> Result<()> {
+        loop {
+            while let Some(a) = self.schedule.poll() {
+                match a {
+                    Action::Transmit(tx) => self.transmit(tx, pulls).await?,
+                    Action::Copy(c) => {
+                        let reg = lock(&self.b.inner.direct);
+                        // SAFETY: readers are excluded by the lock.
+                        let copied = unsafe { self.raw.buffers() }.copy(&c);
+                        drop(reg);
+                        copied?;
+                    }
+                    Action::Receive(rv) => self.post(rv),
+                }
+            }
+            if self.schedule.is_done() {
+                // The peers read this rank's pull frames before its buffers
+                // may change.
+                let inner = &self.b.inner;
+                return inner.wait_pulls(pulls, (self.deadline, self.timeout)).await;
+            }
+            let notified = self.b.inner.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.collect()? {
+                self.last_progress = Instant::now();
+                self.probed = false;
+                continue;
+            }
+            self.wait(notified).await?;
+        }
+    }
+
+    /// Sends a transmit's range.
+    async fn transmit(
+        &mut self,
+        tx: consort_comm::algo::Transmit,
+        pulls: &mut Pulls<'_>,
+    ) -> Result<()> {
+        let inner = &self.b.inner;
+        // SAFETY: a range being sent is never a posted receive's range
+        // (see `Registry`).
+        let payload = unsafe { self.raw.bytes(tx.buf, &tx.range) };
+        let to = self.b.members[tx.to];
+        // A peer known to be gone gets nothing: a write to its closed
+        // socket may still succeed locally.
+        let sent = if lock(&inner.engine).is_lost(to) {
+            Some(Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the peer is gone",
+            )))
+        } else {
+            let h = FrameHeader::data(
+                self.begun.fp,
+                tx.tag,
+                tx.range.start as u64,
+                payload.len() as u64,
+            );
+            let pulls = self.may_pull.then_some(pulls);
+            before(self.deadline, inner.send_data(to, h, payload, pulls)).await
+        };
+        match sent {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => {
+                // A peer that failed first usually said why before
+                // closing: report that cause.
+                let waiting = self.schedule.waiting_on();
+                let said = lock(&inner.engine).failure(self.begun.id, &waiting);
+                Err(said.unwrap_or_else(|| CommError::PeerLost {
+                    ctx: ErrorContext::default(),
+                    peer: tx.to,
+                    reason: format!("send failed: {e}"),
+                }))
+            }
+            None => Err(CommError::Timeout {
+                ctx: ErrorContext::default(),
+                after: self.timeout,
+                waiting_on: vec![tx.to],
+            }),
+        }
+    }
+
+    /// Posts a receive; a large one goes in the in-place registry, for the
+    /// links to fill straight from the wire or the queue.
+    fn post(&mut self, rv: Receive) {
+        let dtype = self.raw.dtype;
+        let bytes = rv.range.len() * dtype.size_bytes();
+        if !self.p2p
+            && bytes >= self.b.opts.in_place_min
+            && let Some(dst) = self.raw.ptr(rv.buf, &rv.range)
+        {
+            let direct = Direct {
+                call: self.call_id,
+                fp: self.begun.fp,
+                dst,
+                len: bytes,
+                reduce: rv
+                    .reduce
+                    .then(|| (self.reduce.unwrap_or(ReduceOp::Sum), dtype)),
+            };
+            let key = (
+                self.b.group,
+                self.b.members[rv.from],
+                self.begun.seq,
+                rv.tag,
+            );
+            lock(&self.b.inner.direct).posted.insert(key, direct);
+        }
+        self.posted.push(rv);
+    }
+
+    /// Takes what has arrived for the posted receives and applies it;
+    /// returns whether anything did.
+    fn collect(&mut self) -> Result<bool> {
+        let inner = &self.b.inner;
+        let (got, done) = (&mut self.got, &mut self.done);
+        {
+            let mut engine = lock(&inner.engine);
+            engine.flight_mut().set_now_us(super::flight::now_us());
+            let mut bad = None;
+            let eid = self.begun.id;
+            self.posted
+                .retain(|rv| match engine.take(eid, rv.from, rv.tag) {
+                    None => true,
+                    Some(Ok(Got::Done)) => {
+                        done.push(rv.clone());
+                        false
+                    }
+                    Some(Ok(Got::Frame(f))) => {
+                        got.push((rv.clone(), f));
+                        false
+                    }
+                    Some(Err(e)) => {
+                        bad.get_or_insert(e);
+                        false
+                    }
+                });
+            if let Some(e) = bad {
+                return Err(e);
+            }
+            // A peer that failed, a broken frame, or a lost peer this call
+            // still waits on. (Peers that finished and exited are fine:
+            // this call no longer needs them.)
+            if got.is_empty()
+                && done.is_empty()
+                && let Some(e) = engine.failure(eid, &self.schedule.waiting_on())
+            {
+                return Err(e);
+            }
+        }
+        let progressed = !done.is_empty() || !got.is_empty();
+        for rv in done.drain(..) {
+            self.schedule
+                .handle_recv(rv.from, rv.tag)
+                .map_err(|e| CommError::protocol(Some(rv.from), e.to_string()))?;
+        }
+        for (rv, f) in got.drain(..) {
+            let applied = {
+                let mut reg = lock(&inner.direct);
+                // The frame came the buffered way: its in-place
+                // registration must go before the range is reused.
+                let key = (
+                    self.b.group,
+                    self.b.members[rv.from],
+                    self.begun.seq,
+                    rv.tag,
+                );
+                reg.posted.remove(&key);
+                // SAFETY: readers are excluded by the lock.
+                unsafe { self.raw.buffers() }.apply(&rv, &f.payload, self.reduce, rv.from)
+            };
+            inner.recycle(f.payload);
+            applied?;
+            self.schedule
+                .handle_recv(rv.from, rv.tag)
+                .map_err(|e| CommError::protocol(Some(rv.from), e.to_string()))?;
+        }
+        Ok(progressed)
+    }
+
+    /// Nothing arrived: fails past the deadline, probes the peers of a
+    /// stalled call, spins on the polled links, then sleeps until a frame
+    /// is filed (or the next probe is due).
+    async fn wait(
+        &mut self,
+        notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    ) -> Result<()> {
+        let inner = &self.b.inner;
+        let now = Instant::now();
+        if now >= self.deadline {
+            return Err(CommError::Timeout {
+                ctx: ErrorContext::default(),
+                after: self.timeout,
+                waiting_on: self.schedule.waiting_on(),
+            });
+        }
+        // A call that makes no progress asks the peers it waits on what
+        // they are doing: a peer in another call at this seq is a mismatch
+        // that no frame would reveal.
+        let stall = self.b.opts.stall_probe;
+        if !self.p2p && !self.probed && now.duration_since(self.last_progress) >= stall {
+            self.probed = true;
+            let probe = inbound::probe_frame(FrameKind::Probe, Some(self.begun.fp));
+            for q in self.schedule.waiting_on() {
+                let _ = before(
+                    now + Duration::from_secs(1),
+                    inner.send_frame(self.b.members[q], 0, &probe, &[]),
+                )
+                .await;
+            }
+        }
+        // Same-host peers write into shared queues: take what they wrote,
+        // spinning a little before sleeping.
+        if inner.spin() {
+            return Ok(());
+        }
+        let wake = self
+            .deadline
+            .min(self.last_progress + stall.max(Duration::from_millis(10)));
+        let wake = if wake <= now { self.deadline } else { wake };
+        let _ = before(wake, notified).await;
+        Ok(())
+    }
+}
