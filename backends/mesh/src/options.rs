@@ -34,6 +34,11 @@ pub struct MeshOptions {
     /// peer is reached over the network. Every rank must agree; a rank
     /// without it turns it off for the whole mesh.
     pub local: Option<Arc<dyn LocalTransport>>,
+    /// Payloads of at least this many bytes go to peers that can read this
+    /// process's memory as single-copy pull frames (only for the ops whose
+    /// sources stay; see `consort_comm::algo::Schedule::sources_stay`).
+    /// Default 64 KiB.
+    pub single_copy_min: usize,
     /// How long a call waiting on a polled (same-host) link spins before it
     /// sleeps until the peer rings. While it spins it yields the core when
     /// this host runs more ranks than it has cores. Default 50 µs;
@@ -73,6 +78,7 @@ impl Default for MeshOptions {
             namespace: "consort/tcp/world".into(),
             in_place_min: 64 * 1024,
             local: None,
+            single_copy_min: 64 * 1024,
             spin: Duration::from_micros(50),
             streams: 1,
             secret: Secret::from_env(),

@@ -112,6 +112,12 @@ impl TcpBackend {
         self.mesh.shared_memory_peers()
     }
 
+    /// The world ranks that read this rank's large payloads from its
+    /// memory (see `consort_shm::ShmTransport::cma`).
+    pub fn single_copy_peers(&self) -> Vec<usize> {
+        self.mesh.single_copy_peers()
+    }
+
     /// The mesh this backend drives.
     pub fn mesh(&self) -> &MeshBackend {
         &self.mesh

@@ -20,6 +20,15 @@ fn tcp_world_shm(n: usize) -> WorldFuture {
     world_with(n, 1, 0, true)
 }
 
+/// Shared memory with single-copy reads (CMA): large payloads of the ops
+/// that only move data are read by the receiver from the sender's memory.
+fn tcp_world_cma(n: usize) -> WorldFuture {
+    world_local(n, 0, |_| ShmTransport {
+        cma: true,
+        ..ShmTransport::default()
+    })
+}
+
 fn tcp_world_3_streams(n: usize) -> WorldFuture {
     world_with_streams(n, 3)
 }
@@ -45,6 +54,55 @@ fn tcp_world_ring(n: usize) -> WorldFuture {
 /// a TCP socket, as between hosts.
 fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> WorldFuture {
     world_opts(n, streams, in_place_min, shm, "")
+}
+
+/// Every rank on shared memory, rank `r` with transport `shm(r)`.
+async fn local_backends(
+    n: usize,
+    in_place_min: usize,
+    shm: impl Fn(usize) -> ShmTransport,
+) -> Vec<Arc<TcpBackend>> {
+    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+    let tasks: Vec<_> = (0..n)
+        .map(|r| {
+            let opts = TcpOptions {
+                timeout: Duration::from_secs(20),
+                connect_timeout: Duration::from_secs(60),
+                algo: AlgoConfig {
+                    segment_bytes: 64,
+                    window: 4,
+                    overrides: Vec::new(),
+                },
+                stall_probe: Duration::from_millis(100),
+                in_place_min,
+                // Every payload of the ops that only move data goes as a
+                // pull frame where single copies are on.
+                single_copy_min: 0,
+                local: Some(shm(r).shared()),
+                ..TcpOptions::default()
+            };
+            tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts))
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+    }
+    out
+}
+
+fn world_local(
+    n: usize,
+    in_place_min: usize,
+    shm: impl Fn(usize) -> ShmTransport + Send + 'static,
+) -> WorldFuture {
+    Box::pin(async move {
+        local_backends(n, in_place_min, shm)
+            .await
+            .into_iter()
+            .map(|b| b as Arc<dyn Backend>)
+            .collect()
+    })
 }
 
 fn world_opts(
@@ -96,6 +154,10 @@ mod one_stream {
 
 mod shared_memory {
     consort_tests::conformance!(crate::tcp_world_shm, cases = 32);
+}
+
+mod single_copy {
+    consort_tests::conformance!(crate::tcp_world_cma, cases = 32);
 }
 
 mod in_place {
@@ -175,5 +237,50 @@ async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
         .collect();
     for (r, t) in runs.into_iter().enumerate() {
         assert!(t.await.unwrap(), "rank {r} received a wrong broadcast");
+    }
+}
+
+/// A rank that does not let peers read its memory (CMA off there, as where
+/// ptrace policy or a container forbids it) gets and sends its payloads
+/// through the queues, while the other pairs read each other's memory: the
+/// fallback is per pair, and the results are the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_without_single_copy_falls_back_to_the_queues_per_pair() {
+    let n = 3;
+    let world = local_backends(n, 0, |r| ShmTransport {
+        cma: r != 1,
+        ..ShmTransport::default()
+    })
+    .await;
+    // Ranks 0 and 2 read each other; nobody reads rank 1, and rank 1 reads
+    // nobody.
+    let readers: Vec<Vec<usize>> = world.iter().map(|b| b.single_copy_peers()).collect();
+    assert_eq!(readers, vec![vec![2], vec![], vec![0]]);
+    let runs: Vec<_> = world
+        .into_iter()
+        .map(|b| {
+            tokio::spawn(async move {
+                let r = b.rank();
+                let pg = consort_comm::ProcessGroup::new(b);
+                let len = (1 << 20) + 3;
+                let mut x: Vec<f32> = (0..len)
+                    .map(|i| if r == 1 { (i % 89) as f32 } else { -1.0 })
+                    .collect();
+                pg.broadcast(&mut x, 1).await.unwrap();
+                let mut all = vec![0f32; 3 * len];
+                let mine: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
+                pg.all_gather(&mut all, &mine).await.unwrap();
+                x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
+                    && (0..3).all(|q| {
+                        all[q * len..(q + 1) * len]
+                            .iter()
+                            .enumerate()
+                            .all(|(i, &v)| v == (q * 1000 + i % 7) as f32)
+                    })
+            })
+        })
+        .collect();
+    for (r, t) in runs.into_iter().enumerate() {
+        assert!(t.await.unwrap(), "rank {r} got wrong data");
     }
 }

@@ -59,6 +59,7 @@ impl MeshBackend {
             yield_spin: local_ranks > cores,
             limits: opts.limits,
             in_place_min: opts.in_place_min,
+            single_copy_min: opts.single_copy_min,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
             beat: opts.heartbeat_file.as_deref().and_then(|p| {
                 crate::heartbeat::Heartbeat::shared(p)

@@ -186,7 +186,7 @@ impl Inner {
         pulls: Option<&mut Pulls<'_>>,
     ) -> std::io::Result<()> {
         if let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to))
-            && payload.len() >= PULL_MIN
+            && payload.len() >= self.single_copy_min
             && l.link.peer_pulls()
         {
             let header = FrameHeader {
@@ -240,10 +240,6 @@ impl Inner {
         Ok(())
     }
 }
-
-/// Payloads at least this large go to peers that can read this process's
-/// memory as pull frames (one copy instead of two through the queue).
-const PULL_MIN: usize = 64 * 1024;
 
 /// The pull frames a call has sent and not yet seen read. If the call ends
 /// before they are read (it failed or was dropped), their bytes are revoked

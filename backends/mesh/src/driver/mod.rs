@@ -126,6 +126,8 @@ struct Inner {
     yield_spin: bool,
     limits: FrameLimits,
     in_place_min: usize,
+    /// See [`MeshOptions::single_copy_min`].
+    single_copy_min: usize,
     /// Where the flight record goes.
     flight: flight::FlightOut,
     /// The agent's view of this rank's progress.
@@ -315,6 +317,15 @@ impl MeshBackend {
         let links = &self.inner.links;
         (0..links.len())
             .filter(|&p| matches!(links[p], Link::Polled(_)))
+            .collect()
+    }
+
+    /// The world ranks that read this rank's large payloads themselves,
+    /// from its memory (same host, CMA allowed and on at both ends).
+    pub fn single_copy_peers(&self) -> Vec<usize> {
+        let links = &self.inner.links;
+        (0..links.len())
+            .filter(|&p| matches!(&links[p], Link::Polled(l) if l.link.peer_pulls()))
             .collect()
     }
 
