@@ -21,6 +21,10 @@ pub(crate) struct SimArgs {
     pub(crate) intra: Link,
     pub(crate) inter: Link,
     pub(crate) segment_bytes: usize,
+    /// Segments in flight (the TCP mesh's 4 under --fitted-crosshost).
+    pub(crate) window: usize,
+    /// The share of a core each rank gets.
+    pub(crate) cpu_share: f64,
 }
 
 /// Runs the sweep.
@@ -40,9 +44,11 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
         ranks_per_node: rpn,
         intra: a.intra,
         inter: a.inter,
+        cpu_share: a.cpu_share,
     };
     let cfg = AlgoConfig {
         segment_bytes: a.segment_bytes,
+        window: a.window,
         ..AlgoConfig::default()
     };
     let mut t = Table::new(&[
@@ -51,6 +57,7 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
         "world",
         "bytes",
         "time_us",
+        "rank0_us",
         "algbw_gbs",
         "busbw_gbs",
         "closed_form_us",
@@ -75,6 +82,7 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
             json!(a.world),
             json!(bytes),
             json!(r.time * 1e6),
+            json!(r.rank0_time * 1e6),
             json!(r.algbw_gbs),
             json!(r.busbw_gbs),
             json!(r.closed_form * 1e6),
@@ -129,9 +137,28 @@ pub(crate) struct SimCmd {
     /// Inter-node bandwidth, GB/s (12.5 = 100 Gb/s).
     #[arg(long, default_value_t = 12.5)]
     bw_inter_gbs: f64,
-    /// Largest pipelined segment, bytes.
-    #[arg(long, default_value = "256K", value_parser = parse_sizes)]
-    segment: SizeList,
+    /// Largest pipelined segment, bytes (default 256K; 1M with
+    /// --fitted-crosshost, the TCP mesh's).
+    #[arg(long, value_parser = parse_sizes)]
+    segment: Option<SizeList>,
+    /// Receiver CPU cost per message, microseconds (default 0: compute is
+    /// free).
+    #[arg(long, default_value_t = 0.0)]
+    overhead_us: f64,
+    /// Receiver CPU cost per byte, nanoseconds (default 0).
+    #[arg(long, default_value_t = 0.0)]
+    gamma_ns: f64,
+    /// The cores all ranks share, when they share one machine (emulated
+    /// hosts): each rank gets min(1, cores / world) of a core for its CPU
+    /// costs. Default: a core each.
+    #[arg(long)]
+    cores: Option<usize>,
+    /// consort's TCP mesh as `crosshost.sh` measures it on this project's
+    /// 2-vCPU machine: the inter-node link of --bw-inter-gbs with the
+    /// fitted latency and CPU costs, 1 MiB segments, and --cores 2 unless
+    /// given. Predicts those runs within 20% (README, "Transports").
+    #[arg(long)]
+    fitted_crosshost: bool,
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
@@ -139,15 +166,27 @@ pub(crate) struct SimCmd {
 
 /// Runs `consort sim`.
 pub(crate) async fn command(a: SimCmd) -> Result<(), Box<dyn std::error::Error>> {
+    let fit = a.fitted_crosshost;
+    let inter = if fit {
+        Link::fitted_crosshost(a.bw_inter_gbs)
+    } else {
+        Link::new(a.alpha_inter_us, a.bw_inter_gbs).with_cpu(a.overhead_us, a.gamma_ns)
+    };
+    let cores = a.cores.or(fit.then_some(2));
     let args = SimArgs {
         op: a.op,
         algo: a.algo,
         world: a.world_size,
         ranks_per_node: a.ranks_per_node,
         sizes: a.sizes.0,
-        intra: Link::new(a.alpha_intra_us, a.bw_intra_gbs),
-        inter: Link::new(a.alpha_inter_us, a.bw_inter_gbs),
-        segment_bytes: a.segment.0.first().copied().unwrap_or(256 * 1024),
+        intra: Link::new(a.alpha_intra_us, a.bw_intra_gbs).with_cpu(a.overhead_us, a.gamma_ns),
+        inter,
+        segment_bytes: a
+            .segment
+            .and_then(|s| s.0.first().copied())
+            .unwrap_or(if fit { 1 << 20 } else { 256 * 1024 }),
+        window: if fit { 4 } else { AlgoConfig::default().window },
+        cpu_share: cores.map_or(1.0, |c| (c as f64 / a.world_size.max(1) as f64).min(1.0)),
     };
     let t = tokio::task::spawn_blocking(move || run(&args)).await??;
     print!("{}", t.render(a.json));
