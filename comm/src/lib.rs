@@ -28,6 +28,7 @@ pub mod device;
 pub mod dtype;
 pub mod engine;
 mod error;
+pub mod fault;
 mod fingerprint;
 pub mod flight;
 pub mod frame;

@@ -21,7 +21,7 @@ use std::{
 
 use consort_comm::{CommError, Device, EventId, Result, StreamId};
 
-use crate::fault::Rng;
+use consort_comm::fault::Rng;
 
 /// Bits of an address that hold the offset inside an allocation.
 const OFFSET_BITS: u32 = 40;

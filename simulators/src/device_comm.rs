@@ -37,7 +37,9 @@ use consort_comm::{
     device::{Device, StreamId},
 };
 
-use crate::{device::EmulatedDevice, fault::Rng};
+use consort_comm::fault::Rng;
+
+use crate::device::EmulatedDevice;
 
 /// How an [`EmulatedComm`] behaves.
 #[derive(Clone, Debug)]

@@ -20,7 +20,8 @@
 pub mod cost;
 pub mod device;
 pub mod device_comm;
-pub mod fault;
+/// The fault vocabulary, shared with the real transports' faulty link.
+pub use consort_comm::fault;
 mod world;
 
 pub use device::{EmulatedDevice, EmulatedOptions};

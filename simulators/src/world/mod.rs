@@ -60,7 +60,7 @@ pub use rank::SimRank;
 
 use crate::{
     cost::{Link, Topology},
-    fault::{Fault, Rng, Trigger},
+    fault::{Fault, FaultPlan, Rng, Trigger},
 };
 
 /// How a simulated world is built.
@@ -293,7 +293,7 @@ struct State {
     queue: BinaryHeap<Reverse<(EventKey, u64)>>,
     pending: HashMap<u64, Event>,
     next_event: u64,
-    faults: Vec<(Fault, u64)>,
+    faults: FaultPlan,
     checksums: bool,
     rng: Rng,
     trace: Option<Vec<TraceEvent>>,
@@ -472,7 +472,7 @@ impl SimWorld {
             queue: BinaryHeap::new(),
             pending: HashMap::new(),
             next_event: 0,
-            faults: cfg.faults.iter().cloned().map(|f| (f, 0)).collect(),
+            faults: FaultPlan::new(cfg.faults.iter().cloned()),
             checksums,
             rng: Rng::new(cfg.seed),
             trace: cfg.record_trace.then(Vec::new),

@@ -10,9 +10,9 @@ use consort_comm::{
 };
 
 use super::{
-    Event, Link, Msg, Payload, State, Status, TraceEvent, TraceKind, Trigger, dur_ns, fnv, lost, ns,
+    Duration, Event, Link, Msg, Payload, State, Status, TraceEvent, TraceKind, dur_ns, fnv, lost,
+    ns,
 };
-use crate::fault::Fault;
 
 impl State {
     pub(super) fn arrive(&mut self, to: usize, msg: Msg, t: u64) {
@@ -208,64 +208,13 @@ impl State {
         });
 
         // The fault plan.
-        let mut copies = 1;
-        let mut corrupt = false;
-        let mut dropped = false;
-        for i in 0..self.faults.len() {
-            let (fault, _) = &self.faults[i];
-            let filter = match fault {
-                Fault::Drop(f)
-                | Fault::Duplicate(f)
-                | Fault::Corrupt(f)
-                | Fault::Delay { filter: f, .. } => Some(*f),
-                _ => None,
-            };
-            if let Some(f) = filter {
-                if !f.matches_link(r, to) {
-                    continue;
-                }
-                let seen = self.faults[i].1;
-                self.faults[i].1 += 1;
-                if f.nth.is_some_and(|n| n != seen) {
-                    continue;
-                }
-                if let Some(p) = f.probability
-                    && self.rng.unit() >= p
-                {
-                    continue;
-                }
-                match &self.faults[i].0 {
-                    Fault::Drop(_) => dropped = true,
-                    Fault::Duplicate(_) => copies = 2,
-                    Fault::Corrupt(_) => corrupt = true,
-                    Fault::Delay { by, .. } => arrive += dur_ns(*by),
-                    _ => {}
-                }
-                continue;
-            }
-            match fault {
-                Fault::Partition {
-                    a,
-                    b,
-                    from,
-                    heal_at,
-                } => {
-                    let cut =
-                        (a.contains(&r) && b.contains(&to)) || (b.contains(&r) && a.contains(&to));
-                    if cut && t >= dur_ns(*from) && heal_at.is_none_or(|h| t < dur_ns(h)) {
-                        dropped = true;
-                    }
-                }
-                Fault::Hold {
-                    from,
-                    to: held,
-                    at,
-                    release_at,
-                } if *from == r && *held == to && t >= dur_ns(*at) && t < dur_ns(*release_at) => {
-                    arrive = arrive.max(dur_ns(*release_at));
-                }
-                _ => {}
-            }
+        let v = self
+            .faults
+            .on_send(&mut self.rng, (r, to), Duration::from_nanos(t), sent);
+        let (copies, corrupt, dropped) = (1 + usize::from(v.duplicated), v.corrupted, v.dropped);
+        arrive += dur_ns(v.delay);
+        if let Some(h) = v.held_until {
+            arrive = arrive.max(dur_ns(h));
         }
         if dropped {
             self.record(TraceEvent {
@@ -305,8 +254,7 @@ impl State {
             }
         }
         // A crash triggered by message count happens right after the send.
-        let crash_now = self.faults.iter().any(|(f, _)| matches!(f, Fault::Crash { rank, at: Trigger::AfterMessages(k) } if *rank == r && *k == sent));
-        if crash_now {
+        if v.crash_after {
             self.crash(r, t);
         }
     }
