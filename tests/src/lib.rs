@@ -1,6 +1,7 @@
 //! consort-tests: the conformance suite, written once and instantiated per
 //! backend with [`conformance!`] (as rustls-test mounts its tests once per
-//! crypto provider).
+//! crypto provider), and the fault suite, mounted per transport with
+//! [`faults!`].
 //!
 //! This crate owns the reference semantics every backend is checked
 //! against: inputs built from integer-valued numbers (so every float result
@@ -18,6 +19,7 @@ use consort_comm::{
     half::{bf16, f16},
 };
 
+pub mod faults;
 pub use proptest;
 
 /// The future a [`Factory`] returns: the world's handles, in rank order.

@@ -92,6 +92,10 @@ pub trait PolledLink: Send + Sync {
     /// Whether the peer's process is known to be gone.
     fn is_closed(&self) -> bool;
 
+    /// Closes both directions now, as if this process had died: the peer
+    /// sees the link closed (the faulty link's crash).
+    fn close(&self);
+
     /// Whether the peer can read this process's memory (CMA), so that
     /// large payloads may go as [`consort_comm::frame::FrameKind::Pull`]
     /// frames, copied once, by the receiver.

@@ -57,6 +57,13 @@ pub struct MeshOptions {
     /// the record in memory only. `consort run` sets `CONSORT_FLIGHT_DIR`
     /// for its workers, which `init_from_env` passes here.
     pub flight_dir: Option<PathBuf>,
+    /// The faulty link, for tests: faults applied to this rank's outgoing
+    /// data frames on every transport (see `consort_comm::fault`; times
+    /// count from when the mesh is built, a crash closes every link of
+    /// this rank as a dying process would). Empty: none.
+    pub faults: Vec<consort_comm::fault::Fault>,
+    /// Seed of the faults' random choices.
+    pub fault_seed: u64,
     /// The heartbeat file this rank keeps for its agent's watchdog
     /// ([`crate::heartbeat`]); `consort run` sets `CONSORT_HEARTBEAT_FILE`.
     pub heartbeat_file: Option<PathBuf>,
@@ -84,6 +91,8 @@ impl Default for MeshOptions {
             secret: Secret::from_env(),
             flight_dir: None,
             heartbeat_file: None,
+            faults: Vec::new(),
+            fault_seed: 0,
         }
     }
 }

@@ -51,3 +51,35 @@ fn quic_subgroup(n: usize) -> WorldFuture {
 mod subgroup {
     consort_tests::conformance!(crate::quic_subgroup, cases = 6);
 }
+
+/// A QUIC world whose links apply `faults` (the faulty link), with a 3 s op
+/// timeout.
+fn faulty_quic(n: usize, faults: Vec<consort_comm::fault::Fault>) -> WorldFuture {
+    Box::pin(async move {
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+        let opts = QuicOptions {
+            connect_timeout: Duration::from_secs(60),
+            secret: None,
+            driver: TcpOptions {
+                timeout: Duration::from_secs(3),
+                stall_probe: Duration::from_millis(100),
+                faults,
+                fault_seed: 7,
+                ..TcpOptions::default()
+            },
+            ..QuicOptions::default()
+        };
+        let tasks: Vec<_> = (0..n)
+            .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
+            .collect();
+        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+        }
+        out
+    })
+}
+
+mod quic_faults {
+    consort_tests::faults!(crate::faulty_quic);
+}

@@ -85,6 +85,8 @@ struct ShmLink {
     bell: Arc<Bell>,
     /// Set when the peer's process exits (its pidfd).
     dead: Arc<AtomicBool>,
+    /// Set when this side closed the link: nothing more goes either way.
+    closed: AtomicBool,
     watch: Option<JoinHandle<()>>,
 }
 
@@ -105,6 +107,9 @@ impl PolledLink for ShmLink {
     }
 
     fn push(&self, parts: &[&[u8]], from: usize) -> usize {
+        if self.closed.load(Ordering::SeqCst) {
+            return 0;
+        }
         let (n, wake) = self.out.push(parts, from);
         if wake {
             self.bell.ring(&self.peer_bell);
@@ -113,6 +118,9 @@ impl PolledLink for ShmLink {
     }
 
     fn pull(&self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, String> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err("this rank closed the link".into());
+        }
         // Read `dead` before the queue: whatever the peer wrote before it
         // died is then taken before its loss is reported.
         let dead = self.dead.load(Ordering::SeqCst);
@@ -135,7 +143,16 @@ impl PolledLink for ShmLink {
     }
 
     fn is_closed(&self) -> bool {
-        self.dead.load(Ordering::SeqCst) || self.out.reader_closed()
+        self.closed.load(Ordering::SeqCst)
+            || self.dead.load(Ordering::SeqCst)
+            || self.out.reader_closed()
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.out.close_writer();
+        self.inbox.close_reader();
+        self.bell.ring(&self.peer_bell);
     }
 
     fn peer_pulls(&self) -> bool {
@@ -329,6 +346,7 @@ impl LocalTransport for ShmTransport {
                 bell: bell.clone(),
                 watch: watch(offer.pid, dead.clone(), setup.wake.clone())?,
                 dead,
+                closed: AtomicBool::new(false),
             }));
         }
         Ok(links)

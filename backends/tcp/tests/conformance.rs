@@ -284,3 +284,44 @@ async fn a_rank_without_single_copy_falls_back_to_the_queues_per_pair() {
         assert!(t.await.unwrap(), "rank {r} got wrong data");
     }
 }
+
+/// A world whose links apply `faults` (the faulty link), on TCP streams or
+/// shared memory, with a 3 s op timeout.
+fn faulty(n: usize, faults: Vec<consort_comm::fault::Fault>, shm: bool) -> WorldFuture {
+    Box::pin(async move {
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+        let opts = TcpOptions {
+            timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(60),
+            stall_probe: Duration::from_millis(100),
+            local: shm.then(|| ShmTransport::default().shared()),
+            faults,
+            fault_seed: 7,
+            ..TcpOptions::default()
+        };
+        let tasks: Vec<_> = (0..n)
+            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts.clone())))
+            .collect();
+        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+        }
+        out
+    })
+}
+
+fn faulty_tcp(n: usize, faults: Vec<consort_comm::fault::Fault>) -> WorldFuture {
+    faulty(n, faults, false)
+}
+
+fn faulty_shm(n: usize, faults: Vec<consort_comm::fault::Fault>) -> WorldFuture {
+    faulty(n, faults, true)
+}
+
+mod tcp_faults {
+    consort_tests::faults!(crate::faulty_tcp);
+}
+
+mod shm_faults {
+    consort_tests::faults!(crate::faulty_shm);
+}

@@ -2,6 +2,8 @@
 //! writers, the reader tasks of the streams, the idle poller of the polled
 //! links, and the flight recorder and heartbeat.
 
+use consort_comm::fault::Trigger;
+
 use super::*;
 
 impl MeshBackend {
@@ -61,6 +63,7 @@ impl MeshBackend {
             in_place_min: opts.in_place_min,
             single_copy_min: opts.single_copy_min,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
+            faults: super::faulty::Faulty::new(&opts.faults, opts.fault_seed),
             beat: opts.heartbeat_file.as_deref().and_then(|p| {
                 crate::heartbeat::Heartbeat::shared(p)
                     .map_err(|e| {
@@ -74,6 +77,18 @@ impl MeshBackend {
             }),
         });
         super::flight::register(&inner);
+        if let Some(Trigger::At(at)) =
+            consort_comm::fault::FaultPlan::new(opts.faults.clone()).crash_of(rank)
+        {
+            // A crash at a time happens then, sending or not.
+            let weak = Arc::downgrade(&inner);
+            tokio::spawn(async move {
+                tokio::time::sleep(at).await;
+                if let Some(inner) = weak.upgrade() {
+                    inner.crash().await;
+                }
+            });
+        }
         let mut handles: Vec<JoinHandle<()>> = reads
             .into_iter()
             .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r)))

@@ -159,8 +159,23 @@ impl CallRun<'_> {
                 tx.range.start as u64,
                 payload.len() as u64,
             );
-            let pulls = self.may_pull.then_some(pulls);
-            before(self.deadline, inner.send_data(to, h, payload, pulls)).await
+            match inner.fate(self.b.members[self.b.me], to) {
+                faulty::Fate::Send => {
+                    let pulls = self.may_pull.then_some(pulls);
+                    before(self.deadline, inner.send_data(to, h, payload, pulls)).await
+                }
+                faulty::Fate::Faulted(v, start) => {
+                    before(
+                        self.deadline,
+                        inner.send_faulted(to, (v, start), h, payload),
+                    )
+                    .await
+                }
+                faulty::Fate::Crashed => Some(Err(std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    "this rank crashed (the fault plan's crash)",
+                ))),
+            }
         };
         match sent {
             Some(Ok(())) => Ok(()),

@@ -132,6 +132,8 @@ struct Inner {
     flight: flight::FlightOut,
     /// The agent's view of this rank's progress.
     beat: Option<Arc<crate::heartbeat::Heartbeat>>,
+    /// The faulty link (tests), if any.
+    faults: Option<Mutex<faulty::Faulty>>,
 }
 
 /// Buffers kept in the pool at most.
@@ -200,6 +202,7 @@ impl Drop for MeshBackend {
 mod assemble;
 mod call;
 mod drive;
+mod faulty;
 mod flight;
 mod inbound;
 mod poll;
