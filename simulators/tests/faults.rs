@@ -110,9 +110,15 @@ fn a_crash_at_a_time_before_any_call() {
 #[test]
 fn a_dropped_message_is_a_timeout_naming_the_peer() {
     let (out, trace, elapsed) = run(cfg().fault(Fault::Drop(MsgFilter::link(0, 1).nth(0))), 1);
+    // Rank 1 times out on rank 0 (or, once rank 0 has finished and left,
+    // which recursive doubling lets it do, sees it lost); the others fail
+    // too or, where the schedule let them finish without the lost frame,
+    // have the right sum.
+    let mut timed_out = false;
     for (r, o) in out.into_iter().enumerate() {
         match o {
             Err(CommError::Timeout { waiting_on, .. }) => {
+                timed_out = true;
                 if r == 1 {
                     assert!(
                         waiting_on.contains(&0),
@@ -120,12 +126,15 @@ fn a_dropped_message_is_a_timeout_naming_the_peer() {
                     );
                 }
             }
+            Err(CommError::PeerLost { peer: 0, .. }) if r == 1 => {}
+            Ok(x) if r != 1 => assert_eq!(x, vec![10.0; LEN], "rank {r}"),
+            Err(CommError::Aborted { .. } | CommError::PeerLost { .. }) if r != 1 => {}
             other => panic!("rank {r}: want Timeout, got {other:?}"),
         }
     }
     assert!(trace.iter().any(|e| e.kind == TraceKind::Drop));
     assert!(
-        elapsed >= Duration::from_secs(60),
+        !timed_out || elapsed >= Duration::from_secs(60),
         "the timeout is virtual: {elapsed:?}"
     );
 }
@@ -231,8 +240,13 @@ fn a_delay_past_the_deadline_is_a_timeout() {
         by: Duration::from_secs(120),
     };
     let (out, _, _) = run(cfg().fault(f), 1);
+    // Rank 3 never gets rank 2's frame: a timeout, or, once rank 2 has
+    // finished and left (recursive doubling lets it), rank 2 lost.
     assert!(
-        matches!(out[3], Err(CommError::Timeout { .. })),
+        matches!(
+            out[3],
+            Err(CommError::Timeout { .. } | CommError::PeerLost { peer: 2, .. })
+        ),
         "{:?}",
         out[3]
     );

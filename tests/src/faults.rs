@@ -55,6 +55,16 @@ pub fn run(
     })
 }
 
+/// Every rank failed or, where the schedule let it finish without what was
+/// lost, holds the right sum: never a wrong result reported as success.
+fn right_or_failed(out: &[Result<Vec<f32>, CommError>], sum: f32) {
+    for (r, o) in out.iter().enumerate() {
+        if let Ok(x) = o {
+            assert_eq!(x, &vec![sum; LEN], "rank {r} reports a wrong result");
+        }
+    }
+}
+
 /// No faults: the right answer everywhere.
 pub fn no_faults(factory: FaultyFactory) {
     for (r, o) in run(factory, Vec::new(), 2).into_iter().enumerate() {
@@ -86,7 +96,8 @@ pub fn crash(factory: FaultyFactory) {
     }
 }
 
-/// A dropped frame is a timeout on its receiver, naming the sender.
+/// A dropped frame is a timeout on its receiver, naming the sender; no
+/// rank reports a wrong result.
 pub fn drop(factory: FaultyFactory) {
     let out = run(factory, vec![Fault::Drop(MsgFilter::link(0, 1).nth(0))], 1);
     match &out[1] {
@@ -96,18 +107,15 @@ pub fn drop(factory: FaultyFactory) {
                 "rank 1 waits on rank 0: {waiting_on:?}"
             )
         }
+        // Rank 0 may finish without rank 1's answer and leave first.
+        Err(CommError::PeerLost { peer: 0, .. }) => {}
         other => panic!("rank 1: want Timeout, got {other:?}"),
     }
-    for (r, o) in out.iter().enumerate() {
-        assert!(
-            o.is_err(),
-            "rank {r}: a lost frame cannot give success: {o:?}"
-        );
-    }
+    right_or_failed(&out, 10.0);
 }
 
-/// A corrupted frame is refused by its receiver (`Protocol`), and every
-/// rank fails.
+/// A corrupted frame is refused by its receiver (`Protocol`); no rank
+/// reports a wrong result.
 pub fn corrupt(factory: FaultyFactory) {
     let out = run(
         factory,
@@ -118,9 +126,7 @@ pub fn corrupt(factory: FaultyFactory) {
         Err(CommError::Protocol { peer: Some(0), .. }) => {}
         other => panic!("rank 1: want Protocol from rank 0, got {other:?}"),
     }
-    for (r, o) in out.iter().enumerate() {
-        assert!(o.is_err(), "rank {r}: {o:?}");
-    }
+    right_or_failed(&out, 10.0);
 }
 
 /// A duplicated frame is detected (`Protocol` naming the duplicate), and

@@ -100,6 +100,9 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
         (OpKind::AllReduce, Algorithm::HalvingDoubling) => {
             Listed::one(halving_doubling(r, n, spec.count))
         }
+        (OpKind::AllReduce, Algorithm::RecursiveDoubling) => {
+            Listed::one(recursive_doubling(r, n, spec.count))
+        }
         (OpKind::AllReduce, Algorithm::BinomialTree) => {
             let s = segs(spec.count * spec.elem_size);
             let lanes = (0..s)
@@ -594,6 +597,46 @@ fn halving_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
         v.push(send(partner, tag, Buf::Output, range.clone()));
         v.push(recv(partner, tag, Buf::Output, sibling, false));
         range = parent;
+    }
+    if r < 2 * extra {
+        v.push(send(r - 1, final_tag, Buf::Output, all));
+    }
+    v
+}
+
+/// Recursive doubling: at step `k`, exchange the whole vector with the
+/// partner `2^k` away and reduce it in. Ranks past the largest power of two
+/// fold in first (the even rank of each extra pair gives its vector to the
+/// odd one and gets the result back at the end), as in halving-doubling.
+/// Every rank combines the same two partial sums at each step, so with
+/// commutative ops all ranks end bit for bit equal.
+fn recursive_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
+    let mut v = Vec::new();
+    if n == 1 {
+        return v;
+    }
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let extra = n - p;
+    let steps = p.trailing_zeros() as usize;
+    let final_tag = steps as u32 + 1;
+    let all = 0..count;
+    let new_rank = if r < 2 * extra {
+        if r % 2 == 0 {
+            v.push(send(r + 1, 0, Buf::Output, all.clone()));
+            v.push(recv(r + 1, final_tag, Buf::Output, all, false));
+            return v;
+        }
+        v.push(recv(r - 1, 0, Buf::Output, all.clone(), true));
+        r / 2
+    } else {
+        r - extra
+    };
+    let actual = |nr: usize| if nr < extra { 2 * nr + 1 } else { nr + extra };
+    for k in 0..steps {
+        let partner = actual(new_rank ^ (1 << k));
+        let tag = 1 + k as u32;
+        v.push(send(partner, tag, Buf::Output, all.clone()));
+        v.push(recv(partner, tag, Buf::Output, all.clone(), true));
     }
     if r < 2 * extra {
         v.push(send(r - 1, final_tag, Buf::Output, all));

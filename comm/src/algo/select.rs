@@ -14,6 +14,10 @@ pub enum Algorithm {
     Ring,
     /// Recursive halving then doubling, any world size (all_reduce).
     HalvingDoubling,
+    /// Recursive doubling, any world size (all_reduce of small messages):
+    /// the whole vector is exchanged and reduced at each of log2(n) steps,
+    /// half the steps of halving-doubling.
+    RecursiveDoubling,
     /// Binomial tree (broadcast, reduce; all_reduce as reduce + broadcast).
     BinomialTree,
     /// Pipelined chain (broadcast of large messages).
@@ -29,9 +33,10 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 8] = [
         Algorithm::Ring,
         Algorithm::HalvingDoubling,
+        Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
         Algorithm::Chain,
         Algorithm::Direct,
@@ -44,6 +49,7 @@ impl Algorithm {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::HalvingDoubling => "halving_doubling",
+            Algorithm::RecursiveDoubling => "recursive_doubling",
             Algorithm::BinomialTree => "binomial_tree",
             Algorithm::Chain => "chain",
             Algorithm::Direct => "direct",
@@ -56,7 +62,7 @@ impl Algorithm {
     pub fn ops(self) -> &'static [OpKind] {
         match self {
             Algorithm::Ring => &[OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter],
-            Algorithm::HalvingDoubling => &[OpKind::AllReduce],
+            Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling => &[OpKind::AllReduce],
             Algorithm::BinomialTree => &[OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce],
             Algorithm::Chain => &[OpKind::Broadcast],
             Algorithm::Direct => &[
@@ -86,7 +92,7 @@ impl fmt::Display for Algorithm {
 /// An algorithm name that is not one of [`Algorithm::ALL`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown algorithm {0:?}: expected one of ring, halving_doubling, binomial_tree, chain, \
+    "unknown algorithm {0:?}: expected one of ring, halving_doubling, recursive_doubling, binomial_tree, chain, \
      direct, pairwise, dissemination (or op=algo pairs such as all_reduce=ring,broadcast=chain)"
 )]
 pub struct ParseAlgoError(pub String);
@@ -135,6 +141,11 @@ impl Default for AlgoConfig {
     }
 }
 
+/// all_reduce of at most this many bytes uses recursive doubling: the step
+/// count decides, not the bytes (4 KiB took 2 steps instead of 1 at 2
+/// ranks on shared memory).
+pub const SMALL_BYTES: usize = 16 * 1024;
+
 /// Messages below this many bytes are latency-bound on TCP (reference.md:
 /// about 55 KB on this class of machine).
 pub const LATENCY_BOUND_BYTES: usize = 64 * 1024;
@@ -172,8 +183,9 @@ impl AlgoConfig {
     /// The algorithm for `op` moving `bytes` over `world` ranks: an override
     /// that implements the op, else the policy.
     ///
-    /// Policy: all_reduce uses halving-doubling below
-    /// [`LATENCY_BOUND_BYTES`] (log-depth latency) and the ring above
+    /// Policy: all_reduce uses recursive doubling up to [`SMALL_BYTES`],
+    /// halving-doubling below [`LATENCY_BOUND_BYTES`] (log-depth latency)
+    /// and the ring above
     /// (bandwidth-optimal); broadcast uses the pipelined chain for large
     /// messages on small worlds and the binomial tree otherwise.
     pub fn select(&self, op: OpKind, bytes: usize, world: usize) -> Algorithm {
@@ -200,6 +212,7 @@ impl AlgoConfig {
         let single_copy = fabric == Fabric::SingleCopy;
         match op {
             OpKind::Broadcast if single_copy && bytes >= LATENCY_BOUND_BYTES => Algorithm::Direct,
+            OpKind::AllReduce if bytes <= SMALL_BYTES => Algorithm::RecursiveDoubling,
             OpKind::AllReduce if bytes < LATENCY_BOUND_BYTES => Algorithm::HalvingDoubling,
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => Algorithm::Ring,
             OpKind::Broadcast if bytes >= 4 * self.segment_bytes && world <= 16 => Algorithm::Chain,

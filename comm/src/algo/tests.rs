@@ -300,6 +300,31 @@ fn ring_all_reduce_sends_the_bandwidth_optimal_volume() {
 }
 
 #[test]
+fn recursive_doubling_takes_half_the_steps_of_halving_doubling() {
+    for (n, want) in [(2usize, 1usize), (4, 2), (8, 3), (16, 4)] {
+        let mut s = build(
+            &spec(OpKind::AllReduce, 0, n, 64, 0, &[]),
+            Algorithm::RecursiveDoubling,
+            &AlgoConfig::default(),
+        )
+        .unwrap();
+        let mut transmits = 0;
+        while let Some(a) = s.poll() {
+            match a {
+                Action::Transmit(t) => {
+                    transmits += 1;
+                    assert_eq!(t.range, 0..64, "the whole vector each step");
+                }
+                Action::Receive(rv) => s.handle_recv(rv.from, rv.tag).unwrap(),
+                Action::Copy(_) => {}
+            }
+        }
+        assert_eq!(transmits, want, "n={n}");
+        assert!(s.is_done());
+    }
+}
+
+#[test]
 fn halving_doubling_uses_log_steps() {
     for (n, want) in [(2usize, 2usize), (4, 4), (8, 6), (16, 8)] {
         let mut s = build(
@@ -378,6 +403,10 @@ fn selection_policy_and_overrides() {
     let c = AlgoConfig::default();
     assert_eq!(
         c.select(OpKind::AllReduce, 4096, 8),
+        Algorithm::RecursiveDoubling
+    );
+    assert_eq!(
+        c.select(OpKind::AllReduce, 32 << 10, 8),
         Algorithm::HalvingDoubling
     );
     assert_eq!(c.select(OpKind::AllReduce, 64 << 20, 8), Algorithm::Ring);

@@ -259,6 +259,9 @@ struct RankState {
     engine: Engine<Vec<u8>>,
     status: Status,
     nic_free: u64,
+    /// When this rank's last message to each rank arrives (a reset follows
+    /// it, as a FIN follows the data).
+    last_arrive: Vec<u64>,
     sent: u64,
     events: u64,
     calls: u64,
@@ -457,6 +460,7 @@ impl SimWorld {
                 engine: Engine::new(r, n),
                 status: Status::Alive,
                 nic_free: 0,
+                last_arrive: vec![0; n],
                 sent: 0,
                 events: 0,
                 calls: 0,

@@ -227,6 +227,8 @@ impl State {
                 bytes,
             });
         } else {
+            let last = &mut self.ranks[r].last_arrive[to];
+            *last = (*last).max(arrive);
             let checksum = self.checksums.then(|| fnv(&data));
             let mut data = data;
             if corrupt {
@@ -475,7 +477,8 @@ impl State {
         };
         for q in 0..self.n {
             if q != r && self.ranks[q].status == Status::Alive {
-                let at = t + ns(self.topo.link(r, q).alpha);
+                // After the last message to q, however it was delayed.
+                let at = (t + ns(self.topo.link(r, q).alpha)).max(self.ranks[r].last_arrive[q] + 1);
                 let msg = Msg {
                     from: r,
                     fp,
