@@ -383,7 +383,10 @@ impl Inner {
             if round % 16 == 0 && start.elapsed() >= self.spin {
                 break;
             }
-            if self.yield_spin {
+            // Yield the core now and then even with a core per rank: two
+            // ranks the scheduler put on one core would otherwise take
+            // turns only at the end of a time slice.
+            if self.yield_spin || round % 512 == 0 {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
