@@ -3,7 +3,7 @@
 //! and connects.
 //!
 //! A card says where this rank listens, its segment size, and what its
-//! [`LocalTransport`] needs to decide (a host identity), or that it has
+//! [`crate::LocalTransport`] needs to decide (a host identity), or that it has
 //! none. From the cards every rank computes the same answers:
 //!
 //! - the segment size: the smallest any rank was given (schedules split
@@ -384,7 +384,7 @@ async fn connect_streams<T: StreamTransport>(
         (0..world).map(|_| (0..k).map(|_| None).collect()).collect();
     let dial = async {
         for &peer in remote.iter().filter(|&&p| p < rank) {
-            for stream in 0..k {
+            for (stream, slot) in conns[peer].iter_mut().enumerate() {
                 let h = hello(rank, world, stream, k);
                 let addr = &cards[peer].addr;
                 let s = dial_one(net, addr, opts.secret.as_ref(), &h)
@@ -392,7 +392,7 @@ async fn connect_streams<T: StreamTransport>(
                     .map_err(|e| {
                         setup_err(name, rank, format_args!("rank {peer} at {addr}: {e}"))
                     })?;
-                conns[peer][stream] = Some(s);
+                *slot = Some(s);
             }
         }
         let wanted = |p: usize| p > rank && remote.contains(&p);

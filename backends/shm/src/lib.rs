@@ -6,11 +6,11 @@
 //! This crate owns moving bytes and failure signals only (the driver and
 //! its rules are consort-mesh's):
 //!
-//! - [`queue`]: one direction of a pair, a lock-free byte queue;
-//! - [`region`]: sealed memfds that hold them, and [`ShmTransport`]'s host
+//! - `queue`: one direction of a pair, a lock-free byte queue;
+//! - `region`: sealed memfds that hold them, and [`ShmTransport`]'s host
 //!   identity;
-//! - [`bell`]: the datagram a side rings when the other sleeps;
-//! - [`cma`]: single-copy large messages, read by the receiver straight
+//! - `bell`: the datagram a side rings when the other sleeps;
+//! - `cma`: single-copy large messages, read by the receiver straight
 //!   from the sender's memory (`process_vm_readv`), where the kernel
 //!   allows it; elsewhere they go through the queues;
 //! - the failure signals: a peer that drops its mesh closes its queues;

@@ -43,7 +43,7 @@ impl MeshBackend {
                 }
                 PeerLink::Polled(link) => {
                     polled.push(peer);
-                    Link::Polled(poll::Polled::new(link))
+                    Link::Polled(Box::new(poll::Polled::new(link)))
                 }
             });
         }

@@ -102,7 +102,7 @@ enum Link {
     Me,
     /// Write halves, by stream.
     Streams(Vec<tokio::sync::Mutex<Writer>>),
-    Polled(poll::Polled),
+    Polled(Box<poll::Polled>),
 }
 
 struct Inner {
