@@ -94,8 +94,11 @@ pub(crate) fn read(pid: u32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
             iov_base: dst[done..].as_mut_ptr().cast(),
             iov_len: dst.len() - done,
         };
+        let at = addr.checked_add(done as u64).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "a payload address past the end")
+        })?;
         let remote = libc::iovec {
-            iov_base: (addr + done as u64) as *mut libc::c_void,
+            iov_base: at as *mut libc::c_void,
             iov_len: dst.len() - done,
         };
         // SAFETY: `local` covers the rest of `dst`, which we own mutably;

@@ -45,12 +45,15 @@ use crate::{bell::Bell, queue::Queue, region::Region};
 pub struct ShmTransport {
     /// Bytes of each direction's queue (a power of two, at least 64 KiB).
     /// Default 4 MiB; `CONSORT_SHM_QUEUE_BYTES` sets it under
-    /// `init_from_env`.
+    /// `init_from_env`. Queues are mapped whole at set-up (a queue first
+    /// used page by page made its first ~1000 small calls 2-3× slower), so
+    /// a host of `n` ranks holds `n(n-1)` of them: 960 MiB at 16 ranks.
     pub queue_bytes: usize,
     /// Let peers read large payloads of the ops that only move data
     /// (broadcast, all_gather, gather, scatter, all_to_all) straight from
-    /// this process's memory (CMA), where the kernel allows it, and pick
-    /// the single-copy broadcast. Default off: on the machines measured so
+    /// this process's memory (CMA), where the kernel allows it
+    /// (`CONSORT_ALGO=broadcast=direct` then makes every reader copy from
+    /// the root once). Default off: on the machines measured so
     /// far (see the README), `process_vm_readv` pins pages at about half
     /// the speed of a copy, and the two copies through a cache-sized queue
     /// win. `CONSORT_SHM_CMA=1` turns it on.

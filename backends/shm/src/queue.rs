@@ -73,7 +73,9 @@ impl Queue {
     pub(crate) fn push(&self, parts: &[&[u8]], from: usize) -> (usize, bool) {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let w = self.u64_at(WRITE).load(Ordering::Relaxed);
-        let r = self.u64_at(READ).load(Ordering::Acquire);
+        // SeqCst: pairs with the consumer's store of `read` and the
+        // producer's own `arm_writer`, so a wake-up is never lost.
+        let r = self.u64_at(READ).load(Ordering::SeqCst);
         let used = w.wrapping_sub(r);
         if used > self.cap as u64 {
             // A peer that corrupted its counter: nothing more goes in.

@@ -184,7 +184,11 @@ pub(crate) fn host_id() -> String {
     let pids = std::fs::metadata("/proc/self/ns/pid")
         .map(|m| m.ino().to_string())
         .unwrap_or_default();
-    format!("{}/{}/{shm}/{pids}", boot.trim(), host.trim())
+    // The bells are abstract sockets, which live per network namespace.
+    let net = std::fs::metadata("/proc/self/ns/net")
+        .map(|m| m.ino().to_string())
+        .unwrap_or_default();
+    format!("{}/{}/{shm}/{pids}/{net}", boot.trim(), host.trim())
 }
 
 /// Whether a region name from a peer is one this crate makes.

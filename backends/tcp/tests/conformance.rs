@@ -12,6 +12,16 @@ use consort_shm::ShmTransport;
 use consort_tcp::{TcpBackend, TcpOptions};
 use consort_tests::WorldFuture;
 
+/// The shared-memory transport with the smallest queues (64 KiB): worlds
+/// of up to 16 ranks build n(n-1) queues, each mapped whole at set-up, and
+/// small queues also fill and wrap often, which the suite should see.
+fn small_queues() -> ShmTransport {
+    ShmTransport {
+        queue_bytes: 64 << 10,
+        ..ShmTransport::default()
+    }
+}
+
 fn tcp_world(n: usize) -> WorldFuture {
     world_with(n, 1, usize::MAX, false)
 }
@@ -25,7 +35,7 @@ fn tcp_world_shm(n: usize) -> WorldFuture {
 fn tcp_world_cma(n: usize) -> WorldFuture {
     world_local(n, 0, |_| ShmTransport {
         cma: true,
-        ..ShmTransport::default()
+        ..small_queues()
     })
 }
 
@@ -128,7 +138,7 @@ fn world_opts(
             stall_probe: Duration::from_millis(100),
             streams,
             in_place_min,
-            local: shm.then(|| ShmTransport::default().shared()),
+            local: shm.then(|| small_queues().shared()),
             ..TcpOptions::default()
         };
         let tasks: Vec<_> = (0..n)
@@ -294,7 +304,7 @@ fn faulty(n: usize, faults: Vec<consort_comm::fault::Fault>, shm: bool) -> World
             timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_secs(60),
             stall_probe: Duration::from_millis(100),
-            local: shm.then(|| ShmTransport::default().shared()),
+            local: shm.then(|| small_queues().shared()),
             faults,
             fault_seed: 7,
             ..TcpOptions::default()

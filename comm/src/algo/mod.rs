@@ -30,7 +30,7 @@ use std::{fmt, ops::Range};
 use rustc_hash::FxHashMap;
 
 pub use programs::{CallSpec, build};
-pub use select::{AlgoConfig, Algorithm, Fabric, ParseAlgoError};
+pub use select::{AlgoConfig, Algorithm, ParseAlgoError};
 
 use crate::OpKind;
 

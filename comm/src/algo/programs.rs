@@ -679,8 +679,10 @@ fn direct(r: usize, n: usize, root: usize, m: usize, gather: bool) -> Vec<Vec<Ac
 
 /// Direct broadcast: the root sends the whole buffer to every rank at once,
 /// each acknowledging it. Where the transport lets the receivers read the
-/// root's memory (same host), every reader copies from the root once, all
-/// in parallel: the shared-memory schedule.
+/// root's memory (same host, `CONSORT_SHM_CMA=1`), every reader copies from
+/// the root once, all in parallel: the shared-memory schedule, chosen with
+/// `CONSORT_ALGO=broadcast=direct` (the policy cannot know that every pair
+/// of the group can read each other).
 fn direct_broadcast(r: usize, n: usize, root: usize, count: usize) -> Vec<Vec<Action>> {
     if r == root {
         return (0..n)

@@ -108,16 +108,6 @@ impl FromStr for Algorithm {
     }
 }
 
-/// What a group's links can do, as far as the policy cares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fabric {
-    /// Messages are copied into the link and out of it (sockets, queues).
-    Network,
-    /// Every member can read every other member's memory (same-host
-    /// shared memory with CMA): a receiver copies a payload once, itself.
-    SingleCopy,
-}
-
 /// Tunables of the schedules, shared by every driver.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AlgoConfig {
@@ -189,14 +179,6 @@ impl AlgoConfig {
     /// (bandwidth-optimal); broadcast uses the pipelined chain for large
     /// messages on small worlds and the binomial tree otherwise.
     pub fn select(&self, op: OpKind, bytes: usize, world: usize) -> Algorithm {
-        self.select_on(op, bytes, world, Fabric::Network)
-    }
-
-    /// [`AlgoConfig::select`] for a group whose links are `fabric`. On
-    /// [`Fabric::SingleCopy`], a large broadcast is direct: every reader
-    /// copies from the root once, in parallel, instead of a chain of
-    /// hops.
-    pub fn select_on(&self, op: OpKind, bytes: usize, world: usize, fabric: Fabric) -> Algorithm {
         let forced = self
             .overrides
             .iter()
@@ -209,9 +191,7 @@ impl AlgoConfig {
         if let Some((_, a)) = forced {
             return *a;
         }
-        let single_copy = fabric == Fabric::SingleCopy;
         match op {
-            OpKind::Broadcast if single_copy && bytes >= LATENCY_BOUND_BYTES => Algorithm::Direct,
             OpKind::AllReduce if bytes <= SMALL_BYTES => Algorithm::RecursiveDoubling,
             OpKind::AllReduce if bytes < LATENCY_BOUND_BYTES => Algorithm::HalvingDoubling,
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => Algorithm::Ring,

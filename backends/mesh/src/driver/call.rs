@@ -40,10 +40,7 @@ impl MeshBackend {
         let inner = &self.inner;
         let n = self.members.len();
         let spec = req.spec(self.me, n);
-        let algo = self
-            .opts
-            .algo
-            .select_on(req.op, spec.bytes(), n, self.fabric());
+        let algo = self.opts.algo.select(req.op, spec.bytes(), n);
         let schedule = build(&spec, algo, &self.opts.algo)?;
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
         let raw = RawBufs {
@@ -69,6 +66,7 @@ impl MeshBackend {
         // can go, however the call ends.
         let mut pulls = Pulls {
             inner,
+            call: call_id,
             out: Vec::new(),
         };
         let mut run = CallRun {

@@ -2,6 +2,8 @@
 //! never cut in half by a deadline, or into a polled link), the schedule's
 //! actions against the engine, and stall probes.
 
+use std::sync::atomic::Ordering;
+
 use super::*;
 
 /// One stream's write half, and whether a frame on it was cut off.
@@ -188,6 +190,9 @@ impl Inner {
         if let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to))
             && payload.len() >= self.single_copy_min
             && l.link.peer_pulls()
+            && l.puller
+                .compare_exchange(0, pulls.call, Ordering::SeqCst, Ordering::SeqCst)
+                .map_or_else(|owner| owner == pulls.call, |_| true)
         {
             let header = FrameHeader {
                 kind: FrameKind::Pull,
@@ -236,7 +241,7 @@ impl Inner {
                 }
             }
         }
-        pulls.out.clear();
+        pulls.release();
         Ok(())
     }
 }
@@ -247,7 +252,22 @@ impl Inner {
 /// instead of using them.
 pub(super) struct Pulls<'a> {
     pub(super) inner: &'a Inner,
+    /// The call's registry id (see `Polled::puller`).
+    pub(super) call: u64,
     pub(super) out: Vec<(usize, u64)>,
+}
+
+impl Pulls<'_> {
+    /// Every pull was read: the links are free for another call's.
+    fn release(&mut self) {
+        for (to, _) in self.out.drain(..) {
+            if let Some(Link::Polled(l)) = self.inner.links.get(to) {
+                let _ = l
+                    .puller
+                    .compare_exchange(self.call, 0, Ordering::SeqCst, Ordering::SeqCst);
+            }
+        }
+    }
 }
 
 impl Drop for Pulls<'_> {
@@ -257,25 +277,11 @@ impl Drop for Pulls<'_> {
                 l.link.revoke(seq);
             }
         }
+        self.release();
     }
 }
 
 impl MeshBackend {
-    /// What this group's links can do: single-copy when every other member
-    /// is a same-host peer that can read this rank's memory.
-    pub(super) fn fabric(&self) -> Fabric {
-        let all = self.members.iter().all(|&m| match &self.inner.links[m] {
-            Link::Me => true,
-            Link::Polled(l) => l.link.peer_pulls(),
-            Link::Streams(_) => false,
-        });
-        if all && self.members.len() > 1 {
-            Fabric::SingleCopy
-        } else {
-            Fabric::Network
-        }
-    }
-
     /// Registers a call with the engine, which fixes its sequence number
     /// now, and returns the work that drives it.
     pub(super) fn start<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {

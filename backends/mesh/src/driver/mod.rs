@@ -26,7 +26,7 @@ use consort_comm::{
     Backend, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, Op, OpKind,
     ReduceOp, Result, Work,
     algo::{
-        Action, Buf, Fabric, Receive, build,
+        Action, Buf, Receive, build,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
     engine::{Begun, CallId, Engine},

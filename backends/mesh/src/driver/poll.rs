@@ -31,6 +31,10 @@ pub(super) struct Polled {
     lost: AtomicBool,
     /// Pull frames sent on this link (the last one's number).
     pub(super) pulls_sent: AtomicU64,
+    /// The call (registry id) whose pull frames on this link are not all
+    /// read yet, 0 for none: one at a time, so that revoking one call's
+    /// pulls (numbers up to its last) never revokes another's.
+    pub(super) puller: AtomicU64,
 }
 
 impl Polled {
@@ -41,6 +45,7 @@ impl Polled {
             recv: Mutex::new(Decoder::default()),
             lost: AtomicBool::new(false),
             pulls_sent: AtomicU64::new(0),
+            puller: AtomicU64::new(0),
         }
     }
 }
@@ -220,15 +225,21 @@ impl Decoder {
                 (link.read_peer(addr, &mut b), Some(b))
             }
         };
-        // The sender revokes its bytes before it lets them go.
-        if link.revoked() >= self.pulls {
+        // Every pull frame taken is counted, read or not: the sender numbers
+        // them in order.
+        link.count_pull();
+        // The sender revokes its bytes before it lets them go; one that
+        // died is reported lost by its link (pidfd), not here.
+        let dead = read
+            .as_ref()
+            .is_err_and(|e| link.is_closed() || e.raw_os_error() == Some(libc::ESRCH));
+        if link.revoked() >= self.pulls || dead {
             if let Some(b) = filed {
                 inner.recycle(b);
             }
             return Ok(());
         }
         read.map_err(|e| format!("reading a payload from rank {peer}'s memory: {e}"))?;
-        link.count_pull();
         match filed {
             None => file_done(inner, peer, h),
             Some(b) => file_frame(inner, peer, h, b),
@@ -268,6 +279,21 @@ impl Decoder {
             off += n;
         }
         Ok(())
+    }
+}
+
+/// Closes a polled link whose frame was cut short (see `send_polled`).
+struct CutGuard<'a> {
+    link: &'a dyn PolledLink,
+    done: usize,
+    total: usize,
+}
+
+impl Drop for CutGuard<'_> {
+    fn drop(&mut self) {
+        if self.done > 0 && self.done < self.total {
+            self.link.close();
+        }
     }
 }
 
@@ -330,16 +356,19 @@ impl Inner {
             let mut replies = Vec::new();
             let mut bad = None;
             let link = &*l.link;
-            let pulled =
-                l.link.pull(
-                    &mut |bytes| match dec.feed(self, (p, link), bytes, &mut replies) {
-                        Ok(n) => n,
-                        Err(e) => {
-                            bad.get_or_insert(e);
-                            bytes.len()
-                        }
-                    },
-                );
+            let pulled = l.link.pull(&mut |bytes| {
+                // After a broken frame nothing more is decoded.
+                if bad.is_some() {
+                    return bytes.len();
+                }
+                match dec.feed(self, (p, link), bytes, &mut replies) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        bad.get_or_insert(e);
+                        bytes.len()
+                    }
+                }
+            });
             drop(dec);
             for reply in replies {
                 let inner = self.clone();
@@ -348,6 +377,8 @@ impl Inner {
             let gone = match (bad, pulled) {
                 (Some(e), _) => {
                     broken(self, p, format!("bad frame: {e}"));
+                    // The peer must not wait on a link nobody reads.
+                    l.link.close();
                     Some(format!("bad frame: {e}"))
                 }
                 (None, Err(why)) => Some(why),
@@ -417,11 +448,20 @@ impl Inner {
         let parts = [header, payload, &zeros[..padding(payload.len())]];
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let _one = l.send.lock().await;
-        let mut done = 0;
+        // A frame cut short (this future dropped by a deadline or a
+        // cancelled call) would make the peer read the next frame's bytes
+        // as the rest of this one: the link closes instead, and the peer
+        // sees it closed.
+        let mut cut = CutGuard {
+            link: &*l.link,
+            done: 0,
+            total,
+        };
         let mut since = Instant::now();
         loop {
-            let n = l.link.push(&parts, done);
-            done += n;
+            let n = l.link.push(&parts, cut.done);
+            cut.done += n;
+            let done = cut.done;
             if done == total {
                 return Ok(if pull {
                     l.pulls_sent.fetch_add(1, Ordering::SeqCst) + 1
@@ -449,8 +489,8 @@ impl Inner {
             }
             l.link.arm();
             let m = l.link.push(&parts, done);
-            done += m;
-            if m > 0 || done == total {
+            cut.done += m;
+            if m > 0 || cut.done == total {
                 continue;
             }
             let _ = before(Instant::now() + Duration::from_millis(10), notified).await;
