@@ -545,28 +545,58 @@ fn binomial_reduce(
 /// Recursive halving (reduce-scatter) then recursive doubling (all-gather)
 /// among the largest power of two `p <= n`; the `n - p` extra ranks first
 /// fold their data into a partner and get the result back at the end.
-fn halving_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
-    let mut v = Vec::new();
-    if n == 1 {
-        return v;
-    }
+/// The fold of a world that is not a power of two, shared by the doubling
+/// all_reduces: the even rank of each of the first `n - p` pairs gives its
+/// vector to the odd one and gets the result back (tag `final_tag`) at the
+/// end. Pushes the fold's actions to `v` and returns, for a rank that takes
+/// part in the power-of-two core, its rank there, `p`, and the map from a
+/// core rank back to its real one; `None` for a rank that folded out (its
+/// actions are complete).
+fn fold_in(
+    r: usize,
+    n: usize,
+    count: usize,
+    final_tag: u32,
+    v: &mut Vec<Action>,
+) -> Option<(usize, usize, impl Fn(usize) -> usize + use<>)> {
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let extra = n - p;
-    let steps = p.trailing_zeros() as usize;
-    let final_tag = 2 * steps as u32 + 1;
     let all = 0..count;
     let new_rank = if r < 2 * extra {
         if r % 2 == 0 {
             v.push(send(r + 1, 0, Buf::Output, all.clone()));
             v.push(recv(r + 1, final_tag, Buf::Output, all, false));
-            return v;
+            return None;
         }
-        v.push(recv(r - 1, 0, Buf::Output, all.clone(), true));
+        v.push(recv(r - 1, 0, Buf::Output, all, true));
         r / 2
     } else {
         r - extra
     };
-    let actual = |nr: usize| if nr < extra { 2 * nr + 1 } else { nr + extra };
+    let actual = move |nr: usize| if nr < extra { 2 * nr + 1 } else { nr + extra };
+    Some((new_rank, p, actual))
+}
+
+/// The end of [`fold_in`]: an odd rank of a folded pair hands the result
+/// back.
+fn fold_out(r: usize, n: usize, count: usize, final_tag: u32, v: &mut Vec<Action>) {
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    if r < 2 * (n - p) {
+        v.push(send(r - 1, final_tag, Buf::Output, 0..count));
+    }
+}
+
+fn halving_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
+    let mut v = Vec::new();
+    if n == 1 {
+        return v;
+    }
+    let steps = (usize::BITS - 1 - n.leading_zeros()) as usize;
+    let final_tag = 2 * steps as u32 + 1;
+    let all = 0..count;
+    let Some((new_rank, p, actual)) = fold_in(r, n, count, final_tag, &mut v) else {
+        return v;
+    };
     let mut range = all.clone();
     let mut stack = Vec::with_capacity(steps);
     for k in 0..steps {
@@ -598,9 +628,7 @@ fn halving_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
         v.push(recv(partner, tag, Buf::Output, sibling, false));
         range = parent;
     }
-    if r < 2 * extra {
-        v.push(send(r - 1, final_tag, Buf::Output, all));
-    }
+    fold_out(r, n, count, final_tag, &mut v);
     v
 }
 
@@ -615,32 +643,19 @@ fn recursive_doubling(r: usize, n: usize, count: usize) -> Vec<Action> {
     if n == 1 {
         return v;
     }
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let extra = n - p;
-    let steps = p.trailing_zeros() as usize;
+    let steps = (usize::BITS - 1 - n.leading_zeros()) as usize;
     let final_tag = steps as u32 + 1;
     let all = 0..count;
-    let new_rank = if r < 2 * extra {
-        if r % 2 == 0 {
-            v.push(send(r + 1, 0, Buf::Output, all.clone()));
-            v.push(recv(r + 1, final_tag, Buf::Output, all, false));
-            return v;
-        }
-        v.push(recv(r - 1, 0, Buf::Output, all.clone(), true));
-        r / 2
-    } else {
-        r - extra
+    let Some((new_rank, _, actual)) = fold_in(r, n, count, final_tag, &mut v) else {
+        return v;
     };
-    let actual = |nr: usize| if nr < extra { 2 * nr + 1 } else { nr + extra };
     for k in 0..steps {
         let partner = actual(new_rank ^ (1 << k));
         let tag = 1 + k as u32;
         v.push(send(partner, tag, Buf::Output, all.clone()));
         v.push(recv(partner, tag, Buf::Output, all.clone(), true));
     }
-    if r < 2 * extra {
-        v.push(send(r - 1, final_tag, Buf::Output, all));
-    }
+    fold_out(r, n, count, final_tag, &mut v);
     v
 }
 
