@@ -66,33 +66,28 @@ fn world_with(n: usize, streams: usize, in_place_min: usize, shm: bool) -> World
     world_opts(n, streams, in_place_min, shm, "")
 }
 
-/// Every rank on shared memory, rank `r` with transport `shm(r)`.
-async fn local_backends(
-    n: usize,
-    in_place_min: usize,
-    shm: impl Fn(usize) -> ShmTransport,
-) -> Vec<Arc<TcpBackend>> {
+/// The suite's options: generous hang guards (up to 16 ranks build a full
+/// mesh on a 2-core machine, where CI may be busy with other work), small
+/// segments so that short buffers exercise pipelining, quick stall probes.
+fn suite_options() -> TcpOptions {
+    TcpOptions {
+        timeout: Duration::from_secs(20),
+        connect_timeout: Duration::from_secs(60),
+        algo: AlgoConfig {
+            segment_bytes: 64,
+            window: 4,
+            overrides: Vec::new(),
+        },
+        stall_probe: Duration::from_millis(100),
+        ..TcpOptions::default()
+    }
+}
+
+/// `n` ranks meeting through one store, rank `r` with options `opts(r)`.
+async fn connect_all(n: usize, opts: impl Fn(usize) -> TcpOptions) -> Vec<Arc<TcpBackend>> {
     let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
     let tasks: Vec<_> = (0..n)
-        .map(|r| {
-            let opts = TcpOptions {
-                timeout: Duration::from_secs(20),
-                connect_timeout: Duration::from_secs(60),
-                algo: AlgoConfig {
-                    segment_bytes: 64,
-                    window: 4,
-                    overrides: Vec::new(),
-                },
-                stall_probe: Duration::from_millis(100),
-                in_place_min,
-                // Every payload of the ops that only move data goes as a
-                // pull frame where single copies are on.
-                single_copy_min: 0,
-                local: Some(shm(r).shared()),
-                ..TcpOptions::default()
-            };
-            tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts))
-        })
+        .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts(r))))
         .collect();
     let mut out = Vec::with_capacity(n);
     for t in tasks {
@@ -101,18 +96,34 @@ async fn local_backends(
     out
 }
 
+/// The handles of `connect_all` as a conformance world.
+async fn as_world(b: Vec<Arc<TcpBackend>>) -> Vec<Arc<dyn Backend>> {
+    b.into_iter().map(|b| b as Arc<dyn Backend>).collect()
+}
+
+/// Every rank on shared memory, rank `r` with transport `shm(r)`.
+async fn local_backends(
+    n: usize,
+    in_place_min: usize,
+    shm: impl Fn(usize) -> ShmTransport,
+) -> Vec<Arc<TcpBackend>> {
+    connect_all(n, |r| TcpOptions {
+        in_place_min,
+        // Every payload of the ops that only move data goes as a pull
+        // frame where single copies are on.
+        single_copy_min: 0,
+        local: Some(shm(r).shared()),
+        ..suite_options()
+    })
+    .await
+}
+
 fn world_local(
     n: usize,
     in_place_min: usize,
-    shm: impl Fn(usize) -> ShmTransport + Send + 'static,
+    shm: impl Fn(usize) -> ShmTransport + Send + Sync + 'static,
 ) -> WorldFuture {
-    Box::pin(async move {
-        local_backends(n, in_place_min, shm)
-            .await
-            .into_iter()
-            .map(|b| b as Arc<dyn Backend>)
-            .collect()
-    })
+    Box::pin(async move { as_world(local_backends(n, in_place_min, shm).await).await })
 }
 
 fn world_opts(
@@ -123,32 +134,17 @@ fn world_opts(
     overrides: &'static str,
 ) -> WorldFuture {
     Box::pin(async move {
-        // Generous hang guards: up to 16 ranks build a full mesh on a
-        // 2-core machine, where CI may be busy with other work.
-        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
-        let opts = TcpOptions {
-            timeout: Duration::from_secs(20),
-            connect_timeout: Duration::from_secs(60),
-            // Small segments so that short buffers exercise pipelining.
-            algo: AlgoConfig {
-                segment_bytes: 64,
-                window: 4,
-                overrides: AlgoConfig::parse_overrides(overrides).expect("overrides"),
-            },
-            stall_probe: Duration::from_millis(100),
-            streams,
-            in_place_min,
-            local: shm.then(|| small_queues().shared()),
-            ..TcpOptions::default()
+        let opts = |_| {
+            let mut o = TcpOptions {
+                streams,
+                in_place_min,
+                local: shm.then(|| small_queues().shared()),
+                ..suite_options()
+            };
+            o.algo.overrides = AlgoConfig::parse_overrides(overrides).expect("overrides");
+            o
         };
-        let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts.clone())))
-            .collect();
-        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
-        for t in tasks {
-            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
-        }
-        out
+        as_world(connect_all(n, opts).await).await
     })
 }
 
@@ -299,24 +295,14 @@ async fn a_rank_without_single_copy_falls_back_to_the_queues_per_pair() {
 /// shared memory, with a 3 s op timeout.
 fn faulty(n: usize, faults: Vec<consort_comm::fault::Fault>, shm: bool) -> WorldFuture {
     Box::pin(async move {
-        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
-        let opts = TcpOptions {
+        let opts = |_| TcpOptions {
             timeout: Duration::from_secs(3),
-            connect_timeout: Duration::from_secs(60),
-            stall_probe: Duration::from_millis(100),
-            local: shm.then(|| small_queues().shared()),
-            faults,
+            local: shm.then(|| ShmTransport::default().shared()),
+            faults: faults.clone(),
             fault_seed: 7,
-            ..TcpOptions::default()
+            ..suite_options()
         };
-        let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts.clone())))
-            .collect();
-        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
-        for t in tasks {
-            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
-        }
-        out
+        as_world(connect_all(n, opts).await).await
     })
 }
 
