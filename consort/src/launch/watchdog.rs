@@ -126,9 +126,11 @@ impl Watchdog {
                 })
             })
         };
-        let culprit = stalled
-            .iter()
-            .copied()
+        // A stopped worker holds the others up whether or not its own
+        // silence has reached the timeout yet (a peer that waited on it
+        // may cross the timeout first).
+        let culprit = (0..self.seen.len())
+            .filter(|&i| watched(i))
             .find(stopped)
             .or_else(|| stalled.iter().copied().find(behind))
             .or_else(|| stalled.iter().copied().min_by_key(|&i| self.seen[i].since))?;
