@@ -628,6 +628,7 @@ mod fitted {
             segment_bytes: 1 << 20,
             window: 4,
             overrides: Vec::new(),
+            oversubscribed: false,
         };
         let predict = |link: Link, hosts: usize, op: OpKind, bytes: usize| {
             let topo = Topology {

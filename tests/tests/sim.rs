@@ -1,6 +1,7 @@
-//! The conformance suite on the simulator, three times: with the default
-//! selection policy, and with the choices forced to the other algorithms
-//! (ring for small all_reduce, chain broadcast; binomial-tree all_reduce),
+//! The conformance suite on the simulator: with the default selection
+//! policy, and with the choices forced to the other algorithms (ring for
+//! small all_reduce, chain broadcast, store-and-forward chain broadcast;
+//! binomial-tree all_reduce),
 //! so that every schedule in `comm::algo` passes the whole suite.
 
 use std::{sync::Arc, time::Duration};
@@ -10,11 +11,16 @@ use consort_sim::{SimConfig, SimWorld};
 use consort_tests::WorldFuture;
 
 fn world(n: usize, overrides: &str) -> Vec<Arc<dyn Backend>> {
+    world_with(n, overrides, false)
+}
+
+fn world_with(n: usize, overrides: &str, oversubscribed: bool) -> Vec<Arc<dyn Backend>> {
     let mut cfg = SimConfig::new(n).timeout(Duration::from_secs(30));
     // Small segments so that short buffers exercise multi-segment
     // pipelines.
     cfg.algo.segment_bytes = 64;
     cfg.algo.overrides = AlgoConfig::parse_overrides(overrides).unwrap();
+    cfg.algo.oversubscribed = oversubscribed;
     SimWorld::new(cfg)
         .unwrap()
         .ranks()
@@ -29,6 +35,12 @@ fn default_policy(n: usize) -> WorldFuture {
 
 fn other_algorithms(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "all_reduce=ring,broadcast=chain") })
+}
+
+/// The chain broadcast as an oversubscribed host runs it: whole messages,
+/// store and forward.
+fn store_and_forward(n: usize) -> WorldFuture {
+    Box::pin(async move { world_with(n, "broadcast=chain", true) })
 }
 
 fn tree_all_reduce(n: usize) -> WorldFuture {
@@ -47,6 +59,10 @@ mod default_policy {
 
 mod other_algorithms {
     consort_tests::conformance!(crate::other_algorithms);
+}
+
+mod store_and_forward {
+    consort_tests::conformance!(crate::store_and_forward);
 }
 
 mod tree_all_reduce {

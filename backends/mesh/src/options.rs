@@ -79,6 +79,7 @@ impl Default for MeshOptions {
                 segment_bytes: 1 << 20,
                 window: 4,
                 overrides: Vec::new(),
+                oversubscribed: false,
             },
             stall_probe: Duration::from_millis(500),
             limits: FrameLimits::default(),

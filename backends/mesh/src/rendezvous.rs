@@ -64,15 +64,18 @@ pub fn setup_err(backend: &str, rank: usize, what: impl fmt::Display) -> CommErr
 struct Card {
     addr: String,
     segment: usize,
+    /// The cores this rank may run on.
+    cores: usize,
     local: Option<String>,
 }
 
 impl Card {
     fn encode(&self) -> String {
         format!(
-            "consort-card 1\n{}\n{}\n{}",
+            "consort-card 2\n{}\n{}\n{}\n{}",
             self.addr,
             self.segment,
+            self.cores,
             self.local.as_deref().unwrap_or("-")
         )
     }
@@ -80,9 +83,10 @@ impl Card {
     fn decode(b: &[u8]) -> Option<Card> {
         let s = std::str::from_utf8(b).ok()?;
         let mut lines = s.split('\n');
-        (lines.next()? == "consort-card 1").then_some(())?;
+        (lines.next()? == "consort-card 2").then_some(())?;
         let addr = lines.next()?.to_string();
         let segment = lines.next()?.parse().ok().filter(|&s: &usize| s > 0)?;
+        let cores = lines.next()?.parse().ok().filter(|&c: &usize| c > 0)?;
         let local = match lines.next()? {
             "-" => None,
             l => Some(l.to_string()),
@@ -90,6 +94,7 @@ impl Card {
         lines.next().is_none().then_some(Card {
             addr,
             segment,
+            cores,
             local,
         })
     }
@@ -184,6 +189,7 @@ async fn exchange_cards<T: StreamTransport>(
     let card = Card {
         addr: net.address(),
         segment: opts.algo.segment_bytes.max(1),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         local: opts.local.as_ref().map(|t| t.card()),
     };
     let key = |r: usize| format!("{}/card/{r}", opts.namespace);
@@ -234,7 +240,8 @@ async fn exchange_cards<T: StreamTransport>(
 }
 
 /// Sets what every rank must share from the cards: the smallest segment
-/// size, and the local transport only if every rank has one.
+/// size, the local transport only if every rank has one, and whether the
+/// ranks share one oversubscribed host.
 fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
     let smallest = cards.iter().map(|c| c.segment).min().unwrap_or(1);
     let mine = opts.algo.segment_bytes;
@@ -253,6 +260,25 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
         );
         opts.local = None;
     }
+    opts.algo.oversubscribed = oversubscribed(cards, opts);
+}
+
+/// Whether every rank is on one host, linked by the local transport, and
+/// the host runs more ranks than the fewest cores any of them may use
+/// ([`consort_comm::algo::AlgoConfig::oversubscribed`]). The same on every
+/// rank: it reads only the cards. A mesh with network links stays
+/// pipelined, since there the links, not the cores, set the pace.
+fn oversubscribed(cards: &[Card], opts: &MeshOptions) -> bool {
+    let (Some(t), Some(first)) = (&opts.local, cards.first().and_then(|c| c.local.as_ref())) else {
+        return false;
+    };
+    let one_host = cards.iter().skip(1).all(|c| {
+        c.local
+            .as_ref()
+            .is_some_and(|theirs| t.can_connect(first, theirs))
+    });
+    let cores = cards.iter().map(|c| c.cores).min().unwrap_or(1);
+    one_host && cards.len() > cores
 }
 
 /// The first bytes of a data stream: magic, version, rank, world size,
@@ -486,6 +512,7 @@ mod tests {
         let c = Card {
             addr: "127.0.0.1:5".into(),
             segment: 1 << 20,
+            cores: 2,
             local: Some("host/x".into()),
         };
         assert_eq!(Card::decode(c.encode().as_bytes()), Some(c.clone()));
@@ -493,13 +520,77 @@ mod tests {
         assert_eq!(Card::decode(none.encode().as_bytes()), Some(none));
         for bad in [
             &b""[..],
-            b"consort-card 2\na\n1\n-",
-            b"consort-card 1\na\n0\n-",
-            b"consort-card 1\na\n1\n-\nextra",
+            b"consort-card 3\na\n1\n2\n-",
+            b"consort-card 1\na\n1\n-",
+            b"consort-card 2\na\n0\n2\n-",
+            b"consort-card 2\na\n1\n0\n-",
+            b"consort-card 2\na\n1\n2\n-\nextra",
             b"\xff",
         ] {
             assert_eq!(Card::decode(bad), None, "{bad:?}");
         }
+    }
+
+    /// A local transport whose cards are host names.
+    #[derive(Debug)]
+    struct Hosts;
+
+    #[async_trait]
+    impl crate::LocalTransport for Hosts {
+        fn name(&self) -> &'static str {
+            "hosts"
+        }
+        fn card(&self) -> String {
+            "a".into()
+        }
+        fn can_connect(&self, mine: &str, theirs: &str) -> bool {
+            mine == theirs
+        }
+        async fn connect(
+            &self,
+            _: LocalSetup<'_>,
+        ) -> std::io::Result<Vec<Box<dyn crate::PolledLink>>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn only_one_host_with_more_ranks_than_cores_is_oversubscribed() {
+        let card = |cores: usize, host: Option<&str>| Card {
+            addr: "a".into(),
+            segment: 1,
+            cores,
+            local: host.map(str::to_string),
+        };
+        let opts = MeshOptions {
+            local: Some(Arc::new(Hosts)),
+            ..MeshOptions::default()
+        };
+        let over = |cards: &[Card]| oversubscribed(cards, &opts);
+        assert!(over(&[
+            card(2, Some("a")),
+            card(2, Some("a")),
+            card(2, Some("a"))
+        ]));
+        // The fewest cores count: one rank pinned to one core.
+        assert!(over(&[card(8, Some("a")), card(1, Some("a"))]));
+        assert!(!over(&[card(2, Some("a")), card(2, Some("a"))]));
+        // Two hosts, or a rank without the local transport: network links.
+        assert!(!over(&[
+            card(1, Some("a")),
+            card(1, Some("b")),
+            card(1, Some("a"))
+        ]));
+        assert!(!over(&[
+            card(1, Some("a")),
+            card(1, None),
+            card(1, Some("a"))
+        ]));
+        let no_local = MeshOptions::default();
+        assert!(!oversubscribed(
+            &[card(1, Some("a")), card(1, Some("a"))],
+            &no_local
+        ));
     }
 
     #[test]

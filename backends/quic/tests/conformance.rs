@@ -21,6 +21,7 @@ fn quic_world(n: usize) -> WorldFuture {
                     segment_bytes: 64,
                     window: 4,
                     overrides: Vec::new(),
+                    oversubscribed: false,
                 },
                 stall_probe: Duration::from_millis(100),
                 ..TcpOptions::default()

@@ -77,6 +77,7 @@ fn suite_options() -> TcpOptions {
             segment_bytes: 64,
             window: 4,
             overrides: Vec::new(),
+            oversubscribed: false,
         },
         stall_probe: Duration::from_millis(100),
         ..TcpOptions::default()
@@ -199,6 +200,7 @@ async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
                     segment_bytes: segments[r],
                     window: 4,
                     overrides: AlgoConfig::parse_overrides("broadcast=chain").unwrap(),
+                    oversubscribed: false,
                 },
                 local: Some(ShmTransport::default().shared()),
                 ..TcpOptions::default()

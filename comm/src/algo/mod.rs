@@ -23,7 +23,7 @@ pub mod exec;
 mod programs;
 mod select;
 
-pub use select::{LATENCY_BOUND_BYTES, SMALL_BYTES};
+pub use select::{LATENCY_BOUND_BYTES, SMALL_BYTES, STORE_AND_FORWARD_BYTES};
 
 use std::{fmt, ops::Range};
 

@@ -6,8 +6,8 @@
 use std::ops::Range;
 
 use super::{
-    Action, AlgoConfig, Algorithm, Buf, LocalCopy, Program, Receive, Schedule, Transmit, part,
-    subpart,
+    Action, AlgoConfig, Algorithm, Buf, LocalCopy, Program, Receive, STORE_AND_FORWARD_BYTES,
+    Schedule, Transmit, part, subpart,
 };
 use crate::{CommError, OpKind, Result};
 
@@ -85,7 +85,13 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             n,
             part_len: spec.count,
             count: spec.count * n,
-            segs: segs(spec.count * spec.elem_size),
+            segs: if cfg.oversubscribed {
+                (spec.count * spec.elem_size)
+                    .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
+                    .max(1)
+            } else {
+                segs(spec.count * spec.elem_size)
+            },
             window: cfg.window,
         }),
         (OpKind::ReduceScatter, Algorithm::Ring) => Box::new(Ring {
@@ -138,7 +144,13 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             n,
             root: spec.root,
             count: spec.count,
-            segs: segs(spec.count * spec.elem_size),
+            segs: if cfg.oversubscribed {
+                (spec.count * spec.elem_size)
+                    .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
+                    .max(1)
+            } else {
+                segs(spec.count * spec.elem_size)
+            },
             window: cfg.window,
         }),
         (OpKind::Reduce, Algorithm::BinomialTree) => {
@@ -425,15 +437,16 @@ impl Chain {
                 false,
             ));
         }
+        // Rank root+1 acknowledges as soon as it holds segment 0, before it
+        // forwards: the root's call need not wait for the next hop.
+        if k == 0 && vr == 1 {
+            v.push(send(actual(0), ack, Buf::Output, 0..0));
+        }
         if vr + 1 < n {
             v.push(send(actual(vr + 1), k as u32, Buf::Output, seg));
         }
-        if k == 0 {
-            match vr {
-                0 => v.push(recv(actual(1), ack, Buf::Output, 0..0, false)),
-                1 => v.push(send(actual(0), ack, Buf::Output, 0..0)),
-                _ => {}
-            }
+        if k == 0 && vr == 0 {
+            v.push(recv(actual(1), ack, Buf::Output, 0..0, false));
         }
         v
     }

@@ -119,7 +119,18 @@ pub struct AlgoConfig {
     /// Forced choices: `(None, algo)` applies to every op `algo`
     /// implements; `(Some(op), algo)` to that op only.
     pub overrides: Vec<(Option<OpKind>, Algorithm)>,
+    /// Every rank is on one host, linked by a local transport, and the host
+    /// runs more ranks than it has cores. Hops that run at once then share
+    /// the cores, so the chain broadcast forwards whole messages (up to
+    /// [`STORE_AND_FORWARD_BYTES`]) instead of pipelining segments: each
+    /// hop runs alone at full speed and the root is done after one. The
+    /// mesh rendezvous sets it the same on every rank.
+    pub oversubscribed: bool,
 }
+
+/// Largest piece the chain broadcast forwards whole on an oversubscribed
+/// host (see [`AlgoConfig::oversubscribed`]); below the frame limit.
+pub const STORE_AND_FORWARD_BYTES: usize = 64 << 20;
 
 impl Default for AlgoConfig {
     fn default() -> Self {
@@ -127,6 +138,7 @@ impl Default for AlgoConfig {
             segment_bytes: 256 * 1024,
             window: 2,
             overrides: Vec::new(),
+            oversubscribed: false,
         }
     }
 }

@@ -130,8 +130,9 @@ proptest! {
         root_seed in any::<usize>(),
         order_seed in any::<u64>(),
         small_segments in any::<bool>(),
+        oversubscribed in any::<bool>(),
     ) {
-        let mut cfg = AlgoConfig::default();
+        let mut cfg = AlgoConfig { oversubscribed, ..AlgoConfig::default() };
         if small_segments {
             cfg.segment_bytes = 8; // two f32 per segment: many lanes
         }
@@ -165,8 +166,9 @@ proptest! {
         root_pick in 0usize..8,
         seg in prop::sample::select(vec![4usize, 64, 1 << 20]),
         seed in any::<u64>(),
+        oversubscribed in any::<bool>(),
     ) {
-        let cfg = AlgoConfig { segment_bytes: seg, window: 3, overrides: Vec::new() };
+        let cfg = AlgoConfig { segment_bytes: seg, window: 3, overrides: Vec::new(), oversubscribed };
         for (op, algo) in collective_algos().into_iter().filter(|(o, _)| sources_stay(*o)) {
             let mut scheds = world_of(op, algo, n, count, root_pick % n, &cfg);
             let mut sent: Vec<Vec<(Buf, Range<usize>)>> = vec![Vec::new(); n];
@@ -221,6 +223,7 @@ fn a_reduction_writes_what_it_sent_so_its_sources_do_not_stay() {
         segment_bytes: 4,
         window: 1,
         overrides: Vec::new(),
+        oversubscribed: false,
     };
     let mut s = world_of(OpKind::AllReduce, Algorithm::Ring, 2, 8, 0, &cfg).remove(0);
     let mut sent = Vec::new();

@@ -121,6 +121,30 @@ pub(crate) fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -
 }
 
 /// One rank's measurements for every op and size.
+/// `n` copies of `x` in memory advised to transparent huge pages when it
+/// is 4 MiB or more, as numpy allocates the Open MPI anchor's arrays
+/// (`mpi_bench.py`), so that consort and Open MPI run on the same kind of
+/// memory. Huge pages matter most to single-copy reads
+/// (`CONSORT_SHM_CMA`), which pin every page they read.
+fn huge_vec<T: Clone>(n: usize, x: T) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    let bytes = n * size_of::<T>();
+    if bytes >= 4 << 20 {
+        let page = 4096;
+        let start = (v.as_ptr() as usize).next_multiple_of(page);
+        let end = (v.as_ptr() as usize + bytes) / page * page;
+        if end > start {
+            // SAFETY: the range lies within `v`'s allocation, which nothing
+            // has touched yet; advice changes no contents.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v.resize(n, x);
+    v
+}
+
 async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, CommError> {
     let (r, n) = (pg.rank(), pg.world_size());
     let dtype = super::parse::parse_dtypes(&spec.dtype)
@@ -164,8 +188,8 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                 };
                 // Timed runs, as gloo_bench.py does them.
                 let iters = spec.iters.unwrap_or_else(|| (2e8 as usize / bytes.max(1)).clamp(3, 200));
-                let mut a: Vec<T> = vec![v(1); count];
-                let mut b: Vec<T> = vec![v(0); count];
+                let mut a: Vec<T> = huge_vec(count, v(1));
+                let mut b: Vec<T> = huge_vec(count, v(0));
                 let mut times = Vec::with_capacity(iters);
                 for it in 0..iters + 2 {
                     pg.barrier().await?;
