@@ -272,7 +272,8 @@ impl Dist {
     /// [`Dist::process_group`], over QUIC connections with TLS 1.3 and
     /// per-job certificates pinned through the store. Reads the same
     /// variables as TCP (bind address, timeouts, schedules, streams,
-    /// `CONSORT_SECRET`); shared memory is never used.
+    /// `CONSORT_SECRET`, and `CONSORT_SHM`: as over TCP, the ranks on one
+    /// host share memory, and only the links between hosts are QUIC).
     /// `CONSORT_QUIC_IDLE_TIMEOUT` (seconds, default 5) bounds how long a
     /// silent peer counts as alive.
     #[cfg(feature = "quic")]
@@ -283,7 +284,7 @@ impl Dist {
             namespace: format!("consort/quic/{}/world", self.env.restart_count),
             streams: tcp.streams,
             secret: tcp.secret.clone(),
-            driver: TcpOptions { local: None, ..tcp },
+            driver: tcp,
             ..Default::default()
         };
         if let Some(t) = seconds_var("CONSORT_QUIC_IDLE_TIMEOUT")? {

@@ -198,6 +198,13 @@ fn conformance_battery_across_3_processes_over_quic() {
     battery_on("quic", 3, false);
 }
 
+/// `Dist::quic_process_group` with `CONSORT_SHM=1`: the ranks on one host
+/// meet through shared memory, as over TCP.
+#[test]
+fn conformance_battery_across_3_processes_over_quic_with_shared_memory() {
+    battery_on("quic", 3, true);
+}
+
 fn killed_on(backend: &str, shm: bool, bound: Duration) {
     let world = 4;
     let port = free_port();

@@ -49,6 +49,14 @@ pub trait StreamTransport: Send + Sync {
     async fn dial(&self, addr: &str) -> std::io::Result<Self::Stream>;
     /// The two halves the driver reads and writes.
     fn split(s: Self::Stream) -> (BoxRead, BoxWrite);
+    /// Every rank's published address (this rank's included), once all
+    /// are read and before this rank dials or accepts: a transport that
+    /// pins its peers (QUIC's certificate fingerprints) learns them here.
+    /// An error names what is wrong with whose address.
+    fn learn_peers(&self, addrs: &[&str]) -> std::result::Result<(), String> {
+        let _ = addrs;
+        Ok(())
+    }
 }
 
 /// An error while building the mesh.
@@ -123,6 +131,9 @@ pub async fn connect<T: StreamTransport>(
     }
     let deadline = consort_comm::time::deadline(opts.connect_timeout);
     let cards = exchange_cards(&*store, rank, world, &opts, &net).await?;
+    let addrs: Vec<&str> = cards.iter().map(|c| c.addr.as_str()).collect();
+    net.learn_peers(&addrs)
+        .map_err(|e| setup_err(name, rank, e))?;
     agree(rank, &cards, &mut opts);
     let me = &cards[rank];
     let local_peer = |p: usize| match (&opts.local, &me.local, &cards[p].local) {

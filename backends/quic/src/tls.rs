@@ -8,7 +8,10 @@
 //! fingerprints. No certificate authority is involved, and a peer without
 //! a job certificate's private key cannot finish a handshake.
 
-use std::{collections::HashSet, sync::Arc};
+use std::{
+    collections::HashSet,
+    sync::{Arc, RwLock},
+};
 
 use rustls::{
     DigitallySignedStruct, DistinguishedName, SignatureScheme,
@@ -159,10 +162,42 @@ impl ServerCertVerifier for PinnedServer {
     signature_checks!();
 }
 
+/// The client certificates a server accepts: the job's fingerprints, once
+/// every rank's is known. Shared between the TLS verifier and the
+/// backend's acceptor, which learns them after the endpoint is up.
+#[derive(Clone, Debug, Default)]
+pub struct JobCerts(Arc<RwLock<Option<HashSet<Fingerprint>>>>);
+
+impl JobCerts {
+    /// Certificates already known.
+    pub fn known(allowed: HashSet<Fingerprint>) -> Self {
+        let c = JobCerts::default();
+        c.learn(allowed);
+        c
+    }
+
+    /// Sets the job's fingerprints.
+    pub fn learn(&self, allowed: HashSet<Fingerprint>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Some(allowed);
+    }
+
+    /// Whether `fp` is one of the job's, or `None` while they are unknown.
+    pub fn check(&self, fp: &Fingerprint) -> Option<bool> {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|s| s.contains(fp))
+    }
+}
+
 /// Server side: the client must present one of the job's certificates.
+/// While they are unknown (the first moments of the rendezvous) a client
+/// passes the handshake, and the acceptor checks its certificate once they
+/// are, before it reads a byte from it.
 #[derive(Debug)]
 struct PinnedClients {
-    allowed: HashSet<Fingerprint>,
+    allowed: JobCerts,
     provider: Arc<CryptoProvider>,
 }
 
@@ -181,7 +216,7 @@ impl ClientCertVerifier for PinnedClients {
         _intermediates: &[CertificateDer<'_>],
         _now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        if self.allowed.contains(&fingerprint(end_entity)) {
+        if self.allowed.check(&fingerprint(end_entity)) != Some(false) {
             Ok(ClientCertVerified::assertion())
         } else {
             Err(rustls::Error::General(format!(
@@ -199,6 +234,14 @@ impl ClientCertVerifier for PinnedClients {
 pub fn server_config(
     id: &Identity,
     allowed: HashSet<Fingerprint>,
+) -> Result<rustls::ServerConfig, rustls::Error> {
+    job_server_config(id, JobCerts::known(allowed))
+}
+
+/// [`server_config`] with the job's certificates learnt later.
+pub fn job_server_config(
+    id: &Identity,
+    allowed: JobCerts,
 ) -> Result<rustls::ServerConfig, rustls::Error> {
     let provider = provider();
     let verifier = Arc::new(PinnedClients {

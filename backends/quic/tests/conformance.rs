@@ -84,3 +84,39 @@ fn faulty_quic(n: usize, faults: Vec<consort_comm::fault::Fault>) -> WorldFuture
 mod quic_faults {
     consort_tests::faults!(crate::faulty_quic);
 }
+
+/// QUIC takes its peers on one host through the local transport when one
+/// is given, as TCP does, and the collectives still agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_on_one_host_share_memory_under_quic() {
+    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+    let opts = QuicOptions {
+        secret: None,
+        driver: TcpOptions {
+            local: Some(consort_shm::ShmTransport::default().shared()),
+            ..TcpOptions::default()
+        },
+        ..QuicOptions::default()
+    };
+    let tasks: Vec<_> = (0..3)
+        .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, 3, opts.clone())))
+        .collect();
+    let mut sums = Vec::new();
+    for (r, t) in tasks.into_iter().enumerate() {
+        let b = t.await.unwrap().unwrap();
+        let mut want = vec!["shm"; 3];
+        want[r] = "self";
+        assert_eq!(b.transports(), want);
+        let pg = consort_comm::ProcessGroup::new(Arc::new(b) as Arc<dyn Backend>);
+        sums.push(tokio::spawn(async move {
+            let mut v = vec![pg.rank() as f32 + 1.0; 1 << 16];
+            pg.all_reduce(&mut v, consort_comm::ReduceOp::Sum)
+                .await
+                .unwrap();
+            v[(1 << 16) - 1]
+        }));
+    }
+    for s in sums {
+        assert_eq!(s.await.unwrap(), 6.0);
+    }
+}

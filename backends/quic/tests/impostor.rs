@@ -108,9 +108,11 @@ async fn a_built_mesh_refuses_newcomers_and_keeps_working() {
         ));
     }
     if std::env::var("XSKIP").is_err() {
-        let raw = store.get("consort/quic/world/quic/0").await.unwrap();
+        // Rank 0's card: its second line is the published `ip:port
+        // fingerprint`.
+        let raw = store.get("consort/quic/world/card/0").await.unwrap();
         let text = String::from_utf8(raw).unwrap();
-        let (a, f) = text.split_once(' ').unwrap();
+        let (a, f) = text.lines().nth(1).unwrap().split_once(' ').unwrap();
         let stranger = Identity::generate().unwrap();
         let e = dial(&stranger, a.parse().unwrap(), tls::parse_hex(f).unwrap())
             .await
@@ -129,6 +131,37 @@ async fn a_built_mesh_refuses_newcomers_and_keeps_working() {
         .collect();
     for t in tasks {
         assert_eq!(t.await.unwrap(), 6.0);
+    }
+}
+
+/// A stranger that dials while the job's certificates are still unknown
+/// (rank 1 has not published its card) passes TLS, is closed as soon as
+/// they are known, and the mesh forms without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_during_the_rendezvous_is_closed_once_the_job_is_known() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let r0 = tokio::spawn(QuicBackend::connect(store.clone(), 0, 2, opts(None)));
+    let raw = store.get("consort/quic/world/card/0").await.unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (a, f) = text.lines().nth(1).unwrap().split_once(' ').unwrap();
+    let stranger = Identity::generate().unwrap();
+    let (a, f) = (a.parse().unwrap(), tls::parse_hex(f).unwrap());
+    let early = tokio::spawn(async move { dial(&stranger, a, f).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r1 = tokio::spawn(QuicBackend::connect(store.clone(), 1, 2, opts(None)));
+    let e = early.await.unwrap().unwrap_err();
+    assert!(e.contains("not a certificate of this job"), "{e}");
+    let mut sums = Vec::new();
+    for t in [r0, r1] {
+        let pg = ProcessGroup::new(Arc::new(t.await.unwrap().unwrap()) as Arc<dyn Backend>);
+        sums.push(tokio::spawn(async move {
+            let mut v = vec![pg.rank() as f32 + 1.0; 100];
+            pg.all_reduce(&mut v, ReduceOp::Sum).await.unwrap();
+            v[99]
+        }));
+    }
+    for t in sums {
+        assert_eq!(t.await.unwrap(), 3.0);
     }
 }
 

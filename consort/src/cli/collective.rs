@@ -460,6 +460,11 @@ fn launch(
     let mut children = Vec::with_capacity(spec.world);
     for r in 0..spec.world {
         let mut cmd = Command::new(&exe);
+        // Every worker is on this host: QUIC would meet its peers through
+        // shared memory, so the QUIC rows turn it off to measure QUIC.
+        if spec.backend == "quic" && std::env::var_os("CONSORT_SHM").is_none() {
+            cmd.env("CONSORT_SHM", "0");
+        }
         for (k, v) in env {
             cmd.env(k, v.replace("{rank}", &r.to_string()));
         }
