@@ -138,6 +138,8 @@ pub struct LocalSetup<'a> {
     pub namespace: &'a str,
     /// This rank.
     pub rank: usize,
+    /// The card this rank published ([`LocalTransport::card`]).
+    pub card: &'a str,
     /// The peers to connect, with the card each published.
     pub peers: &'a [(usize, String)],
     /// When setting up must be done.
@@ -155,7 +157,9 @@ pub trait LocalTransport: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
 
     /// What this rank publishes for the others to decide on (a host
-    /// identity): a single line.
+    /// identity, and whatever names this mesh's incarnation of the rank):
+    /// a single line, made once per mesh and handed back in
+    /// [`LocalSetup::card`].
     fn card(&self) -> String;
 
     /// Whether this rank (card `mine`) can reach a peer that published

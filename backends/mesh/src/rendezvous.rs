@@ -151,6 +151,7 @@ pub async fn connect<T: StreamTransport>(
             store: &store,
             namespace: &opts.namespace,
             rank,
+            card: me.local.as_deref().unwrap_or_default(),
             peers: &locals,
             deadline,
             wake: wake.clone(),

@@ -260,12 +260,23 @@ impl LocalTransport for ShmTransport {
         "shm"
     }
 
+    /// The host identity and a fresh nonce: the store keys of this mesh's
+    /// offers carry both ends' nonces, so an offer left in the namespace by
+    /// an earlier incarnation of a rank is never taken for this one's.
     fn card(&self) -> String {
-        region::host_id().replace('\n', " ")
+        let n = nonce().unwrap_or_else(|_| {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+            format!(
+                "{:x}{:x}",
+                std::process::id(),
+                t.map_or(0, |d| d.as_nanos())
+            )
+        });
+        format!("{}{CARD_NONCE}{n}", region::host_id().replace('\n', " "))
     }
 
     fn can_connect(&self, mine: &str, theirs: &str) -> bool {
-        mine == theirs
+        host_of(mine) == host_of(theirs)
     }
 
     async fn connect(&self, setup: LocalSetup<'_>) -> io::Result<Vec<Box<dyn PolledLink>>> {
@@ -282,7 +293,12 @@ impl LocalTransport for ShmTransport {
         }
         let store = setup.store;
         let (ns, rank) = (setup.namespace, setup.rank);
-        let key = |from: usize, to: usize| format!("{ns}/shm/{from}to{to}");
+        let mut nonces: std::collections::HashMap<usize, &str> =
+            setup.peers.iter().map(|(p, c)| (*p, nonce_of(c))).collect();
+        nonces.insert(rank, nonce_of(setup.card));
+        let key = |from: usize, to: usize| {
+            format!("{ns}/shm/{from}to{to}/{}.{}", nonces[&from], nonces[&to])
+        };
         let bell = Arc::new(Bell::bind(setup.wake.clone())?);
         let probe = if self.cma { cma::Probe::offer() } else { None };
         let left = || {
@@ -356,8 +372,38 @@ impl LocalTransport for ShmTransport {
     }
 }
 
+/// What separates the host identity from the nonce in a card.
+const CARD_NONCE: &str = " #";
+
+/// A card's host identity.
+fn host_of(card: &str) -> &str {
+    card.rsplit_once(CARD_NONCE).map_or(card, |(h, _)| h)
+}
+
+/// A card's nonce ("" for none).
+fn nonce_of(card: &str) -> &str {
+    card.rsplit_once(CARD_NONCE).map_or("", |(_, n)| n)
+}
+
 fn nonce() -> io::Result<String> {
     let mut n = [0u8; 8];
     getrandom::fill(&mut n).map_err(|e| io::Error::other(e.to_string()))?;
     Ok(format!("{:016x}", u64::from_le_bytes(n)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cards_name_the_host_and_a_fresh_nonce() {
+        let t = ShmTransport::default();
+        let (a, b) = (t.card(), t.card());
+        assert_ne!(a, b, "every mesh gets a nonce of its own");
+        assert!(t.can_connect(&a, &b), "one host, two incarnations");
+        assert_eq!(host_of(&a), region::host_id().replace('\n', " "));
+        assert_eq!(nonce_of(&a).len(), 16);
+        let elsewhere = format!("another host{CARD_NONCE}{}", nonce_of(&a));
+        assert!(!t.can_connect(&a, &elsewhere));
+    }
 }
