@@ -141,52 +141,66 @@ pub async fn connect<T: StreamTransport>(
         _ => false,
     };
     let wake = Arc::new(Notify::new());
-    let mut links: Vec<PeerLink> = (0..world).map(|_| PeerLink::Me).collect();
     let locals: Vec<(usize, String)> = (0..world)
         .filter(|&p| local_peer(p))
         .map(|p| (p, cards[p].local.clone().unwrap_or_default()))
         .collect();
-    if let (Some(t), false) = (&opts.local, locals.is_empty()) {
-        let setup = LocalSetup {
-            store: &store,
-            namespace: &opts.namespace,
-            rank,
-            card: me.local.as_deref().unwrap_or_default(),
-            peers: &locals,
-            deadline,
-            wake: wake.clone(),
-        };
-        let made = match consort_comm::time::before(deadline, t.connect(setup)).await {
-            Some(r) => r.map_err(|e| {
-                setup_err(
-                    name,
-                    rank,
-                    format_args!(
-                        "connecting {} to the ranks on this host: {e}; CONSORT_SHM=0 turns it off",
-                        t.name()
-                    ),
-                )
-            })?,
-            None => {
-                return Err(setup_err(
-                    name,
-                    rank,
-                    format_args!("timed out connecting {} on this host", t.name()),
-                ));
-            }
-        };
-        for ((p, _), link) in locals.iter().zip(made) {
-            links[*p] = PeerLink::Polled(link);
-        }
-    }
     let remote: Vec<usize> = (0..world)
         .filter(|&p| p != rank && !local_peer(p))
         .collect();
-    let mut streams = connect_streams(&net, rank, world, &cards, &remote, &opts, deadline).await?;
+    // Both at once: a remote dialler's handshake must not wait (and time
+    // out) while the ranks on this host set up their queues.
+    let setup = LocalSetup {
+        store: &store,
+        namespace: &opts.namespace,
+        rank,
+        card: me.local.as_deref().unwrap_or_default(),
+        peers: &locals,
+        deadline,
+        wake: wake.clone(),
+    };
+    let (made, mut streams) = tokio::try_join!(
+        connect_local(name, &opts, setup),
+        connect_streams(&net, rank, world, &cards, &remote, &opts, deadline)
+    )?;
+    let mut links: Vec<PeerLink> = (0..world).map(|_| PeerLink::Me).collect();
+    for ((p, _), link) in locals.iter().zip(made) {
+        links[*p] = PeerLink::Polled(link);
+    }
     for p in remote {
         links[p] = PeerLink::Streams(std::mem::take(&mut streams[p]));
     }
     MeshBackend::from_links(name, rank, links, wake, opts)
+}
+
+/// Links to the peers on this host ([`LocalSetup::peers`], none without a
+/// local transport), by the deadline.
+async fn connect_local(
+    name: &str,
+    opts: &MeshOptions,
+    setup: LocalSetup<'_>,
+) -> Result<Vec<Box<dyn crate::PolledLink>>> {
+    let Some(t) = opts.local.as_ref().filter(|_| !setup.peers.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    let rank = setup.rank;
+    match consort_comm::time::before(setup.deadline, t.connect(setup)).await {
+        Some(r) => r.map_err(|e| {
+            setup_err(
+                name,
+                rank,
+                format_args!(
+                    "connecting {} to the ranks on this host: {e}; CONSORT_SHM=0 turns it off",
+                    t.name()
+                ),
+            )
+        }),
+        None => Err(setup_err(
+            name,
+            rank,
+            format_args!("timed out connecting {} on this host", t.name()),
+        )),
+    }
 }
 
 /// Publishes this rank's card and reads every rank's.
