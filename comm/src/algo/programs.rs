@@ -66,144 +66,145 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
                 .join(", ")
         )));
     }
-    let (r, n) = (spec.rank, spec.world);
-    let segs = |bytes_per_chunk: usize| bytes_per_chunk.div_ceil(cfg.segment_bytes.max(1)).max(1);
-    let chunk_bytes = spec.count.div_ceil(n.max(1)) * spec.elem_size;
-    let program: Box<dyn Program> = match (spec.op, algo) {
-        (OpKind::AllReduce, Algorithm::Ring) => Box::new(Ring {
-            kind: RingKind::AllReduce,
-            rank: r,
-            n,
-            part_len: 0,
+    let program = match algo {
+        Algorithm::Ring => ring(spec, cfg),
+        Algorithm::BinomialTree => tree(spec, cfg),
+        Algorithm::Chain => Box::new(Chain {
+            rank: spec.rank,
+            n: spec.world,
+            root: spec.root,
             count: spec.count,
-            segs: segs(chunk_bytes),
+            segs: chain_segments(spec, cfg),
             window: cfg.window,
         }),
-        (OpKind::AllGather, Algorithm::Ring) => Box::new(Ring {
-            kind: RingKind::AllGather,
-            rank: r,
-            n,
-            part_len: spec.count,
-            count: spec.count * n,
-            segs: if cfg.oversubscribed {
-                (spec.count * spec.elem_size)
-                    .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
-                    .max(1)
-            } else {
-                segs(spec.count * spec.elem_size)
-            },
-            window: cfg.window,
-        }),
-        (OpKind::ReduceScatter, Algorithm::Ring) => Box::new(Ring {
-            kind: RingKind::ReduceScatter,
-            rank: r,
-            n,
-            part_len: spec.count,
-            count: spec.count * n,
-            segs: segs(spec.count * spec.elem_size),
-            window: cfg.window,
-        }),
+        _ => one_lane(spec, algo)?,
+    };
+    Ok(Schedule::new(spec.op, program))
+}
+
+/// Segments of `bytes` at `cfg.segment_bytes` each (at least one).
+fn segments(bytes: usize, cfg: &AlgoConfig) -> usize {
+    bytes.div_ceil(cfg.segment_bytes.max(1)).max(1)
+}
+
+/// The chain broadcast's segments: pipelined, or whole messages (up to
+/// [`STORE_AND_FORWARD_BYTES`]) on an oversubscribed host.
+fn chain_segments(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> usize {
+    let bytes = spec.count * spec.elem_size;
+    if cfg.oversubscribed {
+        bytes
+            .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
+            .max(1)
+    } else {
+        segments(bytes, cfg)
+    }
+}
+
+/// The segmented rings: all_reduce, all_gather, reduce_scatter.
+fn ring(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
+    let n = spec.world;
+    let (kind, part_len, count, chunk_bytes) = match spec.op {
+        OpKind::AllReduce => (
+            RingKind::AllReduce,
+            0,
+            spec.count,
+            spec.count.div_ceil(n.max(1)) * spec.elem_size,
+        ),
+        OpKind::AllGather => (
+            RingKind::AllGather,
+            spec.count,
+            spec.count * n,
+            spec.count * spec.elem_size,
+        ),
+        _ => (
+            RingKind::ReduceScatter,
+            spec.count,
+            spec.count * n,
+            spec.count * spec.elem_size,
+        ),
+    };
+    Box::new(Ring {
+        kind,
+        rank: spec.rank,
+        n,
+        part_len,
+        count,
+        segs: segments(chunk_bytes, cfg),
+        window: cfg.window,
+    })
+}
+
+/// The binomial trees, one lane per segment: broadcast, reduce, and
+/// all_reduce as reduce then broadcast.
+fn tree(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
+    let (r, n, root) = (spec.rank, spec.world, spec.root);
+    let s = segments(spec.count * spec.elem_size, cfg);
+    let lanes = (0..s)
+        .map(|k| {
+            let seg = subpart(&(0..spec.count), s, k);
+            let tag = k as u32;
+            match spec.op {
+                OpKind::Broadcast => binomial_broadcast(r, n, root, &seg, tag, k == 0),
+                OpKind::Reduce => binomial_reduce(r, n, root, &seg, tag, k == 0),
+                _ => {
+                    let mut v = binomial_reduce(r, n, 0, &seg, tag, false);
+                    v.extend(binomial_broadcast(r, n, 0, &seg, (s + k) as u32, false));
+                    v
+                }
+            }
+        })
+        .collect();
+    Box::new(Listed {
+        lanes,
+        window: cfg.window,
+        scratch: 0,
+    })
+}
+
+/// The unsegmented programs: direct, pairwise, dissemination, send, recv.
+fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Box<dyn Program>> {
+    let (r, n) = (spec.rank, spec.world);
+    let all_at_once = |lanes| -> Box<dyn Program> {
+        Box::new(Listed {
+            lanes,
+            window: usize::MAX,
+            scratch: 0,
+        })
+    };
+    Ok(match (spec.op, algo) {
         (OpKind::AllReduce, Algorithm::HalvingDoubling) => {
             Listed::one(halving_doubling(r, n, spec.count))
         }
         (OpKind::AllReduce, Algorithm::RecursiveDoubling) => {
             Listed::one(recursive_doubling(r, n, spec.count))
         }
-        (OpKind::AllReduce, Algorithm::BinomialTree) => {
-            let s = segs(spec.count * spec.elem_size);
-            let lanes = (0..s)
-                .map(|k| {
-                    let seg = subpart(&(0..spec.count), s, k);
-                    let mut v = binomial_reduce(r, n, 0, &seg, k as u32, false);
-                    v.extend(binomial_broadcast(r, n, 0, &seg, (s + k) as u32, false));
-                    v
-                })
-                .collect();
-            Box::new(Listed {
-                lanes,
-                window: cfg.window,
-                scratch: 0,
-            })
+        (OpKind::Gather, Algorithm::Direct) => {
+            all_at_once(direct(r, n, spec.root, spec.count, true))
         }
-        (OpKind::Broadcast, Algorithm::BinomialTree) => {
-            let s = segs(spec.count * spec.elem_size);
-            let lanes = (0..s)
-                .map(|k| {
-                    let seg = subpart(&(0..spec.count), s, k);
-                    binomial_broadcast(r, n, spec.root, &seg, k as u32, k == 0)
-                })
-                .collect();
-            Box::new(Listed {
-                lanes,
-                window: cfg.window,
-                scratch: 0,
-            })
+        (OpKind::Broadcast, Algorithm::Direct) => {
+            all_at_once(direct_broadcast(r, n, spec.root, spec.count))
         }
-        (OpKind::Broadcast, Algorithm::Chain) => Box::new(Chain {
-            rank: r,
-            n,
-            root: spec.root,
-            count: spec.count,
-            segs: if cfg.oversubscribed {
-                (spec.count * spec.elem_size)
-                    .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
-                    .max(1)
-            } else {
-                segs(spec.count * spec.elem_size)
-            },
-            window: cfg.window,
-        }),
-        (OpKind::Reduce, Algorithm::BinomialTree) => {
-            let s = segs(spec.count * spec.elem_size);
-            let lanes = (0..s)
-                .map(|k| {
-                    let seg = subpart(&(0..spec.count), s, k);
-                    binomial_reduce(r, n, spec.root, &seg, k as u32, k == 0)
-                })
-                .collect();
-            Box::new(Listed {
-                lanes,
-                window: cfg.window,
-                scratch: 0,
-            })
+        (OpKind::Scatter, Algorithm::Direct) => {
+            all_at_once(direct(r, n, spec.root, spec.count, false))
         }
-        (OpKind::Gather, Algorithm::Direct) => Box::new(Listed {
-            lanes: direct(r, n, spec.root, spec.count, true),
-            window: usize::MAX,
-            scratch: 0,
-        }),
-        (OpKind::Broadcast, Algorithm::Direct) => Box::new(Listed {
-            lanes: direct_broadcast(r, n, spec.root, spec.count),
-            window: usize::MAX,
-            scratch: 0,
-        }),
-        (OpKind::Scatter, Algorithm::Direct) => Box::new(Listed {
-            lanes: direct(r, n, spec.root, spec.count, false),
-            window: usize::MAX,
-            scratch: 0,
-        }),
         (OpKind::AllToAll, Algorithm::Pairwise) => {
             Box::new(pairwise(r, n, spec.input_splits, spec.output_splits)?)
         }
         (OpKind::Barrier, Algorithm::Dissemination) => Listed::one(dissemination(r, n)),
-        (OpKind::Send, Algorithm::Direct) => Listed::one(vec![Action::Transmit(Transmit {
-            to: spec.root,
-            tag: spec.tag,
-            buf: Buf::Input,
-            range: 0..spec.count,
-        })]),
-        (OpKind::Recv, Algorithm::Direct) => Listed::one(vec![Action::Receive(Receive {
-            from: spec.root,
-            tag: spec.tag,
-            buf: Buf::Output,
-            range: 0..spec.count,
-            reduce: false,
-        })]),
+        (OpKind::Send, Algorithm::Direct) => {
+            Listed::one(vec![send(spec.root, spec.tag, Buf::Input, 0..spec.count)])
+        }
+        (OpKind::Recv, Algorithm::Direct) => Listed::one(vec![recv(
+            spec.root,
+            spec.tag,
+            Buf::Output,
+            0..spec.count,
+            false,
+        )]),
         (op, algo) => {
             return Err(CommError::invalid(format!("no `{algo}` program for {op}")));
         }
-    };
-    Ok(Schedule::new(spec.op, program))
+    })
 }
 
 fn send(to: usize, tag: u32, buf: Buf, range: Range<usize>) -> Action {
