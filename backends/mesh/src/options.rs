@@ -35,8 +35,9 @@ pub struct MeshOptions {
     /// without it turns it off for the whole mesh.
     pub local: Option<Arc<dyn LocalTransport>>,
     /// Payloads of at least this many bytes go to peers that can read this
-    /// process's memory as single-copy pull frames (only for the ops whose
-    /// sources stay; see `consort_comm::algo::Schedule::sources_stay`).
+    /// process's memory as single-copy pull frames (only in schedules whose
+    /// sources stay until taken, every one but recursive doubling's; see
+    /// `consort_comm::algo::Schedule::sources_stay`).
     /// Default 64 KiB.
     pub single_copy_min: usize,
     /// How long a call waiting on a polled (same-host) link spins before it

@@ -49,9 +49,10 @@ pub struct ShmTransport {
     /// used page by page made its first ~1000 small calls 2-3× slower), so
     /// a host of `n` ranks holds `n(n-1)` of them: 960 MiB at 16 ranks.
     pub queue_bytes: usize,
-    /// Let peers read large payloads of the ops that only move data
-    /// (broadcast, all_gather, gather, scatter, all_to_all) straight from
-    /// this process's memory (CMA), where the kernel allows it
+    /// Let peers read large payloads straight from this process's memory
+    /// (CMA), where the kernel allows it: every schedule's but recursive
+    /// doubling's (a reduction reduces what it reads through a bounce
+    /// buffer)
     /// (`CONSORT_ALGO=broadcast=direct` then makes every reader copy from
     /// the root once). Default off: on the machines measured so
     /// far (see the README), `process_vm_readv` pins pages at about half

@@ -30,13 +30,48 @@ fn tcp_world_shm(n: usize) -> WorldFuture {
     world_with(n, 1, 0, true)
 }
 
-/// Shared memory with single-copy reads (CMA): large payloads of the ops
-/// that only move data are read by the receiver from the sender's memory.
+/// Shared memory with single-copy reads (CMA): payloads are read by the
+/// receiver from the sender's memory (reductions through a bounce buffer).
 fn tcp_world_cma(n: usize) -> WorldFuture {
     world_local(n, 0, |_| ShmTransport {
         cma: true,
         ..small_queues()
     })
+}
+
+/// Single-copy reads with all_reduce forced to `algo` (the suite's sizes
+/// would pick recursive doubling, which sends no pulls): the reductions
+/// read their operands from the peers' memory, straight into place from
+/// `in_place_min` bytes on (else into a buffer the call reduces from).
+fn cma_all_reduce(n: usize, algo: &'static str, in_place_min: usize) -> WorldFuture {
+    Box::pin(async move {
+        let b = connect_all(n, |_| {
+            let mut o = TcpOptions {
+                single_copy_min: 0,
+                in_place_min,
+                local: Some(
+                    ShmTransport {
+                        cma: true,
+                        ..small_queues()
+                    }
+                    .shared(),
+                ),
+                ..suite_options()
+            };
+            o.algo.overrides = AlgoConfig::parse_overrides(algo).unwrap();
+            o
+        })
+        .await;
+        as_world(b).await
+    })
+}
+
+fn tcp_world_cma_ring(n: usize) -> WorldFuture {
+    cma_all_reduce(n, "all_reduce=ring", 0)
+}
+
+fn tcp_world_cma_halving_doubling(n: usize) -> WorldFuture {
+    cma_all_reduce(n, "all_reduce=halving_doubling", 1 << 20)
 }
 
 fn tcp_world_3_streams(n: usize) -> WorldFuture {
@@ -110,8 +145,8 @@ async fn local_backends(
 ) -> Vec<Arc<TcpBackend>> {
     connect_all(n, |r| TcpOptions {
         in_place_min,
-        // Every payload of the ops that only move data goes as a pull
-        // frame where single copies are on.
+        // Every payload goes as a pull frame where single copies are on
+        // (but recursive doubling's).
         single_copy_min: 0,
         local: Some(shm(r).shared()),
         ..suite_options()
@@ -165,6 +200,14 @@ mod shared_memory {
 
 mod single_copy {
     consort_tests::conformance!(crate::tcp_world_cma, cases = 32);
+}
+
+mod single_copy_ring {
+    consort_tests::conformance!(crate::tcp_world_cma_ring, cases = 16);
+}
+
+mod single_copy_halving_doubling {
+    consort_tests::conformance!(crate::tcp_world_cma_halving_doubling, cases = 16);
 }
 
 mod in_place {

@@ -173,6 +173,7 @@ pub struct Schedule {
     /// Round-robin cursor into `active`.
     cursor: usize,
     posted: FxHashMap<(usize, u32), (usize, Receive)>,
+    sources_stay: bool,
 }
 
 impl Schedule {
@@ -187,9 +188,17 @@ impl Schedule {
             next_lane: 0,
             cursor: 0,
             posted: FxHashMap::default(),
+            sources_stay: true,
         };
         s.fill_window();
         s
+    }
+
+    /// Marks a schedule whose ranks may write a range they transmitted
+    /// before its receiver has taken it (see [`Schedule::sources_stay`]).
+    pub fn sources_change(mut self) -> Self {
+        self.sources_stay = false;
+        self
     }
 
     /// The op this schedule runs.
@@ -202,15 +211,16 @@ impl Schedule {
         self.program.scratch_len()
     }
 
-    /// Whether no range this rank transmits is written again before the
-    /// call ends: true for the ops that only move data (broadcast,
-    /// all_gather, gather, scatter, all_to_all), whose every range is
-    /// written at most once, before it is sent on. A driver may then let a
-    /// receiver read a transmitted range until the call ends (single-copy
-    /// transfers, where the receiver reads the sender's memory) instead of
-    /// capturing the bytes at once. Reductions write ranges they have sent.
+    /// Whether every range this rank transmits stays as it was sent until
+    /// its receiver has taken the message: no receive or copy of this call
+    /// writes it before then, in any delivery order (a proptest checks
+    /// every schedule that says so). A driver may then let the receiver
+    /// read a transmitted range from the sender's memory when it takes the
+    /// message (single-copy transfers) instead of capturing the bytes at
+    /// once. Every schedule but recursive doubling's, whose partners
+    /// exchange and reduce into the same whole vector at once.
     pub fn sources_stay(&self) -> bool {
-        sources_stay(self.op)
+        self.sources_stay
     }
 
     fn fill_window(&mut self) {
@@ -302,14 +312,6 @@ impl Schedule {
         v.dedup();
         v
     }
-}
-
-/// See [`Schedule::sources_stay`].
-pub fn sources_stay(op: OpKind) -> bool {
-    matches!(
-        op,
-        OpKind::Broadcast | OpKind::AllGather | OpKind::Gather | OpKind::Scatter | OpKind::AllToAll
-    )
 }
 
 /// The `i`-th of `parts` balanced parts of `0..len` (lengths differ by at

@@ -79,7 +79,11 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
         }),
         _ => one_lane(spec, algo)?,
     };
-    Ok(Schedule::new(spec.op, program))
+    let schedule = Schedule::new(spec.op, program);
+    Ok(match algo {
+        Algorithm::RecursiveDoubling => schedule.sources_change(),
+        _ => schedule,
+    })
 }
 
 /// Segments of `bytes` at `cfg.segment_bytes` each (at least one).

@@ -23,7 +23,8 @@ struct CallRun<'c> {
     /// Scratch lists of [`CallRun::collect`], kept to avoid allocating.
     got: Vec<(Receive, Frame)>,
     done: Vec<Receive>,
-    /// Whether large payloads may go as pull frames (the sources stay).
+    /// Whether large payloads may go as pull frames (the sources stay
+    /// until taken).
     may_pull: bool,
     last_progress: Instant,
     probed: bool,
