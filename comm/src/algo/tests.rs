@@ -150,6 +150,10 @@ proptest! {
     }
 }
 
+/// A transmission not taken yet: the `(to, tag)` that takes it, and what
+/// it sent.
+type Untaken = ((usize, u32), (Buf, Range<usize>));
+
 /// Whether two element ranges of one buffer share an element.
 fn overlap(a: &(Buf, Range<usize>), b: &(Buf, Range<usize>)) -> bool {
     a.0 == b.0 && a.1.start < b.1.end && b.1.start < a.1.end
@@ -178,7 +182,7 @@ proptest! {
             }
             // Per rank: what it sent that its receiver has not taken yet,
             // with the (to, tag) that takes it.
-            let mut untaken: Vec<Vec<((usize, u32), (Buf, Range<usize>))>> = vec![Vec::new(); n];
+            let mut untaken: Vec<Vec<Untaken>> = vec![Vec::new(); n];
             let mut rng = seed;
             let mut in_flight: Vec<(usize, usize, u32)> = Vec::new();
             let mut posted: Vec<std::collections::HashSet<(usize, u32)>> =
