@@ -1,7 +1,7 @@
 //! The conformance suite on the simulator: with the default selection
 //! policy, and with the choices forced to the other algorithms (ring for
 //! small all_reduce, chain broadcast, store-and-forward chain broadcast;
-//! binomial-tree all_reduce),
+//! binomial-tree all_reduce; direct all_reduce and broadcast),
 //! so that every schedule in `comm::algo` passes the whole suite.
 
 use std::{sync::Arc, time::Duration};
@@ -43,6 +43,12 @@ fn store_and_forward(n: usize) -> WorldFuture {
     Box::pin(async move { world_with(n, "broadcast=chain", true) })
 }
 
+/// The direct schedules: all_reduce as a direct reduce-scatter and
+/// all-gather, broadcast from the root to every reader.
+fn direct(n: usize) -> WorldFuture {
+    Box::pin(async move { world(n, "all_reduce=direct,broadcast=direct") })
+}
+
 fn tree_all_reduce(n: usize) -> WorldFuture {
     Box::pin(async move { world(n, "all_reduce=binomial_tree") })
 }
@@ -63,6 +69,10 @@ mod other_algorithms {
 
 mod store_and_forward {
     consort_tests::conformance!(crate::store_and_forward);
+}
+
+mod direct {
+    consort_tests::conformance!(crate::direct);
 }
 
 mod tree_all_reduce {

@@ -74,6 +74,10 @@ fn tcp_world_cma_halving_doubling(n: usize) -> WorldFuture {
     cma_all_reduce(n, "all_reduce=halving_doubling", 1 << 20)
 }
 
+fn tcp_world_cma_direct(n: usize) -> WorldFuture {
+    cma_all_reduce(n, "all_reduce=direct,broadcast=direct", 0)
+}
+
 fn tcp_world_3_streams(n: usize) -> WorldFuture {
     world_with_streams(n, 3)
 }
@@ -208,6 +212,10 @@ mod single_copy_ring {
 
 mod single_copy_halving_doubling {
     consort_tests::conformance!(crate::tcp_world_cma_halving_doubling, cases = 16);
+}
+
+mod single_copy_direct {
+    consort_tests::conformance!(crate::tcp_world_cma_direct, cases = 16);
 }
 
 mod in_place {

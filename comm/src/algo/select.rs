@@ -22,8 +22,9 @@ pub enum Algorithm {
     BinomialTree,
     /// Pipelined chain (broadcast of large messages).
     Chain,
-    /// Every rank talks to the root (gather, scatter), or to its peer
-    /// (send, recv).
+    /// Every rank talks to the root (gather, scatter, broadcast), to its
+    /// peer (send, recv), or to every rank (all_reduce: each rank reduces
+    /// its part from every peer's, then sends it to every peer).
     Direct,
     /// Pairwise exchange (all_to_all_single).
     Pairwise,
@@ -66,6 +67,7 @@ impl Algorithm {
             Algorithm::BinomialTree => &[OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce],
             Algorithm::Chain => &[OpKind::Broadcast],
             Algorithm::Direct => &[
+                OpKind::AllReduce,
                 OpKind::Broadcast,
                 OpKind::Gather,
                 OpKind::Scatter,
