@@ -17,6 +17,7 @@
 //! (same-host queues) build on it; none depends on another.
 
 pub mod auth;
+mod cpus;
 mod driver;
 pub mod heartbeat;
 pub mod link;

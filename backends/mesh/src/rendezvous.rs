@@ -30,6 +30,7 @@ use tokio::{
 use crate::{
     MeshBackend, MeshOptions,
     auth::{self, HANDSHAKE_TIMEOUT},
+    cpus::{Cpus, host_cores},
     link::{BoxRead, BoxWrite, LocalSetup, PeerLink},
 };
 
@@ -73,7 +74,7 @@ struct Card {
     addr: String,
     segment: usize,
     /// The cores this rank may run on.
-    cores: usize,
+    cpus: Cpus,
     local: Option<String>,
 }
 
@@ -83,7 +84,7 @@ impl Card {
             "consort-card 2\n{}\n{}\n{}\n{}",
             self.addr,
             self.segment,
-            self.cores,
+            self.cpus,
             self.local.as_deref().unwrap_or("-")
         )
     }
@@ -94,7 +95,7 @@ impl Card {
         (lines.next()? == "consort-card 2").then_some(())?;
         let addr = lines.next()?.to_string();
         let segment = lines.next()?.parse().ok().filter(|&s: &usize| s > 0)?;
-        let cores = lines.next()?.parse().ok().filter(|&c: &usize| c > 0)?;
+        let cpus = Cpus::parse(lines.next()?)?;
         let local = match lines.next()? {
             "-" => None,
             l => Some(l.to_string()),
@@ -102,7 +103,7 @@ impl Card {
         lines.next().is_none().then_some(Card {
             addr,
             segment,
-            cores,
+            cpus,
             local,
         })
     }
@@ -215,7 +216,7 @@ async fn exchange_cards<T: StreamTransport>(
     let card = Card {
         addr: net.address(),
         segment: opts.algo.segment_bytes.max(1),
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cpus: Cpus::this_process(),
         local: opts.local.as_ref().map(|t| t.card()),
     };
     let key = |r: usize| format!("{}/card/{r}", opts.namespace);
@@ -290,8 +291,9 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
 }
 
 /// Whether every rank is on one host, linked by the local transport, and
-/// the host runs more ranks than the fewest cores any of them may use
-/// ([`consort_comm::algo::AlgoConfig::oversubscribed`]). The same on every
+/// the host runs more ranks than the cores they have between them (the
+/// union of their affinity masks, capped by a cgroup quota; see
+/// [`crate::cpus`]; [`consort_comm::algo::AlgoConfig::oversubscribed`]). The same on every
 /// rank: it reads only the cards. A mesh with network links stays
 /// pipelined, since there the links, not the cores, set the pace.
 fn oversubscribed(cards: &[Card], opts: &MeshOptions) -> bool {
@@ -303,8 +305,7 @@ fn oversubscribed(cards: &[Card], opts: &MeshOptions) -> bool {
             .as_ref()
             .is_some_and(|theirs| t.can_connect(first, theirs))
     });
-    let cores = cards.iter().map(|c| c.cores).min().unwrap_or(1);
-    one_host && cards.len() > cores
+    one_host && cards.len() > host_cores(cards.iter().map(|c| &c.cpus))
 }
 
 /// The first bytes of a data stream: magic, version, rank, world size,
@@ -538,7 +539,7 @@ mod tests {
         let c = Card {
             addr: "127.0.0.1:5".into(),
             segment: 1 << 20,
-            cores: 2,
+            cpus: Cpus::of(&[0, 1], None),
             local: Some("host/x".into()),
         };
         assert_eq!(Card::decode(c.encode().as_bytes()), Some(c.clone()));
@@ -582,10 +583,11 @@ mod tests {
 
     #[test]
     fn only_one_host_with_more_ranks_than_cores_is_oversubscribed() {
-        let card = |cores: usize, host: Option<&str>| Card {
+        // A rank on `cores` (CPU ids) of host `host`.
+        let card = |cores: &[usize], host: Option<&str>| Card {
             addr: "a".into(),
             segment: 1,
-            cores,
+            cpus: Cpus::of(cores, None),
             local: host.map(str::to_string),
         };
         let opts = MeshOptions {
@@ -593,28 +595,36 @@ mod tests {
             ..MeshOptions::default()
         };
         let over = |cards: &[Card]| oversubscribed(cards, &opts);
+        let two = [0, 1];
         assert!(over(&[
-            card(2, Some("a")),
-            card(2, Some("a")),
-            card(2, Some("a"))
+            card(&two, Some("a")),
+            card(&two, Some("a")),
+            card(&two, Some("a"))
         ]));
-        // The fewest cores count: one rank pinned to one core.
-        assert!(over(&[card(8, Some("a")), card(1, Some("a"))]));
-        assert!(!over(&[card(2, Some("a")), card(2, Some("a"))]));
+        assert!(!over(&[card(&two, Some("a")), card(&two, Some("a"))]));
+        // Ranks pinned to a core each are not: the host's cores are the
+        // union of theirs.
+        assert!(!over(&[
+            card(&[0], Some("a")),
+            card(&[1], Some("a")),
+            card(&[2], Some("a"))
+        ]));
+        // Two pinned to one core are.
+        assert!(over(&[card(&[3], Some("a")), card(&[3], Some("a"))]));
         // Two hosts, or a rank without the local transport: network links.
         assert!(!over(&[
-            card(1, Some("a")),
-            card(1, Some("b")),
-            card(1, Some("a"))
+            card(&[0], Some("a")),
+            card(&[0], Some("b")),
+            card(&[0], Some("a"))
         ]));
         assert!(!over(&[
-            card(1, Some("a")),
-            card(1, None),
-            card(1, Some("a"))
+            card(&[0], Some("a")),
+            card(&[0], None),
+            card(&[0], Some("a"))
         ]));
         let no_local = MeshOptions::default();
         assert!(!oversubscribed(
-            &[card(1, Some("a")), card(1, Some("a"))],
+            &[card(&[0], Some("a")), card(&[0], Some("a"))],
             &no_local
         ));
     }

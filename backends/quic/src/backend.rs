@@ -91,13 +91,18 @@ impl Drop for QuicBackend {
         let sends = std::mem::take(&mut *lock(&self.gate.made.sends));
         let conns = std::mem::take(&mut *lock(&self.gate.made.conns));
         let endpoint = self.gate.endpoint.clone();
-        let linger = self.idle_timeout;
         let close = move |conns: &[quinn::Connection], endpoint: &quinn::Endpoint| {
             for c in conns {
                 c.close(VarInt::from_u32(0), b"rank left");
             }
             endpoint.close(VarInt::from_u32(0), b"rank left");
         };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime to wait for acknowledgements on: close at once.
+            close(&conns, &endpoint);
+            return;
+        };
+        let linger = self.idle_timeout;
         let work = async move {
             let acked: Vec<_> = sends
                 .iter()
@@ -115,17 +120,10 @@ impl Drop for QuicBackend {
             .await;
             close(&conns, &endpoint);
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| rt.block_on(work));
-            }
-            Ok(rt) => {
-                rt.spawn(work);
-            }
-            Err(_) => {
-                let conns = lock(&self.gate.made.conns).clone();
-                close(&conns, &self.gate.endpoint);
-            }
+        if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+            tokio::task::block_in_place(|| rt.block_on(work));
+        } else {
+            rt.spawn(work);
         }
     }
 }

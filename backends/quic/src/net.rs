@@ -113,10 +113,14 @@ impl AsyncWrite for SharedSend {
     }
 }
 
-/// One connection's stream, both ways.
+/// One connection's stream, both ways. The mesh keeps it (and its
+/// connection, for the backend to finish and close) only once it splits it:
+/// a stream the rendezvous drops closes its connection.
 pub(crate) struct QuicStream {
+    conn: Connection,
     recv: RecvStream,
-    send: SharedSend,
+    send: SendStream,
+    made: Made,
 }
 
 impl AsyncRead for QuicStream {
@@ -135,15 +139,15 @@ impl AsyncWrite for QuicStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.send).poll_write(cx, buf)
+        AsyncWrite::poll_write(Pin::new(&mut self.send), cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.send).poll_flush(cx)
+        AsyncWrite::poll_flush(Pin::new(&mut self.send), cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.send).poll_shutdown(cx)
+        AsyncWrite::poll_shutdown(Pin::new(&mut self.send), cx)
     }
 }
 
@@ -322,8 +326,12 @@ async fn accept_one(
     if o != OPENER {
         return Err("not a consort stream (bad opener)".into());
     }
-    let send = made.keep(conn, send);
-    Ok(QuicStream { recv, send })
+    Ok(QuicStream {
+        conn,
+        recv,
+        send,
+        made: made.clone(),
+    })
 }
 
 #[async_trait]
@@ -365,12 +373,17 @@ impl StreamTransport for QuicNet {
         send.write_all(&OPENER)
             .await
             .map_err(std::io::Error::other)?;
-        let send = self.made.keep(conn, send);
-        Ok(QuicStream { recv, send })
+        Ok(QuicStream {
+            conn,
+            recv,
+            send,
+            made: self.made.clone(),
+        })
     }
 
     fn split(s: QuicStream) -> (BoxRead, BoxWrite) {
-        (Box::pin(s.recv), Box::pin(s.send))
+        let send = s.made.keep(s.conn, s.send);
+        (Box::pin(s.recv), Box::pin(send))
     }
 
     fn learn_peers(&self, addrs: &[&str]) -> Result<(), String> {

@@ -120,7 +120,6 @@ pub(crate) fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -
         .count() as u64
 }
 
-/// One rank's measurements for every op and size.
 /// `n` copies of `x` in memory advised to transparent huge pages when it
 /// is 4 MiB or more, as numpy allocates the Open MPI anchor's arrays
 /// (`mpi_bench.py`), so that consort and Open MPI run on the same kind of
@@ -145,6 +144,7 @@ fn huge_vec<T: Clone>(n: usize, x: T) -> Vec<T> {
     v
 }
 
+/// One rank's measurements for every op and size.
 async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, CommError> {
     let (r, n) = (pg.rank(), pg.world_size());
     let dtype = super::parse::parse_dtypes(&spec.dtype)
