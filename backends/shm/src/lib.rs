@@ -114,11 +114,18 @@ impl PolledLink for ShmLink {
         if self.closed.load(Ordering::SeqCst) {
             return 0;
         }
-        let (n, wake) = self.out.push(parts, from);
-        if wake {
-            self.bell.ring(&self.peer_bell);
+        // A piece at a time (see `queue::PIECE`), up to one queue's worth.
+        let mut done = 0;
+        loop {
+            let (n, wake) = self.out.push(parts, from + done);
+            if wake {
+                self.bell.ring(&self.peer_bell);
+            }
+            done += n;
+            if n < queue::PIECE || done >= self.out.cap() {
+                return done;
+            }
         }
-        n
     }
 
     fn pull(&self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, String> {
@@ -128,10 +135,18 @@ impl PolledLink for ShmLink {
         // Read `dead` before the queue: whatever the peer wrote before it
         // died is then taken before its loss is reported.
         let dead = self.dead.load(Ordering::SeqCst);
-        let (n, wake, closed) = self.inbox.pull(take)?;
-        if wake {
-            self.bell.ring(&self.peer_bell);
-        }
+        // A piece at a time (see `queue::PIECE`), up to one queue's worth.
+        let mut n = 0;
+        let closed = loop {
+            let (m, wake, shut) = self.inbox.pull(take)?;
+            if wake {
+                self.bell.ring(&self.peer_bell);
+            }
+            n += m;
+            if m < queue::PIECE || n >= self.inbox.cap() {
+                break shut;
+            }
+        };
         if n == 0 && closed {
             return Err("the peer closed its shared-memory queues (its group was dropped)".into());
         }
