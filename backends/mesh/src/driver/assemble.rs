@@ -53,6 +53,7 @@ impl MeshBackend {
             links: out,
             engine: Mutex::new(Engine::new(rank, world)),
             notify: Notify::new(),
+            bell: bell.clone(),
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),

@@ -121,15 +121,13 @@ impl CallRun<'_> {
                 let inner = &self.b.inner;
                 return inner.wait_pulls(pulls, (self.deadline, self.timeout)).await;
             }
-            let notified = self.b.inner.notify.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
+            let woken = self.b.inner.woken();
             if self.collect()? {
                 self.last_progress = Instant::now();
                 self.probed = false;
                 continue;
             }
-            self.wait(notified).await?;
+            self.wait(woken).await?;
         }
     }
 
@@ -300,7 +298,7 @@ impl CallRun<'_> {
     /// is filed (or the next probe is due).
     async fn wait(
         &mut self,
-        notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+        woken: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>,
     ) -> Result<()> {
         let inner = &self.b.inner;
         let now = Instant::now();
@@ -335,7 +333,7 @@ impl CallRun<'_> {
             .deadline
             .min(self.last_progress + stall.max(Duration::from_millis(10)));
         let wake = if wake <= now { self.deadline } else { wake };
-        let _ = before(wake, notified).await;
+        let _ = before(wake, woken).await;
         Ok(())
     }
 }

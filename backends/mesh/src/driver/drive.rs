@@ -225,14 +225,12 @@ impl Inner {
                         reason: "it left before reading this rank's payload".into(),
                     });
                 }
-                let notified = self.notify.notified();
-                let mut notified = std::pin::pin!(notified);
-                notified.as_mut().enable();
+                let woken = self.woken();
                 if self.spin() || l.link.pulls_read() >= seq {
                     continue;
                 }
                 let wake = deadline.min(Instant::now() + Duration::from_millis(10));
-                if before(wake, notified).await.is_none() && Instant::now() >= deadline {
+                if before(wake, woken).await.is_none() && Instant::now() >= deadline {
                     return Err(CommError::Timeout {
                         ctx: ErrorContext::default(),
                         after: timeout,

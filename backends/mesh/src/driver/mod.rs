@@ -112,6 +112,8 @@ struct Inner {
     engine: Mutex<Engine<Got>>,
     /// Woken when a frame is filed, a peer is lost, or a polled link rings.
     notify: Notify,
+    /// What the polled links ring (see [`Inner::woken`]).
+    bell: Arc<Notify>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.
@@ -140,6 +142,24 @@ struct Inner {
 const POOL_MAX: usize = 64;
 
 impl Inner {
+    /// Resolves when a frame is filed, a peer is lost, or a polled link
+    /// rings; both are registered before it returns, so nothing that
+    /// happens after the call is missed. A ring wakes the waiting call
+    /// straight from the bell, not through the relay task: under load,
+    /// each task between a ring and the call it wakes waits for a core.
+    fn woken(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        let mut filed = Box::pin(self.notify.notified());
+        let mut rung = Box::pin(self.bell.notified());
+        filed.as_mut().enable();
+        rung.as_mut().enable();
+        Box::pin(async move {
+            tokio::select! {
+                _ = filed => {}
+                _ = rung => {}
+            }
+        })
+    }
+
     fn buffer(&self, len: usize) -> Vec<u8> {
         let mut pool = lock(&self.pool);
         match pool.iter().position(|b| b.capacity() >= len) {

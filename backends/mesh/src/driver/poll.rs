@@ -478,9 +478,7 @@ impl Inner {
             if n > 0 {
                 since = Instant::now();
             }
-            let notified = self.notify.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
+            let woken = self.woken();
             if self.poll_links() > 0 || since.elapsed() < self.spin {
                 if self.yield_spin {
                     std::thread::yield_now();
@@ -493,7 +491,7 @@ impl Inner {
             if m > 0 || cut.done == total {
                 continue;
             }
-            let _ = before(Instant::now() + Duration::from_millis(10), notified).await;
+            let _ = before(Instant::now() + Duration::from_millis(10), woken).await;
         }
     }
 }
