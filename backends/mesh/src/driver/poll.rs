@@ -304,7 +304,11 @@ const IDLE_POLL: Duration = Duration::from_millis(10);
 /// The polled links' background task, a stream reader's counterpart:
 ///
 /// - it relays the bell: when a peer rings (this rank armed its links and
-///   sleeps), it takes what came and wakes the sleeping calls;
+///   sleeps), it wakes the sleeping calls (which also wake on the bell
+///   themselves). It takes nothing while a call is in flight: the calls
+///   poll, and a relay copying a large frame while the call it belongs to
+///   waits for the link made them take turns (the 4-rank broadcast's first
+///   hop: 8 ms, or 16 when they did);
 /// - outside calls, it looks at the links every [`IDLE_POLL`] and arms
 ///   them, so that a peer's abort still reaches this rank at once (and its
 ///   flight record is written), a probe is answered, and a lost peer is
@@ -319,7 +323,6 @@ pub(super) async fn idle(inner: std::sync::Weak<Inner>, bell: Arc<Notify>) {
             let Some(inner) = inner.upgrade() else {
                 return;
             };
-            inner.poll_links();
             if rung {
                 inner.notify.notify_waiters();
             }
