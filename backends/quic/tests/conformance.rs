@@ -8,34 +8,47 @@ use consort_mesh::MeshOptions as TcpOptions;
 use consort_quic::{QuicBackend, QuicOptions};
 use consort_tests::WorldFuture;
 
+/// `n` QUIC ranks meeting through one store, with driver options `driver`.
+async fn connect_all(n: usize, driver: TcpOptions) -> Vec<QuicBackend> {
+    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+    let opts = QuicOptions {
+        connect_timeout: Duration::from_secs(60),
+        secret: None,
+        driver,
+        ..QuicOptions::default()
+    };
+    let tasks: Vec<_> = (0..n)
+        .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.expect("connect task").expect("connect"));
+    }
+    out
+}
+
+/// The handles of `connect_all` as a conformance world.
+fn as_world(b: Vec<QuicBackend>) -> Vec<Arc<dyn Backend>> {
+    b.into_iter()
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .collect()
+}
+
 fn quic_world(n: usize) -> WorldFuture {
     Box::pin(async move {
-        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
-        let opts = QuicOptions {
-            connect_timeout: Duration::from_secs(60),
-            secret: None,
-            driver: TcpOptions {
-                timeout: Duration::from_secs(20),
-                // Small segments so that short buffers exercise pipelining.
-                algo: AlgoConfig {
-                    segment_bytes: 64,
-                    window: 4,
-                    overrides: Vec::new(),
-                    oversubscribed: false,
-                },
-                stall_probe: Duration::from_millis(100),
-                ..TcpOptions::default()
+        let driver = TcpOptions {
+            timeout: Duration::from_secs(20),
+            // Small segments so that short buffers exercise pipelining.
+            algo: AlgoConfig {
+                segment_bytes: 64,
+                window: 4,
+                overrides: Vec::new(),
+                oversubscribed: false,
             },
-            ..QuicOptions::default()
+            stall_probe: Duration::from_millis(100),
+            ..TcpOptions::default()
         };
-        let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
-            .collect();
-        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
-        for t in tasks {
-            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
-        }
-        out
+        as_world(connect_all(n, driver).await)
     })
 }
 
@@ -57,27 +70,14 @@ mod subgroup {
 /// timeout.
 fn faulty_quic(n: usize, faults: Vec<consort_comm::fault::Fault>) -> WorldFuture {
     Box::pin(async move {
-        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
-        let opts = QuicOptions {
-            connect_timeout: Duration::from_secs(60),
-            secret: None,
-            driver: TcpOptions {
-                timeout: Duration::from_secs(3),
-                stall_probe: Duration::from_millis(100),
-                faults,
-                fault_seed: 7,
-                ..TcpOptions::default()
-            },
-            ..QuicOptions::default()
+        let driver = TcpOptions {
+            timeout: Duration::from_secs(3),
+            stall_probe: Duration::from_millis(100),
+            faults,
+            fault_seed: 7,
+            ..TcpOptions::default()
         };
-        let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
-            .collect();
-        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
-        for t in tasks {
-            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
-        }
-        out
+        as_world(connect_all(n, driver).await)
     })
 }
 
@@ -89,21 +89,12 @@ mod quic_faults {
 /// is given, as TCP does, and the collectives still agree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_on_one_host_share_memory_under_quic() {
-    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
-    let opts = QuicOptions {
-        secret: None,
-        driver: TcpOptions {
-            local: Some(consort_shm::ShmTransport::default().shared()),
-            ..TcpOptions::default()
-        },
-        ..QuicOptions::default()
+    let driver = TcpOptions {
+        local: Some(consort_shm::ShmTransport::default().shared()),
+        ..TcpOptions::default()
     };
-    let tasks: Vec<_> = (0..3)
-        .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, 3, opts.clone())))
-        .collect();
     let mut sums = Vec::new();
-    for (r, t) in tasks.into_iter().enumerate() {
-        let b = t.await.unwrap().unwrap();
+    for (r, b) in connect_all(3, driver).await.into_iter().enumerate() {
         let mut want = vec!["shm"; 3];
         want[r] = "self";
         assert_eq!(b.transports(), want);

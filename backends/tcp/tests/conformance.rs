@@ -33,10 +33,15 @@ fn tcp_world_shm(n: usize) -> WorldFuture {
 /// Shared memory with single-copy reads (CMA): payloads are read by the
 /// receiver from the sender's memory (reductions through a bounce buffer).
 fn tcp_world_cma(n: usize) -> WorldFuture {
-    world_local(n, 0, |_| ShmTransport {
+    world_local(n, 0, "", cma)
+}
+
+/// Small queues with single-copy reads.
+fn cma(_: usize) -> ShmTransport {
+    ShmTransport {
         cma: true,
         ..small_queues()
-    })
+    }
 }
 
 /// Single-copy reads with all_reduce forced to `algo` (the suite's sizes
@@ -44,26 +49,7 @@ fn tcp_world_cma(n: usize) -> WorldFuture {
 /// read their operands from the peers' memory, straight into place from
 /// `in_place_min` bytes on (else into a buffer the call reduces from).
 fn cma_all_reduce(n: usize, algo: &'static str, in_place_min: usize) -> WorldFuture {
-    Box::pin(async move {
-        let b = connect_all(n, |_| {
-            let mut o = TcpOptions {
-                single_copy_min: 0,
-                in_place_min,
-                local: Some(
-                    ShmTransport {
-                        cma: true,
-                        ..small_queues()
-                    }
-                    .shared(),
-                ),
-                ..suite_options()
-            };
-            o.algo.overrides = AlgoConfig::parse_overrides(algo).unwrap();
-            o
-        })
-        .await;
-        as_world(b).await
-    })
+    world_local(n, in_place_min, algo, cma)
 }
 
 fn tcp_world_cma_ring(n: usize) -> WorldFuture {
@@ -141,19 +127,25 @@ async fn as_world(b: Vec<Arc<TcpBackend>>) -> Vec<Arc<dyn Backend>> {
     b.into_iter().map(|b| b as Arc<dyn Backend>).collect()
 }
 
-/// Every rank on shared memory, rank `r` with transport `shm(r)`.
+/// Every rank on shared memory, rank `r` with transport `shm(r)`, the
+/// choices of `overrides` forced.
 async fn local_backends(
     n: usize,
     in_place_min: usize,
+    overrides: &str,
     shm: impl Fn(usize) -> ShmTransport,
 ) -> Vec<Arc<TcpBackend>> {
-    connect_all(n, |r| TcpOptions {
-        in_place_min,
-        // Every payload goes as a pull frame where single copies are on
-        // (but recursive doubling's).
-        single_copy_min: 0,
-        local: Some(shm(r).shared()),
-        ..suite_options()
+    connect_all(n, |r| {
+        let mut o = TcpOptions {
+            in_place_min,
+            // Every payload goes as a pull frame where single copies are
+            // on (but recursive doubling's).
+            single_copy_min: 0,
+            local: Some(shm(r).shared()),
+            ..suite_options()
+        };
+        o.algo.overrides = AlgoConfig::parse_overrides(overrides).expect("overrides");
+        o
     })
     .await
 }
@@ -161,9 +153,10 @@ async fn local_backends(
 fn world_local(
     n: usize,
     in_place_min: usize,
+    overrides: &'static str,
     shm: impl Fn(usize) -> ShmTransport + Send + Sync + 'static,
 ) -> WorldFuture {
-    Box::pin(async move { as_world(local_backends(n, in_place_min, shm).await).await })
+    Box::pin(async move { as_world(local_backends(n, in_place_min, overrides, shm).await).await })
 }
 
 fn world_opts(
@@ -306,7 +299,7 @@ async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_without_single_copy_falls_back_to_the_queues_per_pair() {
     let n = 3;
-    let world = local_backends(n, 0, |r| ShmTransport {
+    let world = local_backends(n, 0, "", |r| ShmTransport {
         cma: r != 1,
         ..ShmTransport::default()
     })

@@ -122,12 +122,14 @@ impl CallRun<'_> {
                 return inner.wait_pulls(pulls, (self.deadline, self.timeout)).await;
             }
             let woken = self.b.inner.woken();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
             if self.collect()? {
                 self.last_progress = Instant::now();
                 self.probed = false;
                 continue;
             }
-            self.wait(woken).await?;
+            self.wait(woken.as_mut()).await?;
         }
     }
 
@@ -296,10 +298,7 @@ impl CallRun<'_> {
     /// Nothing arrived: fails past the deadline, probes the peers of a
     /// stalled call, spins on the polled links, then sleeps until a frame
     /// is filed (or the next probe is due).
-    async fn wait(
-        &mut self,
-        woken: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>,
-    ) -> Result<()> {
+    async fn wait(&mut self, woken: std::pin::Pin<&mut super::Woken<'_>>) -> Result<()> {
         let inner = &self.b.inner;
         let now = Instant::now();
         if now >= self.deadline {

@@ -226,6 +226,8 @@ impl Inner {
                     });
                 }
                 let woken = self.woken();
+                let mut woken = std::pin::pin!(woken);
+                woken.as_mut().enable();
                 if self.spin() || l.link.pulls_read() >= seq {
                     continue;
                 }

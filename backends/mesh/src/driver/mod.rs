@@ -138,26 +138,56 @@ struct Inner {
     faults: Option<Mutex<faulty::Faulty>>,
 }
 
+pin_project_lite::pin_project! {
+    /// See [`Inner::woken`]: both notifications, on the caller's stack.
+    pub(super) struct Woken<'a> {
+        #[pin]
+        filed: tokio::sync::futures::Notified<'a>,
+        #[pin]
+        rung: tokio::sync::futures::Notified<'a>,
+    }
+}
+
+impl Woken<'_> {
+    /// Registers for both notifications now.
+    pub(super) fn enable(self: std::pin::Pin<&mut Self>) {
+        let me = self.project();
+        me.filed.enable();
+        me.rung.enable();
+    }
+}
+
+impl std::future::Future for Woken<'_> {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        let me = self.project();
+        if me.filed.poll(cx).is_ready() || me.rung.poll(cx).is_ready() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+}
+
 /// Buffers kept in the pool at most.
 const POOL_MAX: usize = 64;
 
 impl Inner {
-    /// Resolves when a frame is filed, a peer is lost, or a polled link
-    /// rings; both are registered before it returns, so nothing that
-    /// happens after the call is missed. A ring wakes the waiting call
-    /// straight from the bell, not through the relay task: under load,
-    /// each task between a ring and the call it wakes waits for a core.
-    fn woken(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        let mut filed = Box::pin(self.notify.notified());
-        let mut rung = Box::pin(self.bell.notified());
-        filed.as_mut().enable();
-        rung.as_mut().enable();
-        Box::pin(async move {
-            tokio::select! {
-                _ = filed => {}
-                _ = rung => {}
-            }
-        })
+    /// What resolves when a frame is filed, a peer is lost, or a polled
+    /// link rings (pin it and [`Woken::enable`] it before looking for
+    /// work, so that nothing after that is missed). A ring wakes the
+    /// waiting call straight from the bell, not through the relay task:
+    /// under load, each task between a ring and the call it wakes waits
+    /// for a core.
+    fn woken(&self) -> Woken<'_> {
+        Woken {
+            filed: self.notify.notified(),
+            rung: self.bell.notified(),
+        }
     }
 
     fn buffer(&self, len: usize) -> Vec<u8> {

@@ -482,6 +482,8 @@ impl Inner {
                 since = Instant::now();
             }
             let woken = self.woken();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
             if self.poll_links() > 0 || since.elapsed() < self.spin {
                 if self.yield_spin {
                     std::thread::yield_now();
