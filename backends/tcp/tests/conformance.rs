@@ -337,6 +337,86 @@ async fn a_rank_without_single_copy_falls_back_to_the_queues_per_pair() {
     }
 }
 
+/// A rank that comes late to a call finds a large frame already begun in
+/// a buffer (its idle poll took the first queueful): the rest of it goes
+/// straight into the receive once the call posts it, in a copy and in a
+/// reduction, and the results are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_begun_before_its_receive_is_posted_finishes_in_place() {
+    let world = connect_all(2, |_| TcpOptions {
+        timeout: Duration::from_secs(20),
+        connect_timeout: Duration::from_secs(60),
+        in_place_min: 0,
+        algo: AlgoConfig {
+            overrides: AlgoConfig::parse_overrides("all_reduce=ring,broadcast=chain").unwrap(),
+            ..AlgoConfig::default()
+        },
+        local: Some(small_queues().shared()),
+        ..TcpOptions::default()
+    })
+    .await;
+    let runs: Vec<_> = world
+        .into_iter()
+        .map(|b| {
+            tokio::spawn(async move {
+                let r = b.rank();
+                let pg = consort_comm::ProcessGroup::new(b.clone());
+                let len = 1 << 20;
+                let mut x: Vec<f32> = (0..len)
+                    .map(|i| if r == 0 { (i % 89) as f32 } else { -1.0 })
+                    .collect();
+                let mut y: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
+                // Rank 0 starts each call (one poll writes its first
+                // frame's start into the queue), then leaves it for 100 ms;
+                // rank 1's idle poll takes that start into a buffer, and
+                // rank 1 posts its receive at 50 ms.
+                let paused = |r: usize| async move {
+                    tokio::time::sleep(Duration::from_millis(if r == 0 { 100 } else { 50 })).await;
+                };
+                {
+                    let mut call = std::pin::pin!(pg.broadcast(&mut x, 0));
+                    if r == 0 {
+                        poll_once(call.as_mut()).await;
+                    }
+                    paused(r).await;
+                    call.await.unwrap();
+                }
+                {
+                    let mut call =
+                        std::pin::pin!(pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum));
+                    if r == 0 {
+                        poll_once(call.as_mut()).await;
+                    }
+                    paused(r).await;
+                    call.await.unwrap();
+                }
+                let right = x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
+                    && y.iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == (1000 + 2 * (i % 7)) as f32);
+                (right, b.mesh().late_receives())
+            })
+        })
+        .collect();
+    let mut got: Vec<(bool, u64)> = Vec::new();
+    for t in runs {
+        got.push(t.await.unwrap());
+    }
+    assert!(got.iter().all(|g| g.0), "wrong results: {got:?}");
+    // Rank 1 came late to both calls, and both first frames went on in
+    // place.
+    assert!(got[1].1 >= 2, "late receives on rank 1: {}", got[1].1);
+}
+
+/// Polls `f` once.
+async fn poll_once<F: std::future::Future>(mut f: std::pin::Pin<&mut F>) {
+    std::future::poll_fn(|cx| {
+        let _ = f.as_mut().poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await
+}
+
 /// A world whose links apply `faults` (the faulty link), on TCP streams or
 /// shared memory, with a 3 s op timeout.
 fn faulty(n: usize, faults: Vec<consort_comm::fault::Fault>, shm: bool) -> WorldFuture {

@@ -62,6 +62,7 @@ impl MeshBackend {
             yield_spin: local_ranks > cores,
             limits: opts.limits,
             in_place_min: opts.in_place_min,
+            late_posts: Default::default(),
             single_copy_min: opts.single_copy_min,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
             faults: super::faulty::Faulty::new(&opts.faults, opts.fault_seed),

@@ -128,6 +128,9 @@ struct Inner {
     yield_spin: bool,
     limits: FrameLimits,
     in_place_min: usize,
+    /// Data frames moved from a buffer to their receive mid-way (see
+    /// `poll::promote`).
+    late_posts: std::sync::atomic::AtomicU64,
     /// See [`MeshOptions::single_copy_min`].
     single_copy_min: usize,
     /// Where the flight record goes.
@@ -380,6 +383,15 @@ impl MeshBackend {
         (0..links.len())
             .filter(|&p| matches!(&links[p], Link::Polled(l) if l.link.peer_pulls()))
             .collect()
+    }
+
+    /// How many large frames from same-host peers began arriving before
+    /// their receive was posted, and went on straight into it once it was
+    /// (what came before is copied over once).
+    pub fn late_receives(&self) -> u64 {
+        self.inner
+            .late_posts
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A subgroup on this mesh (see [`Backend::new_group`]); the TCP and
