@@ -284,8 +284,9 @@ impl Decoder {
 }
 
 /// Frames at least this large, taken into a buffer because their receive
-/// was not posted yet, look for it again as more of them comes.
-const PROMOTE_MIN: usize = 64 << 10;
+/// was not posted yet, look for it again as more of them comes (on polled
+/// links and streams alike).
+pub(super) const PROMOTE_MIN: usize = 64 << 10;
 
 /// Moves a data frame being taken into a buffer over to its receive, once
 /// the call posts it: what came so far is applied, and the rest goes in
