@@ -434,8 +434,6 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
     }
     drop(keep);
     assert!(got.iter().all(|g| g.0), "wrong results: {got:?}");
-    // Rank 1 came late to both calls, and both first frames went on in
-    // place.
     // Which frames a rank takes before it posts their receive depends on
     // how the two cores interleave the ranks; that some were taken early
     // and finished in place does not.

@@ -417,9 +417,10 @@ impl Program for Ring {
 ///
 /// With `lead` (whole-message segments, on an oversubscribed host), lane 0
 /// is an empty frame from the root to rank root+1 ahead of the data, and
-/// rank root+1 acknowledges that: the root's call ends when its last byte is on
-/// its way, not when rank root+1 has taken it all and the acknowledgement
-/// has woken the root (4-rank 64 MiB broadcast: about 0.5-1 ms of 8).
+/// rank root+1 acknowledges that: the root's call ends when its last byte
+/// is on its way, not when rank root+1 has taken it all and the
+/// acknowledgement has woken the root (4-rank 64 MiB broadcast: about
+/// 0.5-1 ms of 8).
 #[derive(Debug)]
 struct Chain {
     rank: usize,

@@ -385,9 +385,9 @@ impl MeshBackend {
             .collect()
     }
 
-    /// How many large frames from same-host peers began arriving before
-    /// their receive was posted, and went on straight into it once it was
-    /// (what came before is copied over once).
+    /// How many large data frames (64 KiB or more) began arriving before
+    /// their receive was posted, on any link, and went on straight into it
+    /// once it was (what came before is copied over once).
     pub fn late_receives(&self) -> u64 {
         self.inner
             .late_posts
