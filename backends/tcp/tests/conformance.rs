@@ -385,41 +385,9 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
                     .map(|i| if r == 0 { (i % 89) as f32 } else { -1.0 })
                     .collect();
                 let mut y: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
-                // Rank 0 starts each call (its first polls write the
-                // start of its first frame), then leaves it for 300 ms;
-                // rank 1 takes that start into a buffer, and posts its
-                // receive at 100 ms.
-                let paused = |r: usize| async move {
-                    tokio::time::sleep(Duration::from_millis(if r == 0 { 300 } else { 100 })).await;
-                };
-                {
-                    let mut call = std::pin::pin!(pg.broadcast(&mut x, 0));
-                    let done = if r == 0 {
-                        poll_a_little(call.as_mut()).await
-                    } else {
-                        None
-                    };
-                    paused(r).await;
-                    match done {
-                        Some(out) => out.unwrap(),
-                        None => call.await.unwrap(),
-                    }
-                }
+                late_call(r, pg.broadcast(&mut x, 0)).await;
                 let after_broadcast = b.mesh().late_receives();
-                {
-                    let mut call =
-                        std::pin::pin!(pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum));
-                    let done = if r == 0 {
-                        poll_a_little(call.as_mut()).await
-                    } else {
-                        None
-                    };
-                    paused(r).await;
-                    match done {
-                        Some(out) => out.unwrap(),
-                        None => call.await.unwrap(),
-                    }
-                }
+                late_call(r, pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum)).await;
                 let right = x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
                     && y.iter()
                         .enumerate()
@@ -441,6 +409,26 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
         got[0].2 + got[1].2 >= 1,
         "late receives (after the broadcast, at the end) on each rank: {got:?}"
     );
+}
+
+/// Runs `call` on rank `r`: rank 0 starts it (its first polls write the
+/// start of its first frame), then leaves it for 300 ms; rank 1 takes that
+/// start into a buffer, and posts its receive at 100 ms.
+async fn late_call<E: std::fmt::Debug>(
+    r: usize,
+    call: impl std::future::Future<Output = Result<(), E>>,
+) {
+    let mut call = std::pin::pin!(call);
+    let done = if r == 0 {
+        poll_a_little(call.as_mut()).await
+    } else {
+        None
+    };
+    tokio::time::sleep(Duration::from_millis(if r == 0 { 300 } else { 100 })).await;
+    match done {
+        Some(out) => out.unwrap(),
+        None => call.await.unwrap(),
+    }
 }
 
 /// Polls `f` five times, a millisecond apart (its output, if it is done):
