@@ -65,6 +65,12 @@ pub struct MeshOptions {
     pub faults: Vec<consort_comm::fault::Fault>,
     /// Seed of the faults' random choices.
     pub fault_seed: u64,
+    /// How long dropping the world handle may wait for the peers to take
+    /// what this rank's streams still hold (a graceful close: each stream's
+    /// write side is shut down after its last frame, and the socket closes
+    /// once the peer has acknowledged all of it, or at this deadline).
+    /// Default 10 s.
+    pub linger: Duration,
     /// The heartbeat file this rank keeps for its agent's watchdog
     /// ([`crate::heartbeat`]); `consort run` sets `CONSORT_HEARTBEAT_FILE`.
     pub heartbeat_file: Option<PathBuf>,
@@ -93,6 +99,7 @@ impl Default for MeshOptions {
             secret: Secret::from_env(),
             flight_dir: None,
             heartbeat_file: None,
+            linger: Duration::from_secs(10),
             faults: Vec::new(),
             fault_seed: 0,
         }

@@ -97,12 +97,8 @@ impl Drop for QuicBackend {
             }
             endpoint.close(VarInt::from_u32(0), b"rank left");
         };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            // No runtime to wait for acknowledgements on: close at once.
-            close(&conns, &endpoint);
-            return;
-        };
         let linger = self.idle_timeout;
+        let (conns2, endpoint2) = (conns.clone(), endpoint.clone());
         let work = async move {
             let acked: Vec<_> = sends
                 .iter()
@@ -118,12 +114,11 @@ impl Drop for QuicBackend {
                 }
             })
             .await;
-            close(&conns, &endpoint);
+            close(&conns2, &endpoint2);
         };
-        if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-            tokio::task::block_in_place(|| rt.block_on(work));
-        } else {
-            rt.spawn(work);
+        if !consort_mesh::finish_in_drop(work) {
+            // No runtime to wait for acknowledgements on: close at once.
+            close(&conns, &endpoint);
         }
     }
 }

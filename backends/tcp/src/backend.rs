@@ -71,7 +71,7 @@ impl StreamTransport for TcpNet {
 
     fn split(s: TcpStream) -> (BoxRead, BoxWrite) {
         let (r, w) = s.into_split();
-        (Box::pin(r), Box::pin(w))
+        (Box::pin(r), Box::pin(crate::close::TcpWrite::new(w)))
     }
 }
 

@@ -7,9 +7,12 @@
 //!   rendezvous through one store;
 //! - [`TcpBackend`]: TCP as a transport of consort-mesh's driver
 //!   ([`TcpNet`]: listening, dialling, socket tuning);
-//! - [`iface`]: the address of a named network interface.
+//! - [`iface`]: the address of a named network interface;
+//! - `close`: the graceful close of a stream (the peer acknowledges every
+//!   byte before the socket closes).
 
 mod backend;
+mod close;
 pub mod iface;
 pub mod store;
 

@@ -246,10 +246,65 @@ impl Drop for MeshBackend {
         if !self.owner {
             return;
         }
-        for h in lock(&self.inner.readers).drain(..) {
-            h.abort();
+        let inner = self.inner.clone();
+        if !finish_in_drop(close(inner, self.opts.linger)) {
+            stop_readers(&self.inner);
         }
     }
+}
+
+/// Closes the mesh: every stream's write side shut down after its last
+/// frame (for TCP, until the peer has acknowledged all of it: see
+/// [`MeshOptions::linger`]), the readers reading meanwhile, so that nothing
+/// arrives at a closed socket, which would reset the connection and throw
+/// away what its send buffer still held; then the readers stop.
+async fn close(inner: Arc<Inner>, linger: Duration) {
+    let mut shutdowns: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = inner
+        .links
+        .iter()
+        .filter_map(|l| match l {
+            Link::Streams(ws) => Some(ws),
+            _ => None,
+        })
+        .flatten()
+        .map(|w| {
+            Box::pin(async move {
+                let _ = w.lock().await.w.shutdown().await;
+            }) as _
+        })
+        .collect();
+    let all = std::future::poll_fn(|cx| {
+        shutdowns.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if shutdowns.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    });
+    let _ = before(Instant::now() + linger, all).await;
+    stop_readers(&inner);
+}
+
+fn stop_readers(inner: &Inner) {
+    for h in lock(&inner.readers).drain(..) {
+        h.abort();
+    }
+}
+
+/// Runs `work` to its end from a `Drop`: on a multi-thread runtime the
+/// dropping thread waits for it; on a current-thread runtime it is spawned
+/// (and runs if the runtime goes on). `false`, with `work` not run, where
+/// there is no runtime.
+pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F) -> bool {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return false;
+    };
+    if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+        tokio::task::block_in_place(|| rt.block_on(work));
+    } else {
+        rt.spawn(work);
+    }
+    true
 }
 
 mod assemble;
