@@ -372,9 +372,8 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
         ..TcpOptions::default()
     })
     .await;
-    // Every rank keeps its end until all are done: a rank whose last send
-    // is still in its socket must not close it under the reader.
-    let keep = world.clone();
+    // Each rank drops its end as soon as it is done: a rank whose last
+    // send is still in its socket closes it gracefully (see close.rs).
     let runs: Vec<_> = world
         .into_iter()
         .map(|b| {
@@ -400,7 +399,6 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
     for t in runs {
         got.push(t.await.unwrap());
     }
-    drop(keep);
     assert!(got.iter().all(|g| g.0), "wrong results: {got:?}");
     // Which frames a rank takes before it posts their receive depends on
     // how the two cores interleave the ranks; that some were taken early
