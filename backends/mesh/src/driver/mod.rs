@@ -294,17 +294,34 @@ fn stop_readers(inner: &Inner) {
 /// Runs `work` to its end from a `Drop`: on a multi-thread runtime the
 /// dropping thread waits for it; on a current-thread runtime it is spawned
 /// (and runs if the runtime goes on). `false`, with `work` not run, where
-/// there is no runtime.
+/// there is no runtime, or where the runtime is shutting down (dropping
+/// its tasks, and with them whatever they held): its timers and sockets no
+/// longer make progress, and waiting would hang.
 pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F) -> bool {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return false;
     };
+    if shutting_down(&rt) {
+        return false;
+    }
     if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
         tokio::task::block_in_place(|| rt.block_on(work));
     } else {
         rt.spawn(work);
     }
     true
+}
+
+/// Whether `rt` is shutting down: a runtime that has begun to shut down
+/// cancels every task spawned on it at once, before returning the handle.
+fn shutting_down(rt: &tokio::runtime::Handle) -> bool {
+    let probe = rt.spawn(async {});
+    let mut probe = std::pin::pin!(probe);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    matches!(
+        probe.as_mut().poll(&mut cx),
+        std::task::Poll::Ready(Err(e)) if e.is_cancelled()
+    )
 }
 
 mod assemble;
