@@ -115,7 +115,10 @@ impl Inner {
                 Link::Streams(ws) => {
                     for w in ws {
                         let mut w = w.lock().await;
-                        let _ = w.w.shutdown().await;
+                        // One poll: the FIN goes out, as a dying process's
+                        // would, with no wait for the peer's
+                        // acknowledgements (a graceful close waits).
+                        let _ = before(Instant::now(), w.w.shutdown()).await;
                         w.cut = true;
                     }
                 }
