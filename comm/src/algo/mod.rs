@@ -23,7 +23,9 @@ pub mod exec;
 mod programs;
 mod select;
 
-pub use select::{LATENCY_BOUND_BYTES, SMALL_BYTES, STORE_AND_FORWARD_BYTES};
+pub use select::{
+    LATENCY_BOUND_BYTES, ONE_HOP_SEGMENT_BYTES, SMALL_BYTES, STORE_AND_FORWARD_BYTES,
+};
 
 use std::{fmt, ops::Range};
 

@@ -6,8 +6,8 @@
 use std::ops::Range;
 
 use super::{
-    Action, AlgoConfig, Algorithm, Buf, LocalCopy, Program, Receive, STORE_AND_FORWARD_BYTES,
-    Schedule, Transmit, part, subpart,
+    Action, AlgoConfig, Algorithm, Buf, LocalCopy, ONE_HOP_SEGMENT_BYTES, Program, Receive,
+    STORE_AND_FORWARD_BYTES, Schedule, Transmit, part, subpart,
 };
 use crate::{CommError, OpKind, Result};
 
@@ -92,17 +92,21 @@ fn segments(bytes: usize, cfg: &AlgoConfig) -> usize {
     bytes.div_ceil(cfg.segment_bytes.max(1)).max(1)
 }
 
-/// The chain broadcast's segments: pipelined, or whole messages (up to
-/// [`STORE_AND_FORWARD_BYTES`]) on an oversubscribed host.
+/// The chain broadcast's segments: pipelined, whole messages (up to
+/// [`STORE_AND_FORWARD_BYTES`]) on an oversubscribed host, and at least
+/// [`ONE_HOP_SEGMENT_BYTES`] each between two ranks.
 fn chain_segments(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> usize {
     let bytes = spec.count * spec.elem_size;
-    if cfg.oversubscribed {
-        bytes
-            .div_ceil(cfg.segment_bytes.max(STORE_AND_FORWARD_BYTES))
-            .max(1)
+    let at_least = if cfg.oversubscribed {
+        STORE_AND_FORWARD_BYTES
+    } else if spec.world == 2 {
+        ONE_HOP_SEGMENT_BYTES
     } else {
-        segments(bytes, cfg)
-    }
+        0
+    };
+    bytes
+        .div_ceil(cfg.segment_bytes.max(at_least).max(1))
+        .max(1)
 }
 
 /// The segmented rings: all_reduce, all_gather, reduce_scatter.
