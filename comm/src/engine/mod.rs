@@ -577,6 +577,34 @@ impl<P> Engine<P> {
         self.end(call, Err(e)).abort
     }
 
+    /// What this rank tells its peers as it leaves: for each group whose
+    /// calls failed, the first cause (a peer's abort as that peer said it,
+    /// or this rank's own failure) against the group's latest call, for
+    /// every other member. A peer still waiting on this rank then learns
+    /// why before it sees the connection close: a third rank's abort may
+    /// reach it after that close, which it would otherwise report as the
+    /// cause.
+    pub fn parting_aborts(&self) -> Vec<(AbortInfo, Fingerprint, Vec<usize>)> {
+        self.groups
+            .iter()
+            .filter_map(|(id, g)| {
+                let e = g.poisoned.as_ref()?;
+                let fp = *self.latest.get(id)?;
+                let info = match self.aborts.get(id) {
+                    Some((_, said)) => said.clone(),
+                    None => abort_info(e, Some(fp)),
+                };
+                let to = g
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|&m| m != self.rank)
+                    .collect();
+                Some((info, fp, to))
+            })
+            .collect()
+    }
+
     /// The sticky failure of `group`, if it is poisoned.
     pub fn poisoned(&self, group: GroupId) -> Option<&CommError> {
         self.groups.get(&group).and_then(|g| g.poisoned.as_ref())

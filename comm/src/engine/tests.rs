@@ -134,6 +134,33 @@ fn an_abort_from_a_peer_fails_its_group_and_is_not_sent_back() {
 }
 
 #[test]
+fn a_leaving_rank_repeats_each_failed_groups_first_cause_to_its_members() {
+    // Rank 0 of 3: rank 1's abort failed its world call; nothing failed yet
+    // in a subgroup of ranks 0 and 2.
+    let mut e = Engine::<u32>::new(0, 3);
+    assert!(e.parting_aborts().is_empty());
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
+    let said = AbortInfo::Other {
+        message: "boom".into(),
+    };
+    e.aborted(1, a.fp, said.clone());
+    let err = e.failure(a.id, &[1, 2]).unwrap();
+    assert!(e.end(a.id, Err(err)).abort.is_none());
+    let parting = e.parting_aborts();
+    assert_eq!(parting, vec![(said, a.fp, vec![1, 2])]);
+    // A failure of this rank's own is said as its own abort would be.
+    let mut e = Engine::<u32>::new(0, 2);
+    let b = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap();
+    let own = CommError::Timeout {
+        ctx: ErrorContext::default(),
+        after: Duration::from_secs(1),
+        waiting_on: vec![1],
+    };
+    let sent = e.end(b.id, Err(own)).abort.unwrap();
+    assert_eq!(e.parting_aborts(), vec![sent]);
+}
+
+#[test]
 fn stall_probes_find_a_peer_in_another_call_at_the_same_place() {
     let mut e = Engine::<u32>::new(0, 2);
     let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();

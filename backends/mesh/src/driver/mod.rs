@@ -253,12 +253,18 @@ impl Drop for MeshBackend {
     }
 }
 
-/// Closes the mesh: every stream's write side shut down after its last
-/// frame (for TCP, until the peer has acknowledged all of it: see
-/// [`MeshOptions::linger`]), the readers reading meanwhile, so that nothing
-/// arrives at a closed socket, which would reset the connection and throw
-/// away what its send buffer still held; then the readers stop.
+/// Closes the mesh: first the parting aborts (every failed group's cause,
+/// to its other members: see `Engine::parting_aborts`), then every stream's
+/// write side shut down after its last frame (for TCP, until the peer has
+/// acknowledged all of it: see [`MeshOptions::linger`]), the readers
+/// reading meanwhile, so that nothing arrives at a closed socket, which
+/// would reset the connection and throw away what its send buffer still
+/// held; then the readers stop.
 async fn close(inner: Arc<Inner>, linger: Duration) {
+    let parting = lock(&inner.engine).parting_aborts();
+    for abort in parting {
+        propagate(&inner, abort).await;
+    }
     let mut shutdowns: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = inner
         .links
         .iter()
