@@ -83,8 +83,10 @@ impl std::fmt::Debug for QuicBackend {
 impl Drop for QuicBackend {
     fn drop(&mut self) {
         // Unlike TCP's, QUIC's unsent and unacknowledged data dies with the
-        // connection, and the connection with this process. So finish every
-        // stream and wait (up to the idle timeout) until the peers have
+        // connection, and the connection with this process. So send the
+        // parting aborts (`MeshBackend::parting`: they must go before the
+        // streams end, and the mesh's own drop runs after this one), finish
+        // every stream and wait (up to the idle timeout) until the peers have
         // acknowledged all of it, then close: a rank that returns from its
         // last collective and exits cannot strand a peer that still needs
         // its final frames.
@@ -99,7 +101,9 @@ impl Drop for QuicBackend {
         };
         let linger = self.idle_timeout;
         let (conns2, endpoint2) = (conns.clone(), endpoint.clone());
+        let parting = self.inner.parting();
         let work = async move {
+            parting.await;
             let acked: Vec<_> = sends
                 .iter()
                 .map(|s| {

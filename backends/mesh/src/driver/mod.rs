@@ -261,10 +261,7 @@ impl Drop for MeshBackend {
 /// would reset the connection and throw away what its send buffer still
 /// held; then the readers stop.
 async fn close(inner: Arc<Inner>, linger: Duration) {
-    let parting = lock(&inner.engine).parting_aborts();
-    for abort in parting {
-        propagate(&inner, abort).await;
-    }
+    part(&inner).await;
     let mut shutdowns: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = inner
         .links
         .iter()
@@ -289,6 +286,26 @@ async fn close(inner: Arc<Inner>, linger: Duration) {
     });
     let _ = before(Instant::now() + linger, all).await;
     stop_readers(&inner);
+}
+
+/// Sends the parting aborts (`Engine::parting_aborts`).
+async fn part(inner: &Arc<Inner>) {
+    let parting = lock(&inner.engine).parting_aborts();
+    for abort in parting {
+        propagate(inner, abort).await;
+    }
+}
+
+impl MeshBackend {
+    /// What the world handle's drop sends first: each failed group's first
+    /// cause, to the group's other members, so that a peer still waiting on
+    /// this rank learns why before it sees the connection close. For a
+    /// transport whose own drop ends its streams before this handle's drop
+    /// runs (QUIC), to await first.
+    pub fn parting(&self) -> impl Future<Output = ()> + Send + 'static {
+        let inner = self.inner.clone();
+        async move { part(&inner).await }
+    }
 }
 
 fn stop_readers(inner: &Inner) {
