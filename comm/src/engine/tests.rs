@@ -135,8 +135,8 @@ fn an_abort_from_a_peer_fails_its_group_and_is_not_sent_back() {
 
 #[test]
 fn a_leaving_rank_repeats_each_failed_groups_first_cause_to_its_members() {
-    // Rank 0 of 3: rank 1's abort failed its world call; nothing failed yet
-    // in a subgroup of ranks 0 and 2.
+    // Rank 0 of 3, with nothing failed: nothing to say. Then rank 1's abort
+    // fails its world call: rank 0 repeats what rank 1 said to ranks 1 and 2.
     let mut e = Engine::<u32>::new(0, 3);
     assert!(e.parting_aborts().is_empty());
     let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
