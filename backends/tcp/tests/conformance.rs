@@ -357,8 +357,15 @@ async fn a_frame_begun_on_a_stream_before_its_receive_is_posted_finishes_in_plac
 /// Rank 1 comes late to a broadcast and an all_reduce of `len` f32 each
 /// (one frame per message), on shared memory `local` or on TCP, while
 /// rank 0 leaves its calls for a while after starting them.
+///
+/// Rank 1 runs on a runtime of its own, which it blocks while rank 0
+/// starts each call: its reader cannot keep pace meanwhile, so rank 0's
+/// first polls write only what the sockets or queues hold, and the frame is
+/// still coming in when rank 1 posts its receive. (With both ranks on one
+/// runtime, a reader that kept pace let rank 0's first poll write the whole
+/// frame, and nothing was late.)
 async fn late_receives(local: Option<ShmTransport>, len: usize) {
-    let world = connect_all(2, |_| TcpOptions {
+    let opts = move || TcpOptions {
         timeout: Duration::from_secs(20),
         connect_timeout: Duration::from_secs(60),
         in_place_min: 0,
@@ -370,59 +377,72 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
         },
         local: local.clone().map(ShmTransport::shared),
         ..TcpOptions::default()
-    })
-    .await;
-    // Each rank drops its end as soon as it is done: a rank whose last
-    // send is still in its socket closes it gracefully (see close.rs).
-    let runs: Vec<_> = world
-        .into_iter()
-        .map(|b| {
-            tokio::spawn(async move {
-                let r = b.rank();
-                let pg = consort_comm::ProcessGroup::new(b.clone());
-                let mut x: Vec<f32> = (0..len)
-                    .map(|i| if r == 0 { (i % 89) as f32 } else { -1.0 })
-                    .collect();
-                let mut y: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
-                late_call(r, pg.broadcast(&mut x, 0)).await;
-                let after_broadcast = b.mesh().late_receives();
-                late_call(r, pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum)).await;
-                let right = x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
-                    && y.iter()
-                        .enumerate()
-                        .all(|(i, &v)| v == (1000 + 2 * (i % 7)) as f32);
-                (right, after_broadcast, b.mesh().late_receives())
-            })
+    };
+    let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+    let (s1, o1) = (store.clone(), opts());
+    let one = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let b = TcpBackend::connect(s1, 1, 2, o1).await.expect("connect");
+            late_rank(Arc::new(b), len).await
         })
-        .collect();
-    let mut got: Vec<(bool, u64, u64)> = Vec::new();
-    for t in runs {
-        got.push(t.await.unwrap());
-    }
+    });
+    let b0 = TcpBackend::connect(store, 0, 2, opts())
+        .await
+        .expect("connect");
+    let got0 = late_rank(Arc::new(b0), len).await;
+    let got1 = tokio::task::spawn_blocking(move || one.join().unwrap())
+        .await
+        .unwrap();
+    let got = [got0, got1];
     assert!(got.iter().all(|g| g.0), "wrong results: {got:?}");
-    // Which frames a rank takes before it posts their receive depends on
-    // how the two cores interleave the ranks; that some were taken early
-    // and finished in place does not.
     assert!(
         got[0].2 + got[1].2 >= 1,
         "late receives (after the broadcast, at the end) on each rank: {got:?}"
     );
 }
 
-/// Runs `call` on rank `r`: rank 0 starts it (its first polls write the
-/// start of its first frame), then leaves it for 300 ms; rank 1 takes that
-/// start into a buffer, and posts its receive at 100 ms.
+/// One rank of [`late_receives`]: whether its results are exact, and its
+/// late receives after the broadcast and at the end.
+async fn late_rank(b: Arc<TcpBackend>, len: usize) -> (bool, u64, u64) {
+    let r = b.rank();
+    let pg = consort_comm::ProcessGroup::new(b.clone());
+    let mut x: Vec<f32> = (0..len)
+        .map(|i| if r == 0 { (i % 89) as f32 } else { -1.0 })
+        .collect();
+    let mut y: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
+    late_call(r, pg.broadcast(&mut x, 0)).await;
+    let after_broadcast = b.mesh().late_receives();
+    late_call(r, pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum)).await;
+    let right = x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
+        && y.iter()
+            .enumerate()
+            .all(|(i, &v)| v == (1000 + 2 * (i % 7)) as f32);
+    (right, after_broadcast, b.mesh().late_receives())
+}
+
+/// Runs `call` on rank `r`. Rank 1 blocks its runtime for 60 ms, lets its
+/// reader take what has come for 40 ms, and then posts its receive; rank
+/// 0, 20 ms into that block, starts the call (its first polls write the
+/// start of its first frame) and then leaves it until 300 ms.
 async fn late_call<E: std::fmt::Debug>(
     r: usize,
     call: impl std::future::Future<Output = Result<(), E>>,
 ) {
     let mut call = std::pin::pin!(call);
     let done = if r == 0 {
-        poll_a_little(call.as_mut()).await
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let done = poll_a_little(call.as_mut()).await;
+        tokio::time::sleep(Duration::from_millis(280)).await;
+        done
     } else {
+        std::thread::sleep(Duration::from_millis(60));
+        tokio::time::sleep(Duration::from_millis(40)).await;
         None
     };
-    tokio::time::sleep(Duration::from_millis(if r == 0 { 300 } else { 100 })).await;
     match done {
         Some(out) => out.unwrap(),
         None => call.await.unwrap(),
