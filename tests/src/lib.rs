@@ -274,6 +274,7 @@ pub use consort_comm::with_dtype;
 pub mod checks;
 pub mod concurrency;
 pub mod scaled;
+pub mod shutdown;
 pub mod subworld;
 
 pub use subworld::on_subgroup;

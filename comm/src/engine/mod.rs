@@ -97,6 +97,14 @@ struct GroupState {
     children: u32,
 }
 
+impl GroupState {
+    /// The mesh ranks of the group's members other than `me` (this rank's
+    /// mesh rank): where its aborts go.
+    fn others(&self, me: usize) -> Vec<usize> {
+        self.members.iter().copied().filter(|&m| m != me).collect()
+    }
+}
+
 #[derive(Debug)]
 struct Running {
     group: GroupId,
@@ -544,13 +552,7 @@ impl<P> Engine<P> {
             g.poisoned.get_or_insert_with(|| e.clone());
             let from_peer = self.aborts.contains_key(&c.group);
             if first && !from_peer {
-                let to = g
-                    .members
-                    .iter()
-                    .copied()
-                    .filter(|&m| m != self.rank)
-                    .collect();
-                abort = Some((abort_info(e, Some(c.fp)), c.fp, to));
+                abort = Some((abort_info(e, Some(c.fp)), c.fp, g.others(self.rank)));
             }
         }
         if self.calls.is_empty() {
@@ -594,13 +596,7 @@ impl<P> Engine<P> {
                     Some((_, said)) => said.clone(),
                     None => abort_info(e, Some(fp)),
                 };
-                let to = g
-                    .members
-                    .iter()
-                    .copied()
-                    .filter(|&m| m != self.rank)
-                    .collect();
-                Some((info, fp, to))
+                Some((info, fp, g.others(self.rank)))
             })
             .collect()
     }
