@@ -111,10 +111,7 @@ async fn promote_read(
     apply_chunk(inner, peer, d, 0, &payload[..whole]);
     // The few bytes of a split element lead the next chunk.
     let rest = payload.len() - whole;
-    // SAFETY: u64 has no padding; every byte pattern is a valid u8.
-    let buf: &mut [u8] =
-        unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast(), bounce.len() * 8) };
-    buf[..rest].copy_from_slice(&payload[whole..]);
+    as_bytes(bounce)[..rest].copy_from_slice(&payload[whole..]);
     inner.recycle(payload);
     read_in_place(inner, peer, r, bounce, d, (whole, rest)).await
 }
@@ -135,9 +132,7 @@ async fn read_in_place(
     d: &Direct,
     (from, mut held): (usize, usize),
 ) -> std::io::Result<()> {
-    // SAFETY: u64 has no padding; every byte pattern is a valid u8.
-    let buf: &mut [u8] =
-        unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast(), bounce.len() * 8) };
+    let buf = as_bytes(bounce);
     let mut off = from;
     while off < d.len {
         let n = (d.len - off).min(buf.len());
@@ -149,4 +144,11 @@ async fn read_in_place(
         off += n;
     }
     Ok(())
+}
+
+/// The bounce buffer (u64s, for alignment) as bytes.
+fn as_bytes(bounce: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u64 has no padding; every byte pattern is a valid u8, and the
+    // slice covers exactly the u64s' bytes.
+    unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast(), bounce.len() * 8) }
 }
