@@ -34,6 +34,7 @@ pub mod flight;
 pub mod frame;
 mod group;
 mod objects;
+pub mod ordered;
 pub mod reduce;
 pub mod store;
 mod subgroups;

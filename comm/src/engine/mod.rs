@@ -147,9 +147,16 @@ pub struct Engine<P> {
 impl<P> Engine<P> {
     /// The engine of mesh rank `rank` of `world`, with the world group.
     pub fn new(rank: usize, world: usize) -> Self {
+        Self::for_group(GroupId::WORLD, rank, world)
+    }
+
+    /// The engine of rank `rank` of a communicator of `world` ranks that is
+    /// group `group` (a stream-ordered backend has one communicator, and so
+    /// one engine, per group: [`crate::ordered`]).
+    pub fn for_group(group: GroupId, rank: usize, world: usize) -> Self {
         let mut groups = FxHashMap::default();
         groups.insert(
-            GroupId::WORLD,
+            group,
             GroupState {
                 members: (0..world).collect(),
                 me: rank,
@@ -599,6 +606,20 @@ impl<P> Engine<P> {
                 Some((info, fp, g.others(self.rank)))
             })
             .collect()
+    }
+
+    /// The context of call `call`'s errors, while it is in flight.
+    pub fn context(&self, call: CallId) -> Option<ErrorContext> {
+        self.calls.get(&call).map(|c| c.ctx)
+    }
+
+    /// Poisons `group` with `e` (the first cause sticks) when no call in
+    /// flight carries the failure: a fingerprint check that found a
+    /// mismatch after the call itself had ended.
+    pub fn poison(&mut self, group: GroupId, e: CommError) {
+        if let Some(g) = self.groups.get_mut(&group) {
+            g.poisoned.get_or_insert(e);
+        }
     }
 
     /// The sticky failure of `group`, if it is poisoned.

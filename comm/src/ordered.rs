@@ -1,0 +1,354 @@
+//! The call rules of a stream-ordered communicator: NCCL, and the emulated
+//! device that stands in for it in tests. Both drive this one module, so
+//! the CPU tests of GPU ordering run the rules that run on a GPU.
+//!
+//! A stream-ordered backend runs no schedules (the library under it runs
+//! its own algorithms), but it keeps every call rule of the [`Engine`]:
+//! sequence numbers per group fixed when a call is *made*, fingerprints,
+//! poisoning with the first cause, cancellation and flight records.
+//! [`Ordered`] adds what stream order needs, sans-IO, with time as an
+//! argument:
+//!
+//! - **Turns.** Calls reach the communication stream in the order they
+//!   were made. A call whose enqueue waits (a host-buffer call stages when
+//!   it is polled) holds back every call made after it
+//!   ([`Ordered::is_turn`]).
+//! - **The work queue.** Enqueued calls complete in issue order, as their
+//!   completion events fire ([`Ordered::watch`]).
+//! - **Deadlines.** [`Ordered::poll_timeout`] says when the driver must
+//!   look next. A call past its deadline fails with `Timeout`, and so does
+//!   an asynchronous error of the communicator; either way the driver must
+//!   abort the communicator, and every call in flight fails.
+//! - **The fingerprint check.** The fingerprint cannot ride in a frame
+//!   header, so it travels over a host side channel among the same ranks
+//!   ([`check`]), compared while the kernel runs. A mismatch fails the
+//!   calls in flight with `Mismatch` and poisons the group
+//!   ([`Ordered::mismatch`]).
+//!
+//! # Driving order
+//!
+//! 1. [`Ordered::make`] when the call is made (its sequence number and
+//!    fingerprint are fixed here; send the fingerprint to the checker).
+//! 2. When its turn has come ([`Ordered::is_turn`]), under the launch lock:
+//!    [`Ordered::launchable`], then the enqueue, then
+//!    [`Ordered::enqueued`] with the driver's handle on the work (its
+//!    completion event), or [`Ordered::launch_failed`].
+//! 3. A call dropped before it was enqueued: [`Ordered::cancel`].
+//! 4. The watchdog: [`Ordered::watch`] at [`Ordered::poll_timeout`] or
+//!    sooner; when it says so, abort the communicator.
+//! 5. The checker's verdict: [`Ordered::mismatch`], then abort.
+
+use std::{
+    collections::{BTreeSet, VecDeque},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
+    engine::{CallId, Engine},
+};
+
+pub mod check;
+
+/// A call fixed in its rank's order by [`Ordered::make`].
+#[derive(Clone, Copy, Debug)]
+pub struct Made {
+    /// The handle for the other methods.
+    pub id: CallId,
+    /// The call's identity (send it to the checker).
+    pub fp: Fingerprint,
+    /// The context every error of this call carries.
+    pub ctx: ErrorContext,
+}
+
+/// One enqueued call.
+#[derive(Debug)]
+struct Queued<W> {
+    id: CallId,
+    ctx: ErrorContext,
+    deadline: Instant,
+    timeout: Duration,
+    work: W,
+}
+
+/// What one look at the work in flight found ([`Ordered::watch`]).
+#[derive(Debug)]
+pub struct Watched<W> {
+    /// Finished work, in issue order, with each call's outcome.
+    pub finished: Vec<(W, Result<()>)>,
+    /// The communicator failed (an error or a passed deadline): abort it.
+    pub abort: bool,
+}
+
+impl<W> Default for Watched<W> {
+    fn default() -> Self {
+        Watched {
+            finished: Vec::new(),
+            abort: false,
+        }
+    }
+}
+
+/// The state of one stream-ordered communicator (see the module docs).
+/// `W` is the driver's handle on enqueued work (its completion event, and
+/// whoever waits for it).
+#[derive(Debug)]
+pub struct Ordered<W> {
+    engine: Engine<()>,
+    group: GroupId,
+    /// Calls made and not yet enqueued (or failed), in the order made.
+    unlaunched: BTreeSet<CallId>,
+    queue: VecDeque<Queued<W>>,
+    /// Set by shutdown: every later call fails with it.
+    closed: Option<String>,
+}
+
+impl<W> Ordered<W> {
+    /// The communicator of `world` ranks that is `group` (its id as every
+    /// member computes it); this rank is `rank` in it.
+    pub fn new(rank: usize, world: usize, group: GroupId) -> Self {
+        Ordered {
+            engine: Engine::for_group(group, rank, world),
+            group,
+            unlaunched: BTreeSet::new(),
+            queue: VecDeque::new(),
+            closed: None,
+        }
+    }
+
+    /// The group this communicator serves.
+    pub fn group(&self) -> GroupId {
+        self.group
+    }
+
+    /// The engine (its flight record, its subgroup ids).
+    pub fn engine(&self) -> &Engine<()> {
+        &self.engine
+    }
+
+    /// The engine, mutably (to number subgroups).
+    pub fn engine_mut(&mut self) -> &mut Engine<()> {
+        &mut self.engine
+    }
+
+    /// Makes a call: fixes its sequence number and fingerprint now. Fails
+    /// fast with the first cause when the group is poisoned or shut down.
+    pub fn make(
+        &mut self,
+        op: OpKind,
+        fingerprint: impl FnOnce(GroupId, u64) -> Fingerprint,
+    ) -> Result<Made> {
+        let group = self.group;
+        if let Some(why) = &self.closed {
+            let ctx = ErrorContext {
+                op: Some(op),
+                rank: Some(self.engine.rank()),
+                group: Some(group),
+                ..Default::default()
+            };
+            return Err(CommError::Aborted {
+                ctx,
+                cause: why.clone(),
+            });
+        }
+        let b = self.engine.begin(group, op, |seq| fingerprint(group, seq))?;
+        self.unlaunched.insert(b.id);
+        Ok(Made {
+            id: b.id,
+            fp: b.fp,
+            ctx: b.ctx,
+        })
+    }
+
+    /// Whether every call made before `id` has been enqueued or has
+    /// failed, so `id` may go to the stream.
+    pub fn is_turn(&self, id: CallId) -> bool {
+        self.unlaunched.first().is_none_or(|first| *first >= id)
+    }
+
+    /// Whether call `id` may be enqueued now: `Err` (the call has ended
+    /// with it) when its group failed or the communicator was shut down
+    /// since it was made.
+    pub fn launchable(&mut self, id: CallId) -> Result<()> {
+        let failed = match (&self.closed, self.engine.poisoned(self.group)) {
+            (_, Some(e)) => Some(e.to_aborted()),
+            (Some(why), None) => Some(CommError::Aborted {
+                ctx: ErrorContext::default(),
+                cause: why.clone(),
+            }),
+            (None, None) => None,
+        };
+        match failed {
+            Some(e) => {
+                self.unlaunched.remove(&id);
+                self.engine.end(id, Err(e)).result
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Call `id` is on the stream: `work` is tracked until it completes or
+    /// `timeout` (from `now`) passes.
+    pub fn enqueued(&mut self, id: CallId, work: W, now: Instant, timeout: Duration) {
+        self.unlaunched.remove(&id);
+        let ctx = self.context(id);
+        self.queue.push_back(Queued {
+            id,
+            ctx,
+            deadline: now
+                .checked_add(timeout.min(crate::time::MAX_TIMEOUT))
+                .unwrap_or(now),
+            timeout,
+            work,
+        });
+    }
+
+    /// The enqueue of call `id` failed with `e`: the call fails, its group
+    /// is poisoned, and the driver must abort the communicator (peers may
+    /// have enqueued their part). Returns the call's error, with context.
+    pub fn launch_failed(&mut self, id: CallId, e: CommError) -> CommError {
+        self.unlaunched.remove(&id);
+        let out = self.engine.end(id, Err(e)).result;
+        out.err().unwrap_or_else(|| CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: "internal: a failed launch ended without an error".into(),
+        })
+    }
+
+    /// Call `id`'s future was dropped before it was enqueued. Its peers
+    /// may run it, so the group cannot go on: it is poisoned with an error
+    /// that says so.
+    pub fn cancel(&mut self, id: CallId) {
+        if self.unlaunched.remove(&id) {
+            let _ = self.engine.cancel(id);
+        }
+    }
+
+    /// The context of call `id` (empty once it has ended).
+    fn context(&self, id: CallId) -> ErrorContext {
+        self.engine.context(id).unwrap_or_default()
+    }
+
+    /// When the driver must call [`Ordered::watch`] at the latest: the
+    /// oldest work's deadline (`None` with nothing in flight).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.queue.front().map(|q| q.deadline)
+    }
+
+    /// Looks at the work in flight at `now`: `done(work)` says whether a
+    /// work's completion event has fired (`Err`: the device failed), and
+    /// `async_error` is the communicator's asynchronous error, if any.
+    /// Completes work in issue order; on a failure or a passed deadline
+    /// every call in flight fails and [`Watched::abort`] is set.
+    pub fn watch(
+        &mut self,
+        now: Instant,
+        mut done: impl FnMut(&W) -> Result<bool>,
+        async_error: impl FnOnce(ErrorContext) -> Option<CommError>,
+    ) -> Watched<W> {
+        let mut out = Watched::default();
+        while let Some(front) = self.queue.front() {
+            match done(&front.work) {
+                Ok(true) => {
+                    let Some(q) = self.queue.pop_front() else {
+                        break;
+                    };
+                    let ended = self.engine.end(q.id, Ok(()));
+                    out.finished.push((q.work, ended.result));
+                }
+                Ok(false) => {
+                    let (ctx, timeout, deadline) = (front.ctx, front.timeout, front.deadline);
+                    let failed = async_error(ctx).or_else(|| {
+                        (now >= deadline).then(|| CommError::Timeout {
+                            ctx,
+                            after: timeout,
+                            waiting_on: Vec::new(),
+                        })
+                    });
+                    if let Some(e) = failed {
+                        out.finished.extend(self.fail_all(e));
+                        out.abort = true;
+                    }
+                    return out;
+                }
+                Err(e) => {
+                    out.finished.extend(self.fail_all(e));
+                    out.abort = true;
+                    return out;
+                }
+            }
+        }
+        out
+    }
+
+    /// Fails every call in flight: the oldest with `e` (the first cause,
+    /// which poisons the group), the rest as aborted by it.
+    pub fn fail_all(&mut self, e: CommError) -> Vec<(W, Result<()>)> {
+        let mut out = Vec::with_capacity(self.queue.len());
+        let mut first = Some(e.clone());
+        for q in std::mem::take(&mut self.queue) {
+            let err = first.take().unwrap_or_else(|| e.to_aborted());
+            out.push((q.work, self.engine.end(q.id, Err(err)).result));
+        }
+        if out.is_empty() {
+            self.engine.poison(self.group, e);
+        }
+        out
+    }
+
+    /// The fingerprint check found a mismatch: it is the group's first
+    /// cause unless it already failed, and every call in flight fails with
+    /// it. The driver then aborts the communicator.
+    pub fn mismatch(&mut self, e: CommError) -> Vec<(W, Result<()>)> {
+        if self.engine.poisoned(self.group).is_some() {
+            return Vec::new();
+        }
+        self.fail_all(e)
+    }
+
+    /// The sticky failure, if the group failed.
+    pub fn poisoned(&self) -> Option<&CommError> {
+        self.engine.poisoned(self.group)
+    }
+
+    /// Whether nothing is in flight or waiting for its turn.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.unlaunched.is_empty()
+    }
+
+    /// What `synchronize` returns now: `Some(Err)` with the sticky failure,
+    /// `Some(Ok)` when every call made has completed, `None` while work is
+    /// in flight.
+    pub fn synchronized(&self) -> Option<Result<()>> {
+        if let Some(e) = self.poisoned() {
+            return Some(Err(e.to_aborted()));
+        }
+        self.is_idle().then_some(Ok(()))
+    }
+
+    /// Shuts the communicator down: every later call fails with `why`.
+    pub fn close(&mut self, why: impl Into<String>) {
+        self.closed.get_or_insert_with(|| why.into());
+    }
+
+    /// Work still in flight, oldest first.
+    pub fn in_flight(&self) -> usize {
+        self.queue.len()
+    }
+}
+
+/// The error of a wait (`synchronize`, shutdown) on this rank that ran
+/// past `after`.
+pub fn wait_timeout(rank: usize, after: Duration) -> CommError {
+    CommError::Timeout {
+        ctx: ErrorContext {
+            rank: Some(rank),
+            ..Default::default()
+        },
+        after,
+        waiting_on: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,216 @@
+//! The fingerprint check of a stream-ordered communicator, over a host side
+//! channel: always on, and off the GPU's critical path.
+//!
+//! NCCL checks nothing: a rank that calls `broadcast` where its peers call
+//! `all_reduce` hangs, or returns garbage. Here every collective's
+//! [`Fingerprint`] goes, when the call is made, to a [`Checker`] task
+//! that all-gathers it over a host backend among the same ranks (a TCP
+//! group made at init; in tests, simulated ranks) while the kernel runs.
+//! Every rank sees every rank's fingerprint, so every rank finds a
+//! mismatch itself and reports `Mismatch` naming both sides; the driver
+//! then fails its calls in flight and aborts the communicator
+//! ([`super::Ordered::mismatch`]).
+//!
+//! Calls are compared in the order they were made, which is the order on
+//! the stream. A rank that skipped a collective compares its next one
+//! against its peers' skipped one: a mismatch too. Subgroups get checkers
+//! of their own, made through the parent's ([`Checker::new_group`]), so
+//! the host group's calls keep one order on every rank.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, Fingerprint, Result,
+    frame::{FrameHeader, FrameLimits, HEADER_LEN},
+};
+
+/// The future that runs a checker: spawn it on any executor.
+pub type CheckTask = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// Where a checker reports the mismatch it found.
+pub type Report = Arc<dyn Fn(CommError) + Send + Sync>;
+
+enum Msg {
+    Check(Fingerprint),
+    NewGroup {
+        ranks: Vec<usize>,
+        report: Report,
+        reply: oneshot::Sender<Result<Option<(Checker, CheckTask)>>>,
+    },
+}
+
+/// The handle to one communicator's checker task (see the module docs).
+#[derive(Clone, Debug)]
+pub struct Checker {
+    tx: mpsc::UnboundedSender<Msg>,
+    sent: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Check(fp) => write!(f, "Check({fp})"),
+            Msg::NewGroup { ranks, .. } => write!(f, "NewGroup({ranks:?})"),
+        }
+    }
+}
+
+impl Checker {
+    /// A checker over `host` (a host backend of the same ranks, numbered
+    /// alike, used by nothing else), each comparison bounded by `timeout`,
+    /// and the task that runs it. `report` gets the first mismatch.
+    pub fn new(host: Arc<dyn Backend>, timeout: Duration, report: Report) -> (Checker, CheckTask) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (sent, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let task = Box::pin(run(host, timeout, rx, report, done.clone()));
+        (Checker { tx, sent, done }, task)
+    }
+
+    /// Sends a collective's fingerprint to be compared; never blocks.
+    pub fn check(&self, fp: Fingerprint) {
+        if self.tx.send(Msg::Check(fp)).is_ok() {
+            self.sent.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether every fingerprint sent so far has been compared (or the
+    /// checker has stopped). A rank that leaves waits for this first, so
+    /// that its peers' last comparisons find it still there.
+    pub fn is_drained(&self) -> bool {
+        self.tx.is_closed() || self.done.load(Ordering::SeqCst) >= self.sent.load(Ordering::SeqCst)
+    }
+
+    /// Waits (polling every 100 µs) until [`Checker::is_drained`], at most
+    /// until `deadline`.
+    pub async fn drain(&self, deadline: Instant) {
+        while !self.is_drained() && Instant::now() < deadline {
+            futures_timer::Delay::new(Duration::from_micros(100)).await;
+        }
+    }
+
+    /// The checker of the subgroup of these ranks (checked, in group-rank
+    /// order), made on the host side channel in this checker's order. Every
+    /// rank of this group calls it; non-members get `None`.
+    pub async fn new_group(
+        &self,
+        ranks: &[usize],
+        report: Report,
+    ) -> Result<Option<(Checker, CheckTask)>> {
+        let (reply, answer) = oneshot::channel();
+        let gone = || CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: "the fingerprint checker has stopped (its host side channel failed); make \
+                    the subgroup on a new communicator"
+                .into(),
+        };
+        self.tx
+            .send(Msg::NewGroup {
+                ranks: ranks.to_vec(),
+                report,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+}
+
+/// The checker task: one message at a time, in the order sent.
+async fn run(
+    host: Arc<dyn Backend>,
+    timeout: Duration,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    report: Report,
+    done: Arc<AtomicU64>,
+) {
+    let opts = CallOptions::default().with_timeout(timeout);
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Msg::Check(fp) => {
+                let verdict = compare(&*host, fp, &opts).await;
+                done.fetch_add(1, Ordering::SeqCst);
+                match verdict {
+                    Ok(None) => {}
+                    Ok(Some(e)) => {
+                        report(e);
+                        return;
+                    }
+                    Err(e) => {
+                        // The side channel failed, not the communicator: its
+                        // own watchdog still bounds every call. Stop
+                        // checking rather than poison a healthy group.
+                        tracing::warn!(
+                            rank = host.rank(),
+                            "the NCCL fingerprint check stopped: its host side channel failed \
+                             ({e}); mismatched collectives on this communicator are no longer \
+                             caught"
+                        );
+                        return;
+                    }
+                }
+            }
+            Msg::NewGroup {
+                ranks,
+                report,
+                reply,
+            } => {
+                let made = host
+                    .new_group(&ranks, &opts)
+                    .await
+                    .map(|sub| sub.map(|h| Checker::new(h, timeout, report)));
+                let _ = reply.send(made);
+            }
+        }
+    }
+}
+
+/// All-gathers `mine` over `host` and compares: `Some(Mismatch)` naming
+/// the first rank whose call differs.
+async fn compare(
+    host: &dyn Backend,
+    mine: Fingerprint,
+    opts: &CallOptions,
+) -> Result<Option<CommError>> {
+    let header = FrameHeader::data(mine, 0, 0, 0).encode();
+    let world = host.world_size();
+    let mut all = vec![0u8; HEADER_LEN * world];
+    host.all_gather(
+        BufferMut::from(&mut all[..]),
+        Buffer::from(&header[..]),
+        opts,
+    )
+    .await?;
+    Ok(first_difference(mine, host.rank(), &all))
+}
+
+/// The first rank whose encoded fingerprint in `all` differs from `mine`,
+/// as the `Mismatch` this rank reports (an undecodable one is a protocol
+/// error of that rank).
+pub fn first_difference(mine: Fingerprint, rank: usize, all: &[u8]) -> Option<CommError> {
+    let limits = FrameLimits::default();
+    all.chunks_exact(HEADER_LEN)
+        .enumerate()
+        .find_map(|(r, b)| match FrameHeader::decode(b, &limits) {
+            Ok(h) if h.fingerprint == mine => None,
+            Ok(h) => Some(CommError::Mismatch {
+                ctx: ErrorContext::new(mine.op, rank, mine.seq, mine.group),
+                local: mine,
+                remote: h.fingerprint,
+                remote_rank: r,
+            }),
+            Err(e) => Some(CommError::protocol(
+                Some(r),
+                format!("an undecodable fingerprint on the side channel: {e}"),
+            )),
+        })
+}

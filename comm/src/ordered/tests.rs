@@ -1,0 +1,153 @@
+use std::time::{Duration, Instant};
+
+use super::{Ordered, check::first_difference};
+use crate::{
+    CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp,
+    frame::{FrameHeader, HEADER_LEN},
+};
+
+fn fp(op: OpKind) -> impl FnOnce(GroupId, u64) -> Fingerprint {
+    move |group, seq| Fingerprint {
+        group,
+        seq,
+        op,
+        dtype: DType::F32,
+        count: 4,
+        root: 0,
+        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
+    }
+}
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[test]
+fn calls_are_numbered_per_group_when_made_and_name_their_group() {
+    let sub = GroupId(0x1234);
+    let mut o = Ordered::<u32>::new(1, 3, sub);
+    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
+    let p = o.make(OpKind::Send, fp(OpKind::Send)).unwrap();
+    assert_eq!((a.fp.seq, b.fp.seq, p.fp.seq), (0, 1, 0));
+    assert_eq!(a.ctx.group, Some(sub));
+    assert_eq!(a.fp.group, sub);
+    assert_eq!(a.ctx.rank, Some(1));
+}
+
+#[test]
+fn a_call_waits_for_the_turns_of_calls_made_before_it() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    assert!(o.is_turn(a.id) && !o.is_turn(b.id));
+    o.launchable(a.id).unwrap();
+    o.enqueued(a.id, 1, Instant::now(), SEC);
+    assert!(o.is_turn(b.id));
+    assert!(!o.is_idle());
+}
+
+#[test]
+fn a_call_dropped_before_its_turn_poisons_the_group_and_frees_the_turn() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.cancel(a.id);
+    assert!(o.is_turn(b.id));
+    let e = o.launchable(b.id).unwrap_err();
+    assert!(e.to_string().contains("cancelled"), "{e}");
+    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    assert!(later.to_string().contains("cancelled"), "{later}");
+    assert!(o.is_idle());
+}
+
+#[test]
+fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let t0 = Instant::now();
+    for w in 0..3 {
+        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        o.launchable(m.id).unwrap();
+        o.enqueued(m.id, w, t0, SEC);
+    }
+    assert_eq!(o.poll_timeout(), Some(t0 + SEC));
+    // Work 0 is done; work 1 is not, and it is not late yet.
+    let w = o.watch(t0, |&w| Ok(w == 0), |_| None);
+    assert_eq!(w.finished.len(), 1);
+    assert!(w.finished[0].1.is_ok() && !w.abort);
+    // Work 2's event fired, but work 1 comes first: nothing completes.
+    let w = o.watch(t0, |&w| Ok(w == 2), |_| None);
+    assert!(w.finished.is_empty() && !w.abort);
+    let w = o.watch(t0 + SEC, |&w| Ok(w == 2), |_| None);
+    assert!(w.abort);
+    let errs: Vec<_> = w.finished.into_iter().map(|(_, r)| r.unwrap_err()).collect();
+    assert!(matches!(errs[0], CommError::Timeout { .. }), "{}", errs[0]);
+    assert_eq!(errs[0].context().and_then(|c| c.seq), Some(1));
+    assert!(matches!(errs[1], CommError::Aborted { .. }), "{}", errs[1]);
+    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    assert!(later.to_string().contains("timed out"), "{later}");
+    assert_eq!(o.poll_timeout(), None);
+    assert!(o.synchronized().unwrap().is_err());
+}
+
+#[test]
+fn an_asynchronous_error_aborts_and_sticks() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.enqueued(m.id, 0, Instant::now(), SEC);
+    let w = o.watch(
+        Instant::now(),
+        |_| Ok(false),
+        |ctx| Some(CommError::invalid("remote error").with_context(ctx)),
+    );
+    assert!(w.abort);
+    assert!(w.finished[0].1.as_ref().unwrap_err().to_string().contains("remote error"));
+    assert!(o.poisoned().is_some());
+}
+
+#[test]
+fn a_mismatch_found_after_its_call_ended_still_poisons() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.enqueued(m.id, 0, Instant::now(), SEC);
+    let _ = o.watch(Instant::now(), |_| Ok(true), |_| None);
+    assert_eq!(o.synchronized().map(|r| r.is_ok()), Some(true));
+    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let e = first_difference(m.fp, 0, &both(m.fp, other)).unwrap();
+    assert!(o.mismatch(e).is_empty());
+    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    assert!(later.to_string().contains("mismatch"), "{later}");
+    // A second verdict does not replace the first cause.
+    assert!(o.mismatch(CommError::invalid("x")).is_empty());
+}
+
+fn both(a: Fingerprint, b: Fingerprint) -> Vec<u8> {
+    let mut v = FrameHeader::data(a, 0, 0, 0).encode().to_vec();
+    v.extend_from_slice(&FrameHeader::data(b, 0, 0, 0).encode());
+    v
+}
+
+#[test]
+fn the_comparison_names_both_sides_and_refuses_garbage() {
+    let a = fp(OpKind::AllReduce)(GroupId::WORLD, 3);
+    let b = fp(OpKind::Broadcast)(GroupId::WORLD, 3);
+    assert!(first_difference(a, 0, &both(a, a)).is_none());
+    let e = first_difference(a, 0, &both(a, b)).unwrap();
+    match &e {
+        CommError::Mismatch {
+            local,
+            remote,
+            remote_rank,
+            ctx,
+        } => {
+            assert_eq!((*local, *remote, *remote_rank), (a, b, 1));
+            assert_eq!(ctx.seq, Some(3));
+        }
+        other => panic!("{other}"),
+    }
+    let e = first_difference(b, 1, &both(a, b)).unwrap();
+    assert!(matches!(e, CommError::Mismatch { remote_rank: 0, .. }));
+    let garbage = vec![7u8; HEADER_LEN];
+    assert!(matches!(
+        first_difference(a, 0, &garbage),
+        Some(CommError::Protocol { .. })
+    ));
+}
