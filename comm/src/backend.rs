@@ -40,7 +40,7 @@ use std::{
 
 use async_trait::async_trait;
 
-use crate::{Buffer, BufferMut, GroupId, OpKind, ReduceOp, Result};
+use crate::{Buffer, BufferMut, DType, Fingerprint, GroupId, OpKind, ReduceOp, Result};
 
 /// One call with its buffers, as [`Backend::submit`] takes it: torch's
 /// collectives and point-to-point ops. Output buffers come first.
@@ -139,6 +139,38 @@ impl Op<'_> {
             Op::Barrier => OpKind::Barrier,
             Op::Send { .. } => OpKind::Send,
             Op::Recv { .. } => OpKind::Recv,
+        }
+    }
+
+    /// The call's fingerprint as call `seq` of `group` with root `root`:
+    /// the count is the input's length where input and output differ (the
+    /// output's for scatter and reduce_scatter, none for all_to_all), and
+    /// the root counts only for rooted ops. Backends that cannot carry it
+    /// in a frame (NCCL) compare it over a side channel.
+    pub fn fingerprint(&self, group: GroupId, seq: u64, root: usize) -> Fingerprint {
+        let (dtype, count, reduce) = match self {
+            Op::AllReduce { buf, op } | Op::Reduce { buf, op } => {
+                (buf.dtype(), buf.len(), Some(*op))
+            }
+            Op::Broadcast { buf } | Op::Recv { buf, .. } => (buf.dtype(), buf.len(), None),
+            Op::AllGather { input, .. } | Op::Gather { input, .. } => {
+                (input.dtype(), input.len(), None)
+            }
+            Op::Scatter { output, .. } => (output.dtype(), output.len(), None),
+            Op::ReduceScatter { output, op, .. } => (output.dtype(), output.len(), Some(*op)),
+            Op::AllToAll { input, .. } => (input.dtype(), 0, None),
+            Op::Barrier => (DType::U8, 0, None),
+            Op::Send { buf, .. } => (buf.dtype(), buf.len(), None),
+        };
+        let op = self.kind();
+        Fingerprint {
+            group,
+            seq,
+            op,
+            dtype,
+            count: count as u64,
+            root: if op.has_root() { root as u32 } else { 0 },
+            reduce_op: reduce.map(ReduceOp::compared),
         }
     }
 }

@@ -317,13 +317,14 @@ impl<W> Ordered<W> {
     }
 
     /// What `synchronize` returns now: `Some(Err)` with the sticky failure,
-    /// `Some(Ok)` when every call made has completed, `None` while work is
-    /// in flight.
+    /// `Some(Ok)` when every call enqueued has completed, `None` while work
+    /// is in flight. (A host call still waiting for its turn is not on the
+    /// stream yet; its own future waits for it.)
     pub fn synchronized(&self) -> Option<Result<()>> {
         if let Some(e) = self.poisoned() {
             return Some(Err(e.to_aborted()));
         }
-        self.is_idle().then_some(Ok(()))
+        self.queue.is_empty().then_some(Ok(()))
     }
 
     /// Shuts the communicator down: every later call fails with `why`.

@@ -159,6 +159,12 @@ impl Dist {
     /// `LOCAL_RANK`'s: what [`Dist::nccl_process_group`] wraps, for callers
     /// that need its stream or its device.
     ///
+    /// Every collective's fingerprint is compared with the peers' over a
+    /// small TCP mesh made here, while the kernel runs
+    /// ([`consort_nccl::NcclBackend::check_fingerprints`]): a mismatched
+    /// collective is `Mismatch` on every rank, not a hang or garbage.
+    /// `CONSORT_NCCL_CHECK=0` turns that off.
+    ///
     /// `CONSORT_SHARE_GPU=1` puts every rank on GPU 0, for correctness runs
     /// of several ranks on a one-GPU machine. NCCL allows that from 2.30
     /// with `NCCL_MULTI_RANK_GPU_ENABLE=1`; older releases need a distinct
@@ -185,7 +191,19 @@ impl Dist {
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
         }
-        consort_nccl::NcclBackend::new(&*self.store, self.env.rank, self.env.world_size, opts).await
+        let (rank, world) = (self.env.rank, self.env.world_size);
+        let b = consort_nccl::NcclBackend::new(&*self.store, rank, world, opts).await?;
+        if world > 1 && bool_var("CONSORT_NCCL_CHECK", true)? {
+            // The side channel of the mismatch check: a TCP mesh of its own
+            // (its own store keys), used by nothing else.
+            let mut tcp = self.tcp_options().await?;
+            tcp.namespace = format!("consort/tcp/{}/nccl-check", self.env.restart_count);
+            tcp.heartbeat_file = None;
+            tcp.flight_dir = None;
+            let host = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
+            b.check_fingerprints(Arc::new(host))?;
+        }
+        Ok(b)
     }
 
     /// The default process group: the TCP backend over a mesh between every
@@ -574,4 +592,17 @@ fn dump_on_sigusr1() {
             });
         }
     });
+}
+
+/// A switch from `var` (`1`/`true` or `0`/`false`), `default` when unset.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+fn bool_var(var: &'static str, default: bool) -> Result<bool, CommError> {
+    match std::env::var(var).ok().as_deref().map(str::trim) {
+        None | Some("") => Ok(default),
+        Some("1" | "true" | "True") => Ok(true),
+        Some("0" | "false" | "False") => Ok(false),
+        Some(v) => Err(CommError::invalid(format!(
+            "{var}={v:?} is not valid: expected 1 or 0"
+        ))),
+    }
 }

@@ -31,7 +31,6 @@ pub mod keys;
 pub mod map;
 pub mod probe;
 pub mod sys;
-mod turns;
 mod work;
 
 pub use backend::{NcclBackend, NcclOptions};

@@ -1,23 +1,25 @@
 //! Work in flight on one communicator, and the watchdog thread that tracks
 //! it (torch's `WorkNCCL` list and its `ncclCommWatchdog`).
 //!
-//! This module owns the communicator handle and every rule about its
-//! lifetime: the launch lock that serialises NCCL calls on it, sequence
-//! numbers, poisoning, the event pool, and the one thread per communicator
-//! that completes work in order, checks `ncclCommGetAsyncError`, aborts the
-//! communicator when the oldest work passes its deadline, and makes that
-//! failure sticky. No thread outlives the communicator: [`Shared::stop`]
+//! This module owns the communicator handle and its lifetime: the launch
+//! lock that serialises NCCL calls on it, the event pool, and the one
+//! thread per communicator that drives the call rules of
+//! [`consort_comm::ordered`] (sequence numbers, turns, deadlines, the
+//! sticky failure, all shared with the emulated device) on CUDA events and
+//! `ncclCommGetAsyncError`, and aborts the communicator when they say so. No thread outlives the communicator: [`Shared::stop`]
 //! joins the watchdog before the handle is destroyed.
 
 use std::{
-    collections::VecDeque,
     ffi::c_int,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
-use consort_comm::{CommError, ErrorContext, GroupId, OpKind};
+use consort_comm::{
+    CommError, ErrorContext,
+    ordered::{Ordered, check::Checker},
+};
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
 
 use crate::{
@@ -38,33 +40,57 @@ impl Event {
 /// What a host call waits on: the result of its work.
 pub(crate) type Waiter = tokio::sync::oneshot::Sender<Result<(), CommError>>;
 
-/// One enqueued call.
-pub(crate) struct Work {
-    pub(crate) ctx: ErrorContext,
+/// The driver's handle on one enqueued call ([`Ordered`] tracks it).
+pub(crate) struct Tracked {
     /// Recorded on the communication stream after the op.
     pub(crate) done: Event,
-    pub(crate) deadline: Instant,
-    pub(crate) timeout: Duration,
     pub(crate) waiter: Option<Waiter>,
-    /// A host call's staging generation (see `Shared::staged`).
+    /// A host call's staging generation (see `Track::staged`).
     pub(crate) staging: Option<u64>,
 }
 
-/// What the launch lock guards: the next sequence number, and the right
-/// to make NCCL calls on the communicator (one thread at a time).
-pub(crate) struct Slot {
-    pub(crate) seq: u64,
-}
-
-/// Tracked work and the sticky failure, behind the tracking lock.
-#[derive(Default)]
+/// The call rules (the engine, turns, work in flight, the sticky failure)
+/// and the event pool, behind the tracking lock.
 pub(crate) struct Track {
-    pub(crate) queue: VecDeque<Work>,
-    pub(crate) poisoned: Option<CommError>,
+    pub(crate) core: Ordered<Tracked>,
     pub(crate) stop: bool,
     pub(crate) free_events: Vec<Event>,
     /// The newest staging generation whose work has finished.
     pub(crate) staged: u64,
+}
+
+impl Track {
+    pub(crate) fn new(core: Ordered<Tracked>) -> Self {
+        Track {
+            core,
+            stop: false,
+            free_events: Vec::new(),
+            staged: 0,
+        }
+    }
+
+    /// Hands a finished call's outcome to its waiter and its event back to
+    /// the pool (a failed call's event may still be pending: destroyed).
+    fn finish(&mut self, w: Tracked, r: Result<(), CommError>) {
+        if let Some(g) = w.staging {
+            self.staged = self.staged.max(g);
+        }
+        if r.is_ok() {
+            self.free_events.push(w.done);
+        } else {
+            // SAFETY: our event; destroying an unfinished event is allowed.
+            let _ = unsafe { cu::event::destroy(w.done.raw()) };
+        }
+        if let Some(tx) = w.waiter {
+            let _ = tx.send(r);
+        }
+    }
+
+    fn finish_all(&mut self, done: Vec<(Tracked, Result<(), CommError>)>) {
+        for (w, r) in done {
+            self.finish(w, r);
+        }
+    }
 }
 
 /// State shared by the backend and its watchdog.
@@ -76,10 +102,16 @@ pub(crate) struct Shared {
     /// communicator while a launch is blocked inside NCCL (torch's watchdog
     /// aborts from its own thread for the same reason).
     pub(crate) comm: std::sync::atomic::AtomicUsize,
-    pub(crate) slot: Mutex<Slot>,
+    /// The launch lock: the right to make NCCL calls on the communicator
+    /// (one thread at a time).
+    pub(crate) slot: Mutex<()>,
     pub(crate) track: Mutex<Track>,
     pub(crate) cv: Condvar,
+    /// Woken when a call leaves the turn order (enqueued, failed, dropped).
+    pub(crate) turn: tokio::sync::Notify,
     pub(crate) poll: Duration,
+    /// The fingerprint check over a host side channel, when one was given.
+    pub(crate) checker: std::sync::OnceLock<Checker>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -111,32 +143,25 @@ impl Shared {
             .into_owned()
     }
 
-    /// The sticky error, if any, as this call's `Aborted`.
-    pub(crate) fn check(&self, ctx: ErrorContext) -> Result<(), CommError> {
-        match &lock(&self.track).poisoned {
-            Some(e) => Err(e.to_aborted().with_context(ctx)),
-            None => Ok(()),
-        }
-    }
-
-    /// Records the first failure and fails every waiter.
+    /// Fails every call in flight with `e` (the first cause sticks).
     pub(crate) fn poison(&self, e: CommError) {
         let mut t = lock(&self.track);
-        t.poisoned.get_or_insert(e);
-        let first = t.poisoned.clone();
-        let queue = std::mem::take(&mut t.queue);
-        for w in queue {
-            if let (Some(tx), Some(err)) = (w.waiter, &first) {
-                let _ = tx.send(Err(err.to_aborted().with_context(w.ctx)));
-            }
-            // SAFETY: our event; destroying an unfinished event is allowed.
-            let _ = unsafe { cu::event::destroy(w.done.raw()) };
-            if let Some(g) = w.staging {
-                t.staged = t.staged.max(g);
-            }
-        }
+        let failed = t.core.fail_all(e);
+        t.finish_all(failed);
         drop(t);
         self.cv.notify_all();
+        self.turn.notify_waiters();
+    }
+
+    /// The fingerprint check found a mismatch: the calls in flight fail
+    /// with it, and the communicator is aborted (a mismatched kernel may
+    /// never finish).
+    pub(crate) fn mismatch(&self, e: CommError) {
+        let mut t = lock(&self.track);
+        let failed = t.core.mismatch(e.clone());
+        t.finish_all(failed);
+        drop(t);
+        self.abort(e);
     }
 
     /// An event from the pool, or a new one.
@@ -152,16 +177,6 @@ impl Shared {
     /// Returns an event to the pool (it may be re-recorded at once).
     pub(crate) fn recycle(&self, e: Event) {
         lock(&self.track).free_events.push(e);
-    }
-
-    /// The call context for the next call; collectives take a sequence
-    /// number, point-to-point calls do not.
-    pub(crate) fn next_ctx(&self, slot: &mut Slot, op: OpKind, p2p: bool) -> ErrorContext {
-        let seq = if p2p { 0 } else { slot.seq };
-        if !p2p {
-            slot.seq += 1;
-        }
-        ErrorContext::new(op, self.rank, seq, GroupId::WORLD)
     }
 
     /// The live communicator, if any.
@@ -219,77 +234,46 @@ pub(crate) fn spawn_watchdog(
         })
 }
 
-/// What one look at the front of the queue found.
-enum Front {
-    Empty,
-    Done(Work),
-    Running {
-        deadline: Instant,
-        ctx: ErrorContext,
-        timeout: Duration,
-    },
-    Failed(CommError),
-}
-
-fn front(shared: &Shared) -> Front {
-    let mut t = lock(&shared.track);
-    let Some(w) = t.queue.front() else {
-        return Front::Empty;
-    };
+/// Whether a call's completion event has fired.
+fn fired(e: Event) -> Result<bool, CommError> {
     // SAFETY: the event is ours and live until recycled.
-    match unsafe { cu::event::query(w.done.raw()) } {
-        Ok(()) => {
-            let w = t.queue.pop_front().expect("front exists");
-            if let Some(g) = w.staging {
-                t.staged = t.staged.max(g);
-            }
-            Front::Done(w)
-        }
-        Err(e) if e.0 == cusys::cudaError_enum::CUDA_ERROR_NOT_READY => Front::Running {
-            deadline: w.deadline,
-            ctx: w.ctx,
-            timeout: w.timeout,
-        },
-        Err(e) => Front::Failed(driver_error(w.ctx, "completion query", e)),
+    match unsafe { cu::event::query(e.raw()) } {
+        Ok(()) => Ok(true),
+        Err(e) if e.0 == cusys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+        Err(e) => Err(driver_error(ErrorContext::default(), "completion query", e)),
     }
 }
 
-/// The watchdog loop: completes work in order, and turns an asynchronous
-/// NCCL error or a passed deadline into an abort and a sticky error.
+/// The watchdog loop: the rules of [`Ordered::watch`] on the real device.
+/// It completes work in order, and on an asynchronous NCCL error or a
+/// passed deadline aborts the communicator; the failure sticks.
 fn watchdog(shared: &Shared) {
     loop {
-        match front(shared) {
-            Front::Done(w) => {
-                if let Some(tx) = w.waiter {
-                    let _ = tx.send(Ok(()));
-                }
-                shared.recycle(w.done);
-                shared.cv.notify_all();
-                continue;
+        let mut t = lock(&shared.track);
+        let seen = t.core.watch(
+            Instant::now(),
+            |w| fired(w.done),
+            |ctx| async_error(shared, ctx),
+        );
+        let progressed = !seen.finished.is_empty();
+        t.finish_all(seen.finished);
+        if seen.abort {
+            drop(t);
+            let first = lock(&shared.track).core.poisoned().cloned();
+            if let Some(e) = first {
+                shared.abort(e);
             }
-            Front::Failed(e) => shared.abort(e),
-            Front::Running {
-                deadline,
-                ctx,
-                timeout,
-            } => {
-                if let Some(e) = async_error(shared, ctx) {
-                    shared.abort(e);
-                } else if Instant::now() >= deadline {
-                    shared.abort(CommError::Timeout {
-                        ctx,
-                        after: timeout,
-                        waiting_on: Vec::new(),
-                    });
-                }
-            }
-            Front::Empty => {}
+            continue;
         }
-        let t = lock(&shared.track);
-        if t.stop && (t.queue.is_empty() || t.poisoned.is_some()) {
+        if progressed {
+            drop(t);
+            shared.cv.notify_all();
+            continue;
+        }
+        if t.stop && (t.core.in_flight() == 0 || t.core.poisoned().is_some()) {
             return;
         }
-        let wait = if t.queue.is_empty() {
+        let wait = if t.core.in_flight() == 0 {
             Duration::from_millis(100)
         } else {
             shared.poll

@@ -34,6 +34,13 @@ impl NcclBackend {
     ) -> Result<Option<Arc<dyn Backend>>> {
         let me = ranks.iter().position(|&r| r == self.rank);
         let timeout = opts.timeout_or(self.opts.timeout);
+        // Every rank of the parent numbers the subgroup alike, member or not.
+        let id = {
+            let mut t = lock(&self.shared.track);
+            let parent = t.core.group();
+            t.core.engine_mut().next_group_id(parent)?
+        };
+        let check = self.subgroup_checker(ranks).await?;
         let ctx0 = ErrorContext {
             rank: Some(self.rank),
             ..Default::default()
@@ -96,9 +103,13 @@ impl NcclBackend {
             self.ctx.clone(),
             (me, ranks.len(), self.device),
             comm,
+            id,
             sub_opts,
         )?;
         sub.subgroup = true;
+        if let Some((checker, task, bind)) = check {
+            sub.start_checker(checker, task, bind);
+        }
         Ok(Some(Arc::new(sub)))
     }
 
@@ -126,7 +137,9 @@ impl NcclBackend {
             cctx.bind_to_thread()
                 .map_err(|e| driver_error(ctx0, "context binding", e))?;
             let _launches = lock(&shared.slot);
-            shared.check(ctx0)?;
+            if let Some(e) = lock(&shared.track).core.poisoned() {
+                return Err(e.to_aborted().with_context(ctx0));
+            }
             let parent = shared.comm().ok_or_else(|| CommError::Aborted {
                 ctx: ctx0,
                 cause: "the NCCL communicator is gone (aborted)".into(),

@@ -11,7 +11,7 @@ use std::{
 use consort_comm::{CommError, ErrorContext, Result};
 use cudarc::driver::{result as cu, sys as cusys};
 
-use super::{Call, Enqueue, NcclBackend};
+use super::{Call, Enqueue, NcclBackend, Unlaunched};
 use crate::{
     sys::result,
     work::{Track, driver_error, lock},
@@ -52,6 +52,7 @@ impl NcclBackend {
 
     pub(super) async fn host_call(
         &self,
+        pending: Unlaunched<'_>,
         call: Call,
         input: Option<&[u8]>,
         mut output: Option<(&mut [u8], bool)>,
@@ -98,7 +99,9 @@ impl NcclBackend {
                 r
             }
         });
-        self.launch(call, &[], (ci, co), Some((generation, tx)), staged)?;
+        let launched = self.launch(call, &[], (ci, co), Some((generation, tx)), staged);
+        pending.settled();
+        launched?;
         st.generation = generation;
         rx.await.map_err(|_| CommError::Aborted {
             ctx: ErrorContext::default(),
@@ -117,7 +120,7 @@ impl NcclBackend {
     /// device (it may have been dropped while its copies still ran).
     async fn wait_staging(&self, generation: u64, timeout: Duration) -> Result<()> {
         self.wait_for(timeout, |t| {
-            (t.staged >= generation || t.poisoned.is_some()).then_some(Ok(()))
+            (t.staged >= generation || t.core.poisoned().is_some()).then_some(Ok(()))
         })
         .await
     }
@@ -134,14 +137,7 @@ impl NcclBackend {
                 return r;
             }
             if start.elapsed() >= timeout {
-                return Err(CommError::Timeout {
-                    ctx: ErrorContext {
-                        rank: Some(self.rank),
-                        ..Default::default()
-                    },
-                    after: timeout,
-                    waiting_on: Vec::new(),
-                });
+                return Err(consort_comm::ordered::wait_timeout(self.rank, timeout));
             }
             tokio::time::sleep(Duration::from_micros(50)).await;
         }

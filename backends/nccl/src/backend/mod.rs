@@ -32,10 +32,14 @@ use std::{
 };
 
 use consort_comm::{
-    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, OpKind, ReduceOp, Result, Store,
+    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, OpKind,
+    ReduceOp, Result, Store,
+    engine::CallId,
+    ordered::{Made, Ordered},
 };
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
 
+mod check;
 mod group;
 mod host;
 mod ops;
@@ -47,7 +51,7 @@ use crate::{
     map::{nccl_dtype, nccl_error, nccl_op, premul_scalar},
     probe::{load_nccl, probe_device},
     sys::{self, Comm, Nccl, Stream, result},
-    work::{Shared, Slot, Track, Waiter, Work, driver_error, lock, spawn_watchdog},
+    work::{Shared, Track, Tracked, Waiter, driver_error, lock, spawn_watchdog},
 };
 
 /// How an [`NcclBackend`] is set up.
@@ -88,8 +92,6 @@ pub struct NcclBackend {
     shared: Arc<Shared>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     staging: tokio::sync::Mutex<Staging>,
-    /// Host calls' order, fixed when they are made.
-    turns: crate::turns::Turns,
     /// Made by `new_group`: dropping it is how a subgroup ends.
     subgroup: bool,
     closed: AtomicBool,
@@ -147,13 +149,36 @@ enum Args<'a> {
     },
 }
 
-/// What every call carries to the launch: the op, whether it is
-/// point-to-point (no sequence number), and its deadline.
+/// What every call carries to the launch: its place in the order (fixed
+/// when it was made) and its timeout.
 #[derive(Clone, Copy)]
 struct Call {
-    op: OpKind,
-    p2p: bool,
+    made: Made,
     timeout: Duration,
+}
+
+/// A call made and not yet enqueued: dropped before it is, it is cancelled
+/// (its group is poisoned, since peers may run it), as on every backend.
+struct Unlaunched<'a> {
+    shared: &'a Shared,
+    id: CallId,
+    live: bool,
+}
+
+impl Unlaunched<'_> {
+    /// The call was enqueued, or failed: nothing to cancel.
+    fn settled(mut self) {
+        self.live = false;
+    }
+}
+
+impl Drop for Unlaunched<'_> {
+    fn drop(&mut self) {
+        if self.live {
+            lock(&self.shared.track).core.cancel(self.id);
+            self.shared.turn.notify_waiters();
+        }
+    }
 }
 
 /// `enqueue(nccl, comm, stream, input address, output address)`.
@@ -198,7 +223,7 @@ impl NcclBackend {
             check_unique_id(&key, &v).map_err(CommError::invalid)?
         };
         let comm = init_comm(&nccl, &ctx, ctx0, id, rank, world, opts.timeout).await?;
-        Self::assemble(nccl, ctx, (rank, world, device), comm, opts)
+        Self::assemble(nccl, ctx, (rank, world, device), comm, GroupId::WORLD, opts)
     }
 
     /// A backend around a communicator that is already made (by
@@ -209,6 +234,7 @@ impl NcclBackend {
         ctx: Arc<CudaContext>,
         (rank, world, device): (usize, usize, usize),
         comm: usize,
+        group: GroupId,
         opts: NcclOptions,
     ) -> Result<Self> {
         let ctx0 = ErrorContext {
@@ -227,10 +253,12 @@ impl NcclBackend {
             nccl,
             rank,
             comm: std::sync::atomic::AtomicUsize::new(comm),
-            slot: Mutex::new(Slot { seq: 0 }),
-            track: Mutex::new(Track::default()),
+            slot: Mutex::new(()),
+            track: Mutex::new(Track::new(Ordered::new(rank, world, group))),
             cv: std::sync::Condvar::new(),
+            turn: tokio::sync::Notify::new(),
             poll: opts.poll_interval,
+            checker: std::sync::OnceLock::new(),
         });
         let watchdog = match spawn_watchdog(shared.clone(), ctx.clone()) {
             Ok(w) => w,
@@ -248,7 +276,6 @@ impl NcclBackend {
             shared,
             watchdog: Mutex::new(Some(watchdog)),
             staging: tokio::sync::Mutex::new(Staging::default()),
-            turns: crate::turns::Turns::default(),
             subgroup: false,
             closed: AtomicBool::new(false),
             opts,
@@ -307,23 +334,23 @@ impl NcclBackend {
         }
         let deadline = consort_comm::time::deadline(self.opts.timeout);
         loop {
-            let t = lock(&self.shared.track);
-            if t.queue.is_empty() || t.poisoned.is_some() {
+            let mut t = lock(&self.shared.track);
+            if t.core.in_flight() == 0 || t.core.poisoned().is_some() {
+                t.core.close("the NCCL backend was shut down");
                 break;
             }
             if Instant::now() >= deadline {
                 drop(t);
-                self.shared.abort(CommError::Timeout {
-                    ctx: ErrorContext::default(),
-                    after: self.opts.timeout,
-                    waiting_on: Vec::new(),
-                });
+                let after = self.opts.timeout;
+                self.shared
+                    .abort(consort_comm::ordered::wait_timeout(self.rank, after));
                 break;
             }
             let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
         }
+        self.shared.turn.notify_waiters();
         self.stop_watchdog();
-        let poisoned = lock(&self.shared.track).poisoned.clone();
+        let poisoned = lock(&self.shared.track).core.poisoned().cloned();
         let comm = {
             let _launches = lock(&self.shared.slot);
             match self.shared.comm.swap(0, Ordering::SeqCst) {
@@ -367,6 +394,9 @@ impl NcclBackend {
         if self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
+        lock(&self.shared.track)
+            .core
+            .close("the NCCL communicator was aborted");
         self.shared.abort(CommError::Aborted {
             ctx: ErrorContext {
                 rank: Some(self.rank),
@@ -385,7 +415,9 @@ impl NcclBackend {
     }
 
     /// Enqueues one call on the communication stream under the launch
-    /// lock; see the module docs for the ordering.
+    /// lock; see the module docs for the ordering. Every failure fails the
+    /// call, poisons the group and aborts the communicator: peers may have
+    /// enqueued their part.
     fn launch(
         &self,
         call: Call,
@@ -394,23 +426,54 @@ impl NcclBackend {
         host: Option<(u64, Waiter)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
-        let Call { op, p2p, timeout } = call;
         let sh = &self.shared;
-        let mut slot = lock(&sh.slot);
-        let ctx = sh.next_ctx(&mut slot, op, p2p);
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(CommError::Aborted {
-                ctx,
-                cause: "the NCCL backend was shut down".into(),
-            });
-        }
-        sh.check(ctx)?;
+        let slot = lock(&sh.slot);
+        let (id, ctx) = (call.made.id, call.made.ctx);
+        lock(&sh.track).core.launchable(id)?;
+        let fail = |e: CommError| {
+            let e = lock(&sh.track).core.launch_failed(id, e);
+            sh.abort(e.clone());
+            e
+        };
         let Some(comm) = sh.comm() else {
-            return Err(CommError::Aborted {
+            drop(slot);
+            return Err(fail(CommError::Aborted {
                 ctx,
                 cause: "the NCCL communicator is gone (aborted)".into(),
-            });
+            }));
         };
+        let enqueued = self.enqueue_ordered(ctx, comm, streams, io, enqueue);
+        drop(slot);
+        let done = enqueued.map_err(fail)?;
+        let (staging, waiter) = match host {
+            Some((g, w)) => (Some(g), Some(w)),
+            None => (None, None),
+        };
+        let work = Tracked {
+            done,
+            waiter,
+            staging,
+        };
+        lock(&sh.track)
+            .core
+            .enqueued(id, work, Instant::now(), call.timeout);
+        sh.cv.notify_all();
+        sh.turn.notify_waiters();
+        Ok(())
+    }
+
+    /// The launch itself (the launch lock held): the communication stream
+    /// waits for the buffers' streams, the op is enqueued, the completion
+    /// event is recorded, and the buffers' streams wait for it.
+    fn enqueue_ordered(
+        &self,
+        ctx: ErrorContext,
+        comm: usize,
+        streams: &[u64],
+        io: (u64, u64),
+        enqueue: Enqueue<'_>,
+    ) -> Result<crate::work::Event> {
+        let sh = &self.shared;
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver_error(ctx, "context binding", e))?;
@@ -428,80 +491,62 @@ impl NcclBackend {
         }
         let r = enqueue(&sh.nccl, comm as Comm, own as Stream, io.0, io.1);
         if r != result::SUCCESS && r != result::IN_PROGRESS {
-            let e = nccl_error(ctx, r, &sh.last_error(comm));
-            drop(slot);
-            if r != result::INVALID_ARGUMENT {
-                sh.poison(e.clone());
-            }
-            return Err(e);
+            return Err(nccl_error(ctx, r, &sh.last_error(comm)));
         }
-        // The op is enqueued: from here on a failure leaves work we cannot
-        // track, so it poisons the backend.
-        let tracked = || -> Result<crate::work::Event> {
-            let done = sh.event(ctx)?;
-            // SAFETY: `done` is ours; the streams are ours and the caller's.
-            unsafe {
-                cu::event::record(done.raw(), self.cu_stream())
-                    .map_err(cu_err("completion event"))?;
-                for &s in streams.iter().filter(|&&s| s != own) {
-                    cu::stream::wait_event(s as cusys::CUstream, done.raw(), WAIT)
-                        .map_err(cu_err("stream ordering (output)"))?;
-                }
+        let done = sh.event(ctx)?;
+        // SAFETY: `done` is ours; the streams are ours and the caller's.
+        unsafe {
+            cu::event::record(done.raw(), self.cu_stream()).map_err(cu_err("completion event"))?;
+            for &s in streams.iter().filter(|&&s| s != own) {
+                cu::stream::wait_event(s as cusys::CUstream, done.raw(), WAIT)
+                    .map_err(cu_err("stream ordering (output)"))?;
             }
-            Ok(done)
-        };
-        let done = match tracked() {
-            Ok(d) => d,
-            Err(e) => {
-                drop(slot);
-                sh.poison(e.clone());
-                return Err(e);
-            }
-        };
-        let (staging, waiter) = match host {
-            Some((g, w)) => (Some(g), Some(w)),
-            None => (None, None),
-        };
-        lock(&sh.track).queue.push_back(Work {
-            ctx,
-            done,
-            deadline: consort_comm::time::deadline(timeout),
-            timeout,
-            waiter,
-            staging,
-        });
-        drop(slot);
-        sh.cv.notify_all();
-        Ok(())
+        }
+        Ok(done)
     }
 
-    /// Makes one call: device arguments are enqueued now and the work is
-    /// already done from the host's side; host arguments are staged,
-    /// enqueued, waited for and copied back by the returned work.
+    /// Makes a call with fingerprint `fp` (its group and sequence number
+    /// are filled in here): its place in this rank's order is fixed now,
+    /// and a collective's fingerprint goes to the checker.
+    fn make(&self, fp: Fingerprint, opts: &CallOptions) -> Result<Call> {
+        let made = lock(&self.shared.track)
+            .core
+            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
+            && let Some(c) = self.shared.checker.get()
+        {
+            c.check(made.fp);
+        }
+        Ok(Call {
+            made,
+            timeout: opts.timeout_or(self.opts.timeout),
+        })
+    }
+
+    /// Makes one call: device arguments are enqueued now (or, behind a host
+    /// call made earlier, when their turn comes) and the work is then done
+    /// from the host's side; host arguments are staged, enqueued, waited for
+    /// and copied back by the returned work.
     fn call<'a>(
         &'a self,
-        op: OpKind,
-        p2p: bool,
+        fp: Fingerprint,
         opts: &CallOptions,
         args: Args<'a>,
         enqueue: Enqueue<'a>,
     ) -> consort_comm::Work<'a> {
-        let call = Call {
-            op,
-            p2p,
-            timeout: opts.timeout_or(self.opts.timeout),
+        let call = match self.make(fp, opts) {
+            Ok(c) => c,
+            Err(e) => return consort_comm::Work::ready(Err(e)),
         };
-        // Every call's place in this rank's order is fixed now.
-        let ticket = self.turns.take();
+        let pending = self.unlaunched(call);
         match args {
             Args::Device {
                 input,
                 output,
                 streams,
-            } if ticket.is_turn() => {
-                // Nothing made before it is still waiting: enqueue now.
+            } if lock(&self.shared.track).core.is_turn(call.made.id) => {
                 let r = self.launch(call, &streams, (input, output), None, enqueue);
-                drop(ticket);
+                pending.settled();
                 consort_comm::Work::ready(r)
             }
             Args::Device {
@@ -509,52 +554,66 @@ impl NcclBackend {
                 output,
                 streams,
             } => consort_comm::Work::new(async move {
-                // A host call made before it has not run yet: after it.
-                ticket
-                    .turn(call.timeout)
-                    .await
-                    .map_err(|after| self.out_of_turn(call, after))?;
+                self.wait_turn(call).await?;
                 let r = self.launch(call, &streams, (input, output), None, enqueue);
-                drop(ticket);
+                pending.settled();
                 r
             }),
             Args::Host { input, output } => {
-                consort_comm::Work::new(self.host_in_turn(ticket, call, input, output, enqueue))
+                consort_comm::Work::new(self.host_in_turn(pending, call, input, output, enqueue))
             }
         }
     }
 
-    /// A call whose turn did not come within `after`.
-    fn out_of_turn(&self, call: Call, after: Duration) -> CommError {
-        let ctx = ErrorContext {
-            rank: Some(self.rank),
-            op: Some(call.op),
-            ..Default::default()
-        };
-        CommError::invalid(format!(
-            "a host-buffer call made earlier on this rank has not run within {after:?}, so this \
-             one cannot start: NCCL runs a rank's calls in the order they were made; poll \
-             host-buffer calls together (join!) or in that order"
-        ))
-        .with_context(ctx)
+    /// The guard that cancels `call` if it is dropped before it is
+    /// enqueued.
+    fn unlaunched(&self, call: Call) -> Unlaunched<'_> {
+        Unlaunched {
+            shared: &self.shared,
+            id: call.made.id,
+            live: true,
+        }
     }
 
-    /// A host call once its turn ([`crate::turns`]) has come.
+    /// Waits until every call made before `call` has been enqueued (or has
+    /// failed), at most its timeout.
+    async fn wait_turn(&self, call: Call) -> Result<()> {
+        let deadline = consort_comm::time::deadline(call.timeout);
+        loop {
+            let notified = self.shared.turn.notified();
+            if lock(&self.shared.track).core.is_turn(call.made.id) {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+                return Err(CommError::Timeout {
+                    ctx: call.made.ctx,
+                    after: call.timeout,
+                    waiting_on: Vec::new(),
+                }
+                .with_context(call.made.ctx));
+            }
+        }
+    }
+
+    /// A host call once its turn has come.
     async fn host_in_turn(
         &self,
-        ticket: crate::turns::Ticket<'_>,
+        pending: Unlaunched<'_>,
         call: Call,
         input: Option<&[u8]>,
         output: Option<(&mut [u8], bool)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
-        ticket
-            .turn(call.timeout)
-            .await
-            .map_err(|after| self.out_of_turn(call, after))?;
-        let out = self.host_call(call, input, output, enqueue).await;
-        drop(ticket);
-        out
+        self.wait_turn(call).await.map_err(|e| {
+            CommError::invalid(format!(
+                "{e}: a host-buffer call made earlier on this rank has not run, so this one \
+                 cannot start. NCCL runs a rank's calls in the order they were made; poll \
+                 host-buffer calls together (join!) or in that order"
+            ))
+            .with_context(call.made.ctx)
+        })?;
+        self.host_call(pending, call, input, output, enqueue).await
     }
 
     /// Classifies the buffers of one call.
@@ -652,7 +711,7 @@ impl NcclBackend {
     /// dtype)` enqueues it.
     fn in_place<'a>(
         &'a self,
-        op: OpKind,
+        fp: Fingerprint,
         buf: BufferMut<'a>,
         opts: &CallOptions,
         f: impl FnOnce(&Nccl, Comm, Stream, u64, usize, c_int) -> c_int + Send + 'a,
@@ -660,7 +719,7 @@ impl NcclBackend {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, true)))?;
         let enqueue: Enqueue<'a> = Box::new(move |nc, c, s, _, o| f(nc, c, s, o, n, dt));
-        Ok(self.call(op, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     /// Gather or scatter as grouped point-to-point calls.

@@ -5,10 +5,11 @@ use std::{ffi::c_int, time::Duration};
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, Op, OpKind, ReduceOp, Result, Work, validate,
+    Backend, Buffer, BufferMut, CallOptions, Fingerprint, GroupId, Op, ReduceOp, Result, Work,
+    validate,
 };
 
-use super::{Call, Enqueue, NcclBackend, grouped, p2p, with_op};
+use super::{Enqueue, NcclBackend, grouped, p2p, with_op};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
@@ -37,25 +38,26 @@ impl Backend for NcclBackend {
     /// polled (see the module docs of `backend`).
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let o = *opts;
+        let fp = op.fingerprint(GroupId::WORLD, 0, o.root);
         let made = match op {
-            Op::AllReduce { buf, op } => self.run_all_reduce(buf, op, &o),
-            Op::Broadcast { buf } => self.run_broadcast(buf, &o),
-            Op::Reduce { buf, op } => self.run_reduce(buf, op, &o),
-            Op::AllGather { output, input } => self.run_all_gather(output, input, &o),
-            Op::Gather { output, input } => self.run_gather(output, input, &o),
-            Op::Scatter { output, input } => self.run_scatter(output, input, &o),
+            Op::AllReduce { buf, op } => self.run_all_reduce(fp, buf, op, &o),
+            Op::Broadcast { buf } => self.run_broadcast(fp, buf, &o),
+            Op::Reduce { buf, op } => self.run_reduce(fp, buf, op, &o),
+            Op::AllGather { output, input } => self.run_all_gather(fp, output, input, &o),
+            Op::Gather { output, input } => self.run_gather(fp, output, input, &o),
+            Op::Scatter { output, input } => self.run_scatter(fp, output, input, &o),
             Op::ReduceScatter { output, input, op } => {
-                self.run_reduce_scatter(output, input, op, &o)
+                self.run_reduce_scatter(fp, output, input, op, &o)
             }
             Op::AllToAll {
                 output,
                 input,
                 output_splits,
                 input_splits,
-            } => self.run_all_to_all_single(output, input, output_splits, input_splits, &o),
-            Op::Barrier => Ok(self.run_barrier(o)),
-            Op::Send { buf, dst } => self.run_send(buf, dst, &o),
-            Op::Recv { buf, src } => self.run_recv(buf, src, &o),
+            } => self.run_all_to_all_single(fp, output, input, output_splits, input_splits, &o),
+            Op::Barrier => Ok(self.run_barrier(fp, o)),
+            Op::Send { buf, dst } => self.run_send(fp, buf, dst, &o),
+            Op::Recv { buf, src } => self.run_recv(fp, buf, src, &o),
         };
         made.unwrap_or_else(|e| Work::ready(Err(e)))
     }
@@ -69,11 +71,8 @@ impl Backend for NcclBackend {
     }
 
     async fn synchronize(&self) -> Result<()> {
-        self.wait_for(self.opts.timeout, |t| match &t.poisoned {
-            Some(e) => Some(Err(e.to_aborted())),
-            None => t.queue.is_empty().then_some(Ok(())),
-        })
-        .await
+        self.wait_for(self.opts.timeout, |t| t.core.synchronized())
+            .await
     }
 }
 
@@ -82,12 +81,13 @@ impl Backend for NcclBackend {
 impl NcclBackend {
     fn run_all_reduce<'a>(
         &'a self,
+        fp: Fingerprint,
         buf: BufferMut<'a>,
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
         let nop = self.op(op, buf.dtype())?;
-        self.in_place(OpKind::AllReduce, buf, opts, move |nc, c, s, p, n, dt| {
+        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
             with_op(nc, c, nop, dt, |o| {
                 // SAFETY: in place on `n` elements of our device.
                 unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, o, c, s) }
@@ -95,10 +95,15 @@ impl NcclBackend {
         })
     }
 
-    fn run_broadcast<'a>(&'a self, buf: BufferMut<'a>, opts: &CallOptions) -> Result<Work<'a>> {
+    fn run_broadcast<'a>(
+        &'a self,
+        fp: Fingerprint,
+        buf: BufferMut<'a>,
+        opts: &CallOptions,
+    ) -> Result<Work<'a>> {
         validate::root(opts.root, self.world)?;
         let root = opts.root as c_int;
-        self.in_place(OpKind::Broadcast, buf, opts, move |nc, c, s, p, n, dt| {
+        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
             // SAFETY: in place on `n` elements of our device.
             unsafe { (nc.broadcast)(p as *const _, p as *mut _, n, dt, root, c, s) }
         })
@@ -106,13 +111,14 @@ impl NcclBackend {
 
     fn run_reduce<'a>(
         &'a self,
+        fp: Fingerprint,
         buf: BufferMut<'a>,
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
         validate::root(opts.root, self.world)?;
         let (nop, root) = (self.op(op, buf.dtype())?, opts.root as c_int);
-        self.in_place(OpKind::Reduce, buf, opts, move |nc, c, s, p, n, dt| {
+        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
             with_op(nc, c, nop, dt, |o| {
                 // SAFETY: in place on `n` elements of our device.
                 unsafe { (nc.reduce)(p as *const _, p as *mut _, n, dt, o, root, c, s) }
@@ -122,6 +128,7 @@ impl NcclBackend {
 
     fn run_all_gather<'a>(
         &'a self,
+        fp: Fingerprint,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         opts: &CallOptions,
@@ -134,11 +141,12 @@ impl NcclBackend {
             // SAFETY: `o` holds world × `n` elements of our device.
             unsafe { (nc.all_gather)(i as *const _, o as *mut _, n, dt, c, s) }
         });
-        Ok(self.call(OpKind::AllGather, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     fn run_gather<'a>(
         &'a self,
+        fp: Fingerprint,
         output: Option<BufferMut<'a>>,
         input: Buffer<'a>,
         opts: &CallOptions,
@@ -156,11 +164,12 @@ impl NcclBackend {
             let shape = (root, world, is_root);
             Self::rooted(nc, c, s, (i, o), (n, dtype), shape, true)
         });
-        Ok(self.call(OpKind::Gather, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     fn run_scatter<'a>(
         &'a self,
+        fp: Fingerprint,
         output: BufferMut<'a>,
         input: Option<Buffer<'a>>,
         opts: &CallOptions,
@@ -178,11 +187,12 @@ impl NcclBackend {
             let shape = (root, world, is_root);
             Self::rooted(nc, c, s, (o, i), (n, dtype), shape, false)
         });
-        Ok(self.call(OpKind::Scatter, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     fn run_reduce_scatter<'a>(
         &'a self,
+        fp: Fingerprint,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         op: ReduceOp,
@@ -204,11 +214,12 @@ impl NcclBackend {
                 unsafe { (nc.reduce_scatter)(i as *const _, o as *mut _, n, dt, op, c, s) }
             })
         });
-        Ok(self.call(OpKind::ReduceScatter, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     fn run_all_to_all_single<'a>(
         &'a self,
+        fp: Fingerprint,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         output_split_sizes: Option<&[usize]>,
@@ -239,19 +250,18 @@ impl NcclBackend {
                 r
             })
         });
-        Ok(self.call(OpKind::AllToAll, false, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
-    fn run_barrier(&self, opts: CallOptions) -> Work<'_> {
+    fn run_barrier(&self, fp: Fingerprint, opts: CallOptions) -> Work<'_> {
         // A one-byte all-reduce through the host path: the host returns only
         // once every rank has entered it, as torch's barrier does. Its place
-        // among host calls is fixed now; its byte lives in the work.
-        let ticket = self.turns.take();
-        let call = Call {
-            op: OpKind::Barrier,
-            p2p: false,
-            timeout: opts.timeout_or(self.opts.timeout),
+        // in this rank's order is fixed now; its byte lives in the work.
+        let call = match self.make(fp, &opts) {
+            Ok(c) => c,
+            Err(e) => return Work::ready(Err(e)),
         };
+        let pending = self.unlaunched(call);
         Work::new(async move {
             let mut one = [1u8];
             let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
@@ -259,22 +269,29 @@ impl NcclBackend {
                 // SAFETY: one byte, in place, on our device (staging).
                 unsafe { (nc.all_reduce)(o as *const _, o as *mut _, 1, dt, sum, c, s) }
             });
-            self.host_in_turn(ticket, call, None, Some((&mut one[..], true)), enqueue)
+            self.host_in_turn(pending, call, None, Some((&mut one[..], true)), enqueue)
                 .await
         })
     }
 
-    fn run_send<'a>(&'a self, buf: Buffer<'a>, dst: usize, opts: &CallOptions) -> Result<Work<'a>> {
+    fn run_send<'a>(
+        &'a self,
+        fp: Fingerprint,
+        buf: Buffer<'a>,
+        dst: usize,
+        opts: &CallOptions,
+    ) -> Result<Work<'a>> {
         validate::peer(dst, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
         let enqueue: Enqueue<'_> =
             Box::new(move |nc, c, s, i, _| p2p(nc, true, i, n, dt, dst, c, s));
-        Ok(self.call(OpKind::Send, true, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 
     fn run_recv<'a>(
         &'a self,
+        fp: Fingerprint,
         buf: BufferMut<'a>,
         src: usize,
         opts: &CallOptions,
@@ -284,6 +301,6 @@ impl NcclBackend {
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
             Box::new(move |nc, c, s, _, o| p2p(nc, false, o, n, dt, src, c, s));
-        Ok(self.call(OpKind::Recv, true, opts, args, enqueue))
+        Ok(self.call(fp, opts, args, enqueue))
     }
 }
