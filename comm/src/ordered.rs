@@ -151,7 +151,9 @@ impl<W> Ordered<W> {
                 cause: why.clone(),
             });
         }
-        let b = self.engine.begin(group, op, |seq| fingerprint(group, seq))?;
+        let b = self
+            .engine
+            .begin(group, op, |seq| fingerprint(group, seq))?;
         self.unlaunched.insert(b.id);
         Ok(Made {
             id: b.id,

@@ -116,6 +116,64 @@ pub fn splits(
     }
 }
 
+/// Every argument check of one call that does not need its memory: roots,
+/// root-only buffers, dtypes, lengths against the world, splits, peers and
+/// the reduce op's dtype. `rank` of `world` makes the call, `root_rank` is
+/// `CallOptions::root`. Stream-ordered backends run it before a call takes
+/// its place in the order, so a bad call fails alone.
+pub fn op(op: &crate::Op<'_>, rank: usize, world: usize, root_rank: usize) -> Result<()> {
+    use crate::Op;
+    let rooted = |r: usize| root(r, world);
+    match op {
+        Op::AllReduce { buf, op } => op.check(buf.dtype()),
+        Op::Broadcast { .. } => rooted(root_rank),
+        Op::Reduce { buf, op } => rooted(root_rank).and_then(|()| op.check(buf.dtype())),
+        Op::AllGather { output, input } => {
+            same_dtype(output.dtype(), input.dtype())?;
+            whole_times_world(output.len(), input.len(), world, "all_gather output")
+        }
+        Op::Gather { output, input } => {
+            rooted(root_rank)?;
+            root_only("gather", "an output", output.is_some(), rank, root_rank)?;
+            match output {
+                Some(o) => {
+                    same_dtype(o.dtype(), input.dtype())?;
+                    whole_times_world(o.len(), input.len(), world, "gather output")
+                }
+                None => Ok(()),
+            }
+        }
+        Op::Scatter { output, input } => {
+            rooted(root_rank)?;
+            root_only("scatter", "an input", input.is_some(), rank, root_rank)?;
+            match input {
+                Some(i) => {
+                    same_dtype(output.dtype(), i.dtype())?;
+                    whole_times_world(i.len(), output.len(), world, "scatter input")
+                }
+                None => Ok(()),
+            }
+        }
+        Op::ReduceScatter { output, input, op } => {
+            same_dtype(output.dtype(), input.dtype())?;
+            whole_times_world(input.len(), output.len(), world, "reduce_scatter input")?;
+            op.check(output.dtype())
+        }
+        Op::AllToAll {
+            output,
+            input,
+            output_splits,
+            input_splits,
+        } => {
+            same_dtype(output.dtype(), input.dtype())?;
+            splits(*output_splits, output.len(), world, "output")?;
+            splits(*input_splits, input.len(), world, "input").map(|_| ())
+        }
+        Op::Barrier => Ok(()),
+        Op::Send { dst: p, .. } | Op::Recv { src: p, .. } => peer(*p, rank, world),
+    }
+}
+
 /// Checks one rank list against a parent of `world` ranks: no duplicates,
 /// no rank outside the parent, no longer than it. An empty list means every
 /// rank, as in torch.

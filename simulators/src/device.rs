@@ -260,6 +260,11 @@ impl EmulatedDevice {
         self.shared.cv.notify_all();
     }
 
+    /// Whether `event` has completed (a query, as `cuEventQuery`).
+    pub fn event_done(&self, event: EventId) -> bool {
+        self.shared.lock().event_done(event.0)
+    }
+
     /// Blocks until `event` completes, or `timeout` passes (then `false`).
     pub fn wait_event(&self, event: EventId, timeout: Duration) -> bool {
         let deadline = consort_comm::time::deadline(timeout);

@@ -12,29 +12,44 @@
 //! 3. hands the call to this rank's communication thread, in issue order,
 //!    and returns at once.
 //!
-//! The communication thread waits for the event, sleeps a seeded random
-//! delay, runs the collective through the wrapped host backend (a
-//! [`crate::SimRank`], usually) on a snapshot of device memory, writes the
-//! result back and opens the gate. A failure poisons the group: the next
-//! call and [`Backend::synchronize`] report it.
+//! The communication thread plays the GPU: it waits for the event, sleeps
+//! a seeded random delay, runs the collective through the wrapped host
+//! backend (a [`crate::SimRank`], usually) on a snapshot of device memory,
+//! writes the result back and opens the gate. A failure there is the
+//! communicator's asynchronous error, as `ncclCommGetAsyncError` reports
+//! one.
+//!
+//! The call rules are NCCL's own, not a copy: the same
+//! [`consort_comm::ordered`] module fixes each call's sequence number and
+//! fingerprint when it is made, tracks work in flight, and a watchdog
+//! thread per communicator drives its deadlines and completions (on the
+//! gates, as NCCL's does on CUDA events) and makes failures sticky; the
+//! next call and [`Backend::synchronize`] report them. The fingerprint
+//! check runs over a host side channel as on NCCL
+//! ([`EmulatedComm::check_fingerprints`]).
 //!
 //! [`EmulatedCommOptions::skip_input_wait`] and
 //! [`EmulatedCommOptions::skip_output_wait`] remove one of the two waits, so
 //! that tests can show their checks catch a missing wait.
 //!
-//! It owns no algorithm and no call rules: the wrapped backend has both.
+//! It owns no algorithm (the wrapped backend runs them) and no call rule.
 
 use std::{
-    sync::{Arc, Mutex, MutexGuard, mpsc},
+    sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, mpsc},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, EventId, GroupId,
-    HostSlice, HostSliceMut, Op, ReduceOp, Result, Work,
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, EventId, Fingerprint,
+    GroupId, HostSlice, HostSliceMut, Op, OpKind, ReduceOp, Result, Work,
     device::{Device, StreamId},
+    ordered::{
+        Ordered,
+        check::{CheckTask, Checker, Report},
+    },
+    validate,
 };
 
 use consort_comm::fault::Rng;
@@ -140,26 +155,119 @@ struct Job {
     output: Option<Mem>,
     /// Events on the buffers' streams that the collective waits for.
     after: Vec<EventId>,
-    /// Opened when the collective is done.
-    gate: Option<EventId>,
-    reply: Option<Reply>,
+    /// Opened when the collective is done (its completion event).
+    gate: EventId,
+    /// What the call came to, for the watchdog.
+    slot: Arc<Mutex<Slot>>,
+    /// Closed when a host call's work is dropped before it finished.
+    cancelled: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// The communicator the call belongs to (its rules and its errors).
+    comm: Arc<Shared>,
     /// The host backend of a subgroup's call (`None`: the thread's own).
     group: Option<Arc<dyn Backend>>,
 }
 
+/// What one call came to on the communication thread: its error (the
+/// emulated GPU's asynchronous error, for this call), or a host call's
+/// output bytes.
 #[derive(Default)]
+struct Slot {
+    err: Option<CommError>,
+    out: Option<Vec<u8>>,
+}
+
+/// The driver's handle on one enqueued call.
+struct Tracked {
+    gate: EventId,
+    reply: Option<Reply>,
+    slot: Arc<Mutex<Slot>>,
+}
+
+/// One communicator's call rules and its asynchronous error.
 struct State {
-    poisoned: Option<CommError>,
-    pending: usize,
+    core: Ordered<Tracked>,
+    /// What the communication thread found (`ncclCommGetAsyncError`).
+    async_error: Option<CommError>,
+    /// Aborted: the communication thread skips its calls.
+    aborted: bool,
+    stop: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
+    cv: Condvar,
+    device: Arc<EmulatedDevice>,
+    checker: OnceLock<Checker>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn finish(&self, w: Tracked, r: Result<()>) {
+        let _ = self.device.release(w.gate);
+        if let Some(reply) = w.reply {
+            let out = r.map(|()| lock(&w.slot).out.take());
+            let _ = reply.send(out);
+        }
+    }
+
+    /// Fails the calls in flight and aborts (the emulated `ncclCommAbort`).
+    fn abort(&self, finished: Vec<(Tracked, Result<()>)>) {
+        self.lock().aborted = true;
+        for (w, r) in finished {
+            self.finish(w, r);
+        }
+        self.cv.notify_all();
+    }
+
+    /// The fingerprint check found a mismatch.
+    fn mismatch(&self, e: CommError) {
+        let failed = self.lock().core.mismatch(e);
+        self.abort(failed);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The watchdog of one communicator: [`Ordered::watch`] on the gates.
+fn watchdog(shared: &Shared) {
+    loop {
+        let mut st = shared.lock();
+        let seen = st.core.watch(
+            Instant::now(),
+            |w| match &lock(&w.slot).err {
+                Some(e) => Err(e.clone()),
+                None => Ok(shared.device.event_done(w.gate)),
+            },
+            |_| None,
+        );
+        if st.stop && st.core.in_flight() == 0 && seen.finished.is_empty() {
+            return;
+        }
+        let idle = seen.finished.is_empty() && !seen.abort;
+        if idle {
+            let wait = st
+                .core
+                .poll_timeout()
+                .map_or(Duration::from_millis(50), |d| {
+                    d.saturating_duration_since(Instant::now())
+                        .min(Duration::from_micros(200))
+                });
+            let _ = shared.cv.wait_timeout(st, wait);
+            continue;
+        }
+        drop(st);
+        if seen.abort {
+            shared.abort(seen.finished);
+        } else {
+            for (w, r) in seen.finished {
+                shared.finish(w, r);
+            }
+        }
     }
 }
 
@@ -171,7 +279,9 @@ pub struct EmulatedComm {
     opts: EmulatedCommOptions,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     shared: Arc<Shared>,
+    /// The communication thread (the parent's; a subgroup has none).
     worker: Mutex<Option<JoinHandle<()>>>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
     /// For a subgroup: its host backend, whose calls the parent's thread
     /// makes (one stream per rank, so calls on every group keep the order
     /// they were made in).
@@ -188,6 +298,37 @@ impl std::fmt::Debug for EmulatedComm {
     }
 }
 
+fn thread_error(what: &str, e: std::io::Error) -> CommError {
+    CommError::Aborted {
+        ctx: Default::default(),
+        cause: format!("could not start the emulated {what} thread: {e}"),
+    }
+}
+
+/// One communicator's rules and its watchdog thread.
+fn communicator(
+    inner: &dyn Backend,
+    device: &Arc<EmulatedDevice>,
+) -> Result<(Arc<Shared>, JoinHandle<()>)> {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            core: Ordered::new(inner.rank(), inner.world_size(), inner.group_id()),
+            async_error: None,
+            aborted: false,
+            stop: false,
+        }),
+        cv: Condvar::new(),
+        device: device.clone(),
+        checker: OnceLock::new(),
+    });
+    let s = shared.clone();
+    let watchdog = std::thread::Builder::new()
+        .name(format!("consort-emulated-watchdog-{}", inner.rank()))
+        .spawn(move || watchdog(&s))
+        .map_err(|e| thread_error("watchdog", e))?;
+    Ok((shared, watchdog))
+}
+
 impl EmulatedComm {
     /// Wraps `inner` (a host backend) for buffers on `device`, with its own
     /// communication thread.
@@ -197,17 +338,12 @@ impl EmulatedComm {
         opts: EmulatedCommOptions,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-        });
-        let (b, d, s, o) = (inner.clone(), device.clone(), shared.clone(), opts.clone());
+        let (shared, watchdog) = communicator(&*inner, &device)?;
+        let (b, d, o) = (inner.clone(), device.clone(), opts.clone());
         let worker = std::thread::Builder::new()
             .name(format!("consort-emulated-comm-{}", inner.rank()))
-            .spawn(move || comm_thread(&*b, &d, &s, &o, rx))
-            .map_err(|e| CommError::Aborted {
-                ctx: Default::default(),
-                cause: format!("could not start the emulated communication thread: {e}"),
-            })?;
+            .spawn(move || comm_thread(&*b, &d, &o, rx))
+            .map_err(|e| thread_error("communication", e))?;
         Ok(EmulatedComm {
             inner,
             device,
@@ -215,6 +351,7 @@ impl EmulatedComm {
             jobs: Mutex::new(Some(tx)),
             shared,
             worker: Mutex::new(Some(worker)),
+            watchdog: Mutex::new(Some(watchdog)),
             group: None,
         })
     }
@@ -227,6 +364,38 @@ impl EmulatedComm {
     /// The wrapped host backend.
     pub fn inner(&self) -> &Arc<dyn Backend> {
         &self.inner
+    }
+
+    /// Turns on the mismatch check, as
+    /// `consort_nccl::NcclBackend::check_fingerprints` does on NCCL: every
+    /// collective's fingerprint is compared with the peers' over `host`, a
+    /// host backend of the same ranks, numbered alike, that nothing else
+    /// uses, on a thread of its own. A mismatch fails the calls in flight
+    /// with `Mismatch` on every rank and aborts the communicator.
+    pub fn check_fingerprints(&self, host: Arc<dyn Backend>) -> Result<()> {
+        if host.rank() != self.rank() || host.world_size() != self.world_size() {
+            return Err(CommError::invalid(
+                "the side channel of the fingerprint check must have this group's ranks",
+            ));
+        }
+        let (checker, task) = Checker::new(host, self.default_timeout(), reporter(&self.shared));
+        self.start_checker(checker, task)
+    }
+
+    fn start_checker(&self, checker: Checker, task: CheckTask) -> Result<()> {
+        self.shared
+            .checker
+            .set(checker)
+            .map_err(|_| CommError::invalid("this communicator already checks its fingerprints"))?;
+        std::thread::Builder::new()
+            .name(format!("consort-emulated-check-{}", self.rank()))
+            .spawn(move || {
+                if let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() {
+                    rt.block_on(task);
+                }
+            })
+            .map(drop)
+            .map_err(|e| thread_error("fingerprint check", e))
     }
 
     fn device_arg(&self, d: &DeviceBuffer) -> Result<Mem> {
@@ -244,6 +413,23 @@ impl EmulatedComm {
         Ok(Mem::new(d.dtype(), bytes, Some(d.ptr())))
     }
 
+    /// One buffer argument as the communication thread holds it, with its
+    /// stream (device) or the host slice its result goes to.
+    fn arg<'a>(&self, b: Option<Buffer<'a>>, streams: &mut Vec<StreamId>) -> Result<Option<Mem>> {
+        Ok(match b {
+            Some(Buffer::Device(d)) => {
+                streams.push(d.stream());
+                Some(self.device_arg(&d)?)
+            }
+            Some(Buffer::Host(h)) => {
+                let mut m = Mem::new(h.dtype(), h.bytes().len(), None);
+                m.bytes_mut().copy_from_slice(h.bytes());
+                Some(m)
+            }
+            None => None,
+        })
+    }
+
     /// Enqueues one call, now (so its place in the order is fixed when it
     /// is made). Device calls are then done, as far as the host is
     /// concerned; host calls return the answer to wait for and where it
@@ -251,13 +437,11 @@ impl EmulatedComm {
     fn launch<'a>(
         &self,
         kind: Kind,
+        fp: Fingerprint,
         opts: &CallOptions,
         input: Option<Buffer<'a>>,
         output: Option<BufferMut<'a>>,
     ) -> Result<Option<Answer<'a>>> {
-        if let Some(e) = &self.shared.lock().poisoned {
-            return Err(e.to_aborted());
-        }
         let device_call = matches!(input, Some(Buffer::Device(_)))
             || matches!(output, Some(BufferMut::Device(_)));
         let host_call =
@@ -269,56 +453,53 @@ impl EmulatedComm {
             ));
         }
         let mut streams: Vec<StreamId> = Vec::new();
-        let mut host_out = None;
-        let input = match input {
-            Some(Buffer::Device(d)) => {
-                streams.push(d.stream());
-                Some(self.device_arg(&d)?)
-            }
-            Some(Buffer::Host(h)) => {
-                let mut m = Mem::new(h.dtype(), h.bytes().len(), None);
-                m.bytes_mut().copy_from_slice(h.bytes());
-                Some(m)
-            }
-            None => None,
-        };
-        let output = match output {
-            Some(BufferMut::Device(d)) => {
-                streams.push(d.stream());
-                Some(self.device_arg(&d)?)
-            }
+        let input = self.arg(input, &mut streams)?;
+        let (output, host_out) = match output {
             Some(BufferMut::Host(h)) => {
                 let mut m = Mem::new(h.dtype(), h.bytes().len(), None);
                 m.bytes_mut().copy_from_slice(h.bytes());
-                host_out = Some(h);
-                Some(m)
+                (Some(m), Some(h))
             }
-            None => None,
+            Some(BufferMut::Device(d)) => (self.arg(Some(Buffer::Device(d)), &mut streams)?, None),
+            None => (None, None),
         };
         streams.sort_unstable();
         streams.dedup();
-        let mut after = Vec::new();
-        if !self.opts.skip_input_wait {
-            for &s in &streams {
-                after.push(self.device.record(s)?);
-            }
+        // The arguments are sound: the call takes its place now.
+        let made = self
+            .shared
+            .lock()
+            .core
+            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
+            && let Some(c) = self.shared.checker.get()
+        {
+            c.check(made.fp);
         }
-        let gate = if device_call {
-            let g = self.device.pending_event();
-            if !self.opts.skip_output_wait {
-                for &s in &streams {
-                    self.device.wait(s, g)?;
-                }
+        let gate = self.device.pending_event();
+        let ordered = self.order_streams(&streams, gate, device_call);
+        let after = match ordered {
+            Ok(a) => a,
+            Err(e) => {
+                self.device.complete_event(gate);
+                let _ = self.device.release(gate);
+                return Err(self.shared.lock().core.launch_failed(made.id, e));
             }
-            Some(g)
-        } else {
-            None
         };
-        let (reply, answer) = if device_call {
-            (None, None)
-        } else {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            (Some(tx), Some(rx))
+        let (reply, answer) = match host_call || !device_call {
+            true => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
+        let slot = Arc::new(Mutex::new(Slot::default()));
+        let (cancel, cancelled) = match answer {
+            Some(_) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
         };
         let job = Job {
             kind,
@@ -327,41 +508,87 @@ impl EmulatedComm {
             output,
             after,
             gate,
-            reply,
+            slot: slot.clone(),
+            cancelled,
+            comm: self.shared.clone(),
             group: self.group.clone(),
         };
-        self.shared.lock().pending += 1;
-        let sent = match &*self.jobs.lock().unwrap_or_else(|p| p.into_inner()) {
+        self.shared.lock().core.launchable(made.id)?;
+        let sent = match &*lock(&self.jobs) {
             Some(tx) => tx.send(job).is_ok(),
             None => false,
         };
         if !sent {
-            self.shared.lock().pending -= 1;
-            if let Some(g) = gate {
-                self.device.complete_event(g);
-            }
-            return Err(CommError::Aborted {
+            self.device.complete_event(gate);
+            let _ = self.device.release(gate);
+            let e = CommError::Aborted {
                 ctx: Default::default(),
                 cause: "the emulated communication thread has stopped".into(),
-            });
+            };
+            return Err(self.shared.lock().core.launch_failed(made.id, e));
         }
-        Ok(answer.map(|a| (a, host_out)))
+        // The watchdog is the backstop here: the wrapped backend bounds the
+        // call itself, from when it starts on the communication thread, and
+        // its timeout names the ranks it waited for. A GPU that hangs is
+        // still failed, at twice the op's timeout from when it was made.
+        let timeout = opts.timeout_or(self.default_timeout()).saturating_mul(2);
+        let work = Tracked { gate, reply, slot };
+        self.shared
+            .lock()
+            .core
+            .enqueued(made.id, work, Instant::now(), timeout);
+        self.shared.cv.notify_all();
+        Ok(answer.map(|a| (a, host_out, cancel)))
+    }
+
+    /// The events the collective waits for on the buffers' streams, and
+    /// (device calls) the streams' waits on its gate.
+    fn order_streams(
+        &self,
+        streams: &[StreamId],
+        gate: EventId,
+        device_call: bool,
+    ) -> Result<Vec<EventId>> {
+        let mut after = Vec::new();
+        if !self.opts.skip_input_wait {
+            for &s in streams {
+                after.push(self.device.record(s)?);
+            }
+        }
+        if device_call && !self.opts.skip_output_wait {
+            for &s in streams {
+                self.device.wait(s, gate)?;
+            }
+        }
+        Ok(after)
     }
 }
 
-/// A host call's result to come, and the host buffer it goes to.
+fn reporter(shared: &Arc<Shared>) -> Report {
+    let weak = Arc::downgrade(shared);
+    Arc::new(move |e| {
+        if let Some(s) = weak.upgrade() {
+            s.mismatch(e);
+        }
+    })
+}
+
+/// A host call's result to come, the host buffer it goes to, and the
+/// sender whose drop tells the communication thread the call was dropped.
 type Answer<'a> = (
     tokio::sync::oneshot::Receiver<Result<Option<Vec<u8>>>>,
     Option<HostSliceMut<'a>>,
+    Option<tokio::sync::oneshot::Sender<()>>,
 );
 
 /// Waits for a host call's result. Dropping this future before the answer
 /// cancels the call on the communication thread, which aborts the group.
-async fn answer((answer, host_out): Answer<'_>) -> Result<()> {
+async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
     let out = answer.await.map_err(|_| CommError::Aborted {
         ctx: Default::default(),
-        cause: "the emulated communication thread stopped during the call".into(),
+        cause: "the emulated watchdog stopped during the call".into(),
     })??;
+    drop(cancel);
     if let (Some(h), Some(bytes)) = (host_out, out) {
         h.into_bytes_mut().copy_from_slice(&bytes);
     }
@@ -370,78 +597,67 @@ async fn answer((answer, host_out): Answer<'_>) -> Result<()> {
 
 impl Drop for EmulatedComm {
     fn drop(&mut self) {
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(w) = worker {
+        lock(&self.jobs).take();
+        if let Some(w) = lock(&self.worker).take() {
+            let _ = w.join();
+        }
+        self.shared.lock().stop = true;
+        self.shared.cv.notify_all();
+        if let Some(w) = lock(&self.watchdog).take() {
             let _ = w.join();
         }
     }
 }
 
-/// This rank's communication thread: one call at a time, in issue order.
+/// This rank's communication thread, the emulated GPU: one call at a time,
+/// in issue order. A call that fails sets its communicator's asynchronous
+/// error; an aborted communicator's calls are skipped. Every call's gate
+/// opens at the end, so no stream waits for ever.
 fn comm_thread(
     inner: &dyn Backend,
     device: &EmulatedDevice,
-    shared: &Shared,
     opts: &EmulatedCommOptions,
     jobs: mpsc::Receiver<Job>,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            shared.lock().poisoned = Some(CommError::Aborted {
-                ctx: Default::default(),
-                cause: format!("could not start the emulated communication runtime: {e}"),
-            });
-            return;
-        }
-    };
+    let rt = tokio::runtime::Builder::new_current_thread().build();
     let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
     let max = opts.max_delay.as_nanos() as u64;
     while let Ok(mut job) = jobs.recv() {
         let timeout = job.opts.timeout_or(inner.default_timeout());
-        let poisoned = shared.lock().poisoned.clone();
-        let result = match poisoned {
-            Some(e) => Err(e.to_aborted()),
-            None => {
-                let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
-                if max > 0 {
-                    std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
-                }
-                if waited {
-                    rt.block_on(run_or_cancel(inner, device, &mut job))
-                } else {
-                    Err(CommError::Timeout {
-                        ctx: Default::default(),
-                        after: timeout,
-                        waiting_on: Vec::new(),
-                    })
+        let skip = {
+            let st = job.comm.lock();
+            st.aborted || st.async_error.is_some()
+        };
+        if !skip {
+            let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
+            if max > 0 {
+                std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
+            }
+            let result = match (&rt, waited) {
+                (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
+                (Err(e), _) => Err(CommError::Aborted {
+                    ctx: Default::default(),
+                    cause: format!("could not start the emulated communication runtime: {e}"),
+                }),
+                (_, false) => Err(CommError::Timeout {
+                    ctx: Default::default(),
+                    after: timeout,
+                    waiting_on: Vec::new(),
+                }),
+            };
+            match result {
+                Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
+                Err(e) => {
+                    job.comm.lock().async_error.get_or_insert(e.clone());
+                    lock(&job.slot).err = Some(e);
                 }
             }
-        };
-        // An argument error fails this call only (it is the caller's to
-        // fix and retry), as on every backend; anything else poisons.
-        if let Err(e) = &result
-            && !matches!(
-                e,
-                CommError::InvalidArgument { .. } | CommError::Unsupported { .. }
-            )
-        {
-            let mut st = shared.lock();
-            st.poisoned.get_or_insert_with(|| e.clone());
         }
         for &e in &job.after {
             let _ = device.release(e);
         }
-        if let Some(g) = job.gate {
-            device.complete_event(g);
-            let _ = device.release(g);
-        }
-        if let Some(reply) = job.reply.take() {
-            let out = result.map(|()| job.output.as_ref().map(|m| m.bytes().to_vec()));
-            let _ = reply.send(out);
-        }
-        shared.lock().pending -= 1;
+        device.complete_event(job.gate);
+        job.comm.cv.notify_all();
     }
 }
 
@@ -450,7 +666,7 @@ fn comm_thread(
 async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
     let group = job.group.clone();
     let inner = group.as_deref().unwrap_or(inner);
-    let Some(mut reply) = job.reply.take() else {
+    let Some(mut cancelled) = job.cancelled.take() else {
         return run_job(inner, device, job).await;
     };
     // `biased`: the call is made (its first poll) before the cancellation
@@ -459,14 +675,13 @@ async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut J
     let out = tokio::select! {
         biased;
         r = run_job(inner, device, job) => r,
-        () = reply.closed() => Err(CommError::Aborted {
+        _ = &mut cancelled => Err(CommError::Aborted {
             ctx: Default::default(),
             cause: "a call was cancelled: its work was dropped before it finished. Peers may \
                     be part-way through it, so the group cannot continue"
                 .into(),
         }),
     };
-    job.reply = Some(reply);
     out
 }
 
@@ -541,6 +756,11 @@ impl Backend for EmulatedComm {
 
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let o = *opts;
+        // Every argument check before the call takes its place, as on NCCL.
+        if let Err(e) = validate::op(&op, self.rank(), self.world_size(), o.root) {
+            return Work::ready(Err(e));
+        }
+        let fp = op.fingerprint(self.group_id(), 0, o.root);
         let (kind, input, output) = match op {
             Op::AllReduce { buf, op } => (Kind::AllReduce(op), None, Some(buf)),
             Op::Broadcast { buf } => (Kind::Broadcast, None, Some(buf)),
@@ -567,12 +787,7 @@ impl Backend for EmulatedComm {
             Op::Send { buf, dst } => (Kind::Send(dst), Some(buf), None),
             Op::Recv { buf, src } => (Kind::Recv(src), None, Some(buf)),
         };
-        if matches!(kind, Kind::Broadcast | Kind::Reduce(_))
-            && let Err(e) = consort_comm::validate::root(o.root, self.world_size())
-        {
-            return Work::ready(Err(e));
-        }
-        match self.launch(kind, &o, input, output) {
+        match self.launch(kind, fp, &o, input, output) {
             Ok(Some(a)) => Work::new(answer(a)),
             Ok(None) => Work::ready(Ok(())),
             Err(e) => Work::ready(Err(e)),
@@ -585,41 +800,52 @@ impl Backend for EmulatedComm {
         opts: &CallOptions,
     ) -> Result<Option<Arc<dyn Backend>>> {
         // A subgroup's calls run on this rank's one communication thread,
-        // in the order they are made (one stream per rank).
+        // in the order they are made (one stream per rank); its rules and
+        // its watchdog are its own, as an NCCL subgroup's communicator's.
+        let check = match self.shared.checker.get() {
+            Some(c) => {
+                let bind: Arc<OnceLock<std::sync::Weak<Shared>>> = Arc::new(OnceLock::new());
+                let b = bind.clone();
+                let report: Report = Arc::new(move |e| {
+                    if let Some(s) = b.get().and_then(std::sync::Weak::upgrade) {
+                        s.mismatch(e);
+                    }
+                });
+                c.new_group(ranks, report).await?.map(|m| (m, bind))
+            }
+            None => None,
+        };
         let Some(inner) = self.inner.new_group(ranks, opts).await? else {
             return Ok(None);
         };
-        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Ok(Some(Arc::new(EmulatedComm {
+        let jobs = lock(&self.jobs).clone();
+        let (shared, watchdog) = communicator(&*inner, &self.device)?;
+        let sub = EmulatedComm {
             inner: inner.clone(),
             device: self.device.clone(),
             opts: self.opts.clone(),
             jobs: Mutex::new(jobs),
-            shared: self.shared.clone(),
+            shared,
             worker: Mutex::new(None),
+            watchdog: Mutex::new(Some(watchdog)),
             group: Some(inner),
-        })))
+        };
+        if let Some(((checker, task), bind)) = check {
+            let _ = bind.set(Arc::downgrade(&sub.shared));
+            sub.start_checker(checker, task)?;
+        }
+        Ok(Some(Arc::new(sub)))
     }
 
     async fn synchronize(&self) -> Result<()> {
         let timeout = self.default_timeout();
         let start = Instant::now();
         loop {
-            {
-                let st = self.shared.lock();
-                if let Some(e) = &st.poisoned {
-                    return Err(e.to_aborted());
-                }
-                if st.pending == 0 {
-                    return Ok(());
-                }
+            if let Some(r) = self.shared.lock().core.synchronized() {
+                return r;
             }
             if start.elapsed() >= timeout {
-                return Err(CommError::Timeout {
-                    ctx: Default::default(),
-                    after: timeout,
-                    waiting_on: Vec::new(),
-                });
+                return Err(consort_comm::ordered::wait_timeout(self.rank(), timeout));
             }
             futures_timer::Delay::new(Duration::from_micros(200)).await;
         }

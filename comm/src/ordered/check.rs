@@ -198,9 +198,8 @@ async fn compare(
 /// error of that rank).
 pub fn first_difference(mine: Fingerprint, rank: usize, all: &[u8]) -> Option<CommError> {
     let limits = FrameLimits::default();
-    all.chunks_exact(HEADER_LEN)
-        .enumerate()
-        .find_map(|(r, b)| match FrameHeader::decode(b, &limits) {
+    all.chunks_exact(HEADER_LEN).enumerate().find_map(|(r, b)| {
+        match FrameHeader::decode(b, &limits) {
             Ok(h) if h.fingerprint == mine => None,
             Ok(h) => Some(CommError::Mismatch {
                 ctx: ErrorContext::new(mine.op, rank, mine.seq, mine.group),
@@ -212,5 +211,6 @@ pub fn first_difference(mine: Fingerprint, rank: usize, all: &[u8]) -> Option<Co
                 Some(r),
                 format!("an undecodable fingerprint on the side channel: {e}"),
             )),
-        })
+        }
+    })
 }

@@ -78,7 +78,11 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
     assert!(w.finished.is_empty() && !w.abort);
     let w = o.watch(t0 + SEC, |&w| Ok(w == 2), |_| None);
     assert!(w.abort);
-    let errs: Vec<_> = w.finished.into_iter().map(|(_, r)| r.unwrap_err()).collect();
+    let errs: Vec<_> = w
+        .finished
+        .into_iter()
+        .map(|(_, r)| r.unwrap_err())
+        .collect();
     assert!(matches!(errs[0], CommError::Timeout { .. }), "{}", errs[0]);
     assert_eq!(errs[0].context().and_then(|c| c.seq), Some(1));
     assert!(matches!(errs[1], CommError::Aborted { .. }), "{}", errs[1]);
@@ -99,7 +103,14 @@ fn an_asynchronous_error_aborts_and_sticks() {
         |ctx| Some(CommError::invalid("remote error").with_context(ctx)),
     );
     assert!(w.abort);
-    assert!(w.finished[0].1.as_ref().unwrap_err().to_string().contains("remote error"));
+    assert!(
+        w.finished[0]
+            .1
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("remote error")
+    );
     assert!(o.poisoned().is_some());
 }
 

@@ -1,0 +1,152 @@
+//! The fingerprint check of stream-ordered communicators
+//! (`consort_comm::ordered::check`), over a real side channel of simulated
+//! ranks: alone, and turned on in `EmulatedComm` as on NCCL.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{
+    Backend, BufferMut, CallOptions, CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp,
+    ordered::check::Checker,
+};
+use consort_sim::{
+    EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
+};
+
+fn fp(op: OpKind, seq: u64) -> Fingerprint {
+    Fingerprint {
+        group: GroupId::WORLD,
+        seq,
+        op,
+        dtype: DType::F32,
+        count: 8,
+        root: 0,
+        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
+    }
+}
+
+/// Each rank's checker compares two calls; rank `odd` makes a broadcast
+/// where the others make their second all_reduce. Every rank must report
+/// `Mismatch` naming both sides, and nothing for the first call.
+#[test]
+fn every_rank_finds_the_mismatch_and_names_both_sides() {
+    for (n, odd) in [(2, 1), (3, 0), (5, 3)] {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let world = SimWorld::new(SimConfig::new(n)).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut keep = Vec::new();
+        for r in world.ranks() {
+            let rank = r.rank();
+            let tx = tx.clone();
+            let report = Arc::new(move |e: CommError| {
+                let _ = tx.send((rank, e));
+            });
+            let (c, task) = Checker::new(Arc::new(r), Duration::from_secs(10), report);
+            rt.spawn(task);
+            c.check(fp(OpKind::AllReduce, 0));
+            let second = if rank == odd {
+                OpKind::Broadcast
+            } else {
+                OpKind::AllReduce
+            };
+            c.check(fp(second, 1));
+            keep.push(c);
+        }
+        let mut got: Vec<(usize, CommError)> = rt.block_on(async {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                let r = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+                v.push(r.expect("every rank reports").expect("open"));
+            }
+            v
+        });
+        got.sort_by_key(|(r, _)| *r);
+        for (rank, e) in got {
+            let CommError::Mismatch {
+                local,
+                remote,
+                remote_rank,
+                ..
+            } = &e
+            else {
+                panic!("rank {rank}: {e}");
+            };
+            assert_eq!(local.seq, 1, "rank {rank}: {e}");
+            assert_ne!(local, remote, "rank {rank}: {e}");
+            let want = if rank == odd {
+                usize::from(odd == 0)
+            } else {
+                odd
+            };
+            assert_eq!(*remote_rank, want, "rank {rank}: {e}");
+            assert!(e.to_string().contains("broadcast #1"), "{e}");
+        }
+        assert!(keep.iter().all(Checker::is_drained));
+    }
+}
+
+/// `EmulatedComm` with the check on: matched calls (on the world and on a
+/// subgroup made through the checker) pass, and a mismatched one is
+/// `Mismatch` on every rank.
+#[test]
+fn an_emulated_communicator_with_the_check_on() {
+    let n = 3;
+    let data = SimWorld::new(SimConfig::new(n).timeout(Duration::from_secs(5))).unwrap();
+    let side = SimWorld::new(SimConfig::new(n).timeout(Duration::from_secs(5))).unwrap();
+    let threads: Vec<_> = data
+        .ranks()
+        .into_iter()
+        .zip(side.ranks())
+        .map(|(d, s)| {
+            std::thread::spawn(move || {
+                let rank = d.rank();
+                let dev = EmulatedDevice::new(EmulatedOptions::default());
+                let comm =
+                    EmulatedComm::new(Arc::new(d), dev, EmulatedCommOptions::default()).unwrap();
+                comm.check_fingerprints(Arc::new(s)).unwrap();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    let o = CallOptions::default();
+                    let mut v = vec![1.0f32; 8];
+                    comm.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum, &o)
+                        .await
+                        .unwrap();
+                    assert_eq!(v, vec![n as f32; 8]);
+                    let sub = comm.new_group(&[0, 2], &o).await.unwrap();
+                    if let Some(sub) = &sub {
+                        let mut w = vec![1.0f32; 4];
+                        sub.all_reduce(BufferMut::from(&mut w[..]), ReduceOp::Sum, &o)
+                            .await
+                            .unwrap();
+                        assert_eq!(w, vec![2.0f32; 4]);
+                    }
+                    let mut v = vec![1.0f32; 8];
+                    let r = if rank == 1 {
+                        comm.broadcast(BufferMut::from(&mut v[..]), &o).await
+                    } else {
+                        comm.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum, &o)
+                            .await
+                    };
+                    let later = comm.barrier(&o).await;
+                    (rank, r, later)
+                })
+            })
+        })
+        .collect();
+    for t in threads {
+        let (rank, r, later) = t.join().unwrap();
+        let e = r.expect_err("the mismatched call fails");
+        assert!(matches!(e, CommError::Mismatch { .. }), "rank {rank}: {e}");
+        let later = later.expect_err("the failure sticks");
+        assert!(
+            later.to_string().contains("mismatch"),
+            "rank {rank}: {later}"
+        );
+    }
+}
