@@ -291,7 +291,7 @@ impl MeshBackend {
             group: Some(self.group),
             ..Default::default()
         };
-        let req = match Call::from_op("tcp", self.me, self.members.len(), op, opts) {
+        let req = match Call::from_op(self.name, self.me, self.members.len(), op, opts) {
             Ok(req) => req,
             Err(e) => return Work::ready(Err(e.with_context(ctx))),
         };
