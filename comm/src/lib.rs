@@ -14,10 +14,18 @@
 //!   carries it ([`frame`]);
 //! - the rendezvous [`Store`] trait, with [`MemStore`] and [`PrefixStore`];
 //! - device memory behind the [`Device`] trait ([`device`]), which DDP
-//!   uses for buckets that live where the gradients live.
-//!
+//!   uses for buckets that live where the gradients live;
 //! - the collective algorithms ([`algo`]), as sans-IO schedules that the
-//!   simulator, TCP and QUIC drivers share.
+//!   simulator and the mesh driver (TCP, QUIC, shared memory) share;
+//! - the call engine ([`engine`]): one sans-IO endpoint per rank with the
+//!   call rules (sequence numbers, fingerprints and mismatch, poisoning,
+//!   aborts, cancellation, stall probes), and the flight recorder
+//!   ([`flight`]) it fills;
+//! - the rules of stream-ordered communicators ([`ordered`]), on that
+//!   engine, with time as an argument: what NCCL and the emulated device
+//!   both drive, and the fingerprint check over a host side channel;
+//! - fault injection that the simulator and the mesh's faulty links share
+//!   ([`fault`]), and bounded waits ([`time`]).
 //!
 //! It never imports a backend, an async runtime, or a socket.
 

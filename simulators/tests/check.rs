@@ -126,7 +126,7 @@ fn an_emulated_communicator_with_the_check_on() {
                             .unwrap();
                         assert_eq!(w, vec![2.0f32; 4]);
                     }
-                    let mut v = vec![1.0f32; 8];
+                    let mut v = [1.0f32; 8];
                     let r = if rank == 1 {
                         comm.broadcast(BufferMut::from(&mut v[..]), &o).await
                     } else {
