@@ -155,23 +155,37 @@ fn start<'a, B: Backend + ?Sized>(
     opts: CallOptions,
     job: Job,
 ) -> Running<'a> {
+    if let Job::Reduce {
+        index,
+        data: Storage::Device(d),
+        ..
+    } = job
+    {
+        // Stream-ordered: the call is made here, so its place in the
+        // order is fixed now, not when this future is first polled; it
+        // returns once enqueued, with Avg on the device.
+        let work = backend.all_reduce(BufferMut::Device(d), ReduceOp::Avg, &opts);
+        return Box::pin(async move {
+            Done::Reduced {
+                index,
+                data: Storage::Device(d),
+                result: work.await,
+            }
+        });
+    }
     Box::pin(async move {
         match job {
             Job::Reduce {
                 index,
                 data: Storage::Device(d),
                 ..
-            } => {
-                // Stream-ordered: returns once enqueued; Avg on the device.
-                let result = backend
-                    .all_reduce(BufferMut::Device(d), ReduceOp::Avg, &opts)
-                    .await;
-                Done::Reduced {
-                    index,
-                    data: Storage::Device(d),
-                    result,
-                }
-            }
+            } => Done::Reduced {
+                index,
+                data: Storage::Device(d),
+                result: Err(consort_comm::CommError::invalid(
+                    "internal: a device bucket reached the host path",
+                )),
+            },
             Job::Reduce {
                 index,
                 dtype,
