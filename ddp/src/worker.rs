@@ -179,13 +179,18 @@ fn start<'a, B: Backend + ?Sized>(
                 index,
                 data: Storage::Device(d),
                 ..
-            } => Done::Reduced {
-                index,
-                data: Storage::Device(d),
-                result: Err(consort_comm::CommError::invalid(
-                    "internal: a device bucket reached the host path",
-                )),
-            },
+            } => {
+                // Not reached (device buckets return above); kept whole so
+                // that the match stays exhaustive without a panic.
+                let result = backend
+                    .all_reduce(BufferMut::Device(d), ReduceOp::Avg, &opts)
+                    .await;
+                Done::Reduced {
+                    index,
+                    data: Storage::Device(d),
+                    result,
+                }
+            }
             Job::Reduce {
                 index,
                 dtype,

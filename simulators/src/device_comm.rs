@@ -446,25 +446,12 @@ impl EmulatedComm {
             || matches!(output, Some(BufferMut::Device(_)));
         let host_call =
             matches!(input, Some(Buffer::Host(_))) || matches!(output, Some(BufferMut::Host(_)));
-        if device_call && host_call {
-            return Err(CommError::unsupported(
-                "one call mixed host and device buffers; pass every buffer of a call on the \
-                 device, or every one on the host",
-            ));
-        }
-        let mut streams: Vec<StreamId> = Vec::new();
-        let input = self.arg(input, &mut streams)?;
-        let (output, host_out) = match output {
-            Some(BufferMut::Host(h)) => {
-                let mut m = Mem::new(h.dtype(), h.bytes().len(), None);
-                m.bytes_mut().copy_from_slice(h.bytes());
-                (Some(m), Some(h))
-            }
-            Some(BufferMut::Device(d)) => (self.arg(Some(Buffer::Device(d)), &mut streams)?, None),
-            None => (None, None),
-        };
-        streams.sort_unstable();
-        streams.dedup();
+        let Args {
+            input,
+            output,
+            host_out,
+            streams,
+        } = self.args(input, output)?;
         // The arguments are sound: the call takes its place now.
         let made = self
             .shared
@@ -541,6 +528,45 @@ impl EmulatedComm {
         Ok(answer.map(|a| (a, host_out, cancel)))
     }
 
+    /// A call's buffers as the communication thread holds them, with the
+    /// streams of its device buffers; host and device buffers mixed in one
+    /// call are refused.
+    fn args<'a>(
+        &self,
+        input: Option<Buffer<'a>>,
+        output: Option<BufferMut<'a>>,
+    ) -> Result<Args<'a>> {
+        let device = matches!(input, Some(Buffer::Device(_)))
+            || matches!(output, Some(BufferMut::Device(_)));
+        let host =
+            matches!(input, Some(Buffer::Host(_))) || matches!(output, Some(BufferMut::Host(_)));
+        if device && host {
+            return Err(CommError::unsupported(
+                "one call mixed host and device buffers; pass every buffer of a call on the \
+                 device, or every one on the host",
+            ));
+        }
+        let mut streams: Vec<StreamId> = Vec::new();
+        let input = self.arg(input, &mut streams)?;
+        let (output, host_out) = match output {
+            Some(BufferMut::Host(h)) => {
+                let mut m = Mem::new(h.dtype(), h.bytes().len(), None);
+                m.bytes_mut().copy_from_slice(h.bytes());
+                (Some(m), Some(h))
+            }
+            Some(BufferMut::Device(d)) => (self.arg(Some(Buffer::Device(d)), &mut streams)?, None),
+            None => (None, None),
+        };
+        streams.sort_unstable();
+        streams.dedup();
+        Ok(Args {
+            input,
+            output,
+            host_out,
+            streams,
+        })
+    }
+
     /// The events the collective waits for on the buffers' streams, and
     /// (device calls) the streams' waits on its gate.
     fn order_streams(
@@ -562,6 +588,15 @@ impl EmulatedComm {
         }
         Ok(after)
     }
+}
+
+/// One call's buffers, classified ([`EmulatedComm::args`]).
+struct Args<'a> {
+    input: Option<Mem>,
+    output: Option<Mem>,
+    /// A host call's output slice, where its result goes.
+    host_out: Option<HostSliceMut<'a>>,
+    streams: Vec<StreamId>,
 }
 
 fn reporter(shared: &Arc<Shared>) -> Report {
