@@ -35,9 +35,30 @@
 //!   group stuck.
 //! - **Flight record.** Every call made, started and ended is recorded
 //!   ([`Engine::flight`]); the driver stamps the time and writes the dumps.
-//! - **Stall probes.** A call that makes no progress asks its peers which
-//!   call they are in at its sequence number ([`Engine::probe_answer`]); a
-//!   different one is a mismatch that no frame would reveal.
+//! - **Deadlines and stall probes.** A call that makes no progress asks
+//!   its group's other members which call they are in at its sequence
+//!   number ([`Engine::handle_timeout`], answered with
+//!   [`Engine::probe_answer`]); a different one is a mismatch that no frame
+//!   would reveal. A call past its deadline fails with `Timeout`, unless a
+//!   cause above explains the wait.
+//!
+//! # Driving order
+//!
+//! As with quinn-proto's `Connection`, the driver owns the I/O and the
+//! clock, and the engine says what follows:
+//!
+//! 1. [`Engine::begin`] when the call is made (its sequence number and
+//!    fingerprint are fixed then), [`Engine::arm`] when it starts.
+//! 2. What arrives: [`Engine::file`] (data), [`Engine::probe_reply`],
+//!    [`Engine::aborted`], [`Engine::peer_lost`], [`Engine::protocol_error`];
+//!    a probe is answered with [`Engine::probe_answer`].
+//! 3. For each posted receive, [`Engine::take`]; when the call moved on,
+//!    [`Engine::progressed`]; when nothing arrived, [`Engine::failure`].
+//! 4. Before sleeping, [`Engine::poll_timeout`]; on waking at or past it,
+//!    [`Engine::handle_timeout`] (send its probes, wake the calls if one
+//!    expired).
+//! 5. [`Engine::end`] with the outcome (send its abort), or
+//!    [`Engine::cancel`] if the call was dropped.
 
 use std::collections::VecDeque;
 
@@ -50,6 +71,9 @@ use crate::{CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result};
 
 #[cfg(test)]
 mod tests;
+mod timers;
+
+pub use timers::Probe;
 
 /// A call in flight, as the engine knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -111,6 +135,8 @@ struct Running {
     fp: Fingerprint,
     ctx: ErrorContext,
     p2p: bool,
+    /// The call's clock, once the driver armed it.
+    timer: Option<timers::Timer>,
 }
 
 /// One rank's call engine (see the module docs for its rules).
@@ -348,6 +374,7 @@ impl<P> Engine<P> {
                 fp,
                 ctx,
                 p2p,
+                timer: None,
             },
         );
         Ok(Begun { id, seq, fp, ctx })
@@ -533,7 +560,7 @@ impl<P> Engine<P> {
                 });
             }
         }
-        None
+        self.expired(call, waiting_on)
     }
 
     /// Ends `call` with `result`. A failure poisons the call's group (the

@@ -199,3 +199,78 @@ fn group_ids_agree_across_ranks_and_never_collide() {
         assert!(seen.insert(x));
     }
 }
+
+#[test]
+fn a_stalled_call_probes_its_group_once_per_stall_then_times_out() {
+    use std::time::Instant;
+    let t0 = Instant::now();
+    let s = |ms| t0 + Duration::from_millis(ms);
+    let mut e = Engine::<u32>::new(1, 4);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    assert_eq!(e.poll_timeout(), None, "not armed yet");
+    e.arm(
+        a.id,
+        t0,
+        Duration::from_millis(100),
+        Some(Duration::from_millis(10)),
+    );
+    e.progressed(a.id, t0, &[3]);
+    assert_eq!(e.poll_timeout(), Some(s(10)));
+    assert_eq!(e.handle_timeout(s(9)), (vec![], false));
+    // Due: every other member, the one it waits on first.
+    let (probes, expired) = e.handle_timeout(s(10));
+    let to: Vec<_> = probes.iter().map(|p| p.to).collect();
+    assert_eq!((to, expired), (vec![3, 0, 2], false));
+    assert!(probes.iter().all(|p| p.fp == a.fp));
+    // Once per stall: the next wake is the deadline, then progress re-arms.
+    assert_eq!(e.poll_timeout(), Some(s(100)));
+    e.progressed(a.id, s(50), &[0]);
+    assert_eq!(e.poll_timeout(), Some(s(60)));
+    assert_eq!(e.handle_timeout(s(60)).0.len(), 3);
+    assert!(e.failure(a.id, &[0]).is_none());
+    let (_, expired) = e.handle_timeout(s(100));
+    assert!(expired);
+    assert_eq!(e.poll_timeout(), None, "an expired call needs no wake");
+    let err = e.failure(a.id, &[0]).unwrap();
+    let CommError::Timeout {
+        after, waiting_on, ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (*after, waiting_on.as_slice()),
+        (Duration::from_millis(100), &[0][..])
+    );
+    // A probe answer that differs explains the wait better than the clock.
+    e.probe_reply(0, fp(GroupId::WORLD, 0, OpKind::Broadcast, 4));
+    let err = e.failure(a.id, &[0]).unwrap();
+    assert!(
+        matches!(err, CommError::Mismatch { remote_rank: 0, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn without_a_stall_period_the_probe_comes_at_the_deadline_and_p2p_never_probes() {
+    use std::time::Instant;
+    let t0 = Instant::now();
+    let mut e = Engine::<u32>::new(0, 2);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap();
+    let r = begin(&mut e, GroupId::WORLD, OpKind::Recv, 1).unwrap();
+    e.arm(a.id, t0, Duration::from_secs(1), None);
+    e.arm(r.id, t0, Duration::from_secs(2), Some(Duration::ZERO));
+    let end = t0 + Duration::from_secs(2);
+    let (probes, expired) = e.handle_timeout(end);
+    assert_eq!(probes, vec![Probe { to: 1, fp: a.fp }]);
+    assert!(expired);
+    assert!(matches!(
+        e.failure(r.id, &[1]),
+        Some(CommError::Timeout { .. })
+    ));
+    // A deadline far past Instant's range is clamped, never a panic.
+    let b = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap();
+    e.arm(b.id, t0, Duration::MAX, None);
+    assert!(e.deadline(b.id).unwrap() > end);
+    assert!(matches!(e.timed_out(b.id, &[1]), CommError::Timeout { .. }));
+}

@@ -301,6 +301,20 @@ struct State {
     rng: Rng,
     trace: Option<Vec<TraceEvent>>,
     wake: HashSet<usize>,
+    /// Virtual time 0 as an `Instant`: the engine takes time as one.
+    epoch: std::time::Instant,
+}
+
+impl State {
+    /// Virtual time `t` (ns) as the engine's clock reads it.
+    fn instant(&self, t: u64) -> std::time::Instant {
+        self.epoch + Duration::from_nanos(t)
+    }
+
+    /// An engine instant as virtual time (ns).
+    fn virtual_ns(&self, at: std::time::Instant) -> u64 {
+        dur_ns(at.saturating_duration_since(self.epoch))
+    }
 }
 
 struct Shared {
@@ -481,6 +495,7 @@ impl SimWorld {
             rng: Rng::new(cfg.seed),
             trace: cfg.record_trace.then(Vec::new),
             wake: HashSet::new(),
+            epoch: std::time::Instant::now(),
         };
         for f in &cfg.faults {
             if let Fault::Crash {

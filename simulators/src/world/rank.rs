@@ -226,8 +226,8 @@ impl SimRank {
                 .is_none()
             {
                 let mut s = lock(&self.shared);
-                let running = s.ranks[r].call.as_ref().is_some_and(|c| c.id == guard.id);
-                if running {
+                let running = s.ranks[r].call.as_ref().filter(|c| c.id == guard.id);
+                if let Some(eid) = running.map(|c| c.eid) {
                     // The members that never made this call hold it up.
                     // Failing that (p2p, or every member made it): the
                     // members out of every call, since virtual time stands
@@ -255,11 +255,7 @@ impl SimRank {
                     } else {
                         call.map(|c| c.schedule.waiting_on()).unwrap_or_default()
                     };
-                    let e = CommError::Timeout {
-                        ctx: ErrorContext::default(),
-                        after: timeout,
-                        waiting_on,
-                    };
+                    let e = s.ranks[r].engine.timed_out(eid, &waiting_on);
                     let t = s.ranks[r].clock;
                     s.fail(r, e, t);
                     s.progress();

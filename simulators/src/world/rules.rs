@@ -357,13 +357,18 @@ impl State {
             return;
         };
         let start = t.max(rank.clock).max(rank.host);
-        let (id, timeout) = (call.id, call.timeout);
+        let (id, eid, timeout) = (call.id, call.eid, call.timeout);
         rank.call = Some(call);
-        self.push(
-            start.saturating_add(dur_ns(timeout)),
-            r,
-            Event::Deadline { rank: r, call: id },
-        );
+        // The engine's clock, on virtual time: the call probes its group
+        // at its deadline, then times out unless a probe explains the wait.
+        let at = self.instant(start);
+        let rank = &mut self.ranks[r];
+        rank.engine.arm(eid, at, timeout, None);
+        let wake = rank
+            .engine
+            .poll_timeout()
+            .map_or(u64::MAX, |w| self.virtual_ns(w));
+        self.push(wake, r, Event::Deadline { rank: r, call: id });
         // The call starts in virtual-time order with everything else.
         self.push(start, r, Event::Start { rank: r, call: id });
     }
@@ -385,40 +390,31 @@ impl State {
     }
 
     pub(super) fn deadline(&mut self, r: usize, id: u64, t: u64) {
-        let rank = &self.ranks[r];
-        let Some(call) = rank.call.as_ref().filter(|c| c.id == id) else {
+        let now = self.instant(t);
+        let rank = &mut self.ranks[r];
+        if !rank.call.as_ref().is_some_and(|c| c.id == id) {
+            return;
+        }
+        // The engine asks every other member which call it is in at this
+        // call's place (what the mesh's stall probe frames ask): a rank in
+        // a different call is a mismatch that no frame revealed, because
+        // mismatched ranks can each wait on the other, directly or down a
+        // chain. The simulator answers from the peers' engines at once.
+        let (probes, _) = rank.engine.handle_timeout(now);
+        for p in probes {
+            let answer = self.ranks[p.to].engine.probe_answer(p.fp.group, p.fp.seq);
+            if let Some(fp) = answer {
+                self.ranks[r].engine.probe_reply(p.to, fp);
+            }
+        }
+        // Started or not (a zero timeout meets its deadline first).
+        let rank = &mut self.ranks[r];
+        let Some(call) = rank.call.as_ref() else {
             return;
         };
-        // A stalled call compares fingerprints with every member's call at
-        // the same sequence number (what the TCP driver's stall probe asks):
-        // a rank inside a different call is a mismatch that no frame
-        // revealed, because mismatched ranks can each wait on the other,
-        // directly or down a chain. The peers it waits on are asked first.
-        let waiting_on = call.schedule.waiting_on();
-        let n = call.members.len();
-        let others = (0..n).filter(|p| !waiting_on.contains(p));
-        let probe = waiting_on.iter().copied().chain(others).find_map(|gr| {
-            let w = *call.members.get(gr)?;
-            if w == r || call.p2p {
-                return None;
-            }
-            let pfp = self.ranks[w].engine.probe_answer(call.group, call.fp.seq)?;
-            (pfp != call.fp).then_some((gr, pfp))
-        });
-        let e = match probe {
-            Some((p, remote)) => CommError::Mismatch {
-                ctx: ErrorContext::default(),
-                local: call.fp,
-                remote,
-                remote_rank: p,
-            },
-            None => CommError::Timeout {
-                ctx: ErrorContext::default(),
-                after: call.timeout,
-                waiting_on,
-            },
-        };
-        self.fail(r, e, t);
+        if let Some(e) = rank.engine.failure(call.eid, &call.schedule.waiting_on()) {
+            self.fail(r, e, t);
+        }
     }
 
     pub(super) fn crash(&mut self, r: usize, t: u64) {

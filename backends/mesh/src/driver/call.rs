@@ -1,8 +1,9 @@
 //! One call, driven: the schedule's actions against the links and the
 //! engine. [`CallRun`] holds the call's state; its methods are the steps
 //! of [`MeshBackend::drive`]'s loop: act on what the schedule asks, take
-//! what has arrived, and wait (probing stalled peers, spinning on polled
-//! links, then sleeping).
+//! what has arrived, and wait (moving the engine's clock and sending the
+//! stall probes it asks for, spinning on polled links, then sleeping until
+//! a frame is filed or the engine's next timeout).
 
 use super::*;
 
@@ -16,8 +17,8 @@ struct CallRun<'c> {
     call_id: u64,
     p2p: bool,
     reduce: Option<ReduceOp>,
+    /// The engine's deadline for the call, which bounds its sends.
     deadline: Instant,
-    timeout: Duration,
     /// Receives posted and not yet taken.
     posted: Vec<Receive>,
     /// Scratch lists of [`CallRun::collect`], kept to avoid allocating.
@@ -26,8 +27,6 @@ struct CallRun<'c> {
     /// Whether large payloads may go as pull frames (the sources stay
     /// until taken).
     may_pull: bool,
-    last_progress: Instant,
-    probed: bool,
 }
 
 impl MeshBackend {
@@ -63,6 +62,12 @@ impl MeshBackend {
         // Unregisters the call's receives when it ends, however it ends.
         let _direct = DirectGuard(inner, call_id);
         let timeout = opts.timeout_or(self.opts.timeout);
+        let deadline = {
+            let mut engine = lock(&inner.engine);
+            let stall = Some(self.opts.stall_probe);
+            engine.arm(begun.id, Instant::now(), timeout, stall);
+            engine.deadline(begun.id)
+        };
         // Dropped (revoking what was not read) before the call's buffers
         // can go, however the call ends.
         let mut pulls = Pulls {
@@ -79,13 +84,10 @@ impl MeshBackend {
             call_id,
             p2p: req.is_p2p(),
             reduce: req.reduce,
-            deadline: consort_comm::time::deadline(timeout),
-            timeout,
+            deadline: deadline.unwrap_or_else(|| consort_comm::time::deadline(timeout)),
             posted: Vec::new(),
             got: Vec::new(),
             done: Vec::new(),
-            last_progress: Instant::now(),
-            probed: false,
         };
         run.run(&mut pulls).await?;
         if req.finalize
@@ -119,14 +121,15 @@ impl CallRun<'_> {
                 // The peers read this rank's pull frames before its buffers
                 // may change.
                 let inner = &self.b.inner;
-                return inner.wait_pulls(pulls, (self.deadline, self.timeout)).await;
+                return inner.wait_pulls(pulls, self.begun.id, self.deadline).await;
             }
             let woken = self.b.inner.woken();
             let mut woken = std::pin::pin!(woken);
             woken.as_mut().enable();
             if self.collect()? {
-                self.last_progress = Instant::now();
-                self.probed = false;
+                let waiting = self.schedule.waiting_on();
+                let mut engine = lock(&self.b.inner.engine);
+                engine.progressed(self.begun.id, Instant::now(), &waiting);
                 continue;
             }
             self.wait(woken.as_mut()).await?;
@@ -189,11 +192,7 @@ impl CallRun<'_> {
                     reason: format!("send failed: {e}"),
                 }))
             }
-            None => Err(CommError::Timeout {
-                ctx: ErrorContext::default(),
-                after: self.timeout,
-                waiting_on: vec![tx.to],
-            }),
+            None => Err(lock(&inner.engine).timed_out(self.begun.id, &[tx.to])),
         }
     }
 
@@ -295,44 +294,36 @@ impl CallRun<'_> {
         Ok(progressed)
     }
 
-    /// Nothing arrived: fails past the deadline, probes the peers of a
-    /// stalled call, spins on the polled links, then sleeps until a frame
-    /// is filed (or the next probe is due).
+    /// Nothing arrived: moves the engine's clock (failing past the
+    /// deadline, sending the stall probes it asks for), spins on the polled
+    /// links, then sleeps until a frame is filed or the engine's next
+    /// timeout.
     async fn wait(&mut self, woken: std::pin::Pin<&mut super::Woken<'_>>) -> Result<()> {
         let inner = &self.b.inner;
-        let now = Instant::now();
-        if now >= self.deadline {
-            return Err(CommError::Timeout {
-                ctx: ErrorContext::default(),
-                after: self.timeout,
-                waiting_on: self.schedule.waiting_on(),
-            });
-        }
-        // A call that makes no progress asks the peers it waits on what
-        // they are doing: a peer in another call at this seq is a mismatch
-        // that no frame would reveal.
-        let stall = self.b.opts.stall_probe;
-        if !self.p2p && !self.probed && now.duration_since(self.last_progress) >= stall {
-            self.probed = true;
-            let probe = inbound::probe_frame(FrameKind::Probe, Some(self.begun.fp));
-            for q in self.schedule.waiting_on() {
-                let _ = before(
-                    now + Duration::from_secs(1),
-                    inner.send_frame(self.b.members[q], 0, &probe, &[]),
-                )
-                .await;
+        let waiting = self.schedule.waiting_on();
+        let (probes, wake) = {
+            let mut engine = lock(&inner.engine);
+            let (probes, expired) = engine.handle_timeout(Instant::now());
+            if expired {
+                // Another call's deadline may have passed: its waiter fails.
+                inner.notify.notify_waiters();
             }
+            if let Some(e) = engine.failure(self.begun.id, &waiting) {
+                return Err(e);
+            }
+            (probes, engine.poll_timeout())
+        };
+        for p in probes {
+            let probe = inbound::probe_frame(FrameKind::Probe, Some(p.fp));
+            let by = Instant::now() + Duration::from_secs(1);
+            let _ = before(by, inner.send_frame(p.to, 0, &probe, &[])).await;
         }
         // Same-host peers write into shared queues: take what they wrote,
         // spinning a little before sleeping.
         if inner.spin() {
             return Ok(());
         }
-        let wake = self
-            .deadline
-            .min(self.last_progress + stall.max(Duration::from_millis(10)));
-        let wake = if wake <= now { self.deadline } else { wake };
-        let _ = before(wake, woken).await;
+        let _ = before(wake.unwrap_or(self.deadline), woken).await;
         Ok(())
     }
 }

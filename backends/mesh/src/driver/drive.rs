@@ -211,7 +211,8 @@ impl Inner {
     pub(super) async fn wait_pulls(
         self: &Arc<Self>,
         pulls: &mut Pulls<'_>,
-        (deadline, timeout): (Instant, Duration),
+        call: CallId,
+        deadline: Instant,
     ) -> Result<()> {
         for &(to, seq) in &pulls.out {
             let Some(Link::Polled(l)) = self.links.get(to) else {
@@ -233,11 +234,7 @@ impl Inner {
                 }
                 let wake = deadline.min(Instant::now() + Duration::from_millis(10));
                 if before(wake, woken).await.is_none() && Instant::now() >= deadline {
-                    return Err(CommError::Timeout {
-                        ctx: ErrorContext::default(),
-                        after: timeout,
-                        waiting_on: vec![to],
-                    });
+                    return Err(lock(&self.engine).timed_out(call, &[to]));
                 }
             }
         }
