@@ -120,8 +120,19 @@ pub fn splits(
 /// root-only buffers, dtypes, lengths against the world, splits, peers and
 /// the reduce op's dtype. `rank` of `world` makes the call, `root_rank` is
 /// `CallOptions::root`. Stream-ordered backends run it before a call takes
-/// its place in the order, so a bad call fails alone.
+/// its place in the order, so a bad call fails alone; schedule backends
+/// run it in `algo::exec::Call::from_op`. This is the one place every
+/// backend's calls are checked. Errors carry the op and the rank.
 pub fn op(op: &crate::Op<'_>, rank: usize, world: usize, root_rank: usize) -> Result<()> {
+    let ctx = crate::ErrorContext {
+        op: Some(op.kind()),
+        rank: Some(rank),
+        ..Default::default()
+    };
+    shape(op, rank, world, root_rank).map_err(|e| e.with_context(ctx))
+}
+
+fn shape(op: &crate::Op<'_>, rank: usize, world: usize, root_rank: usize) -> Result<()> {
     use crate::Op;
     let rooted = |r: usize| root(r, world);
     match op {

@@ -195,8 +195,9 @@ impl<'a> Call<'a> {
         self.scaled_input.as_deref().unwrap_or(self.input)
     }
 
-    /// The call for `op`, checked: one match over every op, for every
-    /// backend that drives schedules.
+    /// The call for `op`, checked once by [`validate::op`] (the per-op
+    /// constructors below check nothing again): one match over every op,
+    /// for every backend that drives schedules.
     pub fn from_op(
         backend: &str,
         rank: usize,
@@ -204,38 +205,29 @@ impl<'a> Call<'a> {
         op: Op<'a>,
         opts: &CallOptions,
     ) -> Result<Self> {
-        match op {
-            Op::AllReduce { buf, op } => Call::all_reduce(backend, rank, world, buf, op),
-            Op::Broadcast { buf } => Call::broadcast(backend, rank, world, buf, opts),
+        validate::op(&op, rank, world, opts.root)?;
+        let c = ctx(op.kind(), rank);
+        let call = match op {
+            Op::AllReduce { buf, op } => Call::all_reduce(backend, world, buf, op),
+            Op::Broadcast { buf } => Call::broadcast(backend, buf, opts),
             Op::Reduce { buf, op } => Call::reduce(backend, rank, world, buf, op, opts),
-            Op::AllGather { output, input } => {
-                Call::all_gather(backend, rank, world, output, input)
-            }
-            Op::Gather { output, input } => Call::gather(backend, rank, world, output, input, opts),
-            Op::Scatter { output, input } => {
-                Call::scatter(backend, rank, world, output, input, opts)
-            }
+            Op::AllGather { output, input } => Call::all_gather(backend, output, input),
+            Op::Gather { output, input } => Call::gather(backend, output, input, opts),
+            Op::Scatter { output, input } => Call::scatter(backend, output, input, opts),
             Op::ReduceScatter { output, input, op } => {
-                Call::reduce_scatter(backend, rank, world, output, input, op)
+                Call::reduce_scatter(backend, world, output, input, op)
             }
             Op::AllToAll {
                 output,
                 input,
                 output_splits,
                 input_splits,
-            } => Call::all_to_all(
-                backend,
-                rank,
-                world,
-                output,
-                input,
-                output_splits,
-                input_splits,
-            ),
+            } => Call::all_to_all(backend, world, output, input, output_splits, input_splits),
             Op::Barrier => Ok(Call::barrier()),
-            Op::Send { buf, dst } => Call::send(backend, rank, world, buf, dst, opts),
-            Op::Recv { buf, src } => Call::recv(backend, rank, world, buf, src, opts),
-        }
+            Op::Send { buf, dst } => Call::send(backend, buf, dst, opts),
+            Op::Recv { buf, src } => Call::recv(backend, buf, src, opts),
+        };
+        call.map_err(|e| e.with_context(c))
     }
 
     /// Whether this is a point-to-point call.
@@ -272,20 +264,11 @@ impl<'a> Call<'a> {
     }
 
     /// `all_reduce`.
-    pub fn all_reduce(
-        backend: &str,
-        rank: usize,
-        world: usize,
-        buf: BufferMut<'a>,
-        op: ReduceOp,
-    ) -> Result<Self> {
-        let c = ctx(OpKind::AllReduce, rank);
-        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
-        op.check(b.dtype()).map_err(|e| e.with_context(c))?;
+    fn all_reduce(backend: &str, world: usize, buf: BufferMut<'a>, op: ReduceOp) -> Result<Self> {
+        let b = buf.host(backend)?;
         let (dtype, len) = (b.dtype(), b.len());
         let output = b.into_bytes_mut();
-        op.prescale_bytes(dtype, output, world)
-            .map_err(|e| e.with_context(c))?;
+        op.prescale_bytes(dtype, output, world)?;
         Ok(Call {
             reduce: Some(op),
             output,
@@ -295,16 +278,8 @@ impl<'a> Call<'a> {
     }
 
     /// `broadcast` from `opts.root`.
-    pub fn broadcast(
-        backend: &str,
-        rank: usize,
-        world: usize,
-        buf: BufferMut<'a>,
-        opts: &CallOptions,
-    ) -> Result<Self> {
-        let c = ctx(OpKind::Broadcast, rank);
-        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
-        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
+    fn broadcast(backend: &str, buf: BufferMut<'a>, opts: &CallOptions) -> Result<Self> {
+        let b = buf.host(backend)?;
         let (dtype, len) = (b.dtype(), b.len());
         Ok(Call {
             root: opts.root,
@@ -315,7 +290,7 @@ impl<'a> Call<'a> {
     }
 
     /// `reduce` into `opts.root`.
-    pub fn reduce(
+    fn reduce(
         backend: &str,
         rank: usize,
         world: usize,
@@ -323,15 +298,11 @@ impl<'a> Call<'a> {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<Self> {
-        let c = ctx(OpKind::Reduce, rank);
-        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
-        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
-        op.check(b.dtype()).map_err(|e| e.with_context(c))?;
+        let b = buf.host(backend)?;
         let (dtype, len) = (b.dtype(), b.len());
         // In place: a non-root's buffer is unspecified afterwards, as in torch.
         let output = b.into_bytes_mut();
-        op.prescale_bytes(dtype, output, world)
-            .map_err(|e| e.with_context(c))?;
+        op.prescale_bytes(dtype, output, world)?;
         Ok(Call {
             reduce: Some(op),
             root: opts.root,
@@ -343,19 +314,9 @@ impl<'a> Call<'a> {
     }
 
     /// `all_gather`.
-    pub fn all_gather(
-        backend: &str,
-        rank: usize,
-        world: usize,
-        output: BufferMut<'a>,
-        input: Buffer<'a>,
-    ) -> Result<Self> {
-        let c = ctx(OpKind::AllGather, rank);
-        let o = output.host(backend).map_err(|e| e.with_context(c))?;
-        let i = input.host(backend).map_err(|e| e.with_context(c))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
-        validate::whole_times_world(o.len(), i.len(), world, "all_gather output")
-            .map_err(|e| e.with_context(c))?;
+    fn all_gather(backend: &str, output: BufferMut<'a>, input: Buffer<'a>) -> Result<Self> {
+        let o = output.host(backend)?;
+        let i = input.host(backend)?;
         Ok(Call {
             input: i.bytes(),
             output: o.into_bytes_mut(),
@@ -364,25 +325,16 @@ impl<'a> Call<'a> {
     }
 
     /// `gather` into `opts.root` (only the root passes an output).
-    pub fn gather(
+    fn gather(
         backend: &str,
-        rank: usize,
-        world: usize,
         output: Option<BufferMut<'a>>,
         input: Buffer<'a>,
         opts: &CallOptions,
     ) -> Result<Self> {
-        let c = ctx(OpKind::Gather, rank);
-        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
-        let i = input.host(backend).map_err(|e| e.with_context(c))?;
-        validate::root_only("gather", "an output", output.is_some(), rank, opts.root)
-            .map_err(|e| e.with_context(c))?;
+        let i = input.host(backend)?;
         let out: &'a mut [u8] = match output {
             Some(o) => {
-                let o = o.host(backend).map_err(|e| e.with_context(c))?;
-                validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
-                validate::whole_times_world(o.len(), i.len(), world, "gather output")
-                    .map_err(|e| e.with_context(c))?;
+                let o = o.host(backend)?;
                 o.into_bytes_mut()
             }
             None => &mut [],
@@ -397,25 +349,16 @@ impl<'a> Call<'a> {
     }
 
     /// `scatter` from `opts.root` (only the root passes an input).
-    pub fn scatter(
+    fn scatter(
         backend: &str,
-        rank: usize,
-        world: usize,
         output: BufferMut<'a>,
         input: Option<Buffer<'a>>,
         opts: &CallOptions,
     ) -> Result<Self> {
-        let c = ctx(OpKind::Scatter, rank);
-        validate::root(opts.root, world).map_err(|e| e.with_context(c))?;
-        let o = output.host(backend).map_err(|e| e.with_context(c))?;
-        validate::root_only("scatter", "an input", input.is_some(), rank, opts.root)
-            .map_err(|e| e.with_context(c))?;
+        let o = output.host(backend)?;
         let inp: &'a [u8] = match input {
             Some(i) => {
-                let i = i.host(backend).map_err(|e| e.with_context(c))?;
-                validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
-                validate::whole_times_world(i.len(), o.len(), world, "scatter input")
-                    .map_err(|e| e.with_context(c))?;
+                let i = i.host(backend)?;
                 i.bytes()
             }
             None => &[],
@@ -431,27 +374,20 @@ impl<'a> Call<'a> {
     }
 
     /// `reduce_scatter`.
-    pub fn reduce_scatter(
+    fn reduce_scatter(
         backend: &str,
-        rank: usize,
         world: usize,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         op: ReduceOp,
     ) -> Result<Self> {
-        let c = ctx(OpKind::ReduceScatter, rank);
-        let o = output.host(backend).map_err(|e| e.with_context(c))?;
-        let i = input.host(backend).map_err(|e| e.with_context(c))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
-        validate::whole_times_world(i.len(), o.len(), world, "reduce_scatter input")
-            .map_err(|e| e.with_context(c))?;
-        op.check(o.dtype()).map_err(|e| e.with_context(c))?;
+        let o = output.host(backend)?;
+        let i = input.host(backend)?;
         let (dtype, len) = (o.dtype(), o.len());
         let scaled_input = match op.prescale(dtype, world) {
             Some(_) => {
                 let mut v = i.bytes().to_vec();
-                op.prescale_bytes(dtype, &mut v, world)
-                    .map_err(|e| e.with_context(c))?;
+                op.prescale_bytes(dtype, &mut v, world)?;
                 Some(v)
             }
             None => None,
@@ -467,23 +403,18 @@ impl<'a> Call<'a> {
     }
 
     /// `all_to_all_single`, equal parts when a split list is `None`.
-    pub fn all_to_all(
+    fn all_to_all(
         backend: &str,
-        rank: usize,
         world: usize,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         output_split_sizes: Option<&[usize]>,
         input_split_sizes: Option<&[usize]>,
     ) -> Result<Self> {
-        let c = ctx(OpKind::AllToAll, rank);
-        let o = output.host(backend).map_err(|e| e.with_context(c))?;
-        let i = input.host(backend).map_err(|e| e.with_context(c))?;
-        validate::same_dtype(o.dtype(), i.dtype()).map_err(|e| e.with_context(c))?;
-        let ins = validate::splits(input_split_sizes, i.len(), world, "input")
-            .map_err(|e| e.with_context(c))?;
-        let outs = validate::splits(output_split_sizes, o.len(), world, "output")
-            .map_err(|e| e.with_context(c))?;
+        let o = output.host(backend)?;
+        let i = input.host(backend)?;
+        let ins = validate::splits(input_split_sizes, i.len(), world, "input")?;
+        let outs = validate::splits(output_split_sizes, o.len(), world, "output")?;
         Ok(Call {
             count: 0,
             input: i.bytes(),
@@ -495,22 +426,13 @@ impl<'a> Call<'a> {
     }
 
     /// `barrier`.
-    pub fn barrier() -> Self {
+    fn barrier() -> Self {
         Call::new(OpKind::Barrier, DType::U8, 0)
     }
 
     /// `send` to `dst` with `opts.tag`.
-    pub fn send(
-        backend: &str,
-        rank: usize,
-        world: usize,
-        buf: Buffer<'a>,
-        dst: usize,
-        opts: &CallOptions,
-    ) -> Result<Self> {
-        let c = ctx(OpKind::Send, rank);
-        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
-        validate::peer(dst, rank, world).map_err(|e| e.with_context(c))?;
+    fn send(backend: &str, buf: Buffer<'a>, dst: usize, opts: &CallOptions) -> Result<Self> {
+        let b = buf.host(backend)?;
         Ok(Call {
             peer_or_root: dst,
             tag: opts.tag,
@@ -520,17 +442,8 @@ impl<'a> Call<'a> {
     }
 
     /// `recv` from `src` with `opts.tag`.
-    pub fn recv(
-        backend: &str,
-        rank: usize,
-        world: usize,
-        buf: BufferMut<'a>,
-        src: usize,
-        opts: &CallOptions,
-    ) -> Result<Self> {
-        let c = ctx(OpKind::Recv, rank);
-        let b = buf.host(backend).map_err(|e| e.with_context(c))?;
-        validate::peer(src, rank, world).map_err(|e| e.with_context(c))?;
+    fn recv(backend: &str, buf: BufferMut<'a>, src: usize, opts: &CallOptions) -> Result<Self> {
+        let b = buf.host(backend)?;
         let (dtype, len) = (b.dtype(), b.len());
         Ok(Call {
             peer_or_root: src,

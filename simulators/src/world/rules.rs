@@ -392,7 +392,7 @@ impl State {
     pub(super) fn deadline(&mut self, r: usize, id: u64, t: u64) {
         let now = self.instant(t);
         let rank = &mut self.ranks[r];
-        if !rank.call.as_ref().is_some_and(|c| c.id == id) {
+        if rank.call.as_ref().is_none_or(|c| c.id != id) {
             return;
         }
         // The engine asks every other member which call it is in at this

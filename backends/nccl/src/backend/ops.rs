@@ -1,5 +1,6 @@
-//! `Backend` for [`NcclBackend`]: each op checks its arguments, classifies
-//! its buffers and hands NCCL's enqueue call to the launch.
+//! `Backend` for [`NcclBackend`]: `submit` checks a call's arguments once
+//! (`validate::op`); each op then classifies its buffers and hands NCCL's
+//! enqueue call to the launch.
 
 use std::{ffi::c_int, time::Duration};
 
@@ -38,6 +39,10 @@ impl Backend for NcclBackend {
     /// polled (see the module docs of `backend`).
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let o = *opts;
+        // Every argument check, once, before the call takes its place.
+        if let Err(e) = validate::op(&op, self.rank, self.world, o.root) {
+            return Work::ready(Err(e));
+        }
         let fp = op.fingerprint(GroupId::WORLD, 0, o.root);
         let made = match op {
             Op::AllReduce { buf, op } => self.run_all_reduce(fp, buf, op, &o),
@@ -76,8 +81,8 @@ impl Backend for NcclBackend {
     }
 }
 
-/// The ops, each checking its arguments, classifying its buffers and
-/// handing NCCL's enqueue call to the launch.
+/// The ops, their arguments already checked: each classifies its buffers
+/// and hands NCCL's enqueue call to the launch.
 impl NcclBackend {
     fn run_all_reduce<'a>(
         &'a self,
@@ -101,7 +106,6 @@ impl NcclBackend {
         buf: BufferMut<'a>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::root(opts.root, self.world)?;
         let root = opts.root as c_int;
         self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
             // SAFETY: in place on `n` elements of our device.
@@ -116,7 +120,6 @@ impl NcclBackend {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::root(opts.root, self.world)?;
         let (nop, root) = (self.op(op, buf.dtype())?, opts.root as c_int);
         self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
             with_op(nc, c, nop, dt, |o| {
@@ -133,8 +136,6 @@ impl NcclBackend {
         input: Buffer<'a>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::same_dtype(output.dtype(), input.dtype())?;
-        validate::whole_times_world(output.len(), input.len(), self.world, "all_gather output")?;
         let (n, dt) = (input.len(), nccl_dtype(input.dtype()));
         let args = self.args(Some(input), Some((output, false)))?;
         let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
@@ -151,13 +152,7 @@ impl NcclBackend {
         input: Buffer<'a>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::root(opts.root, self.world)?;
         let is_root = output.is_some();
-        validate::root_only("gather", "an output", is_root, self.rank, opts.root)?;
-        if let Some(o) = &output {
-            validate::same_dtype(o.dtype(), input.dtype())?;
-            validate::whole_times_world(o.len(), input.len(), self.world, "gather output")?;
-        }
         let (n, dtype, root, world) = (input.len(), input.dtype(), opts.root, self.world);
         let args = self.args(Some(input), output.map(|o| (o, false)))?;
         let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
@@ -174,13 +169,7 @@ impl NcclBackend {
         input: Option<Buffer<'a>>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::root(opts.root, self.world)?;
         let is_root = input.is_some();
-        validate::root_only("scatter", "an input", is_root, self.rank, opts.root)?;
-        if let Some(i) = &input {
-            validate::same_dtype(output.dtype(), i.dtype())?;
-            validate::whole_times_world(i.len(), output.len(), self.world, "scatter input")?;
-        }
         let (n, dtype, root, world) = (output.len(), output.dtype(), opts.root, self.world);
         let args = self.args(input, Some((output, false)))?;
         let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
@@ -198,13 +187,6 @@ impl NcclBackend {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::same_dtype(output.dtype(), input.dtype())?;
-        validate::whole_times_world(
-            input.len(),
-            output.len(),
-            self.world,
-            "reduce_scatter input",
-        )?;
         let nop = self.op(op, output.dtype())?;
         let (n, dt) = (output.len(), nccl_dtype(output.dtype()));
         let args = self.args(Some(input), Some((output, false)))?;
@@ -226,7 +208,6 @@ impl NcclBackend {
         input_split_sizes: Option<&[usize]>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::same_dtype(output.dtype(), input.dtype())?;
         let outs = validate::splits(output_split_sizes, output.len(), self.world, "output")?;
         let ins = validate::splits(input_split_sizes, input.len(), self.world, "input")?;
         let dtype = input.dtype();
@@ -281,7 +262,6 @@ impl NcclBackend {
         dst: usize,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::peer(dst, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
         let enqueue: Enqueue<'_> =
@@ -296,7 +276,6 @@ impl NcclBackend {
         src: usize,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
-        validate::peer(src, self.rank, self.world)?;
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
