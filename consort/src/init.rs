@@ -318,6 +318,18 @@ impl Dist {
         Ok(ProcessGroup::new(Arc::new(b)))
     }
 
+    /// Without feature `quic` (the default build carries no TLS stack):
+    /// `BackendUnavailable`, saying how to build it in.
+    #[cfg(not(feature = "quic"))]
+    pub async fn quic_process_group(&self) -> Result<ProcessGroup, CommError> {
+        Err(CommError::BackendUnavailable {
+            backend: "quic".into(),
+            reason: "this consort was built without QUIC; build it with `--features quic` \
+                     (cargo build -p consort --features quic), or use the TCP process group"
+                .into(),
+        })
+    }
+
     /// Whether this process hosts the store server.
     pub fn hosts_store(&self) -> bool {
         self.server.is_some()

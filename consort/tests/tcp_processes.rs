@@ -188,11 +188,13 @@ fn killed(shm: bool) {
 /// neighbours notice when the idle timeout (2 s here, keep-alives every 2/3
 /// s) passes, and their abort frames tell the rest. The bound leaves room
 /// for a loaded CI machine.
+#[cfg(feature = "quic")]
 #[test]
 fn a_killed_rank_is_noticed_over_quic_within_the_idle_timeout() {
     killed_on("quic", false, Duration::from_secs(8));
 }
 
+#[cfg(feature = "quic")]
 #[test]
 fn conformance_battery_across_3_processes_over_quic() {
     battery_on("quic", 3, false);
@@ -200,6 +202,7 @@ fn conformance_battery_across_3_processes_over_quic() {
 
 /// `Dist::quic_process_group` with `CONSORT_SHM=1`: the ranks on one host
 /// meet through shared memory, as over TCP.
+#[cfg(feature = "quic")]
 #[test]
 fn conformance_battery_across_3_processes_over_quic_with_shared_memory() {
     battery_on("quic", 3, true);
