@@ -13,6 +13,13 @@
 //!   the engine, or as a probe or an abort;
 //! - [`drive`] sends frames and starts calls; [`call`] drives one.
 //!
+//! The engine sits behind a mutex, locked briefly (never across an await)
+//! by the readers and by the calls, as quinn keeps `proto::Connection` in
+//! a `Mutex<State>` shared by its connection driver and its stream handles:
+//! a call drives its own schedule in the caller's task, because its future
+//! borrows the caller's buffers and a hand-off to a driver task would cost
+//! every call two cross-task wake-ups (see DESIGN.md).
+//!
 //! This file holds the types they share, the `Backend` impl and subgroups.
 
 use std::{
