@@ -467,27 +467,14 @@ impl EmulatedComm {
         let ordered = self.order_streams(&streams, gate, device_call);
         let after = match ordered {
             Ok(a) => a,
-            Err(e) => {
-                self.device.complete_event(gate);
-                let _ = self.device.release(gate);
-                return Err(self.shared.lock().core.launch_failed(made.id, e));
-            }
+            Err(e) => return Err(self.launch_failed(gate, made.id, e)),
         };
-        let (reply, answer) = match host_call || !device_call {
-            true => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                (Some(tx), Some(rx))
-            }
-            false => (None, None),
-        };
+        // A host call (or one with no buffer) is answered when it is done,
+        // and may be cancelled until then.
+        let answered = host_call || !device_call;
+        let (reply, answer) = channel_if(answered);
+        let (cancel, cancelled) = channel_if(answered);
         let slot = Arc::new(Mutex::new(Slot::default()));
-        let (cancel, cancelled) = match answer {
-            Some(_) => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                (Some(tx), Some(rx))
-            }
-            None => (None, None),
-        };
         let job = Job {
             kind,
             opts: *opts,
@@ -506,13 +493,11 @@ impl EmulatedComm {
             None => false,
         };
         if !sent {
-            self.device.complete_event(gate);
-            let _ = self.device.release(gate);
             let e = CommError::Aborted {
                 ctx: Default::default(),
                 cause: "the emulated communication thread has stopped".into(),
             };
-            return Err(self.shared.lock().core.launch_failed(made.id, e));
+            return Err(self.launch_failed(gate, made.id, e));
         }
         // The watchdog is the backstop here: the wrapped backend bounds the
         // call itself, from when it starts on the communication thread, and
@@ -526,6 +511,19 @@ impl EmulatedComm {
             .enqueued(made.id, work, Instant::now(), timeout);
         self.shared.cv.notify_all();
         Ok(answer.map(|a| (a, host_out, cancel)))
+    }
+
+    /// A call that could not be enqueued: its gate fires and goes, and the
+    /// communicator fails the call (and is aborted) as NCCL's would be.
+    fn launch_failed(
+        &self,
+        gate: EventId,
+        id: consort_comm::engine::CallId,
+        e: CommError,
+    ) -> CommError {
+        self.device.complete_event(gate);
+        let _ = self.device.release(gate);
+        self.shared.lock().core.launch_failed(id, e)
     }
 
     /// A call's buffers as the communication thread holds them, with the
@@ -610,6 +608,21 @@ fn reporter(shared: &Arc<Shared>) -> Report {
 
 /// A host call's result to come, the host buffer it goes to, and the
 /// sender whose drop tells the communication thread the call was dropped.
+/// A one-shot channel, when `wanted`.
+fn channel_if<T>(
+    wanted: bool,
+) -> (
+    Option<tokio::sync::oneshot::Sender<T>>,
+    Option<tokio::sync::oneshot::Receiver<T>>,
+) {
+    if wanted {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    }
+}
+
 type Answer<'a> = (
     tokio::sync::oneshot::Receiver<Result<Option<Vec<u8>>>>,
     Option<HostSliceMut<'a>>,

@@ -27,26 +27,7 @@ impl MeshBackend {
                 "rank {rank} of a world of {world} needs one link per rank, and none to itself"
             )));
         }
-        let mut out = Vec::with_capacity(world);
-        let mut reads = Vec::new();
-        let mut polled = Vec::new();
-        for (peer, link) in links.into_iter().enumerate() {
-            out.push(match link {
-                PeerLink::Me => Link::Me,
-                PeerLink::Streams(streams) => {
-                    let mut ws = Vec::new();
-                    for (r, w) in streams {
-                        reads.push((peer, r));
-                        ws.push(tokio::sync::Mutex::new(Writer { w, cut: false }));
-                    }
-                    Link::Streams(ws)
-                }
-                PeerLink::Polled(link) => {
-                    polled.push(peer);
-                    Link::Polled(Box::new(poll::Polled::new(link)))
-                }
-            });
-        }
+        let (out, reads, polled) = split_links(links);
         let local_ranks = polled.len() + 1;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let inner = Arc::new(Inner {
@@ -66,17 +47,7 @@ impl MeshBackend {
             single_copy_min: opts.single_copy_min,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
             faults: super::faulty::Faulty::new(&opts.faults, opts.fault_seed),
-            beat: opts.heartbeat_file.as_deref().and_then(|p| {
-                crate::heartbeat::Heartbeat::shared(p)
-                    .map_err(|e| {
-                        tracing::warn!(
-                            "rank {rank}: no heartbeat for the launcher's watchdog: cannot map \
-                             {}: {e}",
-                            p.display()
-                        )
-                    })
-                    .ok()
-            }),
+            beat: heartbeat(&opts, rank),
         });
         super::flight::register(&inner);
         if let Some(Trigger::At(at)) =
@@ -109,4 +80,44 @@ impl MeshBackend {
             owner: true,
         })
     }
+}
+
+/// The peers' links as the driver keeps them, the streams' read halves (by
+/// peer) for the reader tasks, and the indices of the polled links.
+fn split_links(links: Vec<PeerLink>) -> (Vec<Link>, Vec<(usize, BoxRead)>, Vec<usize>) {
+    let mut out = Vec::with_capacity(links.len());
+    let mut reads = Vec::new();
+    let mut polled = Vec::new();
+    for (peer, link) in links.into_iter().enumerate() {
+        out.push(match link {
+            PeerLink::Me => Link::Me,
+            PeerLink::Streams(streams) => {
+                let mut ws = Vec::new();
+                for (r, w) in streams {
+                    reads.push((peer, r));
+                    ws.push(tokio::sync::Mutex::new(Writer { w, cut: false }));
+                }
+                Link::Streams(ws)
+            }
+            PeerLink::Polled(link) => {
+                polled.push(peer);
+                Link::Polled(Box::new(poll::Polled::new(link)))
+            }
+        });
+    }
+    (out, reads, polled)
+}
+
+/// The launcher's heartbeat page, if it gave one and it maps; a rank
+/// without one only loses the watchdog's view of its progress.
+fn heartbeat(opts: &MeshOptions, rank: usize) -> Option<Arc<crate::heartbeat::Heartbeat>> {
+    let p = opts.heartbeat_file.as_deref()?;
+    crate::heartbeat::Heartbeat::shared(p)
+        .map_err(|e| {
+            tracing::warn!(
+                "rank {rank}: no heartbeat for the launcher's watchdog: cannot map {}: {e}",
+                p.display()
+            )
+        })
+        .ok()
 }

@@ -48,46 +48,7 @@ impl NcclBackend {
         let comm = if self.shared.nccl.comm_split.is_some() {
             self.split(me, timeout, ctx0).await?
         } else {
-            let Some(root) = ranks.first().copied() else {
-                return Err(CommError::invalid("a subgroup needs at least one rank"));
-            };
-            // The root sends the id, or zeros when it could not make one,
-            // so that every rank fails at once instead of waiting.
-            let mut id = [0u8; UNIQUE_ID_BYTES];
-            let mut made = Ok(());
-            if self.rank == root {
-                match self.shared.nccl.unique_id() {
-                    Ok(u) => id = u.internal.map(|c| c as u8),
-                    Err(r) => made = Err(nccl_error(ctx0, r, "ncclGetUniqueId")),
-                }
-            }
-            let o = CallOptions::root(root).with_timeout(timeout);
-            self.broadcast(BufferMut::from(&mut id[..]), &o).await?;
-            made?;
-            if id.iter().all(|&b| b == 0) {
-                return Err(CommError::Aborted {
-                    ctx: ctx0,
-                    cause: format!(
-                        "rank {root}, the subgroup's first rank, could not make an NCCL unique \
-                         id; its log has the cause"
-                    ),
-                });
-            }
-            match me {
-                Some(me) => {
-                    init_comm(
-                        &self.shared.nccl,
-                        &self.ctx,
-                        ctx0,
-                        id,
-                        me,
-                        ranks.len(),
-                        timeout,
-                    )
-                    .await?
-                }
-                None => 0,
-            }
+            self.init_by_broadcast(ranks, me, timeout, ctx0).await?
         };
         let Some(me) = me else {
             return Ok(None);
@@ -111,6 +72,50 @@ impl NcclBackend {
             sub.start_checker(checker, task, bind);
         }
         Ok(Some(Arc::new(sub)))
+    }
+
+    /// A subgroup's communicator where NCCL has no `ncclCommSplit`: its
+    /// first rank makes a unique id and broadcasts it on this communicator,
+    /// and the members init with it (0 on the rest).
+    async fn init_by_broadcast(
+        &self,
+        ranks: &[usize],
+        me: Option<usize>,
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<usize> {
+        let Some(root) = ranks.first().copied() else {
+            return Err(CommError::invalid("a subgroup needs at least one rank"));
+        };
+        // The root sends the id, or zeros when it could not make one,
+        // so that every rank fails at once instead of waiting.
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        let mut made = Ok(());
+        if self.rank == root {
+            match self.shared.nccl.unique_id() {
+                Ok(u) => id = u.internal.map(|c| c as u8),
+                Err(r) => made = Err(nccl_error(ctx0, r, "ncclGetUniqueId")),
+            }
+        }
+        let o = CallOptions::root(root).with_timeout(timeout);
+        self.broadcast(BufferMut::from(&mut id[..]), &o).await?;
+        made?;
+        if id.iter().all(|&b| b == 0) {
+            return Err(CommError::Aborted {
+                ctx: ctx0,
+                cause: format!(
+                    "rank {root}, the subgroup's first rank, could not make an NCCL unique \
+                     id; its log has the cause"
+                ),
+            });
+        }
+        match me {
+            Some(me) => {
+                let (nccl, cctx, n) = (&self.shared.nccl, &self.ctx, ranks.len());
+                init_comm(nccl, cctx, ctx0, id, me, n, timeout).await
+            }
+            None => Ok(0),
+        }
     }
 
     /// `ncclCommSplit` of this communicator, off the async runtime, under
