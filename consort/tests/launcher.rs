@@ -628,3 +628,36 @@ fn sigterm_reaches_every_worker() {
 fn sigint_reaches_every_worker_as_sigint() {
     signal_reaches_every_worker("INT", "interrupted (SIGINT)");
 }
+
+/// The mismatch self-test that `scripts/gpu-check` runs on NCCL, here on
+/// TCP: every rank reports `Mismatch`, and each message names both calls
+/// (rank 0's five elements against the others' four).
+#[test]
+fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
+    let child = consort(&[
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--",
+        BIN,
+        "mismatch-check",
+    ]);
+    let out = finish(child, "consort run -- consort mismatch-check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    for r in 0..3 {
+        let line = text
+            .lines()
+            .find(|l| l.contains(&format!("MISMATCH rank {r} after")))
+            .unwrap_or_else(|| panic!("no verdict from rank {r}: {text}"));
+        assert!(
+            line.contains("5 x float32") && line.contains("4 x float32"),
+            "rank {r} does not name both calls: {line}"
+        );
+    }
+}

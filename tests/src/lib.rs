@@ -279,9 +279,11 @@ pub mod subworld;
 
 pub use subworld::on_subgroup;
 
-/// Whether an error is a collective mismatch.
+/// Whether an error is a collective mismatch that names two different
+/// calls: this rank's and the other side's (a message saying both sides
+/// called the same thing would send the user looking in the wrong place).
 pub fn is_mismatch(e: &CommError) -> bool {
-    matches!(e, CommError::Mismatch { .. })
+    matches!(e, CommError::Mismatch { local, remote, .. } if local != remote)
 }
 
 /// Instantiates the whole conformance suite for a backend: `$factory` is a

@@ -155,8 +155,9 @@ pub struct Engine<P> {
     lost: Vec<(usize, String)>,
     /// The first frame that broke the protocol: (mesh peer, why).
     protocol: Option<(usize, String)>,
-    /// The first abort received per group: (mesh peer, what it said).
-    aborts: FxHashMap<GroupId, (usize, AbortInfo)>,
+    /// The first abort received per group: (mesh peer, the peer's call,
+    /// what it said).
+    aborts: FxHashMap<GroupId, (usize, Fingerprint, AbortInfo)>,
     /// Answers to stall probes: (mesh peer, its call at the asked seq).
     probes: Vec<(usize, Fingerprint)>,
     /// The latest collective made on each group, answered to probes even
@@ -491,7 +492,7 @@ impl<P> Engine<P> {
 
     /// Mesh rank `peer` failed a call of `fp.group` and said why.
     pub fn aborted(&mut self, peer: usize, fp: Fingerprint, info: AbortInfo) {
-        self.aborts.entry(fp.group).or_insert((peer, info));
+        self.aborts.entry(fp.group).or_insert((peer, fp, info));
     }
 
     /// The peer at mesh rank `peer` answered a stall probe with `fp`.
@@ -529,8 +530,8 @@ impl<P> Engine<P> {
             return Some(CommError::protocol(Some(*peer), why.clone()));
         }
         let group_rank = |mesh: usize| g.members.iter().position(|&m| m == mesh);
-        if let Some((peer, info)) = self.aborts.get(&c.group) {
-            let peer = group_rank(*peer).unwrap_or(*peer);
+        if let Some((peer, theirs, info)) = self.aborts.get(&c.group) {
+            let peer = (group_rank(*peer).unwrap_or(*peer), *theirs);
             return Some(from_abort(peer, info.clone(), c.fp, waiting_on.to_vec()));
         }
         if let Some((peer, reason)) = self.lost.iter().find_map(|(p, why)| {
@@ -620,6 +621,10 @@ impl<P> Engine<P> {
     /// why before it sees the connection close: a third rank's abort may
     /// reach it after that close, which it would otherwise report as the
     /// cause.
+    ///
+    /// A mismatch is said as this rank's own error: a peer's abort names
+    /// "the other side" against the peer's call, so relayed under this
+    /// rank's fingerprint it could name this rank's own call as the odd one.
     pub fn parting_aborts(&self) -> Vec<(AbortInfo, Fingerprint, Vec<usize>)> {
         self.groups
             .iter()
@@ -627,8 +632,10 @@ impl<P> Engine<P> {
                 let e = g.poisoned.as_ref()?;
                 let fp = *self.latest.get(id)?;
                 let info = match self.aborts.get(id) {
-                    Some((_, said)) => said.clone(),
-                    None => abort_info(e, Some(fp)),
+                    Some((_, _, said)) if !matches!(said, AbortInfo::Mismatch { .. }) => {
+                        said.clone()
+                    }
+                    _ => abort_info(e, Some(fp)),
                 };
                 Some((info, fp, g.others(self.rank)))
             })
@@ -661,9 +668,10 @@ impl<P> Engine<P> {
 }
 
 /// A peer's abort, as this rank's error for its call `own` (which waits on
-/// group ranks `waiting_on`). `peer` is the aborting peer's group rank.
+/// group ranks `waiting_on`). `peer` is the aborting peer's group rank and
+/// the call it aborted (the abort frame's fingerprint).
 pub fn from_abort(
-    peer: usize,
+    (peer, theirs): (usize, Fingerprint),
     a: AbortInfo,
     own: Fingerprint,
     waiting_on: Vec<usize>,
@@ -676,10 +684,12 @@ pub fn from_abort(
             ..
         } => {
             if remote == own {
+                // The peer found this rank's call to be the odd one: the
+                // other side is the peer's own call.
                 CommError::Mismatch {
                     ctx,
                     local: own,
-                    remote: own,
+                    remote: theirs,
                     remote_rank: peer,
                 }
             } else {

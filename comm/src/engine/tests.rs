@@ -274,3 +274,44 @@ fn without_a_stall_period_the_probe_comes_at_the_deadline_and_p2p_never_probes()
     assert!(e.deadline(b.id).unwrap() > end);
     assert!(matches!(e.timed_out(b.id, &[1]), CommError::Timeout { .. }));
 }
+
+#[test]
+fn a_mismatch_heard_from_the_odd_rank_and_relayed_names_the_odd_call_on_every_rank() {
+    // Ranks 0 and 1 call all_reduce of 4; rank 2 of 5. Rank 2 finds rank
+    // 0's frame odd (to rank 2) and aborts, naming rank 0's call.
+    let mut odd = Engine::<u32>::new(2, 3);
+    let o = begin(&mut odd, GroupId::WORLD, OpKind::AllReduce, 5).unwrap();
+    let normal = fp(GroupId::WORLD, 0, OpKind::AllReduce, 4);
+    odd.file(0, normal, 0, 1);
+    let err = odd.take(o.id, 0, 0).unwrap().unwrap_err();
+    let (said, said_fp, _) = odd.end(o.id, Err(err)).abort.unwrap();
+    assert_eq!(said_fp, o.fp);
+    // Rank 0 hears it: the other side is rank 2's call, not its own.
+    let mut r0 = Engine::<u32>::new(0, 3);
+    let a = begin(&mut r0, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    r0.aborted(2, said_fp, said);
+    let err = r0.failure(a.id, &[1, 2]).unwrap();
+    let CommError::Mismatch {
+        local,
+        remote,
+        remote_rank,
+        ..
+    } = err.clone()
+    else {
+        panic!("{err}")
+    };
+    assert_eq!((local, remote, remote_rank), (a.fp, o.fp, 2));
+    r0.end(a.id, Err(err));
+    // Rank 0 leaves and relays it to rank 1 under its own fingerprint:
+    // rank 1 must still hear that rank 2's call is the odd one.
+    let (relayed, relay_fp, to) = r0.parting_aborts().pop().unwrap();
+    assert_eq!((relay_fp, to), (a.fp, vec![1, 2]));
+    let mut r1 = Engine::<u32>::new(1, 3);
+    let b = begin(&mut r1, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    r1.aborted(0, relay_fp, relayed);
+    let err = r1.failure(b.id, &[0]).unwrap();
+    assert!(
+        matches!(err, CommError::Mismatch { remote, remote_rank: 2, .. } if remote == o.fp),
+        "{err}"
+    );
+}

@@ -299,7 +299,7 @@ async fn nccl_rank(
 
 /// The error of a build without the `nccl` feature.
 #[cfg(not(feature = "nccl"))]
-fn nccl_not_built() -> CommError {
+pub(crate) fn nccl_not_built() -> CommError {
     CommError::BackendUnavailable {
         backend: "nccl".into(),
         reason: "this consort was built without the `nccl` feature; build it with `cargo build \

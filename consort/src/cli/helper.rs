@@ -3,7 +3,7 @@
 
 use clap::Subcommand;
 
-use super::{bench, collective};
+use super::{bench, collective, mismatch};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -26,12 +26,21 @@ pub(crate) enum Helper {
         /// The bench spec, as JSON.
         spec: String,
     },
+    /// One rank of the mismatch self-test (`consort run ... -- consort
+    /// mismatch-check --backend nccl`, started by scripts/gpu-check).
+    #[command(hide = true)]
+    MismatchCheck {
+        /// tcp, quic or nccl.
+        #[arg(long, default_value = "tcp")]
+        backend: String,
+    },
 }
 
 /// Runs a helper.
 pub(crate) async fn run(h: Helper) -> Result<(), BoxError> {
     match h {
         Helper::BenchWorker { spec } => collective::worker(&spec).await?,
+        Helper::MismatchCheck { backend } => mismatch::run(&backend).await?,
         Helper::BenchLoopbackPeer { port, bytes, mode } => {
             tokio::task::spawn_blocking(move || {
                 bench::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())

@@ -10,6 +10,7 @@ mod ddp_bench;
 mod debug;
 mod gpus;
 mod helper;
+mod mismatch;
 #[cfg(feature = "nccl")]
 mod nccl_bench;
 mod parse;
