@@ -25,7 +25,7 @@ pub use consort_comm::{
     ErrorContext, Fingerprint, GroupId, OpKind, Placement, ProcessGroup, ReduceOp, Result, dtype,
     half, store, with_dtype,
 };
-pub use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+pub use consort_tcp::{Secret, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 
 /// The deterministic in-process simulator (functional and cost-only).
 pub use consort_sim as sim;
@@ -36,7 +36,7 @@ pub use consort_ddp as ddp;
 /// The NCCL backend (feature `nccl`).
 #[cfg(feature = "nccl")]
 pub use consort_nccl as nccl;
-/// The QUIC backend (feature `quic`, on by default).
+/// The QUIC backend (feature `quic`, off by default).
 #[cfg(feature = "quic")]
 pub use consort_quic as quic;
 /// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.

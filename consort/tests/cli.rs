@@ -220,6 +220,26 @@ fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
         ),
         (vec!["bench", "--iters", "0"], vec![], "--iters"),
         (
+            vec!["store", "--port", "0", "--max-bytes", "lots"],
+            vec![],
+            "--max-bytes",
+        ),
+        (
+            vec!["store", "--port", "0", "--max-clients", "0"],
+            vec![],
+            "--max-clients",
+        ),
+        (
+            vec!["store", "--port", "0"],
+            vec![("CONSORT_STORE_MAX_CLIENTS", "-3")],
+            "CONSORT_STORE_MAX_CLIENTS",
+        ),
+        (
+            vec!["store", "--port", "0"],
+            vec![("CONSORT_STORE_MAX_BYTES", "1.5G")],
+            "CONSORT_STORE_MAX_BYTES",
+        ),
+        (
             vec!["bench", "sim-all-reduce", "--iters", "0"],
             vec![],
             "--iters",

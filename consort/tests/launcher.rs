@@ -661,3 +661,51 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
         );
     }
 }
+
+/// `consort store --secret`: a client without the secret is refused, one
+/// with it is served.
+#[test]
+fn consort_store_with_a_secret_refuses_clients_without_it() {
+    use consort::store::Store;
+    let mut server = Command::new(BIN)
+        .args([
+            "store",
+            "--port",
+            "0",
+            "--secret",
+            "s3cret",
+            "--max-clients",
+            "8",
+        ])
+        .env_remove("CONSORT_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start consort store");
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (refused, served) = rt.block_on(async {
+        let opts = |secret: Option<&str>| consort::TcpStoreOptions {
+            timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            secret: secret.and_then(|s| consort::Secret::new(s.as_bytes())),
+        };
+        let without = match consort::TcpStore::connect(&addr, opts(None)).await {
+            Ok(c) => c.set("k", b"v").await.is_err(),
+            Err(_) => true,
+        };
+        let with = consort::TcpStore::connect(&addr, opts(Some("s3cret")))
+            .await
+            .expect("connect with the secret");
+        with.set("k", b"v").await.unwrap();
+        (without, with.get("k").await.unwrap())
+    });
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(refused, "a client without the secret was served");
+    assert_eq!(served, b"v");
+}

@@ -20,5 +20,6 @@ pub use backend::{TcpBackend, TcpNet, TcpOptions};
 /// The `CONSORT_SECRET` handshake the store and every stream share.
 pub use consort_mesh::{Secret, auth};
 pub use store::{
-    DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer,
+    DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_CLIENTS, ServerOptions, TcpStore, TcpStoreOptions,
+    TcpStoreServer,
 };

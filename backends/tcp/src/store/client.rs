@@ -265,7 +265,7 @@ impl TcpStore {
                 during: during.to_string(),
                 source: Arc::new(e),
             },
-            Ok(Err(e @ ReadError::TooLarge { .. })) => {
+            Ok(Err(e @ (ReadError::TooLarge { .. } | ReadError::Refused(_)))) => {
                 StoreError::Protocol(format!("reply to {during} from {}: {e}", self.addr))
             }
             Err(_) => StoreError::Timeout {

@@ -14,5 +14,7 @@ mod server;
 mod wire;
 
 pub use client::{TcpStore, TcpStoreOptions};
-pub use server::{DEFAULT_STORE_MAX_BYTES, ServerOptions, TcpStoreServer};
+pub use server::{
+    DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_CLIENTS, ServerOptions, TcpStoreServer, parse_bytes,
+};
 pub use wire::VALIDATION_MAGIC;

@@ -1,188 +1,60 @@
 //! The TCPStore server: one tokio task accepts, one task per client reads
-//! requests, and one task per client writes replies (so that a `set` from
-//! one client can wake another client's `wait`).
+//! requests ([`requests`]), and one task per client writes replies (so that
+//! a `set` from one client can wake another client's `wait`).
+//!
+//! A hostile or broken client costs bounded memory: what the store holds,
+//! the requests being read and the replies not yet written all count
+//! against one limit ([`state`]); connections are capped; a client must
+//! send VALIDATE soon after connecting and finish each request it starts.
 
 use std::{
-    collections::{HashMap, VecDeque},
     net::SocketAddr,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
-use consort_comm::store::{StoreError, StoreResult, add_to_value, compare_set_rule};
+use consort_comm::store::{StoreError, StoreResult};
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncWriteExt, BufReader},
     net::{TcpListener, TcpStream, ToSocketAddrs},
     sync::mpsc,
     task::JoinSet,
 };
 
-use super::wire::{self, ReadError, cmd};
+use super::wire::ReadError;
 use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 
-type ClientId = u64;
-type Reply = mpsc::UnboundedSender<Vec<u8>>;
+mod requests;
+mod state;
 
-#[derive(Default)]
-struct State {
-    /// Bytes of keys and values held (map and queues).
-    bytes: usize,
-    /// The limit on `bytes` ([`ServerOptions::max_bytes`]).
-    max_bytes: usize,
-    map: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
-    /// key -> clients waiting for it.
-    waiting: HashMap<Vec<u8>, Vec<ClientId>>,
-    /// client -> (keys still missing, its reply channel).
-    awaited: HashMap<ClientId, (usize, Reply)>,
-}
-
-impl State {
-    /// Accounts for a write that adds `add` bytes and frees `free`, or
-    /// refuses it (the client is then dropped: the protocol has no error
-    /// reply) with a reason naming the limit.
-    fn charge(&mut self, add: usize, free: usize) -> Result<(), Closed> {
-        let new = self.bytes.saturating_sub(free).saturating_add(add);
-        if add > free && new > self.max_bytes {
-            return Err(Closed::Refused(format!(
-                "this write of {add} bytes would take the store from {} to {new} bytes, past its \
-                 limit of {} (CONSORT_STORE_MAX_BYTES on the process that hosts the store, or \
-                 ServerOptions::max_bytes); the store holds rendezvous data, not tensors",
-                self.bytes, self.max_bytes
-            )));
-        }
-        self.bytes = new;
-        Ok(())
-    }
-
-    /// The bytes `key` holds in the map (key and value), 0 if absent.
-    fn held(&self, key: &[u8]) -> usize {
-        self.map.get(key).map_or(0, |v| key.len() + v.len())
-    }
-
-    /// Stores `key = value` within the limit, and wakes its waiters.
-    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), Closed> {
-        self.charge(key.len() + value.len(), self.held(&key))?;
-        self.map.insert(key.clone(), value);
-        self.wake(&key);
-        Ok(())
-    }
-
-    /// Stores every pair, all or nothing: the net change (a key repeated in
-    /// the request counts once, at its last value) is charged first.
-    fn put_all(&mut self, pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Result<(), Closed> {
-        let mut last: HashMap<&[u8], usize> = HashMap::new();
-        for (k, v) in &pairs {
-            last.insert(k, k.len() + v.len());
-        }
-        let add: usize = last.values().sum();
-        let free: usize = last.keys().map(|k| self.held(k)).sum();
-        self.charge(add, free)?;
-        for (k, v) in pairs {
-            self.map.insert(k.clone(), v);
-            self.wake(&k);
-        }
-        Ok(())
-    }
-
-    /// Appends to the queue under `key` (charging its key when the queue
-    /// is new) and wakes one waiter.
-    fn push(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), Closed> {
-        let fresh = if self.queues.contains_key(&key) {
-            0
-        } else {
-            key.len()
-        };
-        self.charge(fresh + value.len(), 0)?;
-        self.queues.entry(key.clone()).or_default().push_back(value);
-        self.wake_one(&key);
-        Ok(())
-    }
-
-    /// QUEUE_POP's reply (torch's: the length before, then the value if
-    /// there was one); an emptied queue is forgotten, key and all.
-    fn pop(&mut self, key: &[u8]) -> Vec<u8> {
-        let Some(q) = self.queues.get_mut(key) else {
-            return 0i64.to_le_bytes().to_vec();
-        };
-        let mut out = (q.len() as i64).to_le_bytes().to_vec();
-        let mut freed = 0;
-        if let Some(v) = q.pop_front() {
-            wire::put_bytes(&mut out, &v);
-            freed += v.len();
-        }
-        if q.is_empty() {
-            self.queues.remove(key);
-            freed += key.len();
-        }
-        self.bytes = self.bytes.saturating_sub(freed);
-        out
-    }
-
-    fn has(&self, k: &[u8]) -> bool {
-        self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty())
-    }
-
-    /// A key came into existence: wake every client whose last missing key
-    /// it was.
-    fn wake(&mut self, key: &[u8]) {
-        let Some(clients) = self.waiting.remove(key) else {
-            return;
-        };
-        for c in clients {
-            if let Some((left, tx)) = self.awaited.get_mut(&c) {
-                *left -= 1;
-                if *left == 0 {
-                    let _ = tx.send(vec![wire::STOP_WAITING]);
-                    self.awaited.remove(&c);
-                }
-            }
-        }
-    }
-
-    /// A queue got an element: wake one waiter (queue semantics).
-    fn wake_one(&mut self, key: &[u8]) {
-        let Some(clients) = self.waiting.get_mut(key) else {
-            return;
-        };
-        while let Some(c) = clients.first().copied() {
-            clients.remove(0);
-            if let Some((left, tx)) = self.awaited.get_mut(&c) {
-                *left -= 1;
-                if *left == 0 {
-                    let _ = tx.send(vec![wire::STOP_WAITING]);
-                    self.awaited.remove(&c);
-                }
-                break;
-            }
-        }
-        if clients.is_empty() {
-            self.waiting.remove(key);
-        }
-    }
-
-    fn forget(&mut self, client: ClientId) {
-        if self.awaited.remove(&client).is_some() {
-            self.waiting.retain(|_, v| {
-                v.retain(|c| *c != client);
-                !v.is_empty()
-            });
-        }
-    }
-}
+use state::{Budget, ClientId, Out, State};
 
 /// The default limit on what a store holds: 1 GiB of keys and values.
 /// Rendezvous data (addresses, NCCL ids, counters) is a few KiB per rank.
 pub const DEFAULT_STORE_MAX_BYTES: usize = 1 << 30;
+
+/// The default cap on connected clients (each costs a few KiB).
+pub const DEFAULT_STORE_MAX_CLIENTS: usize = 16 * 1024;
 
 /// How a [`TcpStoreServer`] runs.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
     /// Shared secret every client must prove ([`crate::auth`]).
     pub secret: Option<Secret>,
-    /// The most bytes of keys and values it holds; a write past it drops
-    /// the writing client (the protocol has no error reply) and logs the
-    /// limit.
+    /// The most bytes it holds or owes: keys and values, requests being
+    /// read and replies not yet written. A request or reply past it drops
+    /// that client (the protocol has no error reply) and logs the limit.
     pub max_bytes: usize,
+    /// The most clients connected at once; more are closed as they come,
+    /// with a log line.
+    pub max_clients: usize,
+    /// How long a new connection may take to send VALIDATE (and, with a
+    /// secret, to pass the handshake).
+    pub validate_timeout: Duration,
+    /// How long a client may take to send the rest of a request once its
+    /// first byte has come. Between requests a client may stay idle: torch
+    /// clients hold one connection for a whole job.
+    pub request_timeout: Duration,
 }
 
 impl Default for ServerOptions {
@@ -190,13 +62,17 @@ impl Default for ServerOptions {
         ServerOptions {
             secret: None,
             max_bytes: DEFAULT_STORE_MAX_BYTES,
+            max_clients: DEFAULT_STORE_MAX_CLIENTS,
+            validate_timeout: HANDSHAKE_TIMEOUT,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
 
 impl ServerOptions {
-    /// `CONSORT_SECRET`, and `CONSORT_STORE_MAX_BYTES` (bytes, with an
-    /// optional K, M, G or T suffix) over the default limit.
+    /// `CONSORT_SECRET`, `CONSORT_STORE_MAX_BYTES` (bytes, with an
+    /// optional K, M, G or T suffix) and `CONSORT_STORE_MAX_CLIENTS` over
+    /// the defaults.
     pub fn from_env() -> StoreResult<Self> {
         let mut o = ServerOptions {
             secret: Secret::from_env(),
@@ -212,12 +88,27 @@ impl ServerOptions {
                 ))
             })?;
         }
+        if let Ok(v) = std::env::var("CONSORT_STORE_MAX_CLIENTS")
+            && !v.trim().is_empty()
+        {
+            o.max_clients = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|&n: &usize| n > 0)
+                .ok_or_else(|| {
+                    StoreError::Protocol(format!(
+                        "CONSORT_STORE_MAX_CLIENTS={v:?} is not valid: expected a whole number of \
+                     clients, at least 1"
+                    ))
+                })?;
+        }
         Ok(o)
     }
 }
 
 /// `4096`, `64K`, `1G`: bytes with an optional 1024-based suffix.
-fn parse_bytes(s: &str) -> Option<usize> {
+pub fn parse_bytes(s: &str) -> Option<usize> {
     let s = s.trim();
     let (num, shift) = match s.chars().last()?.to_ascii_uppercase() {
         'K' => (&s[..s.len() - 1], 10),
@@ -267,7 +158,6 @@ impl TcpStoreServer {
         addr: impl ToSocketAddrs + std::fmt::Debug,
         opts: ServerOptions,
     ) -> StoreResult<Self> {
-        let ServerOptions { secret, max_bytes } = opts;
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(addr)
             .await
@@ -279,12 +169,10 @@ impl TcpStoreServer {
             addr: shown,
             reason: e.to_string(),
         })?;
-        let state = Arc::new(Mutex::new(State {
-            max_bytes,
-            ..State::default()
-        }));
+        let budget = Budget::new(opts.max_bytes);
+        let state = Arc::new(Mutex::new(State::new(budget)));
         let mut tasks = JoinSet::new();
-        tasks.spawn(accept_loop(listener, state, secret));
+        tasks.spawn(accept_loop(listener, state, opts));
         tracing::debug!(%local_addr, "TCPStore server listening");
         Ok(TcpStoreServer { local_addr, tasks })
     }
@@ -301,20 +189,37 @@ impl TcpStoreServer {
     }
 }
 
-async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, secret: Option<Secret>) {
+async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: ServerOptions) {
     let mut clients = JoinSet::new();
     let mut next_id: ClientId = 0;
+    let mut refused = 0u64;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) if clients.len() >= opts.max_clients => {
+                    // Closed at once: a flood of connections costs a socket
+                    // each, briefly, and one log line per thousand.
+                    drop(stream);
+                    if refused % 1000 == 0 {
+                        tracing::warn!(
+                            %peer,
+                            "TCPStore refused a connection: {} clients are connected, its cap \
+                             (CONSORT_STORE_MAX_CLIENTS, or consort store --max-clients); {} \
+                             refused so far",
+                            opts.max_clients,
+                            refused + 1
+                        );
+                    }
+                    refused += 1;
+                }
                 Ok((stream, peer)) => {
                     next_id += 1;
-                    clients.spawn(serve_client(stream, peer, next_id, state.clone(), secret.clone()));
+                    clients.spawn(serve_client(stream, peer, next_id, state.clone(), opts.clone()));
                 }
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
                     tracing::warn!("TCPStore accept failed: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
@@ -322,22 +227,16 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, secret: Op
     }
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    // Every update leaves the state consistent before it can panic, so a
-    // poisoned lock is still usable.
-    state.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 async fn serve_client(
     mut stream: TcpStream,
     peer: SocketAddr,
     id: ClientId,
     state: Arc<Mutex<State>>,
-    secret: Option<Secret>,
+    opts: ServerOptions,
 ) {
     let _ = stream.set_nodelay(true);
-    if let Some(k) = &secret {
-        match tokio::time::timeout(HANDSHAKE_TIMEOUT, auth::accept(&mut stream, k)).await {
+    if let Some(k) = &opts.secret {
+        match tokio::time::timeout(opts.validate_timeout, auth::accept(&mut stream, k)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 tracing::warn!(%peer, "TCPStore refused a client: {e}");
@@ -350,30 +249,64 @@ async fn serve_client(
         }
     }
     let (r, mut w) = stream.into_split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let writer = tokio::spawn(async move {
-        while let Some(buf) = rx.recv().await {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<u8>, state::Lease)>();
+    let budget = state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .budget
+        .clone();
+    let out = Out { tx, budget };
+    // Each reply gives its bytes back to the budget once written (or
+    // dropped, when the client is closed).
+    let mut writer = tokio::spawn(async move {
+        while let Some((buf, _lease)) = rx.recv().await {
             if w.write_all(&buf).await.is_err() {
                 break;
             }
         }
     });
     let mut r = BufReader::new(r);
-    match handle_requests(&mut r, id, &tx, &state).await {
-        Ok(()) => {}
+    let deadlines = requests::Deadlines {
+        validate: opts.validate_timeout,
+        request: opts.request_timeout,
+    };
+    let ended = requests::handle_requests(&mut r, id, &out, &state, deadlines).await;
+    state.lock().unwrap_or_else(|p| p.into_inner()).forget(id);
+    drop(out);
+    match ended {
+        Ok(()) => tracing::trace!(%peer, "TCPStore client disconnected"),
         Err(Closed::Eof) => tracing::trace!(%peer, "TCPStore client disconnected"),
         Err(Closed::Refused(why)) => {
             tracing::warn!(%peer, "TCPStore closed a client connection: {why}");
+            // A client that broke a rule gets no more of its replies: they
+            // are dropped with their leases.
+            writer.abort();
         }
     }
-    lock(&state).forget(id);
-    drop(tx);
-    let _ = writer.await;
+    // A client that left still gets what was answered, if it reads it in
+    // time; one that never reads holds no task or memory past that.
+    if tokio::time::timeout(opts.request_timeout, &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
 }
 
+/// Why a client's connection ended.
+#[derive(Debug)]
 enum Closed {
     Eof,
     Refused(String),
+}
+
+impl std::fmt::Display for Closed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Closed::Eof => f.write_str("the client closed its connection"),
+            Closed::Refused(why) => f.write_str(why),
+        }
+    }
 }
 
 impl From<ReadError> for Closed {
@@ -389,174 +322,6 @@ impl From<ReadError> for Closed {
 impl From<std::io::Error> for Closed {
     fn from(e: std::io::Error) -> Self {
         ReadError::Io(e).into()
-    }
-}
-
-async fn handle_requests(
-    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
-    id: ClientId,
-    tx: &Reply,
-    state: &Mutex<State>,
-) -> Result<(), Closed> {
-    // The first message must be VALIDATE with torch's magic.
-    let first = r.read_u8().await?;
-    if first != cmd::VALIDATE {
-        return Err(Closed::Refused(format!(
-            "first message was command {first}, not VALIDATE; not a TCPStore client"
-        )));
-    }
-    let magic = r.read_u32_le().await?;
-    if magic != wire::VALIDATION_MAGIC {
-        return Err(Closed::Refused(format!("bad validation magic {magic:#x}")));
-    }
-    let send = |b: Vec<u8>| {
-        let _ = tx.send(b);
-    };
-    loop {
-        let command = match r.read_u8().await {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.into()),
-        };
-        match command {
-            cmd::PING => {
-                let nonce = r.read_u32_le().await?;
-                send(nonce.to_le_bytes().to_vec());
-            }
-            cmd::SET => {
-                let key = wire::read_key(r).await?;
-                let value = wire::read_value(r).await?;
-                lock(state).put(key, value)?;
-            }
-            cmd::COMPARE_SET => {
-                let key = wire::read_key(r).await?;
-                let expected = wire::read_value(r).await?;
-                let desired = wire::read_value(r).await?;
-                let mut s = lock(state);
-                let (reply, store) =
-                    compare_set_rule(s.map.get(&key).map(Vec::as_slice), &expected, &desired);
-                let mut out = Vec::with_capacity(8 + reply.len());
-                wire::put_bytes(&mut out, reply);
-                if let Some(v) = store {
-                    let v = v.to_vec();
-                    s.put(key, v)?;
-                }
-                send(out);
-            }
-            cmd::GET => {
-                let key = wire::read_key(r).await?;
-                let s = lock(state);
-                let mut out = Vec::new();
-                // A missing key reads as empty, as in torch's server.
-                wire::put_bytes(&mut out, s.map.get(&key).map_or(&[][..], Vec::as_slice));
-                send(out);
-            }
-            cmd::ADD => {
-                let key = wire::read_key(r).await?;
-                let delta = r.read_i64_le().await?;
-                let mut s = lock(state);
-                let name = String::from_utf8_lossy(&key).into_owned();
-                // torch's server drops the client here (no error reply exists
-                // in the protocol); we do the same, with a clear log line.
-                let (new, bytes) = add_to_value(&name, s.map.get(&key).map(Vec::as_slice), delta)
-                    .map_err(|e| Closed::Refused(e.to_string()))?;
-                s.put(key, bytes)?;
-                send(new.to_le_bytes().to_vec());
-            }
-            cmd::CHECK => {
-                let keys = wire::read_keys(r).await?;
-                let s = lock(state);
-                let ready = keys.iter().all(|k| s.has(k));
-                send(vec![if ready {
-                    wire::CHECK_READY
-                } else {
-                    wire::CHECK_NOT_READY
-                }]);
-            }
-            cmd::WAIT => {
-                let keys = wire::read_keys(r).await?;
-                let mut s = lock(state);
-                let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !s.has(k)).collect();
-                if missing.is_empty() {
-                    send(vec![wire::STOP_WAITING]);
-                } else {
-                    s.forget(id);
-                    s.awaited.insert(id, (missing.len(), tx.clone()));
-                    for k in missing {
-                        s.waiting.entry(k).or_default().push(id);
-                    }
-                }
-            }
-            cmd::GETNUMKEYS => {
-                let n = lock(state).map.len() as i64;
-                send(n.to_le_bytes().to_vec());
-            }
-            cmd::DELETE_KEY => {
-                let key = wire::read_key(r).await?;
-                let mut s = lock(state);
-                let held = s.held(&key);
-                s.bytes = s.bytes.saturating_sub(held);
-                let n = i64::from(s.map.remove(&key).is_some());
-                send(n.to_le_bytes().to_vec());
-            }
-            cmd::APPEND => {
-                let key = wire::read_key(r).await?;
-                let value = wire::read_value(r).await?;
-                let mut s = lock(state);
-                let fresh = if s.map.contains_key(&key) {
-                    0
-                } else {
-                    key.len()
-                };
-                s.charge(fresh + value.len(), 0)?;
-                s.map
-                    .entry(key.clone())
-                    .or_default()
-                    .extend_from_slice(&value);
-                s.wake(&key);
-            }
-            cmd::MULTI_GET => {
-                let keys = wire::read_keys(r).await?;
-                let s = lock(state);
-                let mut out = Vec::new();
-                for k in &keys {
-                    wire::put_bytes(&mut out, s.map.get(k).map_or(&[][..], Vec::as_slice));
-                }
-                send(out);
-            }
-            cmd::MULTI_SET => {
-                let n = wire::read_count(r).await?;
-                let mut pairs = Vec::with_capacity(n.min(1024));
-                for _ in 0..n {
-                    let k = wire::read_key(r).await?;
-                    let v = wire::read_value(r).await?;
-                    pairs.push((k, v));
-                }
-                lock(state).put_all(pairs)?;
-            }
-            cmd::CANCEL_WAIT => {
-                lock(state).forget(id);
-                send(vec![wire::WAIT_CANCELED]);
-            }
-            cmd::QUEUE_PUSH => {
-                let key = wire::read_key(r).await?;
-                let value = wire::read_value(r).await?;
-                lock(state).push(key, value)?;
-            }
-            cmd::QUEUE_POP => {
-                let key = wire::read_key(r).await?;
-                let reply = lock(state).pop(&key);
-                send(reply);
-            }
-            cmd::QUEUE_LEN => {
-                let key = wire::read_key(r).await?;
-                let n = lock(state).queues.get(&key).map_or(0, VecDeque::len) as i64;
-                send(n.to_le_bytes().to_vec());
-            }
-            other => {
-                return Err(Closed::Refused(format!("unknown command byte {other}")));
-            }
-        }
     }
 }
 

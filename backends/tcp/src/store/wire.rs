@@ -1,7 +1,6 @@
 //! The TCPStore wire format: command codes, reply codes, and the encoders
 //! and decoders that the client and the server share.
 
-use consort_comm::store::{MAX_KEY_LEN, MAX_KEYS_PER_REQUEST, MAX_VALUE_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The magic number a client sends in its first message (VALIDATE).
@@ -58,6 +57,8 @@ pub(crate) enum ReadError {
         len: u64,
         max: u64,
     },
+    /// The reader's budget refused the bytes (the server's memory limit).
+    Refused(String),
 }
 
 impl From<std::io::Error> for ReadError {
@@ -73,9 +74,15 @@ impl std::fmt::Display for ReadError {
             ReadError::TooLarge { what, len, max } => {
                 write!(f, "{what} of {len} bytes is over the limit of {max}")
             }
+            ReadError::Refused(why) => f.write_str(why),
         }
     }
 }
+
+/// What a reader pays for the bytes it is about to allocate: `Err` refuses
+/// them (the server's memory budget); clients pay nothing.
+pub(crate) type Charge<'a> =
+    &'a mut (dyn FnMut(usize, &'static str) -> Result<(), ReadError> + Send);
 
 /// Reads a length-prefixed byte string of at most `max` bytes, refusing
 /// larger ones before allocating.
@@ -84,44 +91,22 @@ pub(crate) async fn read_bytes<R: AsyncRead + Unpin>(
     max: u64,
     what: &'static str,
 ) -> Result<Vec<u8>, ReadError> {
+    read_bytes_charged(r, max, what, &mut |_, _| Ok(())).await
+}
+
+/// [`read_bytes`], paying `charge` for the bytes before allocating them.
+pub(crate) async fn read_bytes_charged<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: u64,
+    what: &'static str,
+    charge: Charge<'_>,
+) -> Result<Vec<u8>, ReadError> {
     let len = r.read_u64_le().await?;
     if len > max {
         return Err(ReadError::TooLarge { what, len, max });
     }
+    charge(len as usize, what)?;
     let mut v = vec![0u8; len as usize];
     r.read_exact(&mut v).await?;
     Ok(v)
-}
-
-/// Reads a key (at most [`MAX_KEY_LEN`]).
-pub(crate) async fn read_key<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, ReadError> {
-    read_bytes(r, MAX_KEY_LEN as u64, "key").await
-}
-
-/// Reads a value (at most [`MAX_VALUE_LEN`]).
-pub(crate) async fn read_value<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, ReadError> {
-    read_bytes(r, MAX_VALUE_LEN as u64, "value").await
-}
-
-/// Reads a key count (at most [`MAX_KEYS_PER_REQUEST`]).
-pub(crate) async fn read_count<R: AsyncRead + Unpin>(r: &mut R) -> Result<usize, ReadError> {
-    let n = r.read_u64_le().await?;
-    if n > MAX_KEYS_PER_REQUEST as u64 {
-        return Err(ReadError::TooLarge {
-            what: "key count",
-            len: n,
-            max: MAX_KEYS_PER_REQUEST as u64,
-        });
-    }
-    Ok(n as usize)
-}
-
-/// Reads a count and that many keys.
-pub(crate) async fn read_keys<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<Vec<u8>>, ReadError> {
-    let n = read_count(r).await?;
-    let mut keys = Vec::with_capacity(n.min(1024));
-    for _ in 0..n {
-        keys.push(read_key(r).await?);
-    }
-    Ok(keys)
 }
