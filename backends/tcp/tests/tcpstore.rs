@@ -471,3 +471,98 @@ async fn queues_push_pop_and_wake_one_waiter() {
     assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
     server.shutdown().await;
 }
+
+/// A request dropped part-way (by a `select!` or a timeout around it) never
+/// hands its reply to the next request: for every number of polls before
+/// the drop, a dropped `get` of an empty value (whose reply begins with the
+/// byte that means "ready" to CHECK) is followed by a `check` of a missing
+/// key, which must say missing, and by requests that get their own replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_part_way_retires_its_connection() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr().to_string();
+    let c = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    c.set("empty", b"").await.unwrap();
+    c.set("full", b"value").await.unwrap();
+    for polls in 0..8 {
+        {
+            let mut get = Box::pin(c.get("empty"));
+            let mut multi = Box::pin(c.multi_get(&["empty", "full"]));
+            // One poll at a time, stopping at completion.
+            for _ in 0..polls {
+                if tokio::time::timeout(Duration::ZERO, get.as_mut())
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            drop(get);
+            for _ in 0..polls {
+                if tokio::time::timeout(Duration::ZERO, multi.as_mut())
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        assert!(
+            !c.check(&["missing"]).await.unwrap(),
+            "after a get dropped at poll {polls}, check read the dropped reply"
+        );
+        assert_eq!(c.get("full").await.unwrap(), b"value", "poll {polls}");
+        assert_eq!(c.add("n", 1).await.unwrap(), polls as i64 + 1);
+    }
+    server.shutdown().await;
+}
+
+/// The same against a server that answers late, so that the drop falls
+/// between the request and its reply every time: the client's first
+/// `check` is cut off by a timeout around it, its READY arrives afterwards
+/// on that connection, and the next `check` (answered NOT_READY) must not
+/// read it. The old client reported the missing key as present here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_reply_to_a_dropped_request_is_never_read_as_the_next() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let late = std::mem::replace(&mut first, false);
+            tokio::spawn(async move {
+                // VALIDATE (1 + 4 bytes), then PING (1 + 4): echo the nonce.
+                let mut hello = [0u8; 10];
+                s.read_exact(&mut hello).await.unwrap();
+                s.write_all(&hello[6..10]).await.unwrap();
+                // CHECK of one two-byte key: 1 + 8 + 8 + 2 bytes each.
+                let mut req = [0u8; 19];
+                let mut n = 0;
+                while s.read_exact(&mut req).await.is_ok() {
+                    if late && n == 0 {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        s.write_all(&[0]).await.unwrap(); // READY, too late
+                    } else {
+                        s.write_all(&[1]).await.unwrap(); // NOT_READY
+                    }
+                    n += 1;
+                }
+            });
+        }
+    });
+    let c = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let cut = tokio::time::timeout(Duration::from_millis(50), c.check(&["a"])).await;
+    assert!(cut.is_err(), "the first check was not cut off");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !c.check(&["b"]).await.unwrap(),
+        "the next check read the dropped request's late reply"
+    );
+}

@@ -108,11 +108,27 @@ async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
 /// process and a consort process see the same keys. After a request fails
 /// mid-flight (I/O error, deadline), the connection is closed and every
 /// later request returns that first error.
+///
+/// Requests are cancel-safe: a request whose future is dropped part-way
+/// (by a `select!` or a timeout around it) retires its connection, whose
+/// state is then unknown, and the next request opens a fresh one. It never
+/// reads the abandoned request's reply as its own.
 #[derive(Debug)]
 pub struct TcpStore {
     addr: String,
     opts: TcpStoreOptions,
-    conn: Mutex<Result<ConnBox, StoreError>>,
+    conn: Mutex<Slot>,
+}
+
+/// The client's connection between requests.
+#[derive(Debug)]
+enum Slot {
+    Ready(ConnBox),
+    /// A request was dropped mid-way (or never finished opening one): the
+    /// next request opens a new connection.
+    Retired,
+    /// The first failure, which every later request returns.
+    Failed(StoreError),
 }
 
 /// `Conn` without a `Debug` requirement on tokio's halves.
@@ -137,73 +153,12 @@ impl TcpStore {
     /// connection as torch's client does (VALIDATE, then PING with the pid).
     pub async fn connect(addr: impl Into<String>, opts: TcpStoreOptions) -> StoreResult<Self> {
         let addr = addr.into();
-        let deadline = Instant::from_std(consort_comm::time::deadline(opts.connect_timeout));
-        let mut backoff = Duration::from_millis(10);
-        let stream = loop {
-            let attempt = timeout(
-                deadline.saturating_duration_since(Instant::now()),
-                TcpStream::connect(addr.as_str()),
-            )
-            .await;
-            let reason = match attempt {
-                Ok(Ok(s)) => break s,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "connection attempt timed out".to_string(),
-            };
-            if Instant::now() + backoff >= deadline {
-                return Err(StoreError::Connect {
-                    addr,
-                    after: opts.connect_timeout,
-                    reason,
-                });
-            }
-            tracing::debug!(%addr, "store not reachable yet ({reason}); retrying");
-            sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
-        };
-        let _ = stream.set_nodelay(true);
-        let mut stream = stream;
-        if let Some(k) = &opts.secret {
-            match timeout(HANDSHAKE_TIMEOUT, auth::connect(&mut stream, k)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    return Err(StoreError::Connect {
-                        addr,
-                        after: opts.connect_timeout,
-                        reason: e.to_string(),
-                    });
-                }
-                Err(_) => {
-                    return Err(StoreError::Connect {
-                        addr,
-                        after: HANDSHAKE_TIMEOUT,
-                        reason: "the server did not start the CONSORT_SECRET handshake (is it a torch TCPStore, or started without the secret?)".into(),
-                    });
-                }
-            }
-        }
-        let (r, w) = stream.into_split();
-        let store = TcpStore {
+        let conn = open(&addr, &opts).await?;
+        Ok(TcpStore {
             addr,
             opts,
-            conn: Mutex::new(Ok(ConnBox(Conn {
-                r: BufReader::new(r),
-                w,
-            }))),
-        };
-        let nonce = std::process::id();
-        let mut req = vec![cmd::VALIDATE];
-        req.extend_from_slice(&wire::VALIDATION_MAGIC.to_le_bytes());
-        req.push(cmd::PING);
-        req.extend_from_slice(&nonce.to_le_bytes());
-        let echoed = store.ping(req).await?;
-        if echoed != nonce {
-            return Err(StoreError::Protocol(format!(
-                "the server at {} answered PING {nonce} with {echoed}; it is not a TCPStore",
-                store.addr
-            )));
-        }
-        Ok(store)
+            conn: Mutex::new(Slot::Ready(conn)),
+        })
     }
 
     /// The server address this client talks to.
@@ -211,70 +166,64 @@ impl TcpStore {
         &self.addr
     }
 
-    async fn ping(&self, req: Vec<u8>) -> StoreResult<u32> {
-        let mut guard = self.conn.lock().await;
-        let c = match guard.as_mut() {
-            Ok(c) => &mut c.0,
-            Err(e) => return Err(e.clone()),
-        };
-        let r = timeout(self.opts.timeout, async {
-            c.w.write_all(&req).await?;
-            c.r.read_u32_le().await
-        })
-        .await;
-        self.settle(
-            &mut guard,
-            "the handshake",
-            r.map(|r| r.map_err(ReadError::Io)),
-        )
+    /// Takes the connection out for one exchange, leaving the slot
+    /// `Retired` until [`TcpStore::settle`] puts it back: a request dropped
+    /// part-way leaves it retired, and its connection closes with it.
+    async fn take(&self, slot: &mut Slot) -> StoreResult<ConnBox> {
+        match std::mem::replace(slot, Slot::Retired) {
+            Slot::Ready(c) => Ok(c),
+            Slot::Failed(e) => {
+                *slot = Slot::Failed(e.clone());
+                Err(e)
+            }
+            Slot::Retired => {
+                tracing::debug!(addr = %self.addr, "an earlier store request was dropped part-way; opening a new connection");
+                open(&self.addr, &self.opts).await
+            }
+        }
     }
 
     /// Sends one request and reads its reply under the store deadline.
     async fn call(&self, during: &str, req: &[u8], shape: Shape) -> StoreResult<Reply> {
-        let mut guard = self.conn.lock().await;
-        let c = match guard.as_mut() {
-            Ok(c) => &mut c.0,
-            Err(e) => return Err(e.clone()),
-        };
+        let mut slot = self.conn.lock().await;
+        let mut c = self.take(&mut slot).await?;
         let r = timeout(self.opts.timeout, async {
-            c.w.write_all(req).await?;
-            read_reply(c, shape).await
+            c.0.w.write_all(req).await?;
+            read_reply(&mut c.0, shape).await
         })
         .await;
-        self.settle(&mut guard, during, r)
+        self.settle(&mut slot, c, during, r)
     }
 
-    /// Turns a request's outcome into a result, poisoning the connection on
-    /// failure (its state is unknown after a partial exchange).
+    /// Turns a request's outcome into a result: the connection goes back on
+    /// success; on failure it is closed and the failure sticks (its state
+    /// is unknown after a partial exchange).
     fn settle<T>(
         &self,
-        guard: &mut Result<ConnBox, StoreError>,
+        slot: &mut Slot,
+        conn: ConnBox,
         during: &str,
         r: Result<Result<T, ReadError>, tokio::time::error::Elapsed>,
     ) -> StoreResult<T> {
         let err = match r {
-            Ok(Ok(v)) => return Ok(v),
-            Ok(Err(ReadError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                StoreError::Closed {
-                    addr: self.addr.clone(),
-                    during: during.to_string(),
-                }
+            Ok(Ok(v)) => {
+                *slot = Slot::Ready(conn);
+                return Ok(v);
             }
-            Ok(Err(ReadError::Io(e))) => StoreError::Io {
-                addr: self.addr.clone(),
-                during: during.to_string(),
-                source: Arc::new(e),
-            },
-            Ok(Err(e @ (ReadError::TooLarge { .. } | ReadError::Refused(_)))) => {
-                StoreError::Protocol(format!("reply to {during} from {}: {e}", self.addr))
-            }
+            Ok(Err(e)) => read_error(&self.addr, during, e),
             Err(_) => StoreError::Timeout {
                 keys: vec![],
                 after: self.opts.timeout,
             },
         };
-        *guard = Err(err.clone());
+        *slot = Slot::Failed(err.clone());
         Err(err)
+    }
+
+    /// A failure found after the exchange itself went through.
+    fn fail<T>(&self, slot: &mut Slot, e: StoreError) -> StoreResult<T> {
+        *slot = Slot::Failed(e.clone());
+        Err(e)
     }
 
     /// torch's wait: send WAIT; if the deadline passes first, send
@@ -285,50 +234,143 @@ impl TcpStore {
         let mut req = vec![cmd::WAIT];
         wire::put_keys(&mut req, keys);
         let during = format!("wait({names:?})");
-        let mut guard = self.conn.lock().await;
-        let c = match guard.as_mut() {
-            Ok(c) => &mut c.0,
-            Err(e) => return Err(e.clone()),
-        };
+        let mut slot = self.conn.lock().await;
+        let mut c = self.take(&mut slot).await?;
         let first = timeout(limit, async {
-            c.w.write_all(&req).await?;
-            c.r.read_u8().await
+            c.0.w.write_all(&req).await?;
+            c.0.r.read_u8().await
         })
         .await;
-        let reply = match first {
-            Ok(r) => self.settle(&mut guard, &during, Ok(r.map_err(ReadError::Io)))?,
-            Err(_) => {
-                let cancel = timeout(self.opts.timeout.min(Duration::from_secs(30)), async {
-                    c.w.write_all(&[cmd::CANCEL_WAIT]).await?;
-                    let mut b = c.r.read_u8().await?;
-                    if b == wire::STOP_WAITING {
-                        b = c.r.read_u8().await?;
-                    }
-                    Ok::<u8, std::io::Error>(b)
-                })
-                .await;
-                let b = self.settle(
-                    &mut guard,
-                    &during,
-                    cancel.map(|r| r.map_err(ReadError::Io)),
-                )?;
-                if b != wire::WAIT_CANCELED {
-                    let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
-                    *guard = Err(e.clone());
-                    return Err(e);
-                }
-                return Err(StoreError::Timeout {
-                    keys: names.iter().map(|k| k.to_string()).collect(),
-                    after: limit,
-                });
+        if let Ok(r) = first {
+            let reply = self.settle(&mut slot, c, &during, Ok(r.map_err(ReadError::Io)))?;
+            if reply != wire::STOP_WAITING {
+                let e = StoreError::Protocol(format!("WAIT answered with {reply}"));
+                return self.fail(&mut slot, e);
             }
-        };
-        if reply != wire::STOP_WAITING {
-            let e = StoreError::Protocol(format!("WAIT answered with {reply}"));
-            *guard = Err(e.clone());
-            return Err(e);
+            return Ok(());
         }
-        Ok(())
+        let cancel = timeout(self.opts.timeout.min(Duration::from_secs(30)), async {
+            c.0.w.write_all(&[cmd::CANCEL_WAIT]).await?;
+            let mut b = c.0.r.read_u8().await?;
+            if b == wire::STOP_WAITING {
+                b = c.0.r.read_u8().await?;
+            }
+            Ok::<u8, std::io::Error>(b)
+        })
+        .await;
+        let b = self.settle(
+            &mut slot,
+            c,
+            &during,
+            cancel.map(|r| r.map_err(ReadError::Io)),
+        )?;
+        if b != wire::WAIT_CANCELED {
+            let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
+            return self.fail(&mut slot, e);
+        }
+        Err(StoreError::Timeout {
+            keys: names.iter().map(|k| k.to_string()).collect(),
+            after: limit,
+        })
+    }
+}
+
+/// A reply that could not be read, as the store error a caller sees.
+fn read_error(addr: &str, during: &str, e: ReadError) -> StoreError {
+    match e {
+        ReadError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => StoreError::Closed {
+            addr: addr.to_string(),
+            during: during.to_string(),
+        },
+        ReadError::Io(e) => StoreError::Io {
+            addr: addr.to_string(),
+            during: during.to_string(),
+            source: Arc::new(e),
+        },
+        e @ (ReadError::TooLarge { .. } | ReadError::Refused(_)) => {
+            StoreError::Protocol(format!("reply to {during} from {addr}: {e}"))
+        }
+    }
+}
+
+/// Opens one validated connection: TCP (retrying until
+/// `opts.connect_timeout` while the server is not up), the secret's
+/// handshake, then VALIDATE and a PING with the pid, as torch's client.
+async fn open(addr: &str, opts: &TcpStoreOptions) -> StoreResult<ConnBox> {
+    let mut stream = dial(addr, opts.connect_timeout).await?;
+    let _ = stream.set_nodelay(true);
+    if let Some(k) = &opts.secret {
+        let refused = |after, reason: String| StoreError::Connect {
+            addr: addr.to_string(),
+            after,
+            reason,
+        };
+        match timeout(HANDSHAKE_TIMEOUT, auth::connect(&mut stream, k)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(refused(opts.connect_timeout, e.to_string())),
+            Err(_) => {
+                return Err(refused(
+                    HANDSHAKE_TIMEOUT,
+                    "the server did not start the CONSORT_SECRET handshake (is it a torch \
+                     TCPStore, or started without the secret?)"
+                        .into(),
+                ));
+            }
+        }
+    }
+    let (r, w) = stream.into_split();
+    let mut c = Conn {
+        r: BufReader::new(r),
+        w,
+    };
+    let nonce = std::process::id();
+    let mut req = vec![cmd::VALIDATE];
+    req.extend_from_slice(&wire::VALIDATION_MAGIC.to_le_bytes());
+    req.push(cmd::PING);
+    req.extend_from_slice(&nonce.to_le_bytes());
+    let echoed = timeout(opts.timeout, async {
+        c.w.write_all(&req).await?;
+        c.r.read_u32_le().await
+    })
+    .await
+    .map_err(|_| StoreError::Timeout {
+        keys: vec![],
+        after: opts.timeout,
+    })?
+    .map_err(|e| read_error(addr, "the handshake", ReadError::Io(e)))?;
+    if echoed != nonce {
+        return Err(StoreError::Protocol(format!(
+            "the server at {addr} answered PING {nonce} with {echoed}; it is not a TCPStore"
+        )));
+    }
+    Ok(ConnBox(c))
+}
+
+/// A TCP connection to `addr`, retried with backoff until `within`.
+async fn dial(addr: &str, within: Duration) -> StoreResult<TcpStream> {
+    let deadline = Instant::from_std(consort_comm::time::deadline(within));
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let attempt = timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            TcpStream::connect(addr),
+        )
+        .await;
+        let reason = match attempt {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "connection attempt timed out".to_string(),
+        };
+        if Instant::now() + backoff >= deadline {
+            return Err(StoreError::Connect {
+                addr: addr.to_string(),
+                after: within,
+                reason,
+            });
+        }
+        tracing::debug!(%addr, "store not reachable yet ({reason}); retrying");
+        sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 
