@@ -879,3 +879,76 @@ fn default_units_are_ddps_buckets_for_zero_and_consecutive_for_fsdp() {
         assert_eq!(units[1], [vec![0, 1, 2, 3, 4, 5]], "fsdp");
     }
 }
+
+/// A damaged or crafted index is refused with a message, never a panic or a
+/// read outside the checkpoint: shard names with a directory, `..` or an
+/// absolute path, and a flat whose sizes make the element arithmetic
+/// overflow.
+#[test]
+fn a_crafted_index_is_refused_not_followed() {
+    let tmp = std::env::temp_dir().join(format!("consort-crafted-{}", std::process::id()));
+    let c = Arc::new(fixed(1));
+    let dir = tmp.clone();
+    type Tamper = fn(&mut serde_json::Value);
+    let tampers: Vec<(&str, Tamper)> = vec![
+        ("not a plain file name", |v| {
+            v["files"][0] = "/etc/passwd".into()
+        }),
+        ("not a plain file name", |v| {
+            v["files"][0] = "../shard.safetensors".into()
+        }),
+        ("not a plain file name", |v| {
+            v["files"][0] = "sub/shard.safetensors".into()
+        }),
+        ("shorter than its index says", |v| {
+            // A flat of ~2^62 elements in shards of as many: every check
+            // of the index holds, and the byte offsets overflow usize.
+            let huge = serde_json::Value::from(1u64 << 62);
+            let p = v["params"][0].clone();
+            let numel: u64 = p["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .product();
+            let f = p["flat"].as_u64().unwrap() as usize;
+            v["flats"][f]["numel"] = huge.clone();
+            v["flats"][f]["shard_len"] = huge;
+            for q in v["params"].as_array_mut().unwrap() {
+                if q["flat"].as_u64() == Some(f as u64) {
+                    let off = q["offset"].as_u64().unwrap();
+                    q["offset"] = ((1u64 << 62) - 64 + off.min(63 - numel.min(63))).into();
+                }
+            }
+        }),
+    ];
+    let (out, _) = run_sim(SimConfig::new(1), move |rank| {
+        let (c, dir, tampers) = (c.clone(), dir.clone(), tampers.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, 0);
+            let o = ShardOptions::new(Strategy::Fsdp);
+            let mut sh = Sharded::new(rank, &mut model, AdamW::new(0.1), o)
+                .await
+                .unwrap();
+            sh.save_sharded(&dir, &BTreeMap::new()).await.unwrap();
+            let good = std::fs::read(dir.join("index.json")).unwrap();
+            let mut errs = Vec::new();
+            for (want, tamper) in tampers {
+                let mut v: serde_json::Value = serde_json::from_slice(&good).unwrap();
+                tamper(&mut v);
+                std::fs::write(dir.join("index.json"), v.to_string()).unwrap();
+                let e = sh.load_sharded(&dir).await.unwrap_err().to_string();
+                errs.push((want, e));
+            }
+            errs
+        }
+    });
+    for (want, e) in out.into_iter().flatten() {
+        assert!(
+            e.contains(want) || e.contains("does not fit"),
+            "want {want:?}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -113,9 +113,13 @@ impl Sharded {
                     Some(s) => &mut fresh.state[r.flat][s],
                 };
                 let size = dst.dtype().size_bytes();
-                let bytes = t
-                    .data
-                    .get(r.from * size..(r.from + r.len) * size)
+                // Checked: the runs come from the index, which may be crafted.
+                let span = r.from.checked_mul(size).and_then(|start| {
+                    let end = r.from.checked_add(r.len)?.checked_mul(size)?;
+                    Some(start..end)
+                });
+                let bytes = span
+                    .and_then(|span| t.data.get(span))
                     .filter(|_| t.dtype == dst.dtype())
                     .ok_or_else(|| {
                         format!(
@@ -199,6 +203,12 @@ impl Sharded {
                 index.shards
             ));
         }
+        if let Some(bad) = index.files.iter().find(|f| !plain_file_name(f)) {
+            return Err(format!(
+                "{at} names the shard file {bad:?}, which is not a plain file name in the \
+                 checkpoint's directory: the index is damaged or crafted"
+            ));
+        }
         if index.params.len() != self.specs.len() {
             return Err(format!(
                 "{at} holds {} parameters, this model {}; is it this model's?",
@@ -245,6 +255,16 @@ impl Sharded {
     }
 }
 
+/// Whether `name` is one plain file name (no directory, no `..`, not
+/// absolute): what `save_sharded` writes, and all a load may open.
+fn plain_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(n)), None) if n == name
+    )
+}
+
 /// The runs of `seg`'s elements that fall in `need` (flat coordinates of
 /// this run's flat), as (old shard file, first element in that file's
 /// tensor, length, position in this run's flat). The parameter starts at
@@ -267,4 +287,17 @@ fn runs(
         pos += len;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plain_file_name;
+
+    #[test]
+    fn only_plain_file_names_may_be_opened() {
+        assert!(plain_file_name("shard-00001-of-00002.safetensors"));
+        for bad in ["", ".", "..", "../x", "/etc/passwd", "a/b", "./a", "a/"] {
+            assert!(!plain_file_name(bad), "{bad:?}");
+        }
+    }
 }
