@@ -172,6 +172,42 @@ fn bench_checker_is_exact_at_world_nine() {
     }
 }
 
+/// `--timing`: the slowest rank's time per iteration by default (as the
+/// anchors and nccl-tests), rank 0's on request; anything else is refused.
+#[test]
+fn bench_times_the_slowest_rank_unless_asked_for_rank0() {
+    for timing in ["max", "rank0"] {
+        let out = consort(&[
+            "bench",
+            "--backend",
+            "tcp",
+            "--world-size",
+            "3",
+            "--ops",
+            "broadcast",
+            "--sizes",
+            "4K",
+            "--iters",
+            "5",
+            "--timing",
+            timing,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{timing}: {out:?}");
+        let row: Value = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .expect("a row");
+        assert!(row["time_us"].as_f64().unwrap() > 0.0, "{timing}: {row}");
+        assert_eq!(row["wrong"], 0);
+    }
+    let out = consort(&["bench", "--timing", "mean"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max") && err.contains("rank0"), "{err}");
+}
+
 /// Runs `consort` with extra environment variables.
 fn consort_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_consort"));

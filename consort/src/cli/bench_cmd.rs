@@ -44,6 +44,11 @@ pub(crate) struct BenchArgs {
     /// Timed iterations per row (default: as gloo_bench.py, 3..=200 by size).
     #[arg(long, value_parser = parse_iters)]
     iters: Option<usize>,
+    /// How an iteration is timed: `max`, the slowest rank's time (as
+    /// nccl-tests and the anchors in shared/bench time it), or `rank0`,
+    /// rank 0's alone (a broadcast root returns once its bytes are queued).
+    #[arg(long, default_value = "max", value_parser = ["max", "rank0"])]
+    timing: String,
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
@@ -253,6 +258,7 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
         dtype: a.dtype,
         iters: a.iters,
         share_gpu: a.share_gpu,
+        timing: a.timing,
     };
     if a.from_env {
         if let Some(t) = collective::from_env(spec).await? {

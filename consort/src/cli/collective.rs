@@ -1,6 +1,7 @@
 //! `consort bench` for collectives: launches N ranks (OS processes on
 //! loopback for tcp, tasks for sim), times each op like
-//! `shared/bench/gloo_bench.py` (a barrier, then one op timed on rank 0,
+//! `shared/bench/gloo_bench.py` (a barrier, then one op; an iteration's
+//! time is the slowest rank's, or rank 0's with `--timing rank0`; the
 //! median over the iterations), checks every result, and prints an
 //! nccl-tests-style table.
 
@@ -29,6 +30,13 @@ pub(crate) struct BenchSpec {
     /// nccl: every rank on GPU 0 (see `consort bench --share-gpu`).
     #[serde(default)]
     pub(crate) share_gpu: bool,
+    /// `max` (each iteration is the slowest rank's) or `rank0`.
+    #[serde(default = "max_timing")]
+    pub(crate) timing: String,
+}
+
+fn max_timing() -> String {
+    "max".into()
 }
 
 /// One measured row (rank 0's view, with every rank's #wrong summed in).
@@ -204,6 +212,10 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                     if it >= 2 {
                         times.push(s.elapsed().as_secs_f64());
                     }
+                }
+                if spec.timing != "rank0" {
+                    // Each iteration's time is the slowest rank's.
+                    pg.all_reduce(&mut times, ReduceOp::Max).await?;
                 }
                 times.sort_by(f64::total_cmp);
                 let med = times[times.len() / 2];

@@ -33,7 +33,8 @@ pub(crate) async fn rank(dist: &Dist, spec: &BenchSpec) -> Result<Vec<Row>, BoxE
     let mut rows = Vec::new();
     for &op in &ops {
         for &bytes in &spec.sizes {
-            let row = with_dtype!(dtype, T => one_row::<T>(&b, &p, op, bytes, spec.iters).await?);
+            let slowest = spec.timing != "rank0";
+            let row = with_dtype!(dtype, T => one_row::<T>(&b, &p, op, bytes, spec.iters, slowest).await?);
             rows.push(row);
         }
     }
@@ -174,6 +175,7 @@ async fn one_row<T: Small>(
     op: OpKind,
     bytes: usize,
     iters: Option<usize>,
+    slowest: bool,
 ) -> Result<Row, BoxError> {
     let (r, n) = (b.rank(), b.world_size());
     let count = (bytes / size_of::<T>()).max(n) / n * n;
@@ -220,6 +222,13 @@ async fn one_row<T: Small>(
         &CallOptions::default(),
     )
     .await?;
+    if slowest {
+        // Each iteration's time is the slowest rank's (host times stay this
+        // rank's own: they measure issuing, not the collective).
+        let all = BufferMut::from(&mut total[..]);
+        b.all_reduce(all, ReduceOp::Max, &CallOptions::default())
+            .await?;
+    }
     x.free(p)?;
     let med = median(total);
     let moved = count * size_of::<T>();
