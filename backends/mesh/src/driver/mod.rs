@@ -379,13 +379,32 @@ async fn propagate(inner: &Arc<Inner>, (info, fp, to): (AbortInfo, Fingerprint, 
         flags: 0,
     }
     .encode();
-    for q in to {
-        let _ = before(
-            Instant::now() + Duration::from_secs(2),
-            inner.send_frame(q, 0, &h, &info),
-        )
-        .await;
-    }
+    // To every peer at once, under one deadline: one at a time, a peer whose
+    // socket is full would hold up the rest (2 s each: half an hour at
+    // 1,024 ranks).
+    let sends = to.iter().map(|&q| inner.send_frame(q, 0, &h, &info));
+    all_before(Instant::now() + ABORT_FAN_OUT, sends).await;
+}
+
+/// How long a rank spends telling its peers of a failure, all of them
+/// together.
+const ABORT_FAN_OUT: Duration = Duration::from_secs(2);
+
+/// Runs every future concurrently until all are done or `deadline` passes;
+/// returns how many finished.
+async fn all_before<F: Future>(deadline: Instant, futs: impl IntoIterator<Item = F>) -> usize {
+    let mut pending: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let total = pending.len();
+    let all = std::future::poll_fn(|cx| {
+        pending.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if pending.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    });
+    let _ = before(deadline, all).await;
+    total - pending.len()
 }
 
 /// Cancels a call whose work is dropped before it ends: the engine poisons
@@ -556,5 +575,29 @@ mod tests {
         );
         assert_eq!(&got[..5], b"whole");
         assert!(got[5..].iter().all(|&x| x == 7));
+    }
+}
+
+#[cfg(test)]
+mod fan_out_tests {
+    use super::*;
+
+    /// Fifty sends that each take a second finish together in one second of
+    /// (paused, virtual) time, and a deadline cuts off the ones that take
+    /// longer, without waiting for them one after another.
+    #[tokio::test(start_paused = true)]
+    async fn every_peer_at_once_under_one_deadline() {
+        // Deadlines on tokio's (paused) clock.
+        let by = || tokio::time::Instant::now().into_std() + ABORT_FAN_OUT;
+        let start = tokio::time::Instant::now();
+        let slow = |s: u64| tokio::time::sleep(Duration::from_secs(s));
+        let done = all_before(by(), (0..50).map(|_| slow(1))).await;
+        assert_eq!(done, 50);
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let start = tokio::time::Instant::now();
+        let mixed = (0..50).map(|i| slow(if i % 2 == 0 { 1 } else { 3600 }));
+        let done = all_before(by(), mixed).await;
+        assert_eq!(done, 25);
+        assert_eq!(start.elapsed(), ABORT_FAN_OUT);
     }
 }
