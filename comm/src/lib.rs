@@ -37,6 +37,7 @@ pub mod dtype;
 pub mod engine;
 mod error;
 pub mod fault;
+pub mod files;
 mod fingerprint;
 pub mod flight;
 pub mod frame;

@@ -105,7 +105,8 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointEr
         .into_owned();
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
     let write = || -> Result<(), CheckpointError> {
-        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
+        // New, and never through a planted symbolic link.
+        let mut f = consort_comm::files::create_new(&tmp).map_err(io("creating", &tmp))?;
         f.write_all(bytes).map_err(io("writing", &tmp))?;
         f.sync_all().map_err(io("syncing", &tmp))?;
         std::fs::rename(&tmp, path).map_err(io("renaming the finished file onto", path))?;

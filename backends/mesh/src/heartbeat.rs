@@ -14,7 +14,6 @@
 //! group of every backend made in it counts.
 
 use std::{
-    fs::OpenOptions,
     os::fd::AsRawFd,
     path::Path,
     sync::atomic::{AtomicU64, Ordering},
@@ -64,12 +63,8 @@ impl Heartbeat {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
+        // Never through a planted symbolic link.
+        let file = consort_comm::files::open_or_create(path)?;
         file.set_len(BYTES as u64)?;
         // SAFETY: a shared read-write mapping of a file we just sized to
         // BYTES; the fd may be closed afterwards (the mapping keeps it).

@@ -29,6 +29,7 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         int: signal(SignalKind::interrupt())?,
         term: signal(SignalKind::terminate())?,
     };
+    let run_dir = super::dirs::run_dir(a.log_dir.as_deref())?;
     let server = host_store(a).await?;
     let store = connect(a).await?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
@@ -50,7 +51,7 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         }
         let key = round_key(&ns, round);
         last = (m.node_rank, m.nnodes, key.clone());
-        match run_round(a, &m, &store, &ns, &key, round, &mut signals).await? {
+        match run_round(a, &m, &store, &ns, &key, (round, &run_dir), &mut signals).await? {
             RoundEnd::Done => break 0,
             RoundEnd::NewMember => {
                 eprintln!(
@@ -90,9 +91,7 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
     // A failed job keeps its temporary directory: the summary names the
     // flight records in it.
     if a.log_dir.is_none() && code == 0 {
-        let _ = std::fs::remove_dir_all(
-            std::env::temp_dir().join(format!("consort-run-{}", std::process::id())),
-        );
+        let _ = std::fs::remove_dir_all(&run_dir);
     }
     // The store's host keeps it up until every node of the last round has
     // finished.

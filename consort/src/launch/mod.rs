@@ -17,6 +17,7 @@
 //! The CLI (`consort run`) parses torchrun's flags into a [`LaunchSpec`].
 
 mod agent;
+mod dirs;
 mod exit;
 pub mod records;
 mod rendezvous;

@@ -4,7 +4,7 @@
 
 use std::{
     collections::VecDeque,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{ExitStatus, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
@@ -69,14 +69,10 @@ pub(super) async fn run_round(
     store: &Arc<dyn Store>,
     ns: &str,
     key: &str,
-    restart: u32,
+    (restart, run_dir): (u32, &Path),
     signals: &mut Signals,
 ) -> Result<RoundEnd, LaunchError> {
-    let attempt = a
-        .log_dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("consort-run-{}", std::process::id())))
-        .join(format!("attempt_{restart}"));
+    let attempt = run_dir.join(format!("attempt_{restart}"));
     // Where the workers' flight records go when the job fails.
     let flight_dir = attempt.join("flight");
     // A reused --log-dir: no record or heartbeat of an earlier job counts.

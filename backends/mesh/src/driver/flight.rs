@@ -78,7 +78,8 @@ pub(super) fn dump(inner: &Inner, reason: &str, force: bool) -> Option<PathBuf> 
         std::process::id()
     ));
     let written = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&tmp, record.to_json()))
+        .and_then(|()| consort_comm::files::create_new(&tmp))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &record.to_json()))
         .and_then(|()| std::fs::rename(&tmp, &path));
     match written {
         Ok(()) => Some(path),
