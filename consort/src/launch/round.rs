@@ -57,6 +57,21 @@ struct RoundEnv<'a> {
     flight_dir: PathBuf,
 }
 
+/// The longest the monitor loop waits on the agent store per request: a
+/// wedged store host must not hold up reaping workers or handling signals
+/// (the client's own deadline is minutes). A request cut short retires its
+/// connection; the next one opens a fresh one.
+const MONITOR_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A store request of the monitor loop, bounded by
+/// [`MONITOR_STORE_TIMEOUT`]; `None` when it failed or took longer.
+async fn quick<T>(f: impl Future<Output = consort_comm::StoreResult<T>>) -> Option<T> {
+    tokio::time::timeout(MONITOR_STORE_TIMEOUT, f)
+        .await
+        .ok()?
+        .ok()
+}
+
 /// How long a failed round waits for the running workers' flight records.
 const RECORD_GRACE: Duration = Duration::from_millis(500);
 
@@ -242,29 +257,31 @@ impl Round {
                 failure = hung(w, &mut self.children, &done).await;
             }
             if let Some(f) = failure {
-                if store.check(&[&end_key]).await.unwrap_or(false) {
+                if quick(store.check(&[&end_key])).await.unwrap_or(false) {
                     return Ok(RoundEnd::NewMember);
                 }
                 // The first cause stays: a later node's PeerLost does not
                 // replace it.
                 let cause = format!("{} {}", f.rank, f.code());
-                let _ = store.compare_set(&failed_key, b"", cause.as_bytes()).await;
+                let _ = quick(store.compare_set(&failed_key, b"", cause.as_bytes())).await;
                 return Ok(RoundEnd::Failed(f));
             }
             if done.iter().all(|d| *d) {
                 return Ok(RoundEnd::Done);
             }
             // Another node's failure stops this node's workers too.
-            if store.check(&[&end_key]).await.unwrap_or(false) {
+            if quick(store.check(&[&end_key])).await.unwrap_or(false) {
                 return Ok(RoundEnd::NewMember);
             }
             if let Some(f) = elsewhere(store, &failed_key).await {
                 return Ok(RoundEnd::Failed(f));
             }
             if let Some((ns, next)) = newcomers
-                && waiting(&**store, ns, next).await
+                && quick(async { Ok(waiting(&**store, ns, next).await) })
+                    .await
+                    .unwrap_or(false)
             {
-                let _ = store.compare_set(&end_key, b"", b"new member").await;
+                let _ = quick(store.compare_set(&end_key, b"", b"new member")).await;
                 return Ok(RoundEnd::NewMember);
             }
             tokio::select! {
@@ -341,10 +358,10 @@ impl Round {
 
 /// Another node's failure, as its agent left it in the store.
 async fn elsewhere(store: &Arc<dyn Store>, failed_key: &str) -> Option<Exit> {
-    if !store.check(&[failed_key]).await.unwrap_or(false) {
+    if !quick(store.check(&[failed_key])).await.unwrap_or(false) {
         return None;
     }
-    let who = store.get(failed_key).await.unwrap_or_default();
+    let who = quick(store.get(failed_key)).await.unwrap_or_default();
     let who = String::from_utf8_lossy(&who).into_owned();
     let mut parts = who.split(' ').map(|p| p.parse::<i64>().ok());
     let rank = parts.next().flatten().unwrap_or(-1);
@@ -358,4 +375,20 @@ async fn elsewhere(store: &Arc<dyn Store>, failed_key: &str) -> Option<Exit> {
         )],
         note: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that never answers holds the monitor loop for at most
+    /// MONITOR_STORE_TIMEOUT per request (on tokio's paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn a_wedged_store_costs_the_monitor_loop_a_bounded_wait() {
+        let start = tokio::time::Instant::now();
+        let never = std::future::pending::<consort_comm::StoreResult<bool>>();
+        assert_eq!(quick(never).await, None);
+        assert_eq!(start.elapsed(), MONITOR_STORE_TIMEOUT);
+        assert_eq!(quick(async { Ok(true) }).await, Some(true));
+    }
 }

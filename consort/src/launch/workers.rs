@@ -146,29 +146,83 @@ const TAIL_LINES: usize = 20;
 /// every worker's process group, then SIGKILL to whatever is left of them
 /// after the grace period. Also used after a clean round, so nothing a
 /// worker started outlives it (as torchrun closes its process contexts).
+///
+/// Only the groups of workers not yet reaped are signalled: an unreaped
+/// leader (running, or a zombie) holds its pid, so its group's id cannot
+/// belong to anyone else; the id of a worker reaped earlier may have been
+/// reused by an unrelated process since.
 pub(super) async fn stop(children: &mut [(usize, Child, i32)], grace: f64, signal: libc::c_int) {
+    // tokio's Child has an id until it is reaped.
+    let live: Vec<i32> = children
+        .iter()
+        .filter(|(_, c, g)| *g > 1 && c.id().is_some())
+        .map(|(_, _, g)| *g)
+        .collect();
     let alive = |pgid: i32| {
         // SAFETY: signal 0 only checks that the group `pgid` (a worker we
         // started as a group leader, `process_group(0)`) has a member.
-        pgid > 1 && unsafe { libc::kill(-pgid, 0) == 0 }
+        unsafe { libc::kill(-pgid, 0) == 0 }
     };
-    // A pgid of 0 would mean "our own group": never signal that.
-    for (_, _, pgid) in children.iter().filter(|(_, _, g)| *g > 1) {
+    for &pgid in &live {
         // SAFETY: as above; sends `signal` to that group.
-        unsafe { libc::kill(-*pgid, signal) };
+        unsafe { libc::kill(-pgid, signal) };
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(grace.max(0.0));
     for (_, c, _) in children.iter_mut() {
         let _ = tokio::time::timeout_at(deadline, c.wait()).await;
     }
-    while children.iter().any(|(_, _, g)| alive(*g)) && tokio::time::Instant::now() < deadline {
+    while live.iter().any(|&g| alive(g)) && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    for (_, c, pgid) in children.iter_mut() {
-        if alive(*pgid) {
+    for &pgid in &live {
+        if alive(pgid) {
             // SAFETY: as above.
-            unsafe { libc::kill(-*pgid, libc::SIGKILL) };
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
+    }
+    for (_, c, _) in children.iter_mut() {
         let _ = c.kill().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group_leader(script: &str) -> (Child, i32) {
+        let c = tokio::process::Command::new("sh")
+            .args(["-c", script])
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = c.id().unwrap() as i32;
+        (c, pid)
+    }
+
+    /// A live worker's group is stopped; the group of a worker reaped
+    /// earlier is never signalled (its id may be someone else's by now),
+    /// shown by a process left in that group, which stop() leaves alone.
+    #[tokio::test]
+    async fn only_the_groups_of_unreaped_workers_are_signalled() {
+        let (mut gone, gone_pgid) = group_leader("sleep 30 & exit 0");
+        gone.wait().await.unwrap(); // reaped: its group now holds only the sleep
+        // SAFETY: signal 0 only checks for members.
+        let in_group = unsafe { libc::kill(-gone_pgid, 0) } == 0;
+        assert!(in_group, "the sleep is in the group");
+        let (live, live_pgid) = group_leader("sleep 30");
+        let mut children = vec![(0, gone, gone_pgid), (1, live, live_pgid)];
+        stop(&mut children, 2.0, libc::SIGTERM).await;
+        // SAFETY: signal 0 only checks for members.
+        let live_left = unsafe { libc::kill(-live_pgid, 0) } == 0;
+        // SAFETY: as above.
+        let reaped_left = unsafe { libc::kill(-gone_pgid, 0) } == 0;
+        // Clean up the sleep that was (rightly) not ours to signal any more.
+        // SAFETY: our own test's group, which still has the sleep in it.
+        unsafe { libc::kill(-gone_pgid, libc::SIGKILL) };
+        assert!(!live_left, "a live worker's group was not stopped");
+        assert!(
+            reaped_left,
+            "the group of a worker reaped earlier was signalled"
+        );
     }
 }
