@@ -206,6 +206,13 @@ fn two_agents_form_one_world() {
         assert_eq!(r["world"], 4);
         assert_eq!(r["wrong"], 0, "{r}");
     }
+    // Across nodes without a secret, each agent says so, once.
+    if std::env::var_os("CONSORT_SECRET").is_none() {
+        for out in [&out0, &out1] {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(err.matches("without CONSORT_SECRET").count(), 1, "{err}");
+        }
+    }
 }
 
 #[test]

@@ -30,6 +30,13 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         term: signal(SignalKind::terminate())?,
     };
     let run_dir = super::dirs::run_dir(a.log_dir.as_deref())?;
+    if a.max_nodes > 1 && consort_tcp::Secret::from_env().is_none() {
+        eprintln!(
+            "[consort run] warning: a job across nodes without CONSORT_SECRET: anyone who reaches \
+             the store port can rewrite the rendezvous; set the same CONSORT_SECRET on every node \
+             when every worker is consort (README, Security)"
+        );
+    }
     let server = host_store(a).await?;
     let store = connect(a).await?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
