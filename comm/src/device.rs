@@ -34,7 +34,9 @@ use crate::Result;
 pub type StreamId = u64;
 
 /// An event recorded on a stream; release it with [`Device::release`]
-/// once nothing waits on it any more.
+/// once nothing waits on it any more. It is a raw handle (a `CUevent`):
+/// the methods that use one are `unsafe`, since a released or forged one
+/// is undefined behaviour in the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EventId(pub u64);
 
@@ -100,13 +102,27 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// Makes `stream` wait for `event` before running anything enqueued
     /// after this call. Does not block the host.
-    fn wait(&self, stream: StreamId, event: EventId) -> Result<()>;
+    ///
+    /// # Safety
+    ///
+    /// `event` came from this device's [`Device::record`] and has not been
+    /// released.
+    unsafe fn wait(&self, stream: StreamId, event: EventId) -> Result<()>;
 
     /// Whether `event` has completed.
-    fn query(&self, event: EventId) -> Result<bool>;
+    ///
+    /// # Safety
+    ///
+    /// As for [`Device::wait`].
+    unsafe fn query(&self, event: EventId) -> Result<bool>;
 
     /// Forgets `event`; streams already waiting on it still wait correctly.
-    fn release(&self, event: EventId) -> Result<()>;
+    ///
+    /// # Safety
+    ///
+    /// As for [`Device::wait`]; afterwards `event` must not be used again
+    /// (a second release destroys a handle the driver may have reused).
+    unsafe fn release(&self, event: EventId) -> Result<()>;
 
     /// Blocks the host until everything enqueued on `stream` has run.
     fn synchronize(&self, stream: StreamId) -> Result<()>;

@@ -74,8 +74,12 @@ impl Storage {
 fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
         let e = p.device.record(stream)?;
-        p.device.wait(p.stream, e)?;
-        p.device.release(e)?;
+        // SAFETY: `e` was just recorded on this device and is released once,
+        // last.
+        unsafe {
+            p.device.wait(p.stream, e)?;
+            p.device.release(e)?;
+        }
     }
     Ok(())
 }
@@ -84,8 +88,11 @@ fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
 fn order_before(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
         let e = p.device.record(p.stream)?;
-        p.device.wait(stream, e)?;
-        p.device.release(e)?;
+        // SAFETY: as in `order_after`.
+        unsafe {
+            p.device.wait(stream, e)?;
+            p.device.release(e)?;
+        }
     }
     Ok(())
 }

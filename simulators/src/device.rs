@@ -243,6 +243,24 @@ impl EmulatedDevice {
         Ok(())
     }
 
+    /// Makes `stream` wait for `event` (safe here: an emulated event is an
+    /// index, and a stale one is ignored).
+    pub fn stream_wait(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.enqueue(stream, Op::Wait(event.0))
+    }
+
+    /// Forgets `event` (safe here, as for [`EmulatedDevice::stream_wait`]).
+    pub fn release_event(&self, event: EventId) {
+        let mut st = self.shared.lock();
+        match st.events.get_mut(&event.0) {
+            Some(s) if s.done => {
+                st.events.remove(&event.0);
+            }
+            Some(s) => s.released = true,
+            None => {}
+        }
+    }
+
     /// An event that completes only when [`EmulatedDevice::complete_event`]
     /// is called: how an emulated collective gates a stream on work done
     /// outside the device.
@@ -440,23 +458,18 @@ impl Device for EmulatedDevice {
         Ok(e)
     }
 
-    fn wait(&self, stream: StreamId, event: EventId) -> Result<()> {
-        self.enqueue(stream, Op::Wait(event.0))
+    // The emulated device's events are indices: a stale one is harmless
+    // here, but callers keep the contract that a CUDA device needs.
+    unsafe fn wait(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.stream_wait(stream, event)
     }
 
-    fn query(&self, event: EventId) -> Result<bool> {
+    unsafe fn query(&self, event: EventId) -> Result<bool> {
         Ok(self.shared.lock().event_done(event.0))
     }
 
-    fn release(&self, event: EventId) -> Result<()> {
-        let mut st = self.shared.lock();
-        match st.events.get_mut(&event.0) {
-            Some(s) if s.done => {
-                st.events.remove(&event.0);
-            }
-            Some(s) => s.released = true,
-            None => {}
-        }
+    unsafe fn release(&self, event: EventId) -> Result<()> {
+        self.release_event(event);
         Ok(())
     }
 
@@ -563,7 +576,7 @@ mod tests {
         let sticky = unsafe { d.fill_zero(x, 1, 0) };
         assert!(sticky.is_err(), "errors are sticky");
         assert!(d.new_stream().is_ok());
-        assert!(d.wait(999, EventId(1)).is_err(), "unknown stream");
+        assert!(d.stream_wait(999, EventId(1)).is_err(), "unknown stream");
     }
 
     #[test]
@@ -588,7 +601,7 @@ mod tests {
             ..Default::default()
         });
         let gate = d.pending_event();
-        d.wait(0, gate).unwrap();
+        d.stream_wait(0, gate).unwrap();
         let e = d.synchronize(0).unwrap_err().to_string();
         assert!(e.contains("did not drain"), "{e}");
         d.complete_event(gate);

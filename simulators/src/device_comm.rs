@@ -206,7 +206,7 @@ impl Shared {
     }
 
     fn finish(&self, w: Tracked, r: Result<()>) {
-        let _ = self.device.release(w.gate);
+        self.device.release_event(w.gate);
         if let Some(reply) = w.reply {
             let out = r.map(|()| lock(&w.slot).out.take());
             let _ = reply.send(out);
@@ -522,7 +522,7 @@ impl EmulatedComm {
         e: CommError,
     ) -> CommError {
         self.device.complete_event(gate);
-        let _ = self.device.release(gate);
+        self.device.release_event(gate);
         self.shared.lock().core.launch_failed(id, e)
     }
 
@@ -581,7 +581,7 @@ impl EmulatedComm {
         }
         if device_call && !self.opts.skip_output_wait {
             for &s in streams {
-                self.device.wait(s, gate)?;
+                self.device.stream_wait(s, gate)?;
             }
         }
         Ok(after)
@@ -702,7 +702,7 @@ fn comm_thread(
             }
         }
         for &e in &job.after {
-            let _ = device.release(e);
+            device.release_event(e);
         }
         device.complete_event(job.gate);
         job.comm.cv.notify_all();

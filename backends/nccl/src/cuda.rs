@@ -172,9 +172,10 @@ impl Device for CudaDevice {
         Ok(EventId(e as u64))
     }
 
-    fn wait(&self, s: StreamId, event: EventId) -> Result<()> {
+    unsafe fn wait(&self, s: StreamId, event: EventId) -> Result<()> {
         self.bind()?;
-        // SAFETY: `event` came from `record` and is not released yet.
+        // SAFETY: `event` came from `record` and is not released yet (the
+        // caller's promise).
         unsafe {
             cu::stream::wait_event(
                 stream(s),
@@ -185,7 +186,7 @@ impl Device for CudaDevice {
         .map_err(|e| err("stream wait", e))
     }
 
-    fn query(&self, event: EventId) -> Result<bool> {
+    unsafe fn query(&self, event: EventId) -> Result<bool> {
         self.bind()?;
         // SAFETY: as in `wait`.
         match unsafe { cu::event::query(event.0 as cusys::CUevent) } {
@@ -195,9 +196,10 @@ impl Device for CudaDevice {
         }
     }
 
-    fn release(&self, event: EventId) -> Result<()> {
+    unsafe fn release(&self, event: EventId) -> Result<()> {
         self.bind()?;
-        // SAFETY: released once; the driver frees it when it completes.
+        // SAFETY: released once (the caller's promise); the driver frees it
+        // when it completes.
         unsafe { cu::event::destroy(event.0 as cusys::CUevent) }
             .map_err(|e| err("event destroy", e))
     }
