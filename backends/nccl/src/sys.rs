@@ -7,12 +7,14 @@
 //! library, and types reduce ops as a Rust enum that the values
 //! `ncclRedOpCreatePreMulSum` returns are not members of. Here:
 //!
-//! - the search order is `CONSORT_NCCL_LIBRARY` (a path), then
-//!   `libnccl.so.2` and `libnccl.so` on the loader's path (LD_LIBRARY_PATH,
-//!   the system), then the `nvidia/nccl/lib` directory of an active Python
-//!   environment (`VIRTUAL_ENV`, `CONDA_PREFIX`), which is where PyTorch's
-//!   pip wheel puts it; a miss lists every name and path tried, with the
-//!   loader's reason;
+//! - the search order is `CONSORT_NCCL_LIBRARY` (a path), then the
+//!   `nvidia/nccl/lib` directory of an active Python environment
+//!   (`VIRTUAL_ENV`, `CONDA_PREFIX`), which is where PyTorch's pip wheel
+//!   puts it, then `libnccl.so.2` and `libnccl.so` on the loader's path
+//!   (LD_LIBRARY_PATH, the system). The environment's wheel comes before
+//!   the system's library because torch loads its own wheel, and every rank
+//!   of a job (torch's or ours) must run one NCCL version; a miss lists
+//!   every name and path tried, with the loader's reason;
 //! - symbols that older releases lack are optional, and each use checks
 //!   the version `ncclGetVersion` reports;
 //! - results, data types and reduce ops cross the boundary as `c_int`.
@@ -204,13 +206,13 @@ pub fn candidates() -> Vec<String> {
     {
         v.push(p.trim().to_string());
     }
-    v.push("libnccl.so.2".into());
-    v.push("libnccl.so".into());
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
         if let Ok(prefix) = std::env::var(var) {
             v.extend(python_env_libs(&PathBuf::from(prefix)));
         }
     }
+    v.push("libnccl.so.2".into());
+    v.push("libnccl.so".into());
     v
 }
 

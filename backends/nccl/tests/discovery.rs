@@ -21,6 +21,7 @@ fn discovery_child() {
     if std::env::var_os("CONSORT_DISCOVERY_CHILD").is_none() {
         return;
     }
+    println!("CANDIDATES {}", consort_nccl::sys::candidates().join(" "));
     match consort_nccl::sys::load() {
         Ok(n) => println!("LOADED {} FROM {}", n.version_string(), n.path),
         Err(e) => println!("MISSED {e}"),
@@ -72,7 +73,7 @@ fn loaded_from(out: &str, dir: &Path) -> bool {
 }
 
 #[test]
-fn nccl_loads_from_the_pip_wheel_three_ways() {
+fn nccl_loads_from_the_pip_wheel_and_an_active_environment_comes_first() {
     let Some(dir) = wheel_dir() else {
         eprintln!(
             "skipped: no nvidia-nccl-cu12 wheel found (set CONSORT_NCCL_WHEEL_DIR, or \
@@ -97,8 +98,30 @@ fn nccl_loads_from_the_pip_wheel_three_ways() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&dir, &link).unwrap();
     let out = child(&[("VIRTUAL_ENV", &venv.display().to_string())]);
-    let _ = std::fs::remove_dir_all(&venv);
     assert!(loaded_from(&out, &dir), "VIRTUAL_ENV: {out}");
+    // 4. The environment's wheel wins over a library on the loader's path
+    //    (a system NCCL there would be another version than torch's): the
+    //    path loaded is the venv's, not the LD_LIBRARY_PATH one.
+    let out = child(&[
+        ("VIRTUAL_ENV", &venv.display().to_string()),
+        ("LD_LIBRARY_PATH", &d),
+    ]);
+    let _ = std::fs::remove_dir_all(&venv);
+    let tried: Vec<&str> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("CANDIDATES "))
+        .unwrap_or("")
+        .split(' ')
+        .collect();
+    let venv_at = tried
+        .iter()
+        .position(|c| c.starts_with(&venv.display().to_string()));
+    let system_at = tried.iter().position(|c| *c == "libnccl.so.2");
+    assert!(
+        matches!((venv_at, system_at), (Some(v), Some(s)) if v < s),
+        "the venv's wheel must come before the loader's path: {tried:?}"
+    );
+    assert!(loaded_from(&out, &dir), "{out}");
 }
 
 #[test]
