@@ -192,7 +192,14 @@ impl Dist {
             opts.timeout = t;
         }
         let (rank, world) = (self.env.rank, self.env.world_size);
-        let b = consort_nccl::NcclBackend::new(&*self.store, rank, world, opts).await?;
+        // A restarted round's unique id under its own prefix: the previous
+        // round's is still in the launcher's store.
+        let store: Arc<dyn consort_comm::store::Store> =
+            match consort_nccl::keys::round_prefix(self.env.restart_count) {
+                Some(p) => Arc::new(consort_comm::store::PrefixStore::new(p, self.store.clone())),
+                None => self.store.clone(),
+            };
+        let b = consort_nccl::NcclBackend::new(&*store, rank, world, opts).await?;
         if world > 1 && bool_var("CONSORT_NCCL_CHECK", true)? {
             // The side channel of the mismatch check: a TCP mesh of its own
             // (its own store keys), used by nothing else.
