@@ -30,6 +30,9 @@ pub use consort_tcp::{Secret, ServerOptions, TcpStore, TcpStoreOptions, TcpStore
 /// The deterministic in-process simulator (functional and cost-only).
 pub use consort_sim as sim;
 
+/// DDP for burn modules (feature `burn`).
+#[cfg(feature = "burn")]
+pub use consort_burn as burn;
 /// DistributedDataParallel (`Ddp`), state dicts (`module.`/`_orig_mod.`
 /// prefixes) and safetensors checkpoints.
 pub use consort_ddp as ddp;

@@ -1,0 +1,324 @@
+//! DDP for burn modules (burn 0.22): consort's gradient averaging for any
+//! burn `Module`, over any backend consort has (the simulator, TCP, QUIC,
+//! NCCL).
+//!
+//! burn's tensors do not lend out their memory, so [`BurnModel`] keeps a
+//! host copy (a [`PlainModel`]) that DDP works on, and copies across at
+//! three points, as the candle adapter does:
+//!
+//! ```text
+//! let mut host = BurnModel::from_module(&model)?;        // values → host
+//! let mut ddp = Ddp::new(backend, &mut host, opts).await?;
+//! let mut model = host.push_values(model)?;              // rank 0's values → module
+//! loop {
+//!     let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+//!     host.pull_grads(&grads)?;                          // grads → host
+//!     ddp.sync_grads(&mut host).await?;                  // average
+//!     host.push_grads(&mut grads)?;                      // averages → GradientsParams
+//!     model = optimizer.step(lr, model, grads);
+//! }
+//! ```
+//!
+//! Parameters are named by their module path (`fc1.weight`, `layers.0.bias`)
+//! and listed in the order burn visits them, which is the same on every
+//! rank for the same module type. f32, f64, f16 and bf16 parameters are
+//! supported, up to 6 dimensions. burn's `Linear` keeps its weight as
+//! `[d_input, d_output]`, the transpose of torch's.
+
+use burn::{
+    Tensor,
+    module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId},
+    optim::GradientsParams,
+    tensor::{DType as BDType, Device, TensorData},
+};
+use consort_comm::DType;
+use consort_ddp::{ParamSet, ParamSpec, PlainModel, PlainModelError};
+
+/// Why the burn adapter failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BurnError {
+    /// A parameter's dtype has no float equivalent here.
+    #[error("parameter {name} has dtype {dtype:?}; DDP reduces f32, f64, f16 and bf16 parameters")]
+    Unsupported {
+        /// The parameter's module path.
+        name: String,
+        /// Its burn dtype.
+        dtype: BDType,
+    },
+    /// A parameter of more dimensions than the adapter handles.
+    #[error("parameter {name} has {dims} dimensions; the burn adapter handles up to 6")]
+    TooManyDims {
+        /// The parameter's module path.
+        name: String,
+        /// Its rank.
+        dims: usize,
+    },
+    /// The module given back is not the one the adapter was made from.
+    #[error(
+        "the module has {got} float parameters where {want} were expected (parameter {name}); \
+         pass the module BurnModel::from_module was made from"
+    )]
+    Mismatch {
+        /// The first parameter that did not match.
+        name: String,
+        /// Parameters found.
+        got: usize,
+        /// Parameters expected.
+        want: usize,
+    },
+    /// The host copy refused a tensor.
+    #[error(transparent)]
+    Model(#[from] PlainModelError),
+}
+
+/// One float parameter of the module.
+#[derive(Clone, Debug)]
+struct Entry {
+    name: String,
+    id: ParamId,
+    dims: Vec<usize>,
+    dtype: BDType,
+    /// Where its gradient lives (the parameter's device without autodiff).
+    grad_device: Device,
+}
+
+/// A burn module's float parameters as a [`ParamSet`]: their ids, and a
+/// host copy of their values and gradients.
+#[derive(Debug)]
+pub struct BurnModel {
+    entries: Vec<Entry>,
+    host: PlainModel,
+}
+
+fn our_dtype(name: &str, d: BDType) -> Result<DType, BurnError> {
+    match d {
+        BDType::F32 => Ok(DType::F32),
+        BDType::F64 => Ok(DType::F64),
+        BDType::F16 => Ok(DType::F16),
+        BDType::BF16 => Ok(DType::BF16),
+        dtype => Err(BurnError::Unsupported {
+            name: name.to_string(),
+            dtype,
+        }),
+    }
+}
+
+/// Collects every float parameter with its module path.
+struct Collect {
+    path: Vec<String>,
+    found: Vec<(Entry, Vec<u8>)>,
+    err: Option<BurnError>,
+}
+
+impl ModuleVisitor for Collect {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val();
+        let name = self.path.join(".");
+        let entry = Entry {
+            name,
+            id: param.id,
+            dims: t.dims().to_vec(),
+            dtype: t.dtype(),
+            grad_device: t.device().inner(),
+        };
+        if D > 6 {
+            self.err.get_or_insert(BurnError::TooManyDims {
+                name: entry.name.clone(),
+                dims: D,
+            });
+        }
+        let bytes = t.to_data().as_bytes().to_vec();
+        self.found.push((entry, bytes));
+    }
+}
+
+fn collect<M: Module>(module: &M) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
+    let mut c = Collect {
+        path: Vec::new(),
+        found: Vec::new(),
+        err: None,
+    };
+    module.visit(&mut c);
+    match c.err {
+        Some(e) => Err(e),
+        None => Ok(c.found),
+    }
+}
+
+/// Replaces each float parameter's value with the host copy's, in visit
+/// order, keeping its id and whether it takes gradients.
+struct Push<'a> {
+    model: &'a mut BurnModel,
+    next: usize,
+    err: Option<BurnError>,
+}
+
+impl ModuleMapper for Push<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let i = self.next;
+        self.next += 1;
+        let Some(e) = self.model.entries.get(i).filter(|e| e.id == param.id) else {
+            self.err.get_or_insert(BurnError::Mismatch {
+                name: format!("#{i}"),
+                got: i + 1,
+                want: self.model.entries.len(),
+            });
+            return param;
+        };
+        let (dims, dtype) = (e.dims.clone(), e.dtype);
+        let bytes = self.model.host.param_bytes_mut(i).to_vec();
+        param.map(|t| {
+            let grad = t.is_require_grad();
+            let data = TensorData::from_bytes_vec(bytes, dims, dtype);
+            let v = Tensor::<D>::from_data(data, &t.device());
+            if grad { v.require_grad() } else { v }
+        })
+    }
+}
+
+/// Calls `$body` with `$d` bound to a const rank from 1 to 6.
+macro_rules! with_rank {
+    ($dims:expr, $d:ident => $body:expr, $else:expr) => {
+        match $dims {
+            1 => {
+                const $d: usize = 1;
+                $body
+            }
+            2 => {
+                const $d: usize = 2;
+                $body
+            }
+            3 => {
+                const $d: usize = 3;
+                $body
+            }
+            4 => {
+                const $d: usize = 4;
+                $body
+            }
+            5 => {
+                const $d: usize = 5;
+                $body
+            }
+            6 => {
+                const $d: usize = 6;
+                $body
+            }
+            _ => $else,
+        }
+    };
+}
+
+impl BurnModel {
+    /// Every float parameter of `module`, named by its module path.
+    pub fn from_module<M: Module>(module: &M) -> Result<Self, BurnError> {
+        let mut host = PlainModel::new();
+        let mut entries = Vec::new();
+        for (e, bytes) in collect(module)? {
+            let dtype = our_dtype(&e.name, e.dtype)?;
+            host.add_param_bytes(e.name.clone(), dtype, e.dims.clone(), bytes)?;
+            entries.push(e);
+        }
+        Ok(BurnModel { entries, host })
+    }
+
+    /// The parameters' module paths, in DDP's order.
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.iter().map(|e| e.name.as_str()).collect()
+    }
+
+    /// The host copy (values and gradients).
+    pub fn host(&self) -> &PlainModel {
+        &self.host
+    }
+
+    /// `module` with the host values (after `Ddp::new` replaced them with
+    /// rank 0's). `module` must be the one this was made from (the same
+    /// parameter ids).
+    pub fn push_values<M: Module>(&mut self, module: M) -> Result<M, BurnError> {
+        let want = self.entries.len();
+        let mut push = Push {
+            model: self,
+            next: 0,
+            err: None,
+        };
+        let module = module.map(&mut push);
+        if let Some(e) = push.err {
+            return Err(e);
+        }
+        if push.next != want {
+            return Err(BurnError::Mismatch {
+                name: format!("#{}", push.next),
+                got: push.next,
+                want,
+            });
+        }
+        Ok(module)
+    }
+
+    /// Copies this step's gradients from `grads` to the host copy; a
+    /// parameter with no gradient has none there either.
+    pub fn pull_grads(&mut self, grads: &GradientsParams) -> Result<(), BurnError> {
+        self.host.zero_grad();
+        for i in 0..self.entries.len() {
+            let e = &self.entries[i];
+            let got: Option<Vec<u8>> = with_rank!(e.dims.len(), D => {
+                grads.get::<D>(e.id).map(|g| g.to_data().as_bytes().to_vec())
+            }, None);
+            if let Some(bytes) = got {
+                let dst = self.host.grad_bytes_mut(i);
+                if dst.len() == bytes.len() {
+                    dst.copy_from_slice(&bytes);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the (averaged) host gradients into `grads`, for the
+    /// optimizer, on the device each parameter's gradient was on.
+    pub fn push_grads(&self, grads: &mut GradientsParams) -> Result<(), BurnError> {
+        for (i, e) in self.entries.iter().enumerate() {
+            let Some(g) = self.host.grad_bytes(i) else {
+                continue;
+            };
+            // A parameter this rank computed no gradient for still gets the
+            // average: the other ranks' optimizers step it too.
+            let data = TensorData::from_bytes_vec(g.to_vec(), e.dims.clone(), e.dtype);
+            with_rank!(e.dims.len(), D => {
+                let device = grads
+                    .remove::<D>(e.id)
+                    .map_or_else(|| e.grad_device.clone(), |old| old.device());
+                grads.register::<D>(e.id, Tensor::<D>::from_data(data, &device));
+            }, ());
+        }
+        Ok(())
+    }
+}
+
+impl ParamSet for BurnModel {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.host.params()
+    }
+
+    fn param_bytes_mut(&mut self, i: usize) -> &mut [u8] {
+        self.host.param_bytes_mut(i)
+    }
+
+    fn grad_bytes(&self, i: usize) -> Option<&[u8]> {
+        self.host.grad_bytes(i)
+    }
+
+    fn grad_bytes_mut(&mut self, i: usize) -> &mut [u8] {
+        self.host.grad_bytes_mut(i)
+    }
+}
