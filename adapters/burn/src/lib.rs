@@ -19,6 +19,13 @@
 //! }
 //! ```
 //!
+//! The sharded strategies (ZeRO-1, ZeRO-2, and FSDP's reduce-scatter and
+//! sharded optimizer) take the same host copy: hand this step's gradients
+//! to them with [`BurnModel::mark_ready`], step, and copy the parameters
+//! back ([`Sharded::copy_params_to`], then [`BurnModel::push_values`]).
+//! The module keeps whole parameters, so FSDP's memory saving on the
+//! parameters themselves does not apply to a burn module.
+//!
 //! Parameters are named by their module path (`fc1.weight`, `layers.0.bias`)
 //! and listed in the order burn visits them, which is the same on every
 //! rank for the same module type. f32, f64, f16 and bf16 parameters are
@@ -31,8 +38,8 @@ use burn::{
     optim::GradientsParams,
     tensor::{DType as BDType, Device, TensorData},
 };
-use consort_comm::DType;
-use consort_ddp::{ParamSet, ParamSpec, PlainModel, PlainModelError};
+use consort_comm::{DType, with_dtype};
+use consort_ddp::{DdpError, ParamSet, ParamSpec, PlainModel, PlainModelError, Sharded};
 
 /// Why the burn adapter failed.
 #[derive(Debug, thiserror::Error)]
@@ -280,6 +287,27 @@ impl BurnModel {
                     dst.copy_from_slice(&bytes);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Hands this step's gradients (from [`BurnModel::pull_grads`]) to the
+    /// sharded strategies, every parameter's (zeros for one without a
+    /// gradient this step, as [`Sharded::step`] needs them all).
+    pub fn mark_ready(&self, sharded: &mut Sharded) -> Result<(), DdpError> {
+        for (i, spec) in self.host.params().iter().enumerate() {
+            with_dtype!(spec.dtype, T => {
+                let zeros;
+                // The host copy holds each parameter in its own dtype.
+                let g: &[T] = match self.host.grad::<T>(i).ok().flatten() {
+                    Some(g) => g,
+                    None => {
+                        zeros = vec![<T as bytemuck::Zeroable>::zeroed(); spec.numel()];
+                        &zeros
+                    }
+                };
+                sharded.mark_ready(i, g)?;
+            });
         }
         Ok(())
     }

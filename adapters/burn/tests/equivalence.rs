@@ -1,6 +1,7 @@
-//! DDP over N simulated ranks with per-rank batch b ends with the same
-//! parameters as one burn process with batch N·b (SGD, mean squared error),
-//! for a two-layer burn model; every rank ends in step with rank 0.
+//! DDP, ZeRO-2 and FSDP over N simulated ranks with per-rank batch b end
+//! with the same parameters as one burn process with batch N·b (SGD, mean
+//! squared error), for a two-layer burn model; every rank ends in step
+//! with rank 0.
 
 use std::sync::Arc;
 
@@ -13,7 +14,7 @@ use burn::{
 };
 use consort_burn::BurnModel;
 use consort_comm::Backend;
-use consort_ddp::{Ddp, DdpOptions, ParamSet};
+use consort_ddp::{Ddp, DdpOptions, ParamSet, Sgd, ShardOptions, Sharded, Strategy};
 use consort_sim::{SimConfig, SimWorld};
 use proptest::prelude::*;
 
@@ -118,6 +119,53 @@ fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)
     })
 }
 
+/// As [`distributed`], with a sharded strategy and consort's SGD (the
+/// optimizer runs on each rank's shard).
+fn sharded(world: usize, batch: usize, steps: usize, strategy: Strategy) -> Vec<(Values, Values)> {
+    let sim = SimWorld::new(SimConfig::new(world)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tasks: Vec<_> = sim
+            .ranks()
+            .into_iter()
+            .map(|rank| {
+                tokio::spawn(async move {
+                    let rank: Arc<dyn Backend> = Arc::new(rank);
+                    let r = rank.rank();
+                    let device = Device::default().autodiff();
+                    let net = Net::new(&device);
+                    let mut host = BurnModel::from_module(&net).unwrap();
+                    let opts = ShardOptions::new(strategy);
+                    let mut sh = Sharded::new(rank, &mut host, Sgd::new(LR), opts)
+                        .await
+                        .unwrap();
+                    sh.copy_params_to(&mut host).await.unwrap();
+                    let mut net = host.push_values(net).unwrap();
+                    let start = values(&mut host);
+                    for s in 0..steps {
+                        let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
+                        let grads = GradientsParams::from_grads(loss.backward(), &net);
+                        host.pull_grads(&grads).unwrap();
+                        host.mark_ready(&mut sh).unwrap();
+                        sh.step().await.unwrap();
+                        sh.copy_params_to(&mut host).await.unwrap();
+                        net = host.push_values(net).unwrap();
+                    }
+                    let mut end = BurnModel::from_module(&net).unwrap();
+                    (start, values(&mut end))
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    })
+}
+
 /// One process from `start`, batch `world · batch`.
 fn single(start: &[Vec<f32>], world: usize, batch: usize, steps: usize) -> Vec<Vec<f32>> {
     let device = Device::default().autodiff();
@@ -166,6 +214,19 @@ proptest! {
             if let Err(e) = close(end, &want) {
                 return Err(TestCaseError::fail(format!("rank {r}: {e}")));
             }
+        }
+    }
+}
+
+#[test]
+fn zero2_and_fsdp_on_burn_modules_equal_one_process() {
+    let (world, batch, steps) = (3, 2, 3);
+    for strategy in [Strategy::Zero2, Strategy::Fsdp] {
+        let out = sharded(world, batch, steps, strategy);
+        let want = single(&out[0].0, world, batch, steps);
+        for (r, (start, end)) in out.iter().enumerate() {
+            assert_eq!(start, &out[0].0, "{strategy:?}: rank {r}'s start");
+            close(end, &want).unwrap_or_else(|e| panic!("{strategy:?}: rank {r}: {e}"));
         }
     }
 }
