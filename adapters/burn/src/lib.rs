@@ -32,6 +32,9 @@
 //! supported, up to 6 dimensions. burn's `Linear` keeps its weight as
 //! `[d_input, d_output]`, the transpose of torch's.
 
+/// The burn this adapter is built against (0.22.1), for code that names
+/// burn's types through consort (`consort::burn::burn`).
+pub use burn;
 use burn::{
     Tensor,
     module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId},
@@ -246,6 +249,49 @@ impl BurnModel {
     /// The host copy (values and gradients).
     pub fn host(&self) -> &PlainModel {
         &self.host
+    }
+
+    /// Copies `module`'s current values into the host copy: after burn's
+    /// optimizer stepped the module (DDP), before a checkpoint. The module
+    /// must be the one this was made from.
+    pub fn pull_values<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
+        let found = collect(module)?;
+        if found.len() != self.entries.len() {
+            return Err(BurnError::Mismatch {
+                name: format!("#{}", found.len().min(self.entries.len())),
+                got: found.len(),
+                want: self.entries.len(),
+            });
+        }
+        for (i, (e, bytes)) in found.into_iter().enumerate() {
+            let dst = self.host.param_bytes_mut(i);
+            if e.id != self.entries[i].id || dst.len() != bytes.len() {
+                return Err(BurnError::Mismatch {
+                    name: e.name,
+                    got: i,
+                    want: self.entries.len(),
+                });
+            }
+            dst.copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
+
+    /// The host copy's parameters by module path (a checkpoint: pass it to
+    /// `consort_ddp::save_safetensors`). Under DDP burn's optimizer steps
+    /// the module, not the host copy: call [`BurnModel::pull_values`]
+    /// first.
+    pub fn state_dict(&self) -> consort_ddp::StateDict {
+        self.host.state_dict()
+    }
+
+    /// Loads parameters by name into the host copy (then
+    /// [`BurnModel::push_values`] puts them in the module).
+    pub fn load_state_dict(
+        &mut self,
+        sd: &consort_ddp::StateDict,
+    ) -> Result<(), consort_ddp::StateDictError> {
+        self.host.load_state_dict(sd)
     }
 
     /// `module` with the host values (after `Ddp::new` replaced them with

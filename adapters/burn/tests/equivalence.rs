@@ -240,3 +240,32 @@ fn parameters_are_named_by_module_path() {
         vec!["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     );
 }
+
+/// After burn's optimizer steps the module, `pull_values` brings its values
+/// into the host copy (what a checkpoint saves), and `load_state_dict` +
+/// `push_values` put a checkpoint back into a fresh module.
+#[test]
+fn a_checkpoint_holds_the_stepped_values_and_loads_into_a_fresh_module() {
+    let device = Device::default().autodiff();
+    let net = Net::new(&device);
+    let mut host = BurnModel::from_module(&net).unwrap();
+    let before = host.state_dict();
+    let loss = step_loss(&net, 0, 0..4, &device);
+    let grads = GradientsParams::from_grads(loss.backward(), &net);
+    let net = SgdConfig::new().init().step(LR, net, grads);
+    assert_eq!(host.state_dict(), before, "the host copy is not the module");
+    host.pull_values(&net).unwrap();
+    let saved = host.state_dict();
+    assert_ne!(
+        saved, before,
+        "pull_values did not bring the stepped values"
+    );
+    let fresh = Net::new(&device);
+    let mut other = BurnModel::from_module(&fresh).unwrap();
+    other.load_state_dict(&saved).unwrap();
+    let fresh = other.push_values(fresh).unwrap();
+    assert_eq!(BurnModel::from_module(&fresh).unwrap().state_dict(), saved);
+    // The wrong module is refused, not half-read.
+    let mut wrong = BurnModel::from_module(&Net::new(&device)).unwrap();
+    assert!(wrong.pull_values(&net).is_err());
+}

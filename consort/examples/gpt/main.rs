@@ -1,0 +1,261 @@
+//! A small GPT-style language model (burn 0.22) trained with consort's DDP:
+//! every rank draws its windows of a generated corpus through the
+//! DistributedSampler, burn computes the gradients, consort averages them
+//! across the ranks, and burn's Adam steps. It prints the loss and
+//! tokens/s, draws the loss curve (`OUT/loss.png`), writes a checkpoint
+//! (`OUT/checkpoint.safetensors`, named by module path) every
+//! `--checkpoint-every` steps, and resumes from it when run again.
+//!
+//! ```text
+//! cargo run --release -p consort --features burn --example gpt              # 4 simulated ranks
+//! cargo build --release -p consort --features burn --examples --bins
+//! target/release/consort run --standalone --nproc-per-node 2 -- \
+//!     target/release/examples/gpt --backend tcp                              # 2 processes over TCP
+//! ```
+//!
+//! The resumed run restarts Adam's moments (the checkpoint holds the
+//! parameters and the step).
+
+mod data;
+mod model;
+
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Instant};
+
+use clap::Parser;
+use consort::{
+    Backend, ProcessGroup, ReduceOp,
+    burn::{
+        BurnModel,
+        burn::{
+            Tensor,
+            optim::{AdamConfig, GradientsParams},
+            tensor::{Device, Int, TensorData},
+        },
+    },
+    ddp::{Ddp, DdpOptions, load_safetensors, save_safetensors},
+    sampler::DistributedSampler,
+    sim::{SimConfig, SimWorld},
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A small GPT trained with consort's DDP on burn.
+#[derive(Parser, Clone, Debug)]
+struct Args {
+    /// sim (ranks in this process; the default when not launched) or tcp
+    /// (one process per rank, under `consort run` or torchrun).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Simulated ranks (--backend sim).
+    #[arg(long, default_value_t = 4)]
+    world_size: usize,
+    /// Optimizer steps in all (a resumed run continues to this many).
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// Windows per rank per step.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Tokens the model sees at once.
+    #[arg(long, default_value_t = 32)]
+    context: usize,
+    /// Adam's learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Where the checkpoint and the plot go.
+    #[arg(long, default_value = "gpt-out")]
+    out: PathBuf,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+}
+
+fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    let launched = std::env::var_os("RANK").is_some();
+    let backend = args
+        .backend
+        .clone()
+        .unwrap_or_else(|| if launched { "tcp" } else { "sim" }.into());
+    if args.steps == 0 || args.batch_size == 0 || args.context == 0 || args.world_size == 0 {
+        return Err("--steps, --batch-size, --context and --world-size must be at least 1".into());
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match backend.as_str() {
+            "sim" => {
+                let world = SimWorld::new(SimConfig::new(args.world_size))?;
+                let tasks: Vec<_> = world
+                    .ranks()
+                    .into_iter()
+                    .map(|r| {
+                        let b: Arc<dyn Backend> = Arc::new(r);
+                        tokio::spawn(train(b, args.clone()))
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await??;
+                }
+                Ok(())
+            }
+            "tcp" => {
+                let dist = consort::init_from_env().await?;
+                let pg = dist.process_group().await?;
+                let res = train(pg.backend().clone(), args).await;
+                drop(pg);
+                dist.shutdown().await?;
+                res
+            }
+            other => Err(format!("unknown --backend {other:?}: expected sim or tcp").into()),
+        }
+    })
+}
+
+/// One rank's training.
+async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
+    let (r, world) = (rank.rank(), rank.world_size());
+    let pg = ProcessGroup::new(rank.clone());
+    let device = Device::default().autodiff();
+    let sizes = model::Sizes {
+        vocab: data::VOCAB.len(),
+        context: args.context,
+        d_model: 64,
+        heads: 4,
+        layers: 2,
+    };
+    let net = model::Gpt::new(sizes, &device);
+    let mut host = BurnModel::from_module(&net)?;
+    let ckpt = args.out.join("checkpoint.safetensors");
+    let mut start = 0;
+    if ckpt.exists() {
+        let (sd, meta) = load_safetensors(&ckpt)?;
+        host.load_state_dict(&sd)?;
+        start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if r == 0 {
+            println!("resuming from {} at step {start}", ckpt.display());
+        }
+    }
+    let mut ddp = Ddp::new(rank.clone(), &mut host, DdpOptions::default()).await?;
+    let mut net = host.push_values(net)?;
+    let mut optim = AdamConfig::new().init();
+
+    let corpus = data::corpus(20_000);
+    let stride = 3;
+    let windows = data::windows(corpus.len(), args.context, stride) as u64;
+    let mut sampler = DistributedSampler::new(windows, world, r, true, 0, true)?;
+    let per_epoch = (windows as usize / world / args.batch_size).max(1);
+    let (mut epoch, mut picks) = (usize::MAX, Vec::new());
+    let bar = (r == 0).then(|| {
+        let b = indicatif::ProgressBar::new(args.steps as u64);
+        b.set_position(start as u64);
+        b
+    });
+    let mut history: Vec<(usize, f64)> = Vec::new();
+    let begin = Instant::now();
+    for step in start..args.steps {
+        if step / per_epoch != epoch {
+            epoch = step / per_epoch;
+            sampler.set_epoch(epoch as u64);
+            picks = sampler.indices()?;
+        }
+        let k = step % per_epoch * args.batch_size;
+        let (x, y) = data::batch(
+            &corpus,
+            &picks[k..k + args.batch_size],
+            args.context,
+            stride,
+        );
+        let shape = [args.batch_size, args.context];
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(x, shape), &device);
+        let targets = Tensor::<2, Int>::from_data(TensorData::new(y, shape), &device);
+        let loss = net.loss(ids, targets);
+        let mut mean = [loss.clone().into_scalar::<f32>()];
+        let mut grads = GradientsParams::from_grads(loss.backward(), &net);
+        host.pull_grads(&grads)?;
+        ddp.sync_grads(&mut host).await?;
+        host.push_grads(&mut grads)?;
+        net = optim.step(args.lr, net, grads);
+        pg.all_reduce(&mut mean, ReduceOp::Avg).await?;
+        history.push((step + 1, f64::from(mean[0])));
+        if let Some(b) = &bar {
+            let tokens = (step + 1 - start) * world * args.batch_size * args.context;
+            let rate = tokens as f64 / begin.elapsed().as_secs_f64();
+            b.set_message(format!("loss {:.3}, {rate:.0} tokens/s", mean[0]));
+            b.set_position(step as u64 + 1);
+            if (step + 1) % 20 == 0 || step + 1 == args.steps {
+                // Shown with or without a terminal (the bar hides without).
+                b.suspend(|| {
+                    println!(
+                        "step {:>4}/{}: loss {:.4}, {rate:.0} tokens/s",
+                        step + 1,
+                        args.steps,
+                        mean[0]
+                    )
+                });
+            }
+        }
+        if (step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps {
+            if r == 0 {
+                // burn's optimizer stepped the module: its values, not the
+                // host copy's starting ones, go in the checkpoint.
+                host.pull_values(&net)?;
+                let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
+                save_safetensors(&ckpt, &host.state_dict(), &meta)?;
+            }
+            // No rank leaves a step before the checkpoint of it exists.
+            pg.barrier().await?;
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+        let plot = args.out.join("loss.png");
+        plot::draw(&plot, &history)?;
+        let last = history.last().map_or(f64::NAN, |h| h.1);
+        println!(
+            "{world} ranks, {} steps: loss {last:.4}; checkpoint {}, loss curve {}",
+            args.steps,
+            ckpt.display(),
+            plot.display()
+        );
+    }
+    Ok(())
+}
+
+mod plot {
+    //! The loss curve as a PNG, with the trainer's embedded font.
+
+    use plotters::prelude::*;
+
+    const FONT: &[u8] = include_bytes!("../train/assets/DejaVuSans.ttf");
+
+    pub(crate) fn draw(path: &std::path::Path, history: &[(usize, f64)]) -> Result<(), String> {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
+            .map_err(|_| "the embedded font does not load".to_string())?;
+        let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
+        let root = BitMapBackend::new(path, (800, 450)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let first = history.first().map_or(0, |h| h.0);
+        let last = history.last().map_or(1, |h| h.0).max(first + 1);
+        let top = history.iter().map(|h| h.1).fold(0.0, f64::max).max(1e-3) * 1.1;
+        let mut c = ChartBuilder::on(&root)
+            .caption(
+                "GPT on burn, consort DDP: training loss",
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(first..last, 0.0..top)
+            .map_err(|e| err(&e))?;
+        c.configure_mesh()
+            .x_desc("step")
+            .y_desc("cross entropy")
+            .draw()
+            .map_err(|e| err(&e))?;
+        c.draw_series(LineSeries::new(history.iter().copied(), &BLUE))
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))
+    }
+}
