@@ -69,15 +69,39 @@ struct Args {
     checkpoint_every: usize,
 }
 
-fn main() -> Result<(), BoxError> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), BoxError> {
     let launched = std::env::var_os("RANK").is_some();
     let backend = args
         .backend
         .clone()
         .unwrap_or_else(|| if launched { "tcp" } else { "sim" }.into());
-    if args.steps == 0 || args.batch_size == 0 || args.context == 0 || args.world_size == 0 {
-        return Err("--steps, --batch-size, --context and --world-size must be at least 1".into());
+    if [
+        args.steps,
+        args.batch_size,
+        args.context,
+        args.world_size,
+        args.checkpoint_every,
+    ]
+    .contains(&0)
+    {
+        return Err(
+            "--steps, --batch-size, --context, --world-size and --checkpoint-every must be at \
+             least 1"
+                .into(),
+        );
+    }
+    if args.context > 512 {
+        return Err(format!("--context {} is more than this example's 512", args.context).into());
     }
     std::fs::create_dir_all(&args.out)?;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -145,7 +169,15 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
     let stride = 3;
     let windows = data::windows(corpus.len(), args.context, stride) as u64;
     let mut sampler = DistributedSampler::new(windows, world, r, true, 0, true)?;
-    let per_epoch = (windows as usize / world / args.batch_size).max(1);
+    let per_rank = windows as usize / world;
+    if args.batch_size > per_rank {
+        return Err(format!(
+            "--batch-size {} is more than the {per_rank} windows each of {world} ranks has",
+            args.batch_size
+        )
+        .into());
+    }
+    let per_epoch = per_rank / args.batch_size;
     let (mut epoch, mut picks) = (usize::MAX, Vec::new());
     let bar = (r == 0).then(|| {
         let b = indicatif::ProgressBar::new(args.steps as u64);
