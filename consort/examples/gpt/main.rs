@@ -3,8 +3,9 @@
 //! DistributedSampler, burn computes the gradients, consort averages them
 //! across the ranks, and burn's Adam steps. It prints the loss and
 //! tokens/s, draws the loss curve (`OUT/loss.png`), writes a checkpoint
-//! (`OUT/checkpoint.safetensors`, named by module path) every
-//! `--checkpoint-every` steps, and resumes from it when run again.
+//! (`OUT/checkpoint.safetensors`, named by module path) and the loss so far
+//! (`OUT/metrics.json`) every `--checkpoint-every` steps, and resumes from
+//! them when run again.
 //!
 //! ```text
 //! cargo run --release -p consort --features burn --example gpt              # 4 simulated ranks
@@ -184,7 +185,14 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         b.set_position(start as u64);
         b
     });
-    let mut history: Vec<(usize, f64)> = Vec::new();
+    // The loss so far (a resumed run continues the curve).
+    let metrics = args.out.join("metrics.json");
+    let mut history: Vec<(usize, f64)> = std::fs::read(&metrics)
+        .ok()
+        .filter(|_| start > 0)
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    history.retain(|h| h.0 <= start);
     let begin = Instant::now();
     for step in start..args.steps {
         if step / per_epoch != epoch {
@@ -235,6 +243,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
                 host.pull_values(&net)?;
                 let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
                 save_safetensors(&ckpt, &host.state_dict(), &meta)?;
+                std::fs::write(&metrics, serde_json::to_vec(&history)?)?;
             }
             // No rank leaves a step before the checkpoint of it exists.
             pg.barrier().await?;
