@@ -42,6 +42,7 @@ mod fingerprint;
 pub mod flight;
 pub mod frame;
 mod group;
+pub mod heartbeat;
 mod objects;
 pub mod ordered;
 pub mod reduce;

@@ -186,6 +186,10 @@ impl Dist {
         };
         let mut opts = consort_nccl::NcclOptions {
             device: Some(device.or(shared).unwrap_or(self.env.local_rank)),
+            // The launcher's watchdog sees NCCL ranks' progress too.
+            heartbeat_file: std::env::var_os("CONSORT_HEARTBEAT_FILE")
+                .filter(|f| !f.is_empty())
+                .map(Into::into),
             ..Default::default()
         };
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {

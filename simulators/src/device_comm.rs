@@ -198,6 +198,8 @@ struct Shared {
     cv: Condvar,
     device: Arc<EmulatedDevice>,
     checker: OnceLock<Checker>,
+    /// The launcher's heartbeat, as NCCL keeps it.
+    beat: OnceLock<Arc<consort_comm::heartbeat::Heartbeat>>,
 }
 
 impl Shared {
@@ -210,6 +212,21 @@ impl Shared {
         if let Some(reply) = w.reply {
             let out = r.map(|()| lock(&w.slot).out.take());
             let _ = reply.send(out);
+        }
+        self.ended();
+    }
+
+    /// The heartbeat: a call was made.
+    fn made(&self, fp: &Fingerprint) {
+        if let Some(b) = self.beat.get() {
+            b.made(fp, consort_comm::heartbeat::now_us());
+        }
+    }
+
+    /// The heartbeat: a call ended (done or failed).
+    fn ended(&self) {
+        if let Some(b) = self.beat.get() {
+            b.ended(consort_comm::heartbeat::now_us());
         }
     }
 
@@ -320,6 +337,7 @@ fn communicator(
         cv: Condvar::new(),
         device: device.clone(),
         checker: OnceLock::new(),
+        beat: OnceLock::new(),
     });
     let s = shared.clone();
     let watchdog = std::thread::Builder::new()
@@ -364,6 +382,20 @@ impl EmulatedComm {
     /// The wrapped host backend.
     pub fn inner(&self) -> &Arc<dyn Backend> {
         &self.inner
+    }
+
+    /// Shows this communicator's calls in the launcher's heartbeat file at
+    /// `path` (`CONSORT_HEARTBEAT_FILE`), as NCCL does: each call made and
+    /// ended, so a stalled or stopped rank is seen by the watchdog.
+    pub fn set_heartbeat(&self, path: &std::path::Path) -> Result<()> {
+        let b = consort_comm::heartbeat::Heartbeat::shared(path).map_err(|e| {
+            CommError::invalid(format!(
+                "cannot map the heartbeat file {}: {e}",
+                path.display()
+            ))
+        })?;
+        let _ = self.shared.beat.set(b);
+        Ok(())
     }
 
     /// Turns on the mismatch check, as
@@ -458,6 +490,7 @@ impl EmulatedComm {
             .lock()
             .core
             .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+        self.shared.made(&made.fp);
         if !matches!(fp.op, OpKind::Send | OpKind::Recv)
             && let Some(c) = self.shared.checker.get()
         {
@@ -523,7 +556,9 @@ impl EmulatedComm {
     ) -> CommError {
         self.device.complete_event(gate);
         self.device.release_event(gate);
-        self.shared.lock().core.launch_failed(id, e)
+        let e = self.shared.lock().core.launch_failed(id, e);
+        self.shared.ended();
+        e
     }
 
     /// A call's buffers as the communication thread holds them, with the

@@ -11,7 +11,8 @@
 //! - [`rendezvous`]: the mesh rendezvous through the store, and the choice
 //!   of transport per peer;
 //! - [`auth`]: the `CONSORT_SECRET` challenge every stream starts with;
-//! - [`heartbeat`]: the file the launcher's watchdog reads.
+//! - [`heartbeat`]: the file the launcher's watchdog reads (it lives in
+//!   `consort_comm::heartbeat`, shared with NCCL and the emulated device).
 //!
 //! consort-tcp (TCP streams), consort-quic (QUIC streams) and consort-shm
 //! (same-host queues) build on it; none depends on another.
@@ -19,7 +20,7 @@
 pub mod auth;
 mod cpus;
 mod driver;
-pub mod heartbeat;
+pub use consort_comm::heartbeat;
 pub mod link;
 mod options;
 pub mod rendezvous;

@@ -18,6 +18,7 @@ use std::{
 
 use consort_comm::{
     CommError, ErrorContext,
+    heartbeat::Heartbeat,
     ordered::{Ordered, check::Checker},
 };
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
@@ -57,15 +58,32 @@ pub(crate) struct Track {
     pub(crate) free_events: Vec<Event>,
     /// The newest staging generation whose work has finished.
     pub(crate) staged: u64,
+    /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
+    beat: Option<Arc<Heartbeat>>,
 }
 
 impl Track {
-    pub(crate) fn new(core: Ordered<Tracked>) -> Self {
+    pub(crate) fn new(core: Ordered<Tracked>, beat: Option<Arc<Heartbeat>>) -> Self {
         Track {
             core,
             stop: false,
             free_events: Vec::new(),
             staged: 0,
+            beat,
+        }
+    }
+
+    /// The launcher's heartbeat: a call was made.
+    pub(crate) fn made(&self, fp: &consort_comm::Fingerprint) {
+        if let Some(b) = &self.beat {
+            b.made(fp, consort_comm::heartbeat::now_us());
+        }
+    }
+
+    /// The launcher's heartbeat: a call ended (done, failed or cancelled).
+    pub(crate) fn ended(&self) {
+        if let Some(b) = &self.beat {
+            b.ended(consort_comm::heartbeat::now_us());
         }
     }
 
@@ -84,6 +102,7 @@ impl Track {
         if let Some(tx) = w.waiter {
             let _ = tx.send(r);
         }
+        self.ended();
     }
 
     fn finish_all(&mut self, done: Vec<(Tracked, Result<(), CommError>)>) {

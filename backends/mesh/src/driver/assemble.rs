@@ -47,7 +47,7 @@ impl MeshBackend {
             single_copy_min: opts.single_copy_min,
             flight: super::flight::FlightOut::new(opts.flight_dir.clone(), rank, world),
             faults: super::faulty::Faulty::new(&opts.faults, opts.fault_seed),
-            beat: heartbeat(&opts, rank),
+            beat: crate::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),
         });
         super::flight::register(&inner);
         if let Some(Trigger::At(at)) =
@@ -106,18 +106,4 @@ fn split_links(links: Vec<PeerLink>) -> (Vec<Link>, Vec<(usize, BoxRead)>, Vec<u
         });
     }
     (out, reads, polled)
-}
-
-/// The launcher's heartbeat page, if it gave one and it maps; a rank
-/// without one only loses the watchdog's view of its progress.
-fn heartbeat(opts: &MeshOptions, rank: usize) -> Option<Arc<crate::heartbeat::Heartbeat>> {
-    let p = opts.heartbeat_file.as_deref()?;
-    crate::heartbeat::Heartbeat::shared(p)
-        .map_err(|e| {
-            tracing::warn!(
-                "rank {rank}: no heartbeat for the launcher's watchdog: cannot map {}: {e}",
-                p.display()
-            )
-        })
-        .ok()
 }

@@ -67,6 +67,10 @@ pub struct NcclOptions {
     pub counter: u64,
     /// How often the watchdog looks at work in flight.
     pub poll_interval: Duration,
+    /// The launcher's heartbeat file (`CONSORT_HEARTBEAT_FILE`): each call
+    /// made and ended is shown there, so the watchdog sees NCCL ranks'
+    /// progress and names a stopped one.
+    pub heartbeat_file: Option<std::path::PathBuf>,
 }
 
 impl Default for NcclOptions {
@@ -77,6 +81,7 @@ impl Default for NcclOptions {
             group: "0".into(),
             counter: 0,
             poll_interval: Duration::from_micros(50),
+            heartbeat_file: None,
         }
     }
 }
@@ -175,7 +180,9 @@ impl Unlaunched<'_> {
 impl Drop for Unlaunched<'_> {
     fn drop(&mut self) {
         if self.live {
-            lock(&self.shared.track).core.cancel(self.id);
+            let mut t = lock(&self.shared.track);
+            t.core.cancel(self.id);
+            t.ended();
             self.shared.turn.notify_waiters();
         }
     }
@@ -254,7 +261,10 @@ impl NcclBackend {
             rank,
             comm: std::sync::atomic::AtomicUsize::new(comm),
             slot: Mutex::new(()),
-            track: Mutex::new(Track::new(Ordered::new(rank, world, group))),
+            track: Mutex::new(Track::new(
+                Ordered::new(rank, world, group),
+                consort_comm::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),
+            )),
             cv: std::sync::Condvar::new(),
             turn: tokio::sync::Notify::new(),
             poll: opts.poll_interval,
@@ -431,7 +441,10 @@ impl NcclBackend {
         let (id, ctx) = (call.made.id, call.made.ctx);
         lock(&sh.track).core.launchable(id)?;
         let fail = |e: CommError| {
-            let e = lock(&sh.track).core.launch_failed(id, e);
+            let mut t = lock(&sh.track);
+            let e = t.core.launch_failed(id, e);
+            t.ended();
+            drop(t);
             sh.abort(e.clone());
             e
         };
@@ -509,9 +522,14 @@ impl NcclBackend {
     /// are filled in here): its place in this rank's order is fixed now,
     /// and a collective's fingerprint goes to the checker.
     fn make(&self, fp: Fingerprint, opts: &CallOptions) -> Result<Call> {
-        let made = lock(&self.shared.track)
-            .core
-            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+        let made = {
+            let mut t = lock(&self.shared.track);
+            let made = t
+                .core
+                .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+            t.made(&made.fp);
+            made
+        };
         if !matches!(fp.op, OpKind::Send | OpKind::Recv)
             && let Some(c) = self.shared.checker.get()
         {

@@ -1,7 +1,8 @@
 //! The heartbeat a launched worker shows its agent: a 64-byte file
 //! (`CONSORT_HEARTBEAT_FILE`), memory-mapped, holding how many calls this
 //! rank has finished and which call it made last. The mesh driver updates
-//! it with plain stores on every call, so it costs no system call; the
+//! it with plain stores on every call (so do NCCL and the emulated device),
+//! so it costs no system call; the
 //! agent reads it with `read(2)`, which works even when the worker is
 //! stopped (SIGSTOP) or wedged, and names the call a hung rank is in.
 //!
@@ -19,7 +20,7 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
-use consort_comm::{Fingerprint, GroupId, OpKind};
+use crate::{Fingerprint, GroupId, OpKind};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"consort1");
 /// Slot 7 once the process has no group left.
@@ -40,6 +41,21 @@ unsafe impl Send for Heartbeat {}
 unsafe impl Sync for Heartbeat {}
 
 impl Heartbeat {
+    /// The heartbeat of rank `rank` at `path` if one is given and maps
+    /// ([`Heartbeat::shared`]); a failure is logged, not returned: a rank
+    /// without one only loses the watchdog's view of its progress.
+    pub fn for_rank(path: Option<&Path>, rank: usize) -> Option<std::sync::Arc<Self>> {
+        let p = path?;
+        Self::shared(p)
+            .map_err(|e| {
+                tracing::warn!(
+                    "rank {rank}: no heartbeat for the launcher's watchdog: cannot map {}: {e}",
+                    p.display()
+                )
+            })
+            .ok()
+    }
+
     /// The process's heartbeat at `path`, made on first use (a second
     /// group in the same process shares it instead of truncating a file
     /// that is mapped).
@@ -64,7 +80,7 @@ impl Heartbeat {
             std::fs::create_dir_all(dir)?;
         }
         // Never through a planted symbolic link.
-        let file = consort_comm::files::open_or_create(path)?;
+        let file = crate::files::open_or_create(path)?;
         file.set_len(BYTES as u64)?;
         // SAFETY: a shared read-write mapping of a file we just sized to
         // BYTES; the fd may be closed afterwards (the mapping keeps it).
@@ -96,7 +112,7 @@ impl Heartbeat {
     }
 
     /// A call was made.
-    pub(crate) fn made(&self, fp: &Fingerprint, now_us: u64) {
+    pub fn made(&self, fp: &Fingerprint, now_us: u64) {
         let op = OpKind::ALL.iter().position(|o| *o == fp.op).unwrap_or(0);
         self.slot(2).store(fp.seq, Ordering::Relaxed);
         self.slot(3).store(op as u64, Ordering::Relaxed);
@@ -106,7 +122,7 @@ impl Heartbeat {
     }
 
     /// A call ended.
-    pub(crate) fn ended(&self, now_us: u64) {
+    pub fn ended(&self, now_us: u64) {
         self.slot(6).store(now_us, Ordering::Relaxed);
         let _ = self
             .slot(7)
@@ -129,6 +145,14 @@ impl Drop for Heartbeat {
         // SAFETY: unmaps exactly the mapping `create` made.
         unsafe { libc::munmap(self.slots.cast_mut().cast(), BYTES) };
     }
+}
+
+/// Microseconds since the Unix epoch: the heartbeat's clock, which the
+/// agent compares with its own.
+pub fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// What the agent reads from a heartbeat file.
@@ -199,7 +223,7 @@ pub fn read(path: &Path) -> Option<Beat> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consort_comm::DType;
+    use crate::DType;
 
     #[test]
     fn the_reader_sees_every_store_of_the_writer() {
