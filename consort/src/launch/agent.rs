@@ -30,13 +30,7 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         term: signal(SignalKind::terminate())?,
     };
     let run_dir = super::dirs::run_dir(a.log_dir.as_deref())?;
-    if a.max_nodes > 1 && consort_tcp::Secret::from_env().is_none() {
-        eprintln!(
-            "[consort run] warning: a job across nodes without CONSORT_SECRET: anyone who reaches \
-             the store port can rewrite the rendezvous; set the same CONSORT_SECRET on every node \
-             when every worker is consort (README, Security)"
-        );
-    }
+    warn_without_secret(a);
     let server = host_store(a).await?;
     let store = connect(a).await?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
@@ -112,6 +106,17 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         server.shutdown().await;
     }
     Ok(code)
+}
+
+/// One line for a job across nodes without `CONSORT_SECRET`.
+fn warn_without_secret(a: &LaunchSpec) {
+    if a.max_nodes > 1 && consort_tcp::Secret::from_env().is_none() {
+        eprintln!(
+            "[consort run] warning: a job across nodes without CONSORT_SECRET: anyone who reaches \
+             the store port can rewrite the rendezvous; set the same CONSORT_SECRET on every node \
+             when every worker is consort (README, Security)"
+        );
+    }
 }
 
 /// The agent store's server, when this agent hosts it: node 0 of a static
