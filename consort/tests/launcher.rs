@@ -716,3 +716,66 @@ fn consort_store_with_a_secret_refuses_clients_without_it() {
     assert!(refused, "a client without the secret was served");
     assert_eq!(served, b"v");
 }
+
+/// `consort run --secret auto`: the agent store and every worker's
+/// connections take a random secret of the job (the workers get it as
+/// CONSORT_SECRET) and the collectives still run; `auto` across nodes is
+/// refused, since the other nodes could not know it.
+#[test]
+fn a_job_secret_protects_the_store_and_the_workers_use_it() {
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--secret",
+        "auto",
+    ];
+    args.extend(bench_worker());
+    let out = finish(consort(&args), "consort run --secret auto");
+    assert!(out.status.success(), "{out:?}");
+    let rows = rank0_rows(&out);
+    assert!(
+        !rows.is_empty() && rows.iter().all(|r| r["wrong"] == 0),
+        "{out:?}"
+    );
+    let check = r#"[ ${#CONSORT_SECRET} -eq 48 ]"#;
+    let out = finish(
+        consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--secret",
+            "auto",
+            "--",
+            "sh",
+            "-c",
+            check,
+        ]),
+        "consort run --secret auto -- sh",
+    );
+    assert!(
+        out.status.success(),
+        "the workers did not get the job's secret: {out:?}"
+    );
+    let out = finish(
+        consort(&[
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--secret",
+            "auto",
+            "--",
+            "true",
+        ]),
+        "consort run --nnodes 2 --secret auto",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--secret auto"),
+        "{err}"
+    );
+}

@@ -65,6 +65,14 @@ pub(crate) struct RunArgs {
     /// Off by default, as torchrun's.
     #[arg(long, alias = "watchdog_timeout")]
     watchdog_timeout: Option<f64>,
+    /// A shared secret for the agent store and every worker's connections
+    /// (given to the workers as CONSORT_SECRET): `auto` makes a random one
+    /// (one node only), anything else is the secret itself (the same on
+    /// every node). torch's own clients cannot authenticate: leave it unset
+    /// when the workers are torch. Default: the CONSORT_SECRET of this
+    /// process, if any.
+    #[arg(long)]
+    secret: Option<String>,
     /// Seconds between SIGTERM and SIGKILL when stopping the group.
     #[arg(long, alias = "grace_period", default_value_t = 5.0)]
     grace_period: f64,
@@ -324,8 +332,34 @@ pub(crate) async fn run(mut a: RunArgs) -> Result<i32, Box<dyn std::error::Error
         log_dir: a.log_dir,
         grace_period: a.grace_period,
         watchdog_timeout: a.watchdog_timeout,
+        secret: job_secret(a.secret.as_deref(), a.nnodes.max)?,
     };
     Ok(consort::launch::launch(spec).await?)
+}
+
+/// `--secret`: `auto` is a random secret of this job (one node: the others
+/// could not know it), anything else is used as given.
+fn job_secret(
+    flag: Option<&str>,
+    max_nodes: usize,
+) -> Result<Option<String>, Box<dyn std::error::Error>> {
+    match flag {
+        None => Ok(None),
+        Some("") => Err("--secret must not be empty".into()),
+        Some("auto") if max_nodes > 1 => Err(
+            "--secret auto makes a secret on this node alone; a job across nodes needs the same \
+             --secret VALUE (or CONSORT_SECRET) on every node"
+                .into(),
+        ),
+        Some("auto") => {
+            let mut b = [0u8; 24];
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+                .map_err(|e| format!("--secret auto: cannot read /dev/urandom: {e}"))?;
+            Ok(Some(b.iter().map(|x| format!("{x:02x}")).collect()))
+        }
+        Some(s) => Ok(Some(s.to_string())),
+    }
 }
 
 #[cfg(test)]

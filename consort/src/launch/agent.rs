@@ -108,9 +108,17 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
     Ok(code)
 }
 
+/// The job's secret: `--secret`, else the agent's `CONSORT_SECRET`.
+fn secret(a: &LaunchSpec) -> Option<consort_tcp::Secret> {
+    match &a.secret {
+        Some(s) => consort_tcp::Secret::new(s.as_bytes()),
+        None => consort_tcp::Secret::from_env(),
+    }
+}
+
 /// One line for a job across nodes without `CONSORT_SECRET`.
 fn warn_without_secret(a: &LaunchSpec) {
-    if a.max_nodes > 1 && consort_tcp::Secret::from_env().is_none() {
+    if a.max_nodes > 1 && secret(a).is_none() {
         eprintln!(
             "[consort run] warning: a job across nodes without CONSORT_SECRET: anyone who reaches \
              the store port can rewrite the rendezvous; set the same CONSORT_SECRET on every node \
@@ -128,8 +136,9 @@ async fn host_store(a: &LaunchSpec) -> Result<Option<TcpStoreServer>, LaunchErro
         return Ok(None);
     }
     let bind = crate::store_bind_addr(&a.master_addr, a.master_port).await;
-    let opts =
+    let mut opts =
         consort_tcp::ServerOptions::from_env().map_err(|e| LaunchError::Store(e.to_string()))?;
+    opts.secret = secret(a);
     match TcpStoreServer::bind_opts(bind.as_str(), opts).await {
         Ok(s) => Ok(Some(s)),
         Err(_) if elastic => Ok(None),
@@ -148,7 +157,7 @@ async fn connect(a: &LaunchSpec) -> Result<Arc<dyn Store>, LaunchError> {
         TcpStoreOptions {
             connect_timeout: rdzv_timeout,
             timeout: rdzv_timeout.max(TcpStoreOptions::default().timeout),
-            ..Default::default()
+            secret: secret(a),
         },
     )
     .await

@@ -68,6 +68,11 @@ pub struct LaunchSpec {
     /// Seconds without progress before a worker counts as hung (`None`:
     /// no watchdog).
     pub watchdog_timeout: Option<f64>,
+    /// The shared secret of the agent store and of every worker's
+    /// connections (`CONSORT_SECRET` in their environment); `None`: the
+    /// agent's own `CONSORT_SECRET`, if any. torch's clients cannot speak
+    /// the handshake: leave it unset for torch workers.
+    pub secret: Option<String>,
 }
 
 impl LaunchSpec {

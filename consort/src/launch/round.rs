@@ -167,6 +167,7 @@ impl Round {
             .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
             .env("TORCHELASTIC_RUN_ID", &a.rdzv_id)
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .envs(a.secret.as_ref().map(|s| ("CONSORT_SECRET", s)))
             .env("TORCHELASTIC_ERROR_FILE", &error_file)
             .env("CONSORT_FLIGHT_DIR", &env.flight_dir)
             .envs(
