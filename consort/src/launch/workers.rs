@@ -29,12 +29,20 @@ pub(super) fn reap(
     done: &mut [bool],
 ) -> std::io::Result<Vec<Exit>> {
     let mut failed = Vec::new();
-    for (i, (rank, child, _)) in children.iter_mut().enumerate() {
+    for (i, (rank, child, pgid)) in children.iter_mut().enumerate() {
         if done[i] {
             continue;
         }
         if let Some(status) = child.try_wait()? {
             done[i] = true;
+            // What the worker left running in its group goes with it, now:
+            // while any of it lives the group's id cannot be reused, and
+            // once the group is empty it is never signalled again.
+            if *pgid > 1 {
+                // SAFETY: kill(2) on the group of a worker we started as a
+                // group leader, which still has members if this succeeds.
+                unsafe { libc::kill(-*pgid, libc::SIGKILL) };
+            }
             if !status.success() {
                 failed.push(Exit {
                     rank: *rank,
@@ -200,8 +208,9 @@ mod tests {
     }
 
     /// A live worker's group is stopped; the group of a worker reaped
-    /// earlier is never signalled (its id may be someone else's by now),
-    /// shown by a process left in that group, which stop() leaves alone.
+    /// earlier (not through `reap`) is never signalled (its id may be
+    /// someone else's by now), shown by a process left in that group,
+    /// which stop() leaves alone.
     #[tokio::test]
     async fn only_the_groups_of_unreaped_workers_are_signalled() {
         let (mut gone, gone_pgid) = group_leader("sleep 30 & exit 0");
@@ -224,5 +233,32 @@ mod tests {
             reaped_left,
             "the group of a worker reaped earlier was signalled"
         );
+    }
+
+    /// `reap` takes what an exited worker left running in its group with
+    /// it, at once (the group's id cannot have been reused while it lives).
+    #[tokio::test]
+    async fn reaping_a_worker_stops_what_it_left_in_its_group() {
+        let (child, pgid) = group_leader("sleep 30 & exit 0");
+        let mut children = vec![(0, child, pgid)];
+        let mut done = vec![false];
+        for _ in 0..200 {
+            reap(&mut children, &mut done).unwrap();
+            if done[0] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(done[0], "the worker never exited");
+        let mut left = true;
+        for _ in 0..200 {
+            // SAFETY: signal 0 only checks for members.
+            left = unsafe { libc::kill(-pgid, 0) } == 0;
+            if !left {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!left, "the sleep the worker left behind survived");
     }
 }
