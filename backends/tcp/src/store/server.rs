@@ -258,10 +258,14 @@ async fn serve_client(
     let out = Out { tx, budget };
     // Each reply gives its bytes back to the budget once written (or
     // dropped, when the client is closed).
+    // A client that does not read what it asked for is cut off after the
+    // request timeout, and its queued replies (with their bytes) go.
+    let write_timeout = opts.request_timeout;
     let mut writer = tokio::spawn(async move {
         while let Some((buf, _lease)) = rx.recv().await {
-            if w.write_all(&buf).await.is_err() {
-                break;
+            match tokio::time::timeout(write_timeout, w.write_all(&buf)).await {
+                Ok(Ok(())) => {}
+                _ => break,
             }
         }
     });

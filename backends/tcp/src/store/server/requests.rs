@@ -14,7 +14,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::super::wire::{self, ReadError, cmd};
 use super::Closed;
-use super::state::{ClientId, Lease, Out, State};
+use super::state::{ClientId, Lease, OVERHEAD, Out, State};
 
 /// How long a client may take: to send VALIDATE after connecting, and to
 /// finish a request it has started.
@@ -90,6 +90,11 @@ pub(super) async fn handle_requests<R: AsyncRead + Unpin + Send>(
             ))
         })??;
     loop {
+        if out.tx.is_closed() {
+            return Err(Closed::Refused(
+                "the client did not read its replies within the request timeout".into(),
+            ));
+        }
         let command = match r.read_u8().await {
             Ok(c) => c,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
@@ -156,6 +161,8 @@ async fn request<R: AsyncRead + Unpin + Send>(
                 // limit is refused before the rest of it is read.
                 pairs.push((rd.key().await?, rd.value().await?));
             }
+            // The bytes move from the request to the store: counted once.
+            drop(rd);
             lock(state).put_all(pairs)
         }
         cmd::GET | cmd::MULTI_GET | cmd::CHECK | cmd::GETNUMKEYS => {
@@ -163,13 +170,17 @@ async fn request<R: AsyncRead + Unpin + Send>(
         }
         cmd::WAIT => {
             let keys = rd.keys().await?;
+            drop(rd);
             let mut s = lock(state);
             let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !s.has(k)).collect();
             if missing.is_empty() {
                 return out.send(vec![wire::STOP_WAITING]);
             }
             s.forget(id);
-            s.awaited.insert(id, (missing.len(), out.clone()));
+            // The keys it waits for stay until it is woken or leaves.
+            let bytes = missing.iter().map(|k| k.len() + OVERHEAD).sum();
+            s.charge(bytes, 0)?;
+            s.awaited.insert(id, (missing.len(), out.clone(), bytes));
             for k in missing {
                 s.waiting.entry(k).or_default().push(id);
             }
@@ -181,6 +192,7 @@ async fn request<R: AsyncRead + Unpin + Send>(
         }
         cmd::QUEUE_PUSH => {
             let (key, value) = (rd.key().await?, rd.value().await?);
+            drop(rd);
             lock(state).push(key, value)
         }
         cmd::QUEUE_POP => {
@@ -208,11 +220,13 @@ async fn write<R: AsyncRead + Unpin + Send>(
     match command {
         cmd::SET => {
             let value = rd.value().await?;
+            drop(rd); // the bytes move from the request to the store
             lock(state).put(key, value)
         }
         cmd::COMPARE_SET => {
             let expected = rd.value().await?;
             let desired = rd.value().await?;
+            drop(rd);
             let mut s = lock(state);
             let (reply, store) =
                 compare_set_rule(s.map.get(&key).map(Vec::as_slice), &expected, &desired);
@@ -237,11 +251,12 @@ async fn write<R: AsyncRead + Unpin + Send>(
         }
         cmd::APPEND => {
             let value = rd.value().await?;
+            drop(rd);
             let mut s = lock(state);
             let fresh = if s.map.contains_key(&key) {
                 0
             } else {
-                key.len()
+                key.len() + OVERHEAD
             };
             s.charge(fresh + value.len(), 0)?;
             s.map
@@ -291,13 +306,13 @@ async fn read<R: AsyncRead + Unpin + Send>(
             // GET and MULTI_GET: a missing key reads as empty, as in
             // torch's server.
             let value = |k: &Vec<u8>| s.map.get(k).map_or(&[][..], Vec::as_slice);
-            let size = keys.iter().map(|k| 8 + value(k).len()).sum();
+            let size = keys.iter().map(|k| 8 + value(k).len()).sum::<usize>();
             let what = if command == cmd::GET {
                 "a get reply"
             } else {
                 "a multi_get reply"
             };
-            let lease = out.budget.reserve(size, what)?;
+            let lease = out.budget.reserve(size + OVERHEAD, what)?;
             let mut bytes = Vec::with_capacity(size);
             for k in &keys {
                 wire::put_bytes(&mut bytes, value(k));
@@ -349,6 +364,8 @@ mod tests {
                 .is_ok()
         });
         drop(out);
+        // As the server does when a client leaves.
+        state.lock().unwrap().forget(1);
         let mut replies = Vec::new();
         while let Ok((reply, _lease)) = rx.try_recv() {
             replies.push(reply);
@@ -357,12 +374,14 @@ mod tests {
         let held: usize = state
             .map
             .iter()
-            .map(|(k, v)| k.len() + v.len())
+            .map(|(k, v)| k.len() + v.len() + OVERHEAD)
             .sum::<usize>()
             + state
                 .queues
                 .iter()
-                .map(|(k, q)| k.len() + q.iter().map(Vec::len).sum::<usize>())
+                .map(|(k, q)| {
+                    k.len() + OVERHEAD + q.iter().map(|v| v.len() + OVERHEAD).sum::<usize>()
+                })
                 .sum::<usize>();
         (ended, budget.used().saturating_sub(held), replies)
     }

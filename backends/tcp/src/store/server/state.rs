@@ -19,6 +19,11 @@ use super::Closed;
 
 pub(super) type ClientId = u64;
 
+/// What one map entry, queue element, awaited key or queued reply costs
+/// beyond its bytes (its allocation, its slot in a map or a queue): charged
+/// too, so that empty values and empty requests are not free.
+pub(super) const OVERHEAD: usize = 64;
+
 /// The server's memory limit and what counts against it.
 #[derive(Debug)]
 pub(super) struct Budget {
@@ -36,6 +41,15 @@ impl Budget {
             held: AtomicUsize::new(0),
             transient: AtomicUsize::new(0),
         })
+    }
+
+    /// A lease of nothing, never refused (a one-byte wake-up: refusing it
+    /// would leave a waiter hanging with its keys present).
+    pub(super) fn nothing(self: &Arc<Self>) -> Lease {
+        Lease {
+            budget: self.clone(),
+            n: 0,
+        }
     }
 
     /// Reserves `n` transient bytes for `what`, or refuses.
@@ -112,7 +126,7 @@ impl Out {
     /// Queues `reply`, or refuses it past the limit (the client is then
     /// closed).
     pub(super) fn send(&self, reply: Vec<u8>) -> Result<(), Closed> {
-        let lease = self.budget.reserve(reply.len(), "a reply")?;
+        let lease = self.budget.reserve(reply.len() + OVERHEAD, "a reply")?;
         self.send_reserved(reply, lease);
         Ok(())
     }
@@ -131,8 +145,9 @@ pub(super) struct State {
     pub(super) queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     /// key -> clients waiting for it.
     pub(super) waiting: HashMap<Vec<u8>, Vec<ClientId>>,
-    /// client -> (keys still missing, its reply queue).
-    pub(super) awaited: HashMap<ClientId, (usize, Out)>,
+    /// client -> (keys still missing, its reply queue, the bytes its
+    /// registration holds).
+    pub(super) awaited: HashMap<ClientId, (usize, Out, usize)>,
 }
 
 impl State {
@@ -156,9 +171,10 @@ impl State {
         let transient = b.transient.load(Ordering::Relaxed);
         if add > free && new.saturating_add(transient) > b.max {
             return Err(Closed::Refused(format!(
-                "this write of {add} bytes would take the store from {held} to {new} bytes, past \
-                 its limit of {} (CONSORT_STORE_MAX_BYTES on the process that hosts the store, \
-                 or ServerOptions::max_bytes); the store holds rendezvous data, not tensors",
+                "this write of {add} bytes would take the store from {held} to {new} bytes held, \
+                 with {transient} more in requests being read and replies not yet sent, past its \
+                 limit of {} (CONSORT_STORE_MAX_BYTES on the process that hosts the store, or \
+                 ServerOptions::max_bytes); the store holds rendezvous data, not tensors",
                 b.max
             )));
         }
@@ -176,12 +192,14 @@ impl State {
 
     /// The bytes `key` holds in the map (key and value), 0 if absent.
     pub(super) fn held(&self, key: &[u8]) -> usize {
-        self.map.get(key).map_or(0, |v| key.len() + v.len())
+        self.map
+            .get(key)
+            .map_or(0, |v| key.len() + v.len() + OVERHEAD)
     }
 
     /// Stores `key = value` within the limit, and wakes its waiters.
     pub(super) fn put(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), Closed> {
-        self.charge(key.len() + value.len(), self.held(&key))?;
+        self.charge(key.len() + value.len() + OVERHEAD, self.held(&key))?;
         self.map.insert(key.clone(), value);
         self.wake(&key);
         Ok(())
@@ -192,7 +210,7 @@ impl State {
     pub(super) fn put_all(&mut self, pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Result<(), Closed> {
         let mut last: HashMap<&[u8], usize> = HashMap::new();
         for (k, v) in &pairs {
-            last.insert(k, k.len() + v.len());
+            last.insert(k, k.len() + v.len() + OVERHEAD);
         }
         let add: usize = last.values().sum();
         let free: usize = last.keys().map(|k| self.held(k)).sum();
@@ -210,9 +228,9 @@ impl State {
         let fresh = if self.queues.contains_key(&key) {
             0
         } else {
-            key.len()
+            key.len() + OVERHEAD
         };
-        self.charge(fresh + value.len(), 0)?;
+        self.charge(fresh + value.len() + OVERHEAD, 0)?;
         self.queues.entry(key.clone()).or_default().push_back(value);
         self.wake_one(&key);
         Ok(())
@@ -228,11 +246,11 @@ impl State {
         let mut freed = 0;
         if let Some(v) = q.pop_front() {
             wire::put_bytes(&mut out, &v);
-            freed += v.len();
+            freed += v.len() + OVERHEAD;
         }
         if q.is_empty() {
             self.queues.remove(key);
-            freed += key.len();
+            freed += key.len() + OVERHEAD;
         }
         self.free(freed);
         out
@@ -249,11 +267,11 @@ impl State {
             return;
         };
         for c in clients {
-            if let Some((left, tx)) = self.awaited.get_mut(&c) {
+            if let Some((left, tx, _)) = self.awaited.get_mut(&c) {
                 *left -= 1;
                 if *left == 0 {
                     stop_waiting(tx);
-                    self.awaited.remove(&c);
+                    self.unwait(c);
                 }
             }
         }
@@ -264,13 +282,14 @@ impl State {
         let Some(clients) = self.waiting.get_mut(key) else {
             return;
         };
+        let mut woken = None;
         while let Some(c) = clients.first().copied() {
             clients.remove(0);
-            if let Some((left, tx)) = self.awaited.get_mut(&c) {
+            if let Some((left, tx, _)) = self.awaited.get_mut(&c) {
                 *left -= 1;
                 if *left == 0 {
                     stop_waiting(tx);
-                    self.awaited.remove(&c);
+                    woken = Some(c);
                 }
                 break;
             }
@@ -278,10 +297,21 @@ impl State {
         if clients.is_empty() {
             self.waiting.remove(key);
         }
+        if let Some(c) = woken {
+            self.unwait(c);
+        }
+    }
+
+    /// A client's wait is over: its registration's bytes come back.
+    fn unwait(&mut self, client: ClientId) {
+        if let Some((_, _, bytes)) = self.awaited.remove(&client) {
+            self.free(bytes);
+        }
     }
 
     pub(super) fn forget(&mut self, client: ClientId) {
-        if self.awaited.remove(&client).is_some() {
+        if let Some((_, _, bytes)) = self.awaited.remove(&client) {
+            self.free(bytes);
             self.waiting.retain(|_, v| {
                 v.retain(|c| *c != client);
                 !v.is_empty()
@@ -290,10 +320,8 @@ impl State {
     }
 }
 
-/// Tells a waiting client its keys are there. At the memory limit even the
-/// one byte may be refused: the client's wait then ends at its timeout.
+/// Tells a waiting client its keys are there: never refused (its
+/// registration, charged while it waited, has just been freed).
 fn stop_waiting(tx: &Out) {
-    if let Err(Closed::Refused(why)) = tx.send(vec![wire::STOP_WAITING]) {
-        tracing::warn!("TCPStore could not wake a waiting client: {why}");
-    }
+    tx.send_reserved(vec![wire::STOP_WAITING], tx.budget.nothing());
 }
