@@ -66,15 +66,21 @@ pub enum BurnError {
     },
     /// The module given back is not the one the adapter was made from.
     #[error(
-        "the module has {got} float parameters where {want} were expected (parameter {name}); \
-         pass the module BurnModel::from_module was made from"
+        "the module does not match the one BurnModel::from_module was made from: {why}; pass \
+         that module (or one made the same way)"
     )]
     Mismatch {
-        /// The first parameter that did not match.
+        /// What differs.
+        why: String,
+    },
+    /// A gradient of another size than its parameter.
+    #[error("the gradient of {name} has {got} bytes where its parameter has {want}")]
+    GradSize {
+        /// The parameter's module path.
         name: String,
-        /// Parameters found.
+        /// The gradient's bytes.
         got: usize,
-        /// Parameters expected.
+        /// The parameter's bytes.
         want: usize,
     },
     /// The host copy refused a tensor.
@@ -178,9 +184,10 @@ impl ModuleMapper for Push<'_> {
         self.next += 1;
         let Some(e) = self.model.entries.get(i).filter(|e| e.id == param.id) else {
             self.err.get_or_insert(BurnError::Mismatch {
-                name: format!("#{i}"),
-                got: i + 1,
-                want: self.model.entries.len(),
+                why: format!(
+                    "its float parameter #{i} is not the one expected there (of {})",
+                    self.model.entries.len()
+                ),
             });
             return param;
         };
@@ -258,18 +265,21 @@ impl BurnModel {
         let found = collect(module)?;
         if found.len() != self.entries.len() {
             return Err(BurnError::Mismatch {
-                name: format!("#{}", found.len().min(self.entries.len())),
-                got: found.len(),
-                want: self.entries.len(),
+                why: format!(
+                    "it has {} float parameters, not {}",
+                    found.len(),
+                    self.entries.len()
+                ),
             });
         }
         for (i, (e, bytes)) in found.into_iter().enumerate() {
             let dst = self.host.param_bytes_mut(i);
             if e.id != self.entries[i].id || dst.len() != bytes.len() {
                 return Err(BurnError::Mismatch {
-                    name: e.name,
-                    got: i,
-                    want: self.entries.len(),
+                    why: format!(
+                        "its parameter {} is another one, or of another size",
+                        e.name
+                    ),
                 });
             }
             dst.copy_from_slice(&bytes);
@@ -310,9 +320,7 @@ impl BurnModel {
         }
         if push.next != want {
             return Err(BurnError::Mismatch {
-                name: format!("#{}", push.next),
-                got: push.next,
-                want,
+                why: format!("it has {} float parameters, not {want}", push.next),
             });
         }
         Ok(module)
@@ -329,9 +337,15 @@ impl BurnModel {
             }, None);
             if let Some(bytes) = got {
                 let dst = self.host.grad_bytes_mut(i);
-                if dst.len() == bytes.len() {
-                    dst.copy_from_slice(&bytes);
+                if dst.len() != bytes.len() {
+                    // Zeros would train silently on nothing.
+                    return Err(BurnError::GradSize {
+                        name: self.entries[i].name.clone(),
+                        got: bytes.len(),
+                        want: dst.len(),
+                    });
                 }
+                dst.copy_from_slice(&bytes);
             }
         }
         Ok(())

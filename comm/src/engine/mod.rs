@@ -117,6 +117,9 @@ struct GroupState {
     me: usize,
     next_seq: u64,
     poisoned: Option<CommError>,
+    /// The call whose failure poisoned the group (what a leaving rank's
+    /// parting abort names).
+    failed: Option<Fingerprint>,
     /// Subgroups made from this group so far (for their ids).
     children: u32,
 }
@@ -189,6 +192,7 @@ impl<P> Engine<P> {
                 me: rank,
                 next_seq: 0,
                 poisoned: None,
+                failed: None,
                 children: 0,
             },
         );
@@ -320,6 +324,7 @@ impl<P> Engine<P> {
                 me,
                 next_seq: 0,
                 poisoned: None,
+                failed: None,
                 children: 0,
             },
         );
@@ -585,6 +590,7 @@ impl<P> Engine<P> {
         if let (Err(e), Some(g)) = (&result, self.groups.get_mut(&c.group)) {
             let first = g.poisoned.is_none();
             g.poisoned.get_or_insert_with(|| e.clone());
+            g.failed.get_or_insert(c.fp);
             let from_peer = self.aborts.contains_key(&c.group);
             if first && !from_peer {
                 abort = Some((abort_info(e, Some(c.fp)), c.fp, g.others(self.rank)));
@@ -630,7 +636,8 @@ impl<P> Engine<P> {
             .iter()
             .filter_map(|(id, g)| {
                 let e = g.poisoned.as_ref()?;
-                let fp = *self.latest.get(id)?;
+                // The call that failed, not a later one in flight beside it.
+                let fp = g.failed.or_else(|| self.latest.get(id).copied())?;
                 let info = match self.aborts.get(id) {
                     Some((_, _, said)) if !matches!(said, AbortInfo::Mismatch { .. }) => {
                         said.clone()

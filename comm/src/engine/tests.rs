@@ -315,3 +315,26 @@ fn a_mismatch_heard_from_the_odd_rank_and_relayed_names_the_odd_call_on_every_ra
         "{err}"
     );
 }
+
+#[test]
+fn a_parting_abort_names_the_call_that_failed_not_a_later_one() {
+    // Two calls in flight (DDP buckets); the first meets a mismatch.
+    let mut e = Engine::<u32>::new(0, 2);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    let b = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 8).unwrap();
+    e.file(1, fp(GroupId::WORLD, 0, OpKind::Broadcast, 4), 0, 1);
+    let err = e.take(a.id, 1, 0).unwrap().unwrap_err();
+    e.end(a.id, Err(err));
+    let later = e.failure(b.id, &[1]).unwrap();
+    e.end(b.id, Err(later));
+    let (said, fp, _) = e.parting_aborts().pop().unwrap();
+    assert_eq!(
+        fp, a.fp,
+        "the parting abort names seq {} instead of 0",
+        fp.seq
+    );
+    assert!(
+        matches!(said, AbortInfo::Mismatch { remote, .. } if remote.op == OpKind::Broadcast),
+        "{said:?}"
+    );
+}

@@ -313,11 +313,16 @@ impl CallRun<'_> {
             }
             (probes, engine.poll_timeout())
         };
-        for p in probes {
-            let probe = inbound::probe_frame(FrameKind::Probe, Some(p.fp));
-            let by = Instant::now() + Duration::from_secs(1);
-            let _ = before(by, inner.send_frame(p.to, 0, &probe, &[])).await;
-        }
+        // To every peer at once, under one deadline (one at a time, a full
+        // socket per peer would hold the call up a second each).
+        let frames: Vec<_> = probes
+            .iter()
+            .map(|p| (p.to, inbound::probe_frame(FrameKind::Probe, Some(p.fp))))
+            .collect();
+        let sends = frames
+            .iter()
+            .map(|(to, f)| inner.send_frame(*to, 0, f, &[]));
+        super::all_before(Instant::now() + Duration::from_secs(1), sends).await;
         // Same-host peers write into shared queues: take what they wrote,
         // spinning a little before sleeping.
         if inner.spin() {
