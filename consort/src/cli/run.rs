@@ -68,9 +68,10 @@ pub(crate) struct RunArgs {
     /// A shared secret for the agent store and every worker's connections
     /// (given to the workers as CONSORT_SECRET): `auto` makes a random one
     /// (one node only), anything else is the secret itself (the same on
-    /// every node). torch's own clients cannot authenticate: leave it unset
-    /// when the workers are torch. Default: the CONSORT_SECRET of this
-    /// process, if any.
+    /// every node; a value on the command line is visible to local users in
+    /// the process list: prefer CONSORT_SECRET). torch's own clients cannot
+    /// authenticate: leave it unset when the workers are torch. Default:
+    /// the CONSORT_SECRET of this process, if any.
     #[arg(long)]
     secret: Option<String>,
     /// Seconds between SIGTERM and SIGKILL when stopping the group.

@@ -29,10 +29,11 @@ pub async fn launch(spec: LaunchSpec) -> Result<i32, LaunchError> {
         int: signal(SignalKind::interrupt())?,
         term: signal(SignalKind::terminate())?,
     };
-    let run_dir = super::dirs::run_dir(a.log_dir.as_deref())?;
     warn_without_secret(a);
     let server = host_store(a).await?;
     let store = connect(a).await?;
+    // Made once the store is up: a launch that fails before leaves none.
+    let run_dir = super::dirs::run_dir(a.log_dir.as_deref())?;
     let ns = format!("consort/agent/{}", a.rdzv_id);
     let (mut round, mut failures) = (0u32, 0u32);
     // This node's place in the last round, and that round's size and key.

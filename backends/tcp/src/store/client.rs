@@ -249,7 +249,8 @@ impl TcpStore {
             }
             return Ok(());
         }
-        let cancel = timeout(self.opts.timeout.min(Duration::from_secs(30)), async {
+        let bound = self.opts.timeout.min(Duration::from_secs(30));
+        let cancel = timeout(bound, async {
             c.0.w.write_all(&[cmd::CANCEL_WAIT]).await?;
             let mut b = c.0.r.read_u8().await?;
             if b == wire::STOP_WAITING {
@@ -258,12 +259,12 @@ impl TcpStore {
             Ok::<u8, std::io::Error>(b)
         })
         .await;
-        let b = self.settle(
-            &mut slot,
-            c,
-            &during,
-            cancel.map(|r| r.map_err(ReadError::Io)),
-        )?;
+        let Ok(cancel) = cancel else {
+            // The bound this exchange had, not the request timeout.
+            let keys = names.iter().map(|k| k.to_string()).collect();
+            return self.fail(&mut slot, StoreError::Timeout { keys, after: bound });
+        };
+        let b = self.settle(&mut slot, c, &during, Ok(cancel.map_err(ReadError::Io)))?;
         if b != wire::WAIT_CANCELED {
             let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
             return self.fail(&mut slot, e);
