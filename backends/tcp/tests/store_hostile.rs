@@ -100,6 +100,9 @@ async fn a_multi_get_amplification_closes_the_client_not_the_server() {
     let (srv, addr) = server(limited(64 << 20)).await;
     let good = client(&addr).await;
     good.set("v", &vec![1u8; 1 << 20]).await.unwrap();
+    // SET has no reply: a round trip on the same connection makes sure the
+    // value is stored before the other connection asks for it.
+    assert!(good.check(&["v"]).await.unwrap());
     let mut bad = raw(&addr).await;
     let mut req = vec![MULTI_GET];
     req.extend_from_slice(&3000u64.to_le_bytes());
@@ -151,6 +154,9 @@ async fn a_client_that_never_reads_is_closed_at_the_limit_and_its_replies_freed(
     let (srv, addr) = server(limited(32 << 20)).await;
     let good = client(&addr).await;
     good.set("v", &vec![1u8; 1 << 20]).await.unwrap();
+    // SET has no reply: a round trip on the same connection makes sure the
+    // value is stored before the other connection asks for it.
+    assert!(good.check(&["v"]).await.unwrap());
     let mut bad = raw(&addr).await;
     let mut get = vec![GET];
     bytes(&mut get, b"/v");
@@ -170,6 +176,8 @@ async fn a_client_that_never_reads_is_closed_at_the_limit_and_its_replies_freed(
             .await
             .unwrap();
     }
+    // SET has no reply: a round trip shows all three were stored.
+    assert!(good.check(&["big0", "big1", "big2"]).await.unwrap());
     srv.shutdown().await;
 }
 
