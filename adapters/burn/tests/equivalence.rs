@@ -75,8 +75,14 @@ fn bytemuck_f32(b: &[u8]) -> Vec<f32> {
 /// Every parameter's values, in DDP's order.
 type Values = Vec<Vec<f32>>;
 
-/// Returns every rank's initial (rank 0's) and final parameters.
-fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)> {
+/// Runs `f(rank)` on every rank of a simulated world of `world`, each on
+/// its own task; the results in rank order.
+fn on_ranks<T, F, Fut>(world: usize, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Arc<dyn Backend>) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
     let sim = SimWorld::new(SimConfig::new(world)).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -85,31 +91,7 @@ fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)
         let tasks: Vec<_> = sim
             .ranks()
             .into_iter()
-            .map(|rank| {
-                tokio::spawn(async move {
-                    let rank: Arc<dyn Backend> = Arc::new(rank);
-                    let r = rank.rank();
-                    let device = Device::default().autodiff();
-                    let net = Net::new(&device); // different on each rank
-                    let mut host = BurnModel::from_module(&net).unwrap();
-                    let mut ddp = Ddp::new(rank, &mut host, DdpOptions::default())
-                        .await
-                        .unwrap();
-                    let mut net = host.push_values(net).unwrap();
-                    let start = values(&mut host);
-                    let mut optim = SgdConfig::new().init();
-                    for s in 0..steps {
-                        let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
-                        let mut grads = GradientsParams::from_grads(loss.backward(), &net);
-                        host.pull_grads(&grads).unwrap();
-                        ddp.sync_grads(&mut host).await.unwrap();
-                        host.push_grads(&mut grads).unwrap();
-                        net = optim.step(LR, net, grads);
-                    }
-                    let mut end = BurnModel::from_module(&net).unwrap();
-                    (start, values(&mut end))
-                })
-            })
+            .map(|rank| tokio::spawn(f(Arc::new(rank))))
             .collect();
         let mut out = Vec::new();
         for t in tasks {
@@ -119,50 +101,58 @@ fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)
     })
 }
 
+/// Returns every rank's initial (rank 0's) and final parameters.
+fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)> {
+    on_ranks(world, move |rank| async move {
+        let r = rank.rank();
+        let device = Device::default().autodiff();
+        let net = Net::new(&device); // different on each rank
+        let mut host = BurnModel::from_module(&net).unwrap();
+        let mut ddp = Ddp::new(rank, &mut host, DdpOptions::default())
+            .await
+            .unwrap();
+        let mut net = host.push_values(net).unwrap();
+        let start = values(&mut host);
+        let mut optim = SgdConfig::new().init();
+        for s in 0..steps {
+            let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
+            let mut grads = GradientsParams::from_grads(loss.backward(), &net);
+            host.pull_grads(&grads).unwrap();
+            ddp.sync_grads(&mut host).await.unwrap();
+            host.push_grads(&mut grads).unwrap();
+            net = optim.step(LR, net, grads);
+        }
+        let mut end = BurnModel::from_module(&net).unwrap();
+        (start, values(&mut end))
+    })
+}
+
 /// As [`distributed`], with a sharded strategy and consort's SGD (the
 /// optimizer runs on each rank's shard).
 fn sharded(world: usize, batch: usize, steps: usize, strategy: Strategy) -> Vec<(Values, Values)> {
-    let sim = SimWorld::new(SimConfig::new(world)).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let tasks: Vec<_> = sim
-            .ranks()
-            .into_iter()
-            .map(|rank| {
-                tokio::spawn(async move {
-                    let rank: Arc<dyn Backend> = Arc::new(rank);
-                    let r = rank.rank();
-                    let device = Device::default().autodiff();
-                    let net = Net::new(&device);
-                    let mut host = BurnModel::from_module(&net).unwrap();
-                    let opts = ShardOptions::new(strategy);
-                    let mut sh = Sharded::new(rank, &mut host, Sgd::new(LR), opts)
-                        .await
-                        .unwrap();
-                    sh.copy_params_to(&mut host).await.unwrap();
-                    let mut net = host.push_values(net).unwrap();
-                    let start = values(&mut host);
-                    for s in 0..steps {
-                        let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
-                        let grads = GradientsParams::from_grads(loss.backward(), &net);
-                        host.pull_grads(&grads).unwrap();
-                        host.mark_ready(&mut sh).unwrap();
-                        sh.step().await.unwrap();
-                        sh.copy_params_to(&mut host).await.unwrap();
-                        net = host.push_values(net).unwrap();
-                    }
-                    let mut end = BurnModel::from_module(&net).unwrap();
-                    (start, values(&mut end))
-                })
-            })
-            .collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.unwrap());
+    on_ranks(world, move |rank| async move {
+        let r = rank.rank();
+        let device = Device::default().autodiff();
+        let net = Net::new(&device);
+        let mut host = BurnModel::from_module(&net).unwrap();
+        let opts = ShardOptions::new(strategy);
+        let mut sh = Sharded::new(rank, &mut host, Sgd::new(LR), opts)
+            .await
+            .unwrap();
+        sh.copy_params_to(&mut host).await.unwrap();
+        let mut net = host.push_values(net).unwrap();
+        let start = values(&mut host);
+        for s in 0..steps {
+            let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
+            let grads = GradientsParams::from_grads(loss.backward(), &net);
+            host.pull_grads(&grads).unwrap();
+            host.mark_ready(&mut sh).unwrap();
+            sh.step().await.unwrap();
+            sh.copy_params_to(&mut host).await.unwrap();
+            net = host.push_values(net).unwrap();
         }
-        out
+        let mut end = BurnModel::from_module(&net).unwrap();
+        (start, values(&mut end))
     })
 }
 

@@ -152,64 +152,23 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
     };
     let net = model::Gpt::new(sizes, &device);
     let mut host = BurnModel::from_module(&net)?;
-    let ckpt = args.out.join("checkpoint.safetensors");
-    let mut start = 0;
-    if ckpt.exists() {
-        let (sd, meta) = load_safetensors(&ckpt)?;
-        host.load_state_dict(&sd)?;
-        start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
-        if r == 0 {
-            println!("resuming from {} at step {start}", ckpt.display());
-        }
-    }
+    let (ckpt, metrics) = (
+        args.out.join("checkpoint.safetensors"),
+        args.out.join("metrics.json"),
+    );
+    let (start, mut history) = resume(&mut host, &ckpt, &metrics, r == 0)?;
     let mut ddp = Ddp::new(rank.clone(), &mut host, DdpOptions::default()).await?;
     let mut net = host.push_values(net)?;
     let mut optim = AdamConfig::new().init();
-
-    let corpus = data::corpus(20_000);
-    let stride = 3;
-    let windows = data::windows(corpus.len(), args.context, stride) as u64;
-    let mut sampler = DistributedSampler::new(windows, world, r, true, 0, true)?;
-    let per_rank = windows as usize / world;
-    if args.batch_size > per_rank {
-        return Err(format!(
-            "--batch-size {} is more than the {per_rank} windows each of {world} ranks has",
-            args.batch_size
-        )
-        .into());
-    }
-    let per_epoch = per_rank / args.batch_size;
-    let (mut epoch, mut picks) = (usize::MAX, Vec::new());
+    let mut windows = Windows::new(&args, world, r)?;
     let bar = (r == 0).then(|| {
         let b = indicatif::ProgressBar::new(args.steps as u64);
         b.set_position(start as u64);
         b
     });
-    // The loss so far (a resumed run continues the curve).
-    let metrics = args.out.join("metrics.json");
-    let mut history: Vec<(usize, f64)> = std::fs::read(&metrics)
-        .ok()
-        .filter(|_| start > 0)
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    history.retain(|h| h.0 <= start);
     let begin = Instant::now();
     for step in start..args.steps {
-        if step / per_epoch != epoch {
-            epoch = step / per_epoch;
-            sampler.set_epoch(epoch as u64);
-            picks = sampler.indices()?;
-        }
-        let k = step % per_epoch * args.batch_size;
-        let (x, y) = data::batch(
-            &corpus,
-            &picks[k..k + args.batch_size],
-            args.context,
-            stride,
-        );
-        let shape = [args.batch_size, args.context];
-        let ids = Tensor::<2, Int>::from_data(TensorData::new(x, shape), &device);
-        let targets = Tensor::<2, Int>::from_data(TensorData::new(y, shape), &device);
+        let (ids, targets) = windows.batch(step, &args, &device)?;
         let loss = net.loss(ids, targets);
         let mut mean = [loss.clone().into_scalar::<f32>()];
         let mut grads = GradientsParams::from_grads(loss.backward(), &net);
@@ -222,19 +181,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         if let Some(b) = &bar {
             let tokens = (step + 1 - start) * world * args.batch_size * args.context;
             let rate = tokens as f64 / begin.elapsed().as_secs_f64();
-            b.set_message(format!("loss {:.3}, {rate:.0} tokens/s", mean[0]));
-            b.set_position(step as u64 + 1);
-            if (step + 1) % 20 == 0 || step + 1 == args.steps {
-                // Shown with or without a terminal (the bar hides without).
-                b.suspend(|| {
-                    println!(
-                        "step {:>4}/{}: loss {:.4}, {rate:.0} tokens/s",
-                        step + 1,
-                        args.steps,
-                        mean[0]
-                    )
-                });
-            }
+            progress(b, step + 1, args.steps, mean[0], rate);
         }
         if (step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps {
             if r == 0 {
@@ -262,6 +209,98 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         );
     }
     Ok(())
+}
+
+/// The step to start from and the loss so far: from the checkpoint and
+/// metrics of an earlier run, if there are any (its values go into `host`).
+fn resume(
+    host: &mut BurnModel,
+    ckpt: &std::path::Path,
+    metrics: &std::path::Path,
+    say: bool,
+) -> Result<(usize, Vec<(usize, f64)>), BoxError> {
+    if !ckpt.exists() {
+        return Ok((0, Vec::new()));
+    }
+    let (sd, meta) = load_safetensors(ckpt)?;
+    host.load_state_dict(&sd)?;
+    let start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
+    if say {
+        println!("resuming from {} at step {start}", ckpt.display());
+    }
+    let mut history: Vec<(usize, f64)> = std::fs::read(metrics)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    history.retain(|h| h.0 <= start);
+    Ok((start, history))
+}
+
+/// One line every 20 steps (shown with or without a terminal: the bar
+/// hides without one), and the bar's message.
+fn progress(b: &indicatif::ProgressBar, step: usize, steps: usize, loss: f32, rate: f64) {
+    b.set_message(format!("loss {loss:.3}, {rate:.0} tokens/s"));
+    b.set_position(step as u64);
+    if step % 20 == 0 || step == steps {
+        b.suspend(|| println!("step {step:>4}/{steps}: loss {loss:.4}, {rate:.0} tokens/s"));
+    }
+}
+
+/// This rank's windows of the corpus, drawn through the sampler epoch by
+/// epoch.
+struct Windows {
+    corpus: Vec<u8>,
+    stride: usize,
+    sampler: DistributedSampler,
+    per_epoch: usize,
+    epoch: usize,
+    picks: Vec<u64>,
+}
+
+impl Windows {
+    fn new(args: &Args, world: usize, rank: usize) -> Result<Self, BoxError> {
+        let corpus = data::corpus(20_000);
+        let stride = 3;
+        let windows = data::windows(corpus.len(), args.context, stride);
+        let per_rank = windows / world;
+        if args.batch_size > per_rank {
+            return Err(format!(
+                "--batch-size {} is more than the {per_rank} windows each of {world} ranks has",
+                args.batch_size
+            )
+            .into());
+        }
+        Ok(Windows {
+            sampler: DistributedSampler::new(windows as u64, world, rank, true, 0, true)?,
+            per_epoch: per_rank / args.batch_size,
+            epoch: usize::MAX,
+            picks: Vec::new(),
+            corpus,
+            stride,
+        })
+    }
+
+    /// Step `step`'s inputs and targets, `[batch, context]` token ids.
+    fn batch(
+        &mut self,
+        step: usize,
+        args: &Args,
+        device: &Device,
+    ) -> Result<(Tensor<2, Int>, Tensor<2, Int>), BoxError> {
+        if step / self.per_epoch != self.epoch {
+            self.epoch = step / self.per_epoch;
+            self.sampler.set_epoch(self.epoch as u64);
+            self.picks = self.sampler.indices()?;
+        }
+        let k = step % self.per_epoch * args.batch_size;
+        let picks = &self.picks[k..k + args.batch_size];
+        let (x, y) = data::batch(&self.corpus, picks, args.context, self.stride);
+        let shape = [args.batch_size, args.context];
+        Ok((
+            Tensor::<2, Int>::from_data(TensorData::new(x, shape), device),
+            Tensor::<2, Int>::from_data(TensorData::new(y, shape), device),
+        ))
+    }
 }
 
 mod plot {
