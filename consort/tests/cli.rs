@@ -256,26 +256,6 @@ fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
         ),
         (vec!["bench", "--iters", "0"], vec![], "--iters"),
         (
-            vec!["store", "--port", "0", "--max-bytes", "lots"],
-            vec![],
-            "--max-bytes",
-        ),
-        (
-            vec!["store", "--port", "0", "--max-clients", "0"],
-            vec![],
-            "--max-clients",
-        ),
-        (
-            vec!["store", "--port", "0"],
-            vec![("CONSORT_STORE_MAX_CLIENTS", "-3")],
-            "CONSORT_STORE_MAX_CLIENTS",
-        ),
-        (
-            vec!["store", "--port", "0"],
-            vec![("CONSORT_STORE_MAX_BYTES", "1.5G")],
-            "CONSORT_STORE_MAX_BYTES",
-        ),
-        (
             vec!["bench", "sim-all-reduce", "--iters", "0"],
             vec![],
             "--iters",
@@ -338,6 +318,40 @@ fn bad_durations_counts_and_sizes_are_refused_not_panicked() {
             "more than one host can hold",
         ),
     ];
+    assert_refused(cases);
+}
+
+/// `consort store`'s limits, as flags or variables: refused with a message
+/// naming them.
+#[test]
+fn bad_store_limits_are_refused() {
+    let cases: Vec<Case<'_>> = vec![
+        (
+            vec!["store", "--port", "0", "--max-bytes", "lots"],
+            vec![],
+            "--max-bytes",
+        ),
+        (
+            vec!["store", "--port", "0", "--max-clients", "0"],
+            vec![],
+            "--max-clients",
+        ),
+        (
+            vec!["store", "--port", "0"],
+            vec![("CONSORT_STORE_MAX_CLIENTS", "-3")],
+            "CONSORT_STORE_MAX_CLIENTS",
+        ),
+        (
+            vec!["store", "--port", "0"],
+            vec![("CONSORT_STORE_MAX_BYTES", "1.5G")],
+            "CONSORT_STORE_MAX_BYTES",
+        ),
+    ];
+    assert_refused(cases);
+}
+
+/// Each case fails, without a panic, with an error naming what was wrong.
+fn assert_refused(cases: Vec<Case<'_>>) {
     for (args, env, named) in cases {
         let out = consort_env(&args, &env);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -414,14 +414,13 @@ fn torch_python(test: &str) -> Option<String> {
     }
 }
 
-/// torch's own TCPStore client against `consort store`.
-#[test]
-fn torch_client_talks_to_consort_store() {
-    let Some(python) = torch_python("torch_client_talks_to_consort_store") else {
-        return;
-    };
+/// `consort store` with `flags` (and no `CONSORT_SECRET` of ours), and the
+/// `host:port` it prints once it listens.
+fn start_store(flags: &[&str]) -> (Child, String) {
     let mut server = Command::new(BIN)
-        .args(["store", "--port", "0"])
+        .arg("store")
+        .args(flags)
+        .env_remove("CONSORT_SECRET")
         .stdout(Stdio::piped())
         .spawn()
         .expect("start consort store");
@@ -429,7 +428,18 @@ fn torch_client_talks_to_consort_store() {
     BufReader::new(server.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let port = line.trim().rsplit(':').next().unwrap().to_string();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    (server, addr)
+}
+
+/// torch's own TCPStore client against `consort store`.
+#[test]
+fn torch_client_talks_to_consort_store() {
+    let Some(python) = torch_python("torch_client_talks_to_consort_store") else {
+        return;
+    };
+    let (mut server, addr) = start_store(&["--port", "0"]);
+    let port = addr.rsplit(':').next().unwrap().to_string();
     let script = r#"
 import sys, json, datetime
 import torch.distributed as dist
@@ -674,26 +684,8 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
 #[test]
 fn consort_store_with_a_secret_refuses_clients_without_it() {
     use consort::store::Store;
-    let mut server = Command::new(BIN)
-        .args([
-            "store",
-            "--port",
-            "0",
-            "--secret",
-            "s3cret",
-            "--max-clients",
-            "8",
-        ])
-        .env_remove("CONSORT_SECRET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start consort store");
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let flags = ["--port", "0", "--secret", "s3cret", "--max-clients", "8"];
+    let (mut server, addr) = start_store(&flags);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (refused, served) = rt.block_on(async {
         let opts = |secret: Option<&str>| consort::TcpStoreOptions {
