@@ -275,6 +275,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The deadline a call gets when its options name none.
     fn default_timeout(&self) -> Duration;
 
+    /// Whether consort may make calls of its own on this group, beyond the
+    /// caller's (the rank-list check of `new_group`). `false` where torch
+    /// ranks share the group: every rank must then make exactly the calls
+    /// torch makes.
+    fn may_add_calls(&self) -> bool {
+        true
+    }
+
     /// Makes one call: checks its arguments, fixes its place in the group's
     /// sequence *now*, before the returned [`Work`] is first polled, and
     /// returns the work to await. Several calls may be in flight on one

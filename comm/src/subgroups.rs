@@ -11,7 +11,8 @@
 //! Every rank of the parent must make the same subgroups in the same order,
 //! members or not, as in torch. Making a group is itself a call on the
 //! parent (a small `all_gather` that compares the lists), so a rank that
-//! passed another list gets an error instead of a hang.
+//! passed another list gets an error instead of a hang; not on a backend
+//! whose group torch ranks share ([`crate::Backend::may_add_calls`]).
 
 use std::time::Duration;
 
@@ -170,8 +171,13 @@ impl ProcessGroup {
         Ok(out)
     }
 
-    /// Checks that every rank passed the same lists to `what`.
+    /// Checks that every rank passed the same lists to `what`, where the
+    /// backend lets consort make a call of its own for it (not where torch
+    /// ranks share the group: they make no such call).
     async fn agree(&self, what: &str, lists: &[Vec<usize>]) -> Result<()> {
+        if !self.backend().may_add_calls() {
+            return Ok(());
+        }
         let words = what.bytes().map(u64::from).chain(
             lists
                 .iter()

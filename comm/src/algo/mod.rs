@@ -20,6 +20,7 @@
 //! memory.
 
 pub mod exec;
+pub mod gloo;
 mod programs;
 mod select;
 

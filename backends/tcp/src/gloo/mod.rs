@@ -1,0 +1,430 @@
+//! [`GlooBackend`]: a consort rank as a member of a torch `gloo` process
+//! group, speaking Gloo's TCP pair protocol and running the algorithms
+//! torch's `ProcessGroupGloo` runs, message for message.
+//!
+//! This module owns torch's side of the contract: the store keys a torch
+//! `gloo` group rendezvouses under ([`torch_group_store`]), the tags torch
+//! gives its collectives (one per collective, counted per group from 0,
+//! none for send and recv), and how torch maps each op onto Gloo
+//! (`reduce_scatter_tensor` is an all_reduce of the whole input, AVG is a
+//! sum divided afterwards). The schedules are `consort_comm::algo::gloo`'s;
+//! the sockets are [`pairs`]'; the rendezvous is [`connect`]'s; the bytes'
+//! layout is [`wire`]'s.
+//!
+//! Gloo has no room on the wire for consort's call check, so a mismatched
+//! call is what it is under torch: a size mismatch is refused, anything
+//! else runs until the call's deadline and then fails the group on every
+//! rank (its sockets close, so torch's ranks fail too).
+
+pub mod connect;
+pub mod pairs;
+pub mod wire;
+
+use std::{
+    net::IpAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use consort_comm::{
+    Backend, BufferMut, CallOptions, CommError, DType, ErrorContext, GroupId, Op, OpKind, ReduceOp,
+    Result, Work,
+    algo::gloo::{self as algo, GlooIo},
+    reduce::divide_bytes,
+    store::{PrefixStore, Store},
+};
+use tokio::time::Instant;
+
+use pairs::Pairs;
+
+/// torch's default timeout for a `gloo` group (`kBackendDefaultTimeout`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// How a [`GlooBackend`] joins its group.
+#[derive(Clone, Debug)]
+pub struct GlooOptions {
+    /// The default deadline of a call, and of the rendezvous.
+    pub timeout: Duration,
+    /// The address this rank listens on; `None`: as torch picks it
+    /// ([`listen_ip`]).
+    pub ip: Option<IpAddr>,
+}
+
+impl Default for GlooOptions {
+    fn default() -> Self {
+        GlooOptions {
+            timeout: DEFAULT_TIMEOUT,
+            ip: None,
+        }
+    }
+}
+
+/// The store a torch `gloo` group named `group_name` rendezvouses in, given
+/// the job's store as `init_process_group` sees it (torch puts its default
+/// group under `default_pg` when it made the store from `init_method`, as
+/// under torchrun): `{default_pg}/0/` for the default group, and
+/// `{default_pg}/0//{name}/` for the `new_group`s, each then under the
+/// device (`cpu/`) and Gloo's context index (`0`).
+pub fn torch_group_store(job: Arc<dyn Store>, group_name: &str) -> PrefixStore {
+    let default_pg: Arc<dyn Store> = Arc::new(PrefixStore::new("default_pg", job));
+    let world: Arc<dyn Store> = Arc::new(PrefixStore::new("0/", default_pg));
+    let group: Arc<dyn Store> = if group_name == "0" {
+        world
+    } else {
+        Arc::new(PrefixStore::new(format!("{group_name}/"), world))
+    };
+    let device: Arc<dyn Store> = Arc::new(PrefixStore::new("cpu/", group));
+    PrefixStore::new("0", device)
+}
+
+/// The address torch's Gloo would listen on: `GLOO_SOCKET_IFNAME`'s
+/// interface if set, else this host's name if it resolves to an address
+/// this process can bind, else 127.0.0.1 (`createDefaultDevice`).
+pub async fn listen_ip() -> Result<IpAddr> {
+    if let Ok(ifname) = std::env::var("GLOO_SOCKET_IFNAME")
+        && !ifname.trim().is_empty()
+    {
+        let ifname = ifname.trim();
+        if ifname.contains(',') {
+            return Err(CommError::unsupported(format!(
+                "GLOO_SOCKET_IFNAME={ifname} names several interfaces (torch then makes one \
+                 Gloo context per interface); consort joins Gloo groups over one: name one"
+            )));
+        }
+        return crate::iface::interface_addr(ifname)
+            .map_err(|e| CommError::invalid(format!("GLOO_SOCKET_IFNAME={ifname}: {e}")));
+    }
+    let host = connect::hostname();
+    if let Ok(addrs) = tokio::net::lookup_host((host.as_str(), 0)).await {
+        for a in addrs {
+            if std::net::TcpListener::bind((a.ip(), 0)).is_ok() {
+                return Ok(a.ip());
+            }
+        }
+    }
+    Ok(IpAddr::from([127, 0, 0, 1]))
+}
+
+/// One rank's handle on a torch `gloo` process group.
+#[derive(Debug)]
+pub struct GlooBackend {
+    pairs: Arc<Pairs>,
+    timeout: Duration,
+    /// The next collective's tag (torch's `collectiveCounter_`).
+    tag: AtomicU32,
+    /// Calls made, for error context.
+    seq: AtomicU64,
+    group: GroupId,
+    /// The job's store and listening address, for subgroups.
+    job: Arc<dyn Store>,
+    ip: IpAddr,
+    /// How many groups torch has named so far in this job (shared by a
+    /// world and its subgroups): `new_group` takes the next.
+    groups: Arc<AtomicU32>,
+    /// The ranks of this group in the world (subgroups only).
+    world_ranks: Option<Vec<usize>>,
+}
+
+impl GlooBackend {
+    /// Joins the default group (`"0"`) of a torch job whose store is `job`,
+    /// as rank `rank` of `size`.
+    pub async fn connect(
+        job: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        opts: GlooOptions,
+    ) -> Result<GlooBackend> {
+        let ip = match opts.ip {
+            Some(ip) => ip,
+            None => listen_ip().await?,
+        };
+        let groups = Arc::new(AtomicU32::new(1));
+        Self::join(job, "0", rank, size, ip, opts.timeout, groups, None).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn join(
+        job: Arc<dyn Store>,
+        name: &str,
+        rank: usize,
+        size: usize,
+        ip: IpAddr,
+        timeout: Duration,
+        groups: Arc<AtomicU32>,
+        world_ranks: Option<Vec<usize>>,
+    ) -> Result<GlooBackend> {
+        if rank >= size {
+            return Err(CommError::invalid(format!(
+                "rank {rank} is not in a group of {size}"
+            )));
+        }
+        let store = torch_group_store(job.clone(), name);
+        let streams = connect::full_mesh(&store, rank, size, ip, timeout)
+            .await
+            .map_err(|e| {
+                e.with_context(ErrorContext {
+                    rank: Some(rank),
+                    ..Default::default()
+                })
+            })?;
+        let group = match &world_ranks {
+            None => GroupId::WORLD,
+            Some(r) => GroupId::subgroup(GroupId::WORLD, r),
+        };
+        Ok(GlooBackend {
+            pairs: Pairs::start(rank, streams),
+            timeout,
+            tag: AtomicU32::new(0),
+            seq: AtomicU64::new(0),
+            group,
+            job,
+            ip,
+            groups,
+            world_ranks,
+        })
+    }
+
+    fn context(&self, op: OpKind, seq: u64) -> ErrorContext {
+        ErrorContext::new(op, self.pairs.rank(), seq, self.group)
+    }
+}
+
+/// One call's view of the pairs: its deadline on every wait.
+struct CallIo<'a> {
+    pairs: &'a Pairs,
+    deadline: Instant,
+    after: Duration,
+}
+
+#[async_trait]
+impl GlooIo for CallIo<'_> {
+    fn rank(&self) -> usize {
+        self.pairs.rank()
+    }
+    fn size(&self) -> usize {
+        self.pairs.size()
+    }
+    fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()> {
+        self.pairs.post_send(peer, slot, data)
+    }
+    fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
+        self.pairs.post_recv(peer, slot, len)
+    }
+    async fn wait_recv(&self, peer: usize, slot: u64) -> Result<Vec<u8>> {
+        self.pairs
+            .wait_recv(peer, slot, self.deadline, self.after)
+            .await
+    }
+}
+
+/// Fails the group if a call is dropped before it finishes: its peers may
+/// be part-way through it.
+struct Unfinished<'a> {
+    pairs: &'a Pairs,
+    ctx: ErrorContext,
+    done: bool,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.pairs.fail(CommError::Aborted {
+                ctx: self.ctx,
+                cause: "the call was dropped before it finished (a Gloo group cannot skip a \
+                        call its peers are making)"
+                    .into(),
+            });
+        }
+    }
+}
+
+fn host(buf: BufferMut<'_>) -> Result<(DType, &mut [u8])> {
+    let h = buf.host("gloo")?;
+    Ok((h.dtype(), h.into_bytes_mut()))
+}
+
+fn combine_with(op: ReduceOp, dtype: DType) -> Result<impl Fn(&mut [u8], &[u8]) -> Result<()>> {
+    let base = match op {
+        ReduceOp::Avg => ReduceOp::Sum,
+        ReduceOp::PremulSum(_) => {
+            return Err(CommError::unsupported(
+                "PREMUL_SUM is not a Gloo reduction (torch: \"Cannot use ReduceOp.PREMUL_SUM \
+                 with Gloo\")",
+            ));
+        }
+        other => other,
+    };
+    base.check(dtype)?;
+    Ok(move |dst: &mut [u8], src: &[u8]| base.apply_bytes(dtype, dst, src))
+}
+
+/// torch's all_reduce on Gloo: the ring, then AVG's division.
+async fn all_reduce(
+    io: &CallIo<'_>,
+    tag: u32,
+    dtype: DType,
+    buf: &mut [u8],
+    op: ReduceOp,
+) -> Result<()> {
+    let combine = combine_with(op, dtype)?;
+    algo::allreduce(io, tag, buf, dtype.size_bytes(), &combine).await?;
+    if matches!(op, ReduceOp::Avg) {
+        divide_bytes(dtype, buf, io.size())?;
+    }
+    Ok(())
+}
+
+impl GlooBackend {
+    /// Runs `op` as torch's `ProcessGroupGloo` does, under `tag` (for
+    /// collectives) and the call's deadline.
+    async fn run(&self, op: Op<'_>, opts: CallOptions, tag: u32, io: &CallIo<'_>) -> Result<()> {
+        match op {
+            Op::AllReduce { buf, op } => {
+                let (dtype, bytes) = host(buf)?;
+                all_reduce(io, tag, dtype, bytes, op).await
+            }
+            Op::Broadcast { buf } => {
+                let (_, bytes) = host(buf)?;
+                algo::broadcast(io, tag, bytes, opts.root).await
+            }
+            Op::AllGather { output, input } => {
+                let (_, out) = host(output)?;
+                let input = input.host("gloo")?.bytes();
+                algo::allgather(io, tag, out, input).await
+            }
+            Op::ReduceScatter { output, input, op } => {
+                let (dtype, out) = host(output)?;
+                let mut whole = input.host("gloo")?.bytes().to_vec();
+                all_reduce(io, tag, dtype, &mut whole, op).await?;
+                let part = out.len();
+                let at = io.rank() * part;
+                out.copy_from_slice(&whole[at..at + part]);
+                Ok(())
+            }
+            Op::Barrier => algo::barrier(io, tag).await,
+            Op::Send { buf, dst } => {
+                let data = buf.host("gloo")?.bytes();
+                self.pairs.post_send(dst, u64::from(opts.tag), data)
+            }
+            Op::Recv { buf, src } => {
+                let (_, bytes) = host(buf)?;
+                let slot = u64::from(opts.tag);
+                self.pairs.post_recv(src, slot, bytes.len())?;
+                let data = io.wait_recv(src, slot).await?;
+                if data.len() != bytes.len() {
+                    return Err(CommError::invalid(format!(
+                        "recv of {} bytes from rank {src} (tag {}) got {} bytes: the send and \
+                         the recv differ in size",
+                        bytes.len(),
+                        opts.tag,
+                        data.len()
+                    )));
+                }
+                bytes.copy_from_slice(&data);
+                Ok(())
+            }
+            other => Err(CommError::unsupported(format!(
+                "the gloo backend speaks all_reduce, broadcast, all_gather, reduce_scatter, \
+                 barrier, send and recv; not {}",
+                other.kind()
+            ))),
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for GlooBackend {
+    fn name(&self) -> &'static str {
+        "gloo"
+    }
+
+    fn rank(&self) -> usize {
+        self.pairs.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.pairs.size()
+    }
+
+    fn group_id(&self) -> GroupId {
+        self.group
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn may_add_calls(&self) -> bool {
+        false
+    }
+
+    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
+        let kind = op.kind();
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let ctx = self.context(kind, seq);
+        let (rank, size) = (self.pairs.rank(), self.pairs.size());
+        if let Err(e) = consort_comm::validate::op(&op, rank, size, opts.root) {
+            return Work::ready(Err(e.with_context(ctx)));
+        }
+        if let Some(e) = self.pairs.failure() {
+            return Work::ready(Err(e.to_aborted().with_context(ctx)));
+        }
+        // Collectives take torch's next tag now, in call order; send and
+        // recv use the caller's tag as their slot.
+        let tag = match kind {
+            OpKind::Send | OpKind::Recv => 0,
+            _ => self.tag.fetch_add(1, Ordering::Relaxed),
+        };
+        let opts = *opts;
+        let after = opts.timeout_or(self.timeout);
+        let guard = Unfinished {
+            pairs: &self.pairs,
+            ctx,
+            done: false,
+        };
+        Work::new(async move {
+            let mut guard = guard;
+            let io = CallIo {
+                pairs: &self.pairs,
+                deadline: Instant::now() + after,
+                after,
+            };
+            let res = self.run(op, opts, tag, &io).await;
+            guard.done = true;
+            res.map_err(|e| e.with_context(ctx))
+        })
+    }
+
+    async fn new_group(
+        &self,
+        ranks: &[usize],
+        opts: &CallOptions,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        if self.world_ranks.is_some() {
+            return Err(CommError::unsupported(
+                "torch makes Gloo subgroups from the world group: call new_group on the world",
+            ));
+        }
+        let name = self.groups.fetch_add(1, Ordering::Relaxed).to_string();
+        let Some(me) = ranks.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let timeout = opts.timeout.unwrap_or(self.timeout);
+        let b = Self::join(
+            self.job.clone(),
+            &name,
+            me,
+            ranks.len(),
+            self.ip,
+            timeout,
+            self.groups.clone(),
+            Some(ranks.to_vec()),
+        )
+        .await?;
+        Ok(Some(Arc::new(b)))
+    }
+}

@@ -1,0 +1,407 @@
+//! The pairs of one Gloo context: a TCP connection to every other rank,
+//! speaking Gloo's unbound-buffer protocol.
+//!
+//! Per slot and peer, Gloo matches the k-th send with the k-th receive.
+//! A sender announces each send (`NOTIFY_SEND_READY`), a receiver each
+//! receive (`NOTIFY_RECV_READY`, with the bytes it can take), and the
+//! sender writes the payload once it holds both: its own send, and the
+//! receiver's readiness. So a payload only ever arrives for a receive this
+//! rank posted, and what a peer can make us buffer is bounded by our own
+//! posted receives.
+//!
+//! Every pair has a reader task and a writer task. Sends are copied when
+//! posted and queued to the writer, so that a reader never blocks on a
+//! write (two readers each writing to the other would deadlock on full
+//! socket buffers) and a caller's buffer is never touched after its call
+//! returns. Any failure (a closed connection, a message Gloo would refuse,
+//! a deadline, a dropped call) fails the whole context: it is sticky, and
+//! every socket is closed so that torch's ranks see it too.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use consort_comm::{CommError, Result};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{
+        TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+    sync::{Notify, mpsc},
+    task::JoinHandle,
+    time::Instant,
+};
+
+use super::wire::{Opcode, PREAMBLE_BYTES, Preamble};
+
+/// One message for a writer: a header and, for data, its payload.
+type Frame = ([u8; PREAMBLE_BYTES], Vec<u8>);
+
+/// What one peer's traffic has left to match.
+#[derive(Debug, Default)]
+struct PeerState {
+    /// Receives the peer announced that no send of ours has met yet, per
+    /// slot: the bytes each can take.
+    remote_recvs: HashMap<u64, VecDeque<u64>>,
+    /// Our sends the peer has not asked for yet, per slot.
+    pending_sends: HashMap<u64, VecDeque<Vec<u8>>>,
+    /// Our receives whose payload has not begun to arrive, per slot: the
+    /// bytes each can take.
+    posted_recvs: HashMap<u64, VecDeque<usize>>,
+    /// Payloads that arrived and have not been taken, per slot.
+    arrived: HashMap<u64, VecDeque<Vec<u8>>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    peers: Vec<PeerState>,
+    /// The first failure; every later call reports it.
+    failed: Option<CommError>,
+}
+
+/// The connections of one rank of one Gloo context.
+#[derive(Debug)]
+pub struct Pairs {
+    rank: usize,
+    size: usize,
+    state: Mutex<State>,
+    changed: Notify,
+    writers: Vec<Option<mpsc::UnboundedSender<Frame>>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Pairs {
+    /// Runs the pairs over `streams[r]`, the connection to rank `r` (`None`
+    /// for this rank).
+    pub fn start(rank: usize, streams: Vec<Option<TcpStream>>) -> Arc<Pairs> {
+        let size = streams.len();
+        let mut writers = Vec::with_capacity(size);
+        let mut halves = Vec::with_capacity(size);
+        for s in streams {
+            match s {
+                Some(s) => {
+                    let (r, w) = s.into_split();
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    writers.push(Some(tx));
+                    halves.push(Some((r, w, rx)));
+                }
+                None => {
+                    writers.push(None);
+                    halves.push(None);
+                }
+            }
+        }
+        let pairs = Arc::new(Pairs {
+            rank,
+            size,
+            state: Mutex::new(State {
+                peers: (0..size).map(|_| PeerState::default()).collect(),
+                failed: None,
+            }),
+            changed: Notify::new(),
+            writers,
+            tasks: Mutex::new(Vec::new()),
+        });
+        let mut tasks = Vec::new();
+        for (peer, h) in halves.into_iter().enumerate() {
+            if let Some((r, w, rx)) = h {
+                tasks.push(tokio::spawn(read_loop(pairs.clone(), peer, r)));
+                tasks.push(tokio::spawn(write_loop(pairs.clone(), peer, w, rx)));
+            }
+        }
+        *pairs.tasks.lock().expect("tasks") = tasks;
+        pairs
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the context.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The first failure, if any.
+    pub fn failure(&self) -> Option<CommError> {
+        self.state.lock().expect("gloo state").failed.clone()
+    }
+
+    /// Fails the context with `why` (the first failure wins) and closes
+    /// every connection.
+    pub fn fail(&self, why: CommError) {
+        {
+            let mut st = self.state.lock().expect("gloo state");
+            if st.failed.is_some() {
+                return;
+            }
+            tracing::debug!(rank = self.rank, %why, "gloo context failed");
+            st.failed = Some(why);
+        }
+        for t in self.tasks.lock().expect("tasks").drain(..) {
+            t.abort();
+        }
+        self.changed.notify_waiters();
+    }
+
+    fn send_frame(&self, peer: usize, frame: Frame) {
+        if let Some(Some(tx)) = self.writers.get(peer) {
+            // A closed writer has failed the context already.
+            let _ = tx.send(frame);
+        }
+    }
+
+    /// Posts a send of `data` to `peer` on `slot` (Gloo's
+    /// `UnboundBuffer::send`). The bytes are copied now.
+    pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()> {
+        let mut st = self.state.lock().expect("gloo state");
+        if let Some(why) = &st.failed {
+            return Err(why.to_aborted());
+        }
+        let notify = Preamble::new(Opcode::NotifySendReady, slot, data.len()).encode();
+        self.send_frame(peer, (notify, Vec::new()));
+        let ps = &mut st.peers[peer];
+        match pop(&mut ps.remote_recvs, slot) {
+            Some(room) => {
+                if data.len() as u64 > room {
+                    let why = too_long(self.rank, peer, data.len(), room, slot);
+                    drop(st);
+                    self.fail(why.clone());
+                    return Err(why);
+                }
+                let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
+                self.send_frame(peer, (head, data.to_vec()));
+            }
+            None => ps
+                .pending_sends
+                .entry(slot)
+                .or_default()
+                .push_back(data.to_vec()),
+        }
+        Ok(())
+    }
+
+    /// Posts a receive of up to `len` bytes from `peer` on `slot` (Gloo's
+    /// `UnboundBuffer::recv`); [`Pairs::wait_recv`] takes the payload.
+    pub fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
+        let mut st = self.state.lock().expect("gloo state");
+        if let Some(why) = &st.failed {
+            return Err(why.to_aborted());
+        }
+        st.peers[peer]
+            .posted_recvs
+            .entry(slot)
+            .or_default()
+            .push_back(len);
+        let head = Preamble::new(Opcode::NotifyRecvReady, slot, len).encode();
+        self.send_frame(peer, (head, Vec::new()));
+        Ok(())
+    }
+
+    /// Waits for the oldest posted receive from `peer` on `slot` and returns
+    /// its payload; fails the context if `deadline` passes first (`after`
+    /// is the call's timeout, for the error).
+    pub async fn wait_recv(
+        &self,
+        peer: usize,
+        slot: u64,
+        deadline: Instant,
+        after: Duration,
+    ) -> Result<Vec<u8>> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut st = self.state.lock().expect("gloo state");
+                if let Some(why) = &st.failed {
+                    return Err(why.to_aborted());
+                }
+                if let Some(data) = pop(&mut st.peers[peer].arrived, slot) {
+                    return Ok(data);
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                let why = CommError::Timeout {
+                    ctx: Default::default(),
+                    after,
+                    waiting_on: vec![peer],
+                };
+                self.fail(why.clone());
+                return Err(why);
+            }
+        }
+    }
+
+    /// A payload header arrived from `peer`: which receive it fills.
+    fn begin_payload(&self, peer: usize, head: &Preamble) -> Result<()> {
+        let mut st = self.state.lock().expect("gloo state");
+        let posted = st.peers[peer]
+            .posted_recvs
+            .get_mut(&head.slot)
+            .and_then(VecDeque::pop_front);
+        match posted {
+            None => Err(CommError::protocol(
+                Some(peer),
+                format!(
+                    "{} bytes on Gloo slot {:#x}, which rank {} never asked for",
+                    head.length, head.slot, self.rank
+                ),
+            )),
+            Some(room) if head.length > room as u64 => Err(too_long(
+                peer,
+                self.rank,
+                head.length as usize,
+                room as u64,
+                head.slot,
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn deliver(&self, peer: usize, slot: u64, data: Vec<u8>) {
+        let mut st = self.state.lock().expect("gloo state");
+        st.peers[peer]
+            .arrived
+            .entry(slot)
+            .or_default()
+            .push_back(data);
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// `peer` is ready to receive up to `room` bytes on `slot`.
+    fn recv_ready(&self, peer: usize, slot: u64, room: u64) -> Result<()> {
+        let mut st = self.state.lock().expect("gloo state");
+        let ps = &mut st.peers[peer];
+        match pop(&mut ps.pending_sends, slot) {
+            Some(data) if data.len() as u64 > room => {
+                Err(too_long(self.rank, peer, data.len(), room, slot))
+            }
+            Some(data) => {
+                let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
+                self.send_frame(peer, (head, data));
+                Ok(())
+            }
+            None => {
+                ps.remote_recvs.entry(slot).or_default().push_back(room);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for Pairs {
+    fn drop(&mut self) {
+        for t in self.tasks.get_mut().expect("tasks").drain(..) {
+            t.abort();
+        }
+    }
+}
+
+fn pop<T>(m: &mut HashMap<u64, VecDeque<T>>, slot: u64) -> Option<T> {
+    let q = m.get_mut(&slot)?;
+    let v = q.pop_front();
+    if q.is_empty() {
+        m.remove(&slot);
+    }
+    v
+}
+
+fn too_long(from: usize, to: usize, len: usize, room: u64, slot: u64) -> CommError {
+    CommError::Aborted {
+        ctx: Default::default(),
+        cause: format!(
+            "rank {from} sends {len} bytes on Gloo slot {slot:#x} but rank {to} posted a \
+             receive of {room}: the two ranks called collectives of different sizes at this \
+             point"
+        ),
+    }
+}
+
+/// Reads `peer`'s messages until the connection ends or breaks a rule.
+async fn read_loop(pairs: Arc<Pairs>, peer: usize, mut r: OwnedReadHalf) {
+    let why = loop {
+        let mut head = [0u8; PREAMBLE_BYTES];
+        if let Err(e) = r.read_exact(&mut head).await {
+            break closed(&pairs, peer, &e);
+        }
+        let head = Preamble::decode(&head);
+        let step = match head.opcode() {
+            Some(Opcode::NotifySendReady) if head.nbytes == PREAMBLE_BYTES as u64 => Ok(()),
+            Some(Opcode::NotifyRecvReady) if head.nbytes == PREAMBLE_BYTES as u64 => {
+                pairs.recv_ready(peer, head.slot, head.length)
+            }
+            Some(Opcode::SendUnboundBuffer)
+                if head.nbytes.checked_sub(PREAMBLE_BYTES as u64) == Some(head.length) =>
+            {
+                match pairs.begin_payload(peer, &head) {
+                    Ok(()) => {
+                        let mut data = vec![0u8; head.length as usize];
+                        if let Err(e) = r.read_exact(&mut data).await {
+                            break closed(&pairs, peer, &e);
+                        }
+                        pairs.deliver(peer, head.slot, data);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            _ => Err(CommError::protocol(
+                Some(peer),
+                format!(
+                    "a message Gloo does not define (opcode {}, {} bytes)",
+                    head.opcode, head.nbytes
+                ),
+            )),
+        };
+        if let Err(why) = step {
+            break why;
+        }
+    };
+    pairs.fail(why);
+}
+
+fn closed(pairs: &Pairs, peer: usize, e: &std::io::Error) -> CommError {
+    let reason = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        format!("it closed its Gloo connection to rank {}", pairs.rank)
+    } else {
+        format!("its Gloo connection to rank {} failed: {e}", pairs.rank)
+    };
+    CommError::PeerLost {
+        ctx: Default::default(),
+        peer,
+        reason,
+    }
+}
+
+/// Writes the frames queued for `peer`, in order.
+async fn write_loop(
+    pairs: Arc<Pairs>,
+    peer: usize,
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Frame>,
+) {
+    while let Some((head, data)) = rx.recv().await {
+        let res = async {
+            w.write_all(&head).await?;
+            if !data.is_empty() {
+                w.write_all(&data).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        }
+        .await;
+        if let Err(e) = res {
+            pairs.fail(CommError::PeerLost {
+                ctx: Default::default(),
+                peer,
+                reason: format!("rank {} could not write to it: {e}", pairs.rank),
+            });
+            return;
+        }
+    }
+}
