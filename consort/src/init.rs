@@ -21,6 +21,11 @@ pub struct InitOptions {
     /// Deadline for reaching the store and for every rank to arrive, and the
     /// store's request timeout (torch's default: 300 s).
     pub store_timeout: Duration,
+    /// torch processes hold some of the job's ranks (a mixed job, for
+    /// [`Dist::gloo_process_group`]): a torch rank never claims its rank in
+    /// consort's rendezvous, so this rank claims and waits for nobody.
+    /// `CONSORT_TORCH_PEERS=1` sets it.
+    pub torch_peers: bool,
 }
 
 impl InitOptions {
@@ -39,6 +44,12 @@ impl InitOptions {
                     expected: "a positive number of seconds, at most 100 years",
                 })?;
         }
+        o.torch_peers =
+            bool_var("CONSORT_TORCH_PEERS", false).map_err(|_| EnvError::Malformed {
+                var: "CONSORT_TORCH_PEERS",
+                value: std::env::var("CONSORT_TORCH_PEERS").unwrap_or_default(),
+                expected: "1 (or true) or 0 (or false)",
+            })?;
         Ok(o)
     }
 }
@@ -47,6 +58,7 @@ impl Default for InitOptions {
     fn default() -> Self {
         InitOptions {
             store_timeout: DEFAULT_STORE_TIMEOUT,
+            torch_peers: false,
         }
     }
 }
@@ -341,6 +353,31 @@ impl Dist {
         })
     }
 
+    /// torch's `gloo` process group, with torch ranks in it or not: this
+    /// rank joins the job's default group as `init_process_group("gloo")`
+    /// does (torch's store keys and tags, Gloo's wire protocol and
+    /// algorithms; see [`consort_tcp::gloo`]), so torch's ranks and
+    /// consort's run collectives together. Init with
+    /// [`InitOptions::torch_peers`] (`CONSORT_TORCH_PEERS=1`) when torch
+    /// holds some ranks. `GLOO_SOCKET_IFNAME` picks the interface, as for
+    /// torch; `CONSORT_TIMEOUT` (seconds) the op timeout (default 30
+    /// minutes, as torch's). Subgroups: [`ProcessGroup::new_group`] on
+    /// this group, called where torch's ranks call `dist.new_group`.
+    pub async fn gloo_process_group(&self) -> Result<ProcessGroup, CommError> {
+        let mut opts = consort_tcp::GlooOptions::default();
+        if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
+            opts.timeout = t;
+        }
+        let b = consort_tcp::GlooBackend::connect(
+            self.store.clone(),
+            self.env.rank,
+            self.env.world_size,
+            opts,
+        )
+        .await?;
+        Ok(ProcessGroup::new(Arc::new(b)))
+    }
+
     /// Whether this process hosts the store server.
     pub fn hosts_store(&self) -> bool {
         self.server.is_some()
@@ -445,6 +482,15 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
     .await
     .map_err(err)?;
     let store: Arc<dyn Store> = Arc::new(client);
+    if opts.torch_peers {
+        tracing::debug!(rank, "torch ranks share this job: no consort rendezvous");
+        return Ok(Dist {
+            env,
+            store,
+            server,
+            timeout: opts.store_timeout,
+        });
+    }
     let rdzv = rendezvous_store(&store, &env);
 
     let me = identity();
@@ -618,7 +664,6 @@ fn dump_on_sigusr1() {
 }
 
 /// A switch from `var` (`1`/`true` or `0`/`false`), `default` when unset.
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 fn bool_var(var: &'static str, default: bool) -> Result<bool, CommError> {
     match std::env::var(var).ok().as_deref().map(str::trim) {
         None | Some("") => Ok(default),

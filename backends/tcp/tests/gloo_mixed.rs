@@ -356,24 +356,23 @@ async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) 
                 let tag = s["tag"].as_u64().unwrap() as u32;
                 let o = CallOptions::default().with_tag(tag);
                 let (nxt, prv) = ((rank + 1) % world, (rank + world - 1) % world);
-                b.submit(
-                    Op::Send {
-                        buf: input(dt, &t),
-                        dst: nxt,
-                    },
-                    &o,
-                )
-                .await
-                .unwrap();
-                b.submit(
-                    Op::Recv {
-                        buf: buf(dt, &mut r),
-                        src: prv,
-                    },
-                    &o,
-                )
-                .await
-                .unwrap();
+                // A send returns once the peer has posted its receive
+                // (as torch's): even ranks send first, odd ones receive.
+                let send = Op::Send {
+                    buf: input(dt, &t),
+                    dst: nxt,
+                };
+                let recv = Op::Recv {
+                    buf: buf(dt, &mut r),
+                    src: prv,
+                };
+                if rank % 2 == 0 {
+                    b.submit(send, &o).await.unwrap();
+                    b.submit(recv, &o).await.unwrap();
+                } else {
+                    b.submit(recv, &o).await.unwrap();
+                    b.submit(send, &o).await.unwrap();
+                }
                 r
             }
             other => panic!("op {other}"),

@@ -47,7 +47,9 @@ pub trait GlooIo: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the context.
     fn size(&self) -> usize;
-    /// Posts a send of `data` (copied now) to `peer` on `slot`.
+    /// Posts a send of `data` (copied now) to `peer` on `slot`. The driver
+    /// must not let the call end before every send it posted is written
+    /// (Gloo's `waitSend`); the schedules here leave that wait to it.
     fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()>;
     /// Posts a receive of up to `len` bytes from `peer` on `slot`.
     fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()>;

@@ -193,11 +193,23 @@ impl GlooBackend {
     }
 }
 
-/// One call's view of the pairs: its deadline on every wait.
+/// One call's view of the pairs: its deadline on every wait, and the sends
+/// it must see written before it ends.
 struct CallIo<'a> {
     pairs: &'a Pairs,
     deadline: Instant,
     after: Duration,
+    sends: std::sync::Mutex<Vec<pairs::SendId>>,
+}
+
+impl CallIo<'_> {
+    /// Waits for every send this call posted to be written.
+    async fn flush(&self) -> Result<()> {
+        let sends = std::mem::take(&mut *self.sends.lock().expect("sends"));
+        self.pairs
+            .wait_sent(&sends, self.deadline, self.after)
+            .await
+    }
 }
 
 #[async_trait]
@@ -209,7 +221,9 @@ impl GlooIo for CallIo<'_> {
         self.pairs.size()
     }
     fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()> {
-        self.pairs.post_send(peer, slot, data)
+        let id = self.pairs.post_send(peer, slot, data)?;
+        self.sends.lock().expect("sends").push(id);
+        Ok(())
     }
     fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
         self.pairs.post_recv(peer, slot, len)
@@ -308,12 +322,12 @@ impl GlooBackend {
             Op::Barrier => algo::barrier(io, tag).await,
             Op::Send { buf, dst } => {
                 let data = buf.host("gloo")?.bytes();
-                self.pairs.post_send(dst, u64::from(opts.tag), data)
+                io.post_send(dst, u64::from(opts.tag), data)
             }
             Op::Recv { buf, src } => {
                 let (_, bytes) = host(buf)?;
                 let slot = u64::from(opts.tag);
-                self.pairs.post_recv(src, slot, bytes.len())?;
+                io.post_recv(src, slot, bytes.len())?;
                 let data = io.wait_recv(src, slot).await?;
                 if data.len() != bytes.len() {
                     return Err(CommError::invalid(format!(
@@ -392,8 +406,12 @@ impl Backend for GlooBackend {
                 pairs: &self.pairs,
                 deadline: Instant::now() + after,
                 after,
+                sends: Default::default(),
             };
-            let res = self.run(op, opts, tag, &io).await;
+            let res = match self.run(op, opts, tag, &io).await {
+                Ok(()) => io.flush().await,
+                Err(e) => Err(e),
+            };
             guard.done = true;
             res.map_err(|e| e.with_context(ctx))
         })

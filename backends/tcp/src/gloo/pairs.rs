@@ -37,8 +37,13 @@ use tokio::{
 
 use super::wire::{Opcode, PREAMBLE_BYTES, Preamble};
 
-/// One message for a writer: a header and, for data, its payload.
-type Frame = ([u8; PREAMBLE_BYTES], Vec<u8>);
+/// One message for a writer: a header, and for data its payload and the
+/// send it completes.
+type Frame = ([u8; PREAMBLE_BYTES], Vec<u8>, Option<SendId>);
+
+/// A posted send, until its payload is written ([`Pairs::wait_sent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SendId(u64);
 
 /// What one peer's traffic has left to match.
 #[derive(Debug, Default)]
@@ -47,7 +52,7 @@ struct PeerState {
     /// slot: the bytes each can take.
     remote_recvs: HashMap<u64, VecDeque<u64>>,
     /// Our sends the peer has not asked for yet, per slot.
-    pending_sends: HashMap<u64, VecDeque<Vec<u8>>>,
+    pending_sends: HashMap<u64, VecDeque<(SendId, Vec<u8>)>>,
     /// Our receives whose payload has not begun to arrive, per slot: the
     /// bytes each can take.
     posted_recvs: HashMap<u64, VecDeque<usize>>,
@@ -60,6 +65,10 @@ struct State {
     peers: Vec<PeerState>,
     /// The first failure; every later call reports it.
     failed: Option<CommError>,
+    /// The next [`SendId`].
+    next_send: u64,
+    /// Sends whose payload is not written yet.
+    unsent: std::collections::HashSet<SendId>,
 }
 
 /// The connections of one rank of one Gloo context.
@@ -100,6 +109,8 @@ impl Pairs {
             state: Mutex::new(State {
                 peers: (0..size).map(|_| PeerState::default()).collect(),
                 failed: None,
+                next_send: 0,
+                unsent: Default::default(),
             }),
             changed: Notify::new(),
             writers,
@@ -156,14 +167,18 @@ impl Pairs {
     }
 
     /// Posts a send of `data` to `peer` on `slot` (Gloo's
-    /// `UnboundBuffer::send`). The bytes are copied now.
-    pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()> {
+    /// `UnboundBuffer::send`). The bytes are copied now; the payload goes
+    /// once the peer posts its receive ([`Pairs::wait_sent`] waits for it).
+    pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<SendId> {
         let mut st = self.state.lock().expect("gloo state");
         if let Some(why) = &st.failed {
             return Err(why.to_aborted());
         }
+        let id = SendId(st.next_send);
+        st.next_send += 1;
+        st.unsent.insert(id);
         let notify = Preamble::new(Opcode::NotifySendReady, slot, data.len()).encode();
-        self.send_frame(peer, (notify, Vec::new()));
+        self.send_frame(peer, (notify, Vec::new(), None));
         let ps = &mut st.peers[peer];
         match pop(&mut ps.remote_recvs, slot) {
             Some(room) => {
@@ -174,15 +189,68 @@ impl Pairs {
                     return Err(why);
                 }
                 let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
-                self.send_frame(peer, (head, data.to_vec()));
+                self.send_frame(peer, (head, data.to_vec(), Some(id)));
             }
             None => ps
                 .pending_sends
                 .entry(slot)
                 .or_default()
-                .push_back(data.to_vec()),
+                .push_back((id, data.to_vec())),
         }
-        Ok(())
+        Ok(id)
+    }
+
+    /// Waits until the payloads of `sends` are written to their sockets
+    /// (Gloo's `waitSend`): a collective returns only then, so that a rank
+    /// that leaves after its last call has delivered its part.
+    pub async fn wait_sent(
+        &self,
+        sends: &[SendId],
+        deadline: Instant,
+        after: Duration,
+    ) -> Result<()> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let waiting_on = {
+                let st = self.state.lock().expect("gloo state");
+                if let Some(why) = &st.failed {
+                    return Err(why.to_aborted());
+                }
+                let mut peers: Vec<usize> = st
+                    .peers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, ps)| {
+                        ps.pending_sends
+                            .values()
+                            .flatten()
+                            .any(|(id, _)| sends.contains(id))
+                    })
+                    .map(|(p, _)| p)
+                    .collect();
+                if !sends.iter().any(|id| st.unsent.contains(id)) {
+                    return Ok(());
+                }
+                peers.dedup();
+                peers
+            };
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                let why = CommError::Timeout {
+                    ctx: Default::default(),
+                    after,
+                    waiting_on,
+                };
+                self.fail(why.clone());
+                return Err(why);
+            }
+        }
+    }
+
+    fn sent(&self, id: SendId) {
+        self.state.lock().expect("gloo state").unsent.remove(&id);
+        self.changed.notify_waiters();
     }
 
     /// Posts a receive of up to `len` bytes from `peer` on `slot` (Gloo's
@@ -198,7 +266,7 @@ impl Pairs {
             .or_default()
             .push_back(len);
         let head = Preamble::new(Opcode::NotifyRecvReady, slot, len).encode();
-        self.send_frame(peer, (head, Vec::new()));
+        self.send_frame(peer, (head, Vec::new(), None));
         Ok(())
     }
 
@@ -279,12 +347,12 @@ impl Pairs {
         let mut st = self.state.lock().expect("gloo state");
         let ps = &mut st.peers[peer];
         match pop(&mut ps.pending_sends, slot) {
-            Some(data) if data.len() as u64 > room => {
+            Some((_, data)) if data.len() as u64 > room => {
                 Err(too_long(self.rank, peer, data.len(), room, slot))
             }
-            Some(data) => {
+            Some((id, data)) => {
                 let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
-                self.send_frame(peer, (head, data));
+                self.send_frame(peer, (head, data, Some(id)));
                 Ok(())
             }
             None => {
@@ -386,7 +454,7 @@ async fn write_loop(
     mut w: OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Frame>,
 ) {
-    while let Some((head, data)) = rx.recv().await {
+    while let Some((head, data, id)) = rx.recv().await {
         let res = async {
             w.write_all(&head).await?;
             if !data.is_empty() {
@@ -402,6 +470,9 @@ async fn write_loop(
                 reason: format!("rank {} could not write to it: {e}", pairs.rank),
             });
             return;
+        }
+        if let Some(id) = id {
+            pairs.sent(id);
         }
     }
 }

@@ -1,0 +1,98 @@
+//! A consort worker in a PyTorch job: rank 0 runs `trainer.py` (torch),
+//! the other ranks run this. All of them are one `gloo` process group.
+//!
+//! Each step the trainer broadcasts its weights; this worker scores them on
+//! its own held-out data and sends the score back with an all_gather, as a
+//! torch rank would. Run it through `launch.sh` (see the README's "Rust
+//! ranks inside a PyTorch job").
+
+use consort::{DistEnv, InitOptions};
+
+/// Features of the linear model (trainer.py's `FEATURES`).
+const FEATURES: usize = 16;
+/// Held-out rows per worker.
+const ROWS: usize = 256;
+
+/// xorshift64*, then Box-Muller: this worker's own data, from its rank.
+struct Normal(u64);
+
+impl Normal {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn sample(&mut self) -> f32 {
+        let (u, v) = (self.uniform(), self.uniform());
+        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+    }
+}
+
+/// Held-out rows `x` and targets `y = x·w + 0.5` with trainer.py's `w`.
+fn held_out(rank: usize) -> (Vec<[f32; FEATURES]>, Vec<f32>) {
+    let mut rng = Normal(0x9e37_79b9_7f4a_7c15 ^ (rank as u64 + 1));
+    let w: Vec<f32> = (0..FEATURES).map(|i| (i % 5) as f32 - 2.0).collect();
+    let xs: Vec<[f32; FEATURES]> = (0..ROWS)
+        .map(|_| std::array::from_fn(|_| rng.sample()))
+        .collect();
+    let ys = xs
+        .iter()
+        .map(|x| x.iter().zip(&w).map(|(a, b)| a * b).sum::<f32>() + 0.5)
+        .collect();
+    (xs, ys)
+}
+
+/// Mean squared error of torch's `Linear(16, 1)` with flattened
+/// parameters `p` (the weight's 16 numbers, then the bias).
+fn eval_loss(p: &[f32], xs: &[[f32; FEATURES]], ys: &[f32]) -> f32 {
+    let (w, b) = (&p[..FEATURES], p[FEATURES]);
+    let se: f32 = xs
+        .iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let pred = x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>() + b;
+            (pred - y) * (pred - y)
+        })
+        .sum();
+    se / xs.len() as f32
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let opts = InitOptions {
+        torch_peers: true,
+        ..InitOptions::from_env()?
+    };
+    let dist = consort::init(DistEnv::from_env()?, opts).await?;
+    let pg = dist.gloo_process_group().await?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+
+    let mut header = [0i64; 2];
+    pg.broadcast(&mut header, 0).await?;
+    let (n, steps) = (header[0] as usize, header[1] as usize);
+    if n != FEATURES + 1 {
+        return Err(format!(
+            "the trainer sends {n} weights; this worker scores {}",
+            FEATURES + 1
+        )
+        .into());
+    }
+    let (xs, ys) = held_out(rank);
+    let mut weights = vec![0f32; n];
+    let mut scores = vec![0f32; world];
+    let mut first = None;
+    let mut last = 0.0;
+    for _ in 0..steps {
+        pg.broadcast(&mut weights, 0).await?;
+        last = eval_loss(&weights, &xs, &ys);
+        first.get_or_insert(last);
+        pg.all_gather(&mut scores, &[last]).await?;
+    }
+    pg.barrier().await?;
+    println!(
+        "worker rank {rank}: {steps} weight updates from the torch trainer; held-out loss {:.4} -> {last:.4}",
+        first.unwrap_or(last)
+    );
+    Ok(())
+}
