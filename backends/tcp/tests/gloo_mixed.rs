@@ -16,7 +16,7 @@ use std::{
 };
 
 use consort_comm::{
-    BufferMut, CallOptions, DType, HostSliceMut, Op, ProcessGroup, ReduceOp, store::Store,
+    Backend, BufferMut, CallOptions, DType, HostSliceMut, Op, ProcessGroup, ReduceOp, store::Store,
 };
 use consort_tcp::{GlooBackend, GlooOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 use half::{bf16, f16};
@@ -481,4 +481,106 @@ async fn mixed_groups_of_three() {
 #[ignore = "needs torch: set CONSORT_TORCH_PYTHON and pass --ignored"]
 async fn mixed_groups_of_four() {
     every_arrangement(4).await;
+}
+
+/// Torch's rank 0 and consort's rank 1 call different collectives: torch's
+/// rank fails with its own error (or timeout), consort's with its own, and
+/// neither returns a result.
+async fn mismatched(torch_step: Value, ours: Value) {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let port = server.local_addr().port();
+    let text = serde_json::to_string(&vec![torch_step]).unwrap();
+    let child = Command::new(python())
+        .args([SCRIPT, &port.to_string(), "0", "2", &text])
+        .env("GLOO_SOCKET_IFNAME", "lo")
+        .env("TORCH_GLOO_TIMEOUT", "5")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start python");
+    let store = TcpStore::connect(
+        format!("127.0.0.1:{port}"),
+        TcpStoreOptions {
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(60),
+            secret: None,
+        },
+    )
+    .await
+    .unwrap();
+    let opts = GlooOptions {
+        timeout: Duration::from_secs(5),
+        ip: Some("127.0.0.1".parse().unwrap()),
+    };
+    let b = GlooBackend::connect(Arc::new(store), 1, 2, opts)
+        .await
+        .unwrap();
+    let (dt, n) = (dtype(&ours), ours["n"].as_u64().unwrap() as usize);
+    let mut v = to_bytes(&data(1, 0, n, dt), dt);
+    let op = match ours["op"].as_str().unwrap() {
+        "all_reduce" => Op::AllReduce {
+            buf: buf(dt, &mut v),
+            op: reduce(&ours),
+        },
+        "broadcast" => Op::Broadcast {
+            buf: buf(dt, &mut v),
+        },
+        other => panic!("op {other}"),
+    };
+    let t = std::time::Instant::now();
+    let root = ours.get("root").map_or(0, |r| r.as_u64().unwrap() as usize);
+    let res = tokio::time::timeout(
+        Duration::from_secs(60),
+        b.submit(op, &CallOptions::root(root)),
+    )
+    .await
+    .expect("consort's rank hung past its timeout");
+    assert!(
+        res.is_err(),
+        "consort's rank returned {res:?} from a mismatched call"
+    );
+    eprintln!("consort: {} after {:?}", res.unwrap_err(), t.elapsed());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "torch's rank succeeded in a mismatched call: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let last = stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    eprintln!("torch: {last}");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs torch: set CONSORT_TORCH_PYTHON and pass --ignored"]
+async fn a_different_collective_fails_on_both_sides() {
+    mismatched(
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 5}),
+        json!({"op": "broadcast", "dtype": "f32", "n": 5}),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs torch: set CONSORT_TORCH_PYTHON and pass --ignored"]
+async fn a_different_size_fails_on_both_sides() {
+    mismatched(
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 5}),
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 6}),
+    )
+    .await;
+    // The root sends more than torch's rank can take (a root that sends
+    // less would succeed, under torch as here: only receivers check).
+    mismatched(
+        json!({"op": "broadcast", "dtype": "f32", "n": 4, "root": 1}),
+        json!({"op": "broadcast", "dtype": "f32", "n": 9, "root": 1}),
+    )
+    .await;
 }

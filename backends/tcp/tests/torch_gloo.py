@@ -61,7 +61,8 @@ def main():
         "WORLD_SIZE": str(world),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     })
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    timeout = float(os.environ.get("TORCH_GLOO_TIMEOUT", "60"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     groups = {}
     results = []
     for step, s in enumerate(script):

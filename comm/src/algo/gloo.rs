@@ -57,6 +57,25 @@ pub trait GlooIo: Send + Sync {
     async fn wait_recv(&self, peer: usize, slot: u64) -> Result<Vec<u8>>;
 }
 
+/// Waits for the oldest receive from `peer` on `slot`, which must bring
+/// exactly `len` bytes: Gloo lets a shorter payload fill part of a receive,
+/// which between two calls of different sizes would leave stale bytes.
+async fn take(io: &dyn GlooIo, peer: usize, slot: u64, len: usize) -> Result<Vec<u8>> {
+    let data = io.wait_recv(peer, slot).await?;
+    if data.len() != len {
+        return Err(crate::CommError::Aborted {
+            ctx: Default::default(),
+            cause: format!(
+                "rank {peer} sent {} bytes where rank {} expected {len}: the two ranks called \
+                 collectives of different sizes at this point",
+                data.len(),
+                io.rank()
+            ),
+        });
+    }
+    Ok(data)
+}
+
 /// Combines `src` into `dst` (both whole elements): `dst = dst ⊕ src`.
 pub type Combine<'a> = &'a (dyn Fn(&mut [u8], &[u8]) -> Result<()> + Send + Sync);
 
@@ -148,7 +167,7 @@ pub async fn allreduce(
         if i >= 2 {
             let prev = ring.reduce_scatter(i - 2);
             if prev.recv_len > 0 {
-                let data = io.wait_recv(recv_rank, slot).await?;
+                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
                 let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
                 combine(&mut buf[at], &data)?;
             }
@@ -168,7 +187,7 @@ pub async fn allreduce(
         if i >= 2 {
             let prev = ring.all_gather(i - 2);
             if prev.recv_len > 0 {
-                let data = io.wait_recv(recv_rank, slot).await?;
+                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
                 let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
                 buf[at].copy_from_slice(&data);
             }
@@ -210,8 +229,8 @@ pub async fn broadcast(io: &dyn GlooIo, tag: u32, buf: &mut [u8], root: usize) -
             io.post_send(peer, slot, buf)?;
         } else {
             io.post_recv(peer, slot, buf.len())?;
-            let data = io.wait_recv(peer, slot).await?;
-            buf[..data.len()].copy_from_slice(&data);
+            let data = take(io, peer, slot, buf.len()).await?;
+            buf.copy_from_slice(&data);
         }
     }
     Ok(())
@@ -233,6 +252,7 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
     let chunk = [part / 2, part - part / 2];
     let chunk_off = [0, part / 2];
     let total = out.len();
+    // (offset, length) of the receives in flight, oldest first.
     let mut waiting = std::collections::VecDeque::new();
     for i in 0..(size - 1) * 2 {
         let send_seg = size + rank - i / 2;
@@ -241,17 +261,15 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
         let recv_off = (recv_seg * part + chunk_off[i & 1]) % total;
         let len = chunk[i & 1];
         if i >= 2 {
-            let at: usize = waiting.pop_front().expect("two receives in flight");
-            let data = io.wait_recv(recv_rank, slot).await?;
-            out[at..at + data.len()].copy_from_slice(&data);
+            let (at, n): (usize, usize) = waiting.pop_front().expect("two receives in flight");
+            out[at..at + n].copy_from_slice(&take(io, recv_rank, slot, n).await?);
         }
         io.post_send(send_rank, slot, &out[send_off..send_off + len])?;
         io.post_recv(recv_rank, slot, len)?;
-        waiting.push_back(recv_off);
+        waiting.push_back((recv_off, len));
     }
-    while let Some(at) = waiting.pop_front() {
-        let data = io.wait_recv(recv_rank, slot).await?;
-        out[at..at + data.len()].copy_from_slice(&data);
+    while let Some((at, n)) = waiting.pop_front() {
+        out[at..at + n].copy_from_slice(&take(io, recv_rank, slot, n).await?);
     }
     Ok(())
 }
@@ -266,7 +284,7 @@ pub async fn barrier(io: &dyn GlooIo, tag: u32) -> Result<()> {
         let from = (size + rank - d % size) % size;
         io.post_recv(from, slot, 0)?;
         io.post_send((rank + d) % size, slot, &[])?;
-        io.wait_recv(from, slot).await?;
+        take(io, from, slot, 0).await?;
         d <<= 1;
     }
     Ok(())

@@ -410,7 +410,15 @@ impl Backend for GlooBackend {
             };
             let res = match self.run(op, opts, tag, &io).await {
                 Ok(()) => io.flush().await,
-                Err(e) => Err(e),
+                // Refused before a message went: the group goes on.
+                Err(e @ (CommError::InvalidArgument { .. } | CommError::Unsupported { .. })) => {
+                    Err(e)
+                }
+                // Part-way through: the peers cannot finish the call.
+                Err(e) => {
+                    self.pairs.fail(e.clone());
+                    Err(e)
+                }
             };
             guard.done = true;
             res.map_err(|e| e.with_context(ctx))

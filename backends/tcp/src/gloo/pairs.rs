@@ -37,6 +37,11 @@ use tokio::{
 
 use super::wire::{Opcode, PREAMBLE_BYTES, Preamble};
 
+/// The most receives a peer may announce ahead of our sends: far more than
+/// any collective posts at once, and a bound on what a misbehaving peer
+/// makes this rank hold (about 64 bytes each).
+const MAX_EARLY_RECVS: usize = 1 << 20;
+
 /// One message for a writer: a header, and for data its payload and the
 /// send it completes.
 type Frame = ([u8; PREAMBLE_BYTES], Vec<u8>, Option<SendId>);
@@ -51,6 +56,8 @@ struct PeerState {
     /// Receives the peer announced that no send of ours has met yet, per
     /// slot: the bytes each can take.
     remote_recvs: HashMap<u64, VecDeque<u64>>,
+    /// How many `remote_recvs` hold, bounded by [`MAX_EARLY_RECVS`].
+    remote_recv_count: usize,
     /// Our sends the peer has not asked for yet, per slot.
     pending_sends: HashMap<u64, VecDeque<(SendId, Vec<u8>)>>,
     /// Our receives whose payload has not begun to arrive, per slot: the
@@ -182,6 +189,7 @@ impl Pairs {
         let ps = &mut st.peers[peer];
         match pop(&mut ps.remote_recvs, slot) {
             Some(room) => {
+                ps.remote_recv_count -= 1;
                 if data.len() as u64 > room {
                     let why = too_long(self.rank, peer, data.len(), room, slot);
                     drop(st);
@@ -355,7 +363,16 @@ impl Pairs {
                 self.send_frame(peer, (head, data, Some(id)));
                 Ok(())
             }
+            None if ps.remote_recv_count >= MAX_EARLY_RECVS => Err(CommError::protocol(
+                Some(peer),
+                format!(
+                    "{MAX_EARLY_RECVS} receives announced that no send of rank {} has met; a \
+                     Gloo peer posts one per message it expects",
+                    self.rank
+                ),
+            )),
             None => {
+                ps.remote_recv_count += 1;
                 ps.remote_recvs.entry(slot).or_default().push_back(room);
                 Ok(())
             }

@@ -1,0 +1,173 @@
+//! The conformance properties that a Gloo group can meet, on consort ranks
+//! alone: N real [`GlooBackend`]s in this process, meeting through a store
+//! under torch's keys and talking Gloo's protocol over loopback sockets.
+//! (gloo_mixed.rs puts torch's ranks among them.)
+//!
+//! Gloo groups leave out what Gloo's wire has no room for: consort's
+//! mismatch check (a Gloo rank that calls another collective waits for its
+//! timeout, as between torch ranks; see `a_mismatch_fails_every_rank`),
+//! and reduce, gather, scatter and all_to_all, which the backend refuses.
+
+use std::{sync::Arc, time::Duration};
+
+use consort_comm::{Backend, CommError, ProcessGroup, ReduceOp, store::MemStore};
+use consort_tcp::{GlooBackend, GlooOptions};
+use consort_tests::{WorldFuture, checks, run_world};
+use proptest::prelude::*;
+
+fn gloo_world(n: usize) -> WorldFuture {
+    gloo_world_with(n, Duration::from_secs(30))
+}
+
+fn gloo_world_with(n: usize, timeout: Duration) -> WorldFuture {
+    Box::pin(async move {
+        let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
+        let tasks: Vec<_> = (0..n)
+            .map(|r| {
+                let opts = GlooOptions {
+                    timeout,
+                    ip: Some("127.0.0.1".parse().unwrap()),
+                };
+                tokio::spawn(GlooBackend::connect(store.clone(), r, n, opts))
+            })
+            .collect();
+        let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
+        for t in tasks {
+            out.push(Arc::new(t.await.expect("connect task").expect("connect")));
+        }
+        out
+    })
+}
+
+fn short_timeout_world(n: usize) -> WorldFuture {
+    gloo_world_with(n, Duration::from_millis(500))
+}
+
+fn dtype() -> impl Strategy<Value = consort_comm::DType> {
+    prop::sample::select(consort_comm::DType::ALL.to_vec())
+}
+
+/// Lengths from 0 up, including ones the world does not divide.
+fn len() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(0usize), Just(1), 0usize..40, 0usize..3000]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn all_reduce(n in 1usize..=6, len in len(), dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
+        checks::all_reduce(gloo_world, n, len, dtype, op, seed);
+    }
+
+    #[test]
+    fn broadcast(n in 1usize..=6, len in len(), dtype in dtype(), root in 0usize..6, seed in any::<u64>()) {
+        checks::broadcast(gloo_world, n, len, dtype, root % n, seed);
+    }
+
+    #[test]
+    fn all_gather(n in 1usize..=6, len in len(), dtype in dtype(), seed in any::<u64>()) {
+        checks::all_gather(gloo_world, n, len, dtype, seed);
+    }
+
+    #[test]
+    fn reduce_scatter(n in 1usize..=6, len in 0usize..40, dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
+        checks::reduce_scatter(gloo_world, n, len, dtype, op, seed);
+    }
+
+    #[test]
+    fn barrier_and_p2p(n in 1usize..=6, len in len(), seed in any::<u64>()) {
+        checks::barrier_and_p2p(gloo_world, n, len, seed);
+    }
+}
+
+/// One buffer past gloo's 1 MiB ring segment on 3 ranks: several segments
+/// per rank, the last one short.
+#[test]
+fn all_reduce_past_one_segment() {
+    checks::all_reduce(
+        gloo_world,
+        3,
+        (3 << 20) / 4 + 5,
+        consort_comm::DType::F32,
+        0,
+        7,
+    );
+}
+
+#[test]
+fn bitwise_ops_on_floats_are_refused() {
+    checks::unsupported(gloo_world);
+}
+
+#[test]
+fn invalid_arguments_are_refused_on_every_rank() {
+    checks::invalid_arguments(gloo_world);
+}
+
+/// The ops Gloo groups do not speak say so, and take no tag: the group
+/// goes on.
+#[test]
+fn unsupported_ops_say_so() {
+    let out = run_world(gloo_world, 2, |pg: ProcessGroup| async move {
+        let mut buf = vec![1.0f32; 4];
+        match pg.reduce(&mut buf, ReduceOp::Sum, 0).await {
+            Err(CommError::Unsupported { reason, .. }) if reason.contains("gloo") => {}
+            other => return Err(format!("reduce: want Unsupported, got {other:?}")),
+        }
+        pg.all_reduce(&mut buf, ReduceOp::Sum)
+            .await
+            .map_err(|e| e.to_string())?;
+        if buf != [2.0; 4] {
+            return Err(format!("all_reduce after the refusal: {buf:?}"));
+        }
+        Ok(())
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+/// Rank 1 broadcasts where the others all_reduce: every rank fails within
+/// its timeout (Gloo has no mismatch check), and the failure is sticky.
+#[test]
+fn a_mismatch_fails_every_rank() {
+    let out = run_world(short_timeout_world, 3, |pg: ProcessGroup| async move {
+        let mut buf = vec![1.0f32; 4];
+        let first = if pg.rank() == 1 {
+            pg.broadcast(&mut buf, 0).await
+        } else {
+            pg.all_reduce(&mut buf, ReduceOp::Sum).await
+        };
+        if first.is_ok() {
+            return Err("the mismatched call succeeded".into());
+        }
+        match pg.barrier().await {
+            Err(CommError::Aborted { .. }) => Ok(()),
+            other => Err(format!("after the failure: want Aborted, got {other:?}")),
+        }
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+/// A size mismatch is refused at once, not at the timeout.
+#[test]
+fn a_size_mismatch_is_refused() {
+    let out = run_world(gloo_world, 2, |pg: ProcessGroup| async move {
+        let mut buf = vec![1.0f32; 4 + 4 * pg.rank()];
+        let t = std::time::Instant::now();
+        let res = pg.all_reduce(&mut buf, ReduceOp::Sum).await;
+        match res {
+            Err(_) if t.elapsed() < Duration::from_secs(10) => Ok(()),
+            other => Err(format!(
+                "want a prompt error, got {other:?} after {:?}",
+                t.elapsed()
+            )),
+        }
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
