@@ -55,6 +55,10 @@ pub trait GlooIo: Send + Sync {
     fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()>;
     /// Waits for the oldest posted receive from `peer` on `slot`.
     async fn wait_recv(&self, peer: usize, slot: u64) -> Result<Vec<u8>>;
+    /// Takes back a payload [`GlooIo::wait_recv`] returned, once used.
+    fn recycle(&self, data: Vec<u8>) {
+        drop(data);
+    }
 }
 
 /// Waits for the oldest receive from `peer` on `slot`, which must bring
@@ -170,6 +174,7 @@ pub async fn allreduce(
                 let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
                 let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
                 combine(&mut buf[at], &data)?;
+                io.recycle(data);
             }
         }
         if i < steps {
@@ -190,6 +195,7 @@ pub async fn allreduce(
                 let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
                 let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
                 buf[at].copy_from_slice(&data);
+                io.recycle(data);
             }
         }
         if i < steps {
@@ -231,6 +237,7 @@ pub async fn broadcast(io: &dyn GlooIo, tag: u32, buf: &mut [u8], root: usize) -
             io.post_recv(peer, slot, buf.len())?;
             let data = take(io, peer, slot, buf.len()).await?;
             buf.copy_from_slice(&data);
+            io.recycle(data);
         }
     }
     Ok(())
@@ -262,14 +269,18 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
         let len = chunk[i & 1];
         if i >= 2 {
             let (at, n): (usize, usize) = waiting.pop_front().expect("two receives in flight");
-            out[at..at + n].copy_from_slice(&take(io, recv_rank, slot, n).await?);
+            let data = take(io, recv_rank, slot, n).await?;
+            out[at..at + n].copy_from_slice(&data);
+            io.recycle(data);
         }
         io.post_send(send_rank, slot, &out[send_off..send_off + len])?;
         io.post_recv(recv_rank, slot, len)?;
         waiting.push_back((recv_off, len));
     }
     while let Some((at, n)) = waiting.pop_front() {
-        out[at..at + n].copy_from_slice(&take(io, recv_rank, slot, n).await?);
+        let data = take(io, recv_rank, slot, n).await?;
+        out[at..at + n].copy_from_slice(&data);
+        io.recycle(data);
     }
     Ok(())
 }

@@ -20,8 +20,10 @@ type BoxError = Box<dyn std::error::Error>;
 pub(crate) struct BenchArgs {
     #[command(subcommand)]
     machine: Option<BenchCommand>,
-    /// Backend: tcp or quic (one OS process per rank, on loopback), sim, or
-    /// nccl (one process per GPU, device buffers; needs the `nccl` feature).
+    /// Backend: tcp, quic or gloo (one OS process per rank, on loopback;
+    /// gloo is torch's Gloo protocol and algorithms, for all_reduce,
+    /// broadcast, all_gather and reduce_scatter), sim, or nccl (one process
+    /// per GPU, device buffers; needs the `nccl` feature).
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// nccl only: every rank uses GPU 0 (NCCL 2.30+ through

@@ -278,6 +278,7 @@ async fn rank_from_env(
     }
     let pg = match spec.backend.as_str() {
         "quic" => dist.quic_process_group().await?,
+        "gloo" => dist.gloo_process_group().await?,
         _ => {
             spec.backend = "tcp".into();
             dist.process_group().await?
@@ -370,7 +371,7 @@ pub(crate) async fn from_env(
 /// Runs the bench and returns the table.
 pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Error>> {
     let rows: Vec<Row> = match spec.backend.as_str() {
-        "tcp" | "quic" => launch(&spec, &[])?,
+        "tcp" | "quic" | "gloo" => launch(&spec, &[])?,
         "nccl" => {
             let env = nccl_preflight(&spec)?;
             launch(&spec, &env)?
@@ -395,9 +396,10 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
             first.unwrap_or_default()
         }
         other => {
-            return Err(
-                format!("unknown backend {other:?}: expected tcp, quic, sim or nccl").into(),
-            );
+            return Err(format!(
+                "unknown backend {other:?}: expected tcp, quic, gloo, sim or nccl"
+            )
+            .into());
         }
     };
     Ok(table(&spec, rows))

@@ -132,6 +132,16 @@ pub async fn full_mesh(
     Ok(streams)
 }
 
+/// No Nagle delay (Gloo's `noDelay`), and socket buffers for a few
+/// segments in flight each way.
+fn tune(s: &TcpStream) {
+    const BUFFER: usize = 4 << 20;
+    let _ = s.set_nodelay(true);
+    let sock = socket2::SockRef::from(s);
+    let _ = sock.set_send_buffer_size(BUFFER);
+    let _ = sock.set_recv_buffer_size(BUFFER);
+}
+
 fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
@@ -143,7 +153,7 @@ async fn dial(rank: usize, peer: usize, remote: Address, deadline: Instant) -> R
     loop {
         match tokio::time::timeout_at(deadline, TcpStream::connect(remote.addr)).await {
             Ok(Ok(mut s)) => {
-                s.set_nodelay(true)?;
+                tune(&s);
                 tokio::time::timeout(HELLO_TIMEOUT, s.write_all(&remote.seq.to_ne_bytes()))
                     .await
                     .map_err(|_| hello_timeout(peer))??;
@@ -210,7 +220,7 @@ async fn accept_loop(listener: TcpListener, waiting: HashMap<i64, oneshot::Sende
             let tx = waiting.lock().expect("waiting pairs").remove(&seq);
             match tx {
                 Some(tx) => {
-                    let _ = s.set_nodelay(true);
+                    tune(&s);
                     let _ = tx.send(s);
                 }
                 None => {

@@ -233,6 +233,9 @@ impl GlooIo for CallIo<'_> {
             .wait_recv(peer, slot, self.deadline, self.after)
             .await
     }
+    fn recycle(&self, data: Vec<u8>) {
+        self.pairs.recycle(data);
+    }
 }
 
 /// Fails the group if a call is dropped before it finishes: its peers may
@@ -339,6 +342,7 @@ impl GlooBackend {
                     )));
                 }
                 bytes.copy_from_slice(&data);
+                io.recycle(data);
                 Ok(())
             }
             other => Err(CommError::unsupported(format!(

@@ -13,9 +13,11 @@
 //! posted and queued to the writer, so that a reader never blocks on a
 //! write (two readers each writing to the other would deadlock on full
 //! socket buffers) and a caller's buffer is never touched after its call
-//! returns. Any failure (a closed connection, a message Gloo would refuse,
-//! a deadline, a dropped call) fails the whole context: it is sticky, and
-//! every socket is closed so that torch's ranks see it too.
+//! returns. A closed connection fails the calls that still need that peer
+//! (a rank closes its connections when it leaves after its last call, as
+//! Gloo fails only the pair); any other failure (a message Gloo would
+//! refuse, a deadline, a dropped call) fails the whole context: it is
+//! sticky, and every socket is closed so that torch's ranks see it too.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -65,6 +67,10 @@ struct PeerState {
     posted_recvs: HashMap<u64, VecDeque<usize>>,
     /// Payloads that arrived and have not been taken, per slot.
     arrived: HashMap<u64, VecDeque<Vec<u8>>>,
+    /// Why the connection ended, once it has: a peer that leaves after its
+    /// last call closes it, so this fails only the calls that still need
+    /// the peer (as Gloo fails only that pair).
+    gone: Option<CommError>,
 }
 
 #[derive(Debug, Default)]
@@ -74,8 +80,8 @@ struct State {
     failed: Option<CommError>,
     /// The next [`SendId`].
     next_send: u64,
-    /// Sends whose payload is not written yet.
-    unsent: std::collections::HashSet<SendId>,
+    /// Sends whose payload is not written yet, and their peers.
+    unsent: HashMap<SendId, usize>,
 }
 
 /// The connections of one rank of one Gloo context.
@@ -87,6 +93,55 @@ pub struct Pairs {
     changed: Notify,
     writers: Vec<Option<mpsc::UnboundedSender<Frame>>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Payload buffers for reuse (see [`Pool`]).
+    pool: Pool,
+}
+
+/// Payload buffers kept for the next message: a large allocation is a
+/// fresh mapping each time, whose first touch costs a page fault per page
+/// (more than the copy itself for a 64 MiB broadcast).
+#[derive(Debug, Default)]
+pub struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Pool {
+    /// Bytes the pool keeps at most.
+    const MAX_BYTES: usize = 256 << 20;
+    /// Smaller buffers are not worth keeping.
+    const MIN_BYTES: usize = 64 << 10;
+
+    /// An empty buffer with room for `len` bytes.
+    pub fn take(&self, len: usize) -> Vec<u8> {
+        if len >= Self::MIN_BYTES {
+            let mut free = self.free.lock().expect("pool");
+            if let Some(i) = free.iter().position(|v| v.capacity() >= len) {
+                let mut v = free.swap_remove(i);
+                v.clear();
+                return v;
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    /// A pooled copy of `data`.
+    pub fn copy(&self, data: &[u8]) -> Vec<u8> {
+        let mut v = self.take(data.len());
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// Keeps `v` for reuse, if it is worth it and there is room.
+    pub fn give(&self, v: Vec<u8>) {
+        if v.capacity() < Self::MIN_BYTES {
+            return;
+        }
+        let mut free = self.free.lock().expect("pool");
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if held + v.capacity() <= Self::MAX_BYTES {
+            free.push(v);
+        }
+    }
 }
 
 impl Pairs {
@@ -122,6 +177,7 @@ impl Pairs {
             changed: Notify::new(),
             writers,
             tasks: Mutex::new(Vec::new()),
+            pool: Pool::default(),
         });
         let mut tasks = Vec::new();
         for (peer, h) in halves.into_iter().enumerate() {
@@ -152,17 +208,33 @@ impl Pairs {
     /// Fails the context with `why` (the first failure wins) and closes
     /// every connection.
     pub fn fail(&self, why: CommError) {
-        {
-            let mut st = self.state.lock().expect("gloo state");
-            if st.failed.is_some() {
-                return;
-            }
-            tracing::debug!(rank = self.rank, %why, "gloo context failed");
-            st.failed = Some(why);
+        let mut st = self.state.lock().expect("gloo state");
+        self.fail_locked(&mut st, why);
+    }
+
+    /// [`Pairs::fail`] with the state locked; returns the error to report.
+    fn fail_locked(&self, st: &mut State, why: CommError) -> CommError {
+        if let Some(first) = &st.failed {
+            return first.to_aborted();
         }
+        tracing::debug!(rank = self.rank, %why, "gloo context failed");
+        st.failed = Some(why.clone());
         for t in self.tasks.lock().expect("tasks").drain(..) {
             t.abort();
         }
+        self.changed.notify_waiters();
+        why
+    }
+
+    /// `peer`'s connection ended: calls that need it fail from now on.
+    fn lose(&self, peer: usize, why: CommError) {
+        let mut st = self.state.lock().expect("gloo state");
+        let ps = &mut st.peers[peer];
+        if ps.gone.is_none() {
+            tracing::debug!(rank = self.rank, peer, %why, "gloo peer gone");
+            ps.gone = Some(why);
+        }
+        drop(st);
         self.changed.notify_waiters();
     }
 
@@ -173,17 +245,27 @@ impl Pairs {
         }
     }
 
+    /// The group's failure, or `peer`'s loss (which then fails the group:
+    /// a call needs the peer).
+    fn usable(&self, st: &mut State, peer: usize) -> Result<()> {
+        if let Some(why) = &st.failed {
+            return Err(why.to_aborted());
+        }
+        if let Some(why) = st.peers[peer].gone.clone() {
+            return Err(self.fail_locked(st, why));
+        }
+        Ok(())
+    }
+
     /// Posts a send of `data` to `peer` on `slot` (Gloo's
     /// `UnboundBuffer::send`). The bytes are copied now; the payload goes
     /// once the peer posts its receive ([`Pairs::wait_sent`] waits for it).
     pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<SendId> {
         let mut st = self.state.lock().expect("gloo state");
-        if let Some(why) = &st.failed {
-            return Err(why.to_aborted());
-        }
+        self.usable(&mut st, peer)?;
         let id = SendId(st.next_send);
         st.next_send += 1;
-        st.unsent.insert(id);
+        st.unsent.insert(id, peer);
         let notify = Preamble::new(Opcode::NotifySendReady, slot, data.len()).encode();
         self.send_frame(peer, (notify, Vec::new(), None));
         let ps = &mut st.peers[peer];
@@ -192,18 +274,16 @@ impl Pairs {
                 ps.remote_recv_count -= 1;
                 if data.len() as u64 > room {
                     let why = too_long(self.rank, peer, data.len(), room, slot);
-                    drop(st);
-                    self.fail(why.clone());
-                    return Err(why);
+                    return Err(self.fail_locked(&mut st, why));
                 }
                 let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
-                self.send_frame(peer, (head, data.to_vec(), Some(id)));
+                self.send_frame(peer, (head, self.pool.copy(data), Some(id)));
             }
             None => ps
                 .pending_sends
                 .entry(slot)
                 .or_default()
-                .push_back((id, data.to_vec())),
+                .push_back((id, self.pool.copy(data))),
         }
         Ok(id)
     }
@@ -222,26 +302,19 @@ impl Pairs {
             tokio::pin!(changed);
             changed.as_mut().enable();
             let waiting_on = {
-                let st = self.state.lock().expect("gloo state");
-                if let Some(why) = &st.failed {
-                    return Err(why.to_aborted());
-                }
-                let mut peers: Vec<usize> = st
-                    .peers
+                let mut st = self.state.lock().expect("gloo state");
+                let mut peers: Vec<usize> = sends
                     .iter()
-                    .enumerate()
-                    .filter(|(_, ps)| {
-                        ps.pending_sends
-                            .values()
-                            .flatten()
-                            .any(|(id, _)| sends.contains(id))
-                    })
-                    .map(|(p, _)| p)
+                    .filter_map(|id| st.unsent.get(id).copied())
                     .collect();
-                if !sends.iter().any(|id| st.unsent.contains(id)) {
+                if peers.is_empty() {
                     return Ok(());
                 }
+                peers.sort_unstable();
                 peers.dedup();
+                for &p in &peers {
+                    self.usable(&mut st, p)?;
+                }
                 peers
             };
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
@@ -256,6 +329,11 @@ impl Pairs {
         }
     }
 
+    /// Returns a payload from [`Pairs::wait_recv`] for reuse.
+    pub fn recycle(&self, data: Vec<u8>) {
+        self.pool.give(data);
+    }
+
     fn sent(&self, id: SendId) {
         self.state.lock().expect("gloo state").unsent.remove(&id);
         self.changed.notify_waiters();
@@ -265,9 +343,7 @@ impl Pairs {
     /// `UnboundBuffer::recv`); [`Pairs::wait_recv`] takes the payload.
     pub fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
         let mut st = self.state.lock().expect("gloo state");
-        if let Some(why) = &st.failed {
-            return Err(why.to_aborted());
-        }
+        self.usable(&mut st, peer)?;
         st.peers[peer]
             .posted_recvs
             .entry(slot)
@@ -294,12 +370,13 @@ impl Pairs {
             changed.as_mut().enable();
             {
                 let mut st = self.state.lock().expect("gloo state");
-                if let Some(why) = &st.failed {
-                    return Err(why.to_aborted());
-                }
-                if let Some(data) = pop(&mut st.peers[peer].arrived, slot) {
+                // What arrived before the peer left is still its part.
+                if st.failed.is_none()
+                    && let Some(data) = pop(&mut st.peers[peer].arrived, slot)
+                {
                     return Ok(data);
                 }
+                self.usable(&mut st, peer)?;
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
                 let why = CommError::Timeout {
@@ -413,7 +490,8 @@ async fn read_loop(pairs: Arc<Pairs>, peer: usize, mut r: OwnedReadHalf) {
     let why = loop {
         let mut head = [0u8; PREAMBLE_BYTES];
         if let Err(e) = r.read_exact(&mut head).await {
-            break closed(&pairs, peer, &e);
+            pairs.lose(peer, closed(&pairs, peer, &e));
+            return;
         }
         let head = Preamble::decode(&head);
         let step = match head.opcode() {
@@ -426,9 +504,19 @@ async fn read_loop(pairs: Arc<Pairs>, peer: usize, mut r: OwnedReadHalf) {
             {
                 match pairs.begin_payload(peer, &head) {
                     Ok(()) => {
-                        let mut data = vec![0u8; head.length as usize];
-                        if let Err(e) = r.read_exact(&mut data).await {
-                            break closed(&pairs, peer, &e);
+                        // Read into fresh capacity: no zeroing pass first.
+                        let len = head.length as usize;
+                        let mut data = pairs.pool.take(len);
+                        let res = (&mut r).take(len as u64).read_to_end(&mut data).await;
+                        if let Err(e) = res.and_then(|n| {
+                            if n == len {
+                                Ok(())
+                            } else {
+                                Err(std::io::ErrorKind::UnexpectedEof.into())
+                            }
+                        }) {
+                            pairs.lose(peer, closed(&pairs, peer, &e));
+                            return;
                         }
                         pairs.deliver(peer, head.slot, data);
                         Ok(())
@@ -481,15 +569,19 @@ async fn write_loop(
         }
         .await;
         if let Err(e) = res {
-            pairs.fail(CommError::PeerLost {
-                ctx: Default::default(),
+            pairs.lose(
                 peer,
-                reason: format!("rank {} could not write to it: {e}", pairs.rank),
-            });
+                CommError::PeerLost {
+                    ctx: Default::default(),
+                    peer,
+                    reason: format!("rank {} could not write to it: {e}", pairs.rank),
+                },
+            );
             return;
         }
         if let Some(id) = id {
             pairs.sent(id);
         }
+        pairs.pool.give(data);
     }
 }
