@@ -171,3 +171,28 @@ fn a_size_mismatch_is_refused() {
         o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
+
+/// A rank that finishes first and closes its connections (leaves the job)
+/// does not fail the others' last call: what it sent is still theirs.
+#[test]
+fn a_rank_that_leaves_after_its_last_call_fails_no_one() {
+    for _ in 0..5 {
+        let out = run_world(gloo_world, 4, |pg: ProcessGroup| async move {
+            // The root of a broadcast is done once its payloads are
+            // written: it leaves while the others still read them.
+            let mut buf = vec![pg.rank() as f32; 1 << 16];
+            for _ in 0..3 {
+                pg.broadcast(&mut buf, 0).await.map_err(|e| e.to_string())?;
+            }
+            if buf.iter().any(|&x| x != 0.0) {
+                return Err("the broadcast brought other values".into());
+            }
+            // The group (and its sockets) go when this rank's task ends.
+            drop(pg);
+            Ok::<_, String>(())
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    }
+}

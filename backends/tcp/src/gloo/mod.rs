@@ -193,6 +193,14 @@ impl GlooBackend {
     }
 }
 
+impl Drop for GlooBackend {
+    /// Closes the group's connections (its reader and writer tasks would
+    /// otherwise keep them open), as torch's `destroy_process_group`.
+    fn drop(&mut self) {
+        self.pairs.close();
+    }
+}
+
 /// One call's view of the pairs: its deadline on every wait, and the sends
 /// it must see written before it ends.
 struct CallIo<'a> {

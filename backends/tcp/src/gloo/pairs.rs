@@ -457,6 +457,16 @@ impl Pairs {
     }
 }
 
+impl Pairs {
+    /// Closes every connection: the group's handle is gone. Its calls have
+    /// all ended, so every payload they sent is written already.
+    pub fn close(&self) {
+        for t in self.tasks.lock().expect("tasks").drain(..) {
+            t.abort();
+        }
+    }
+}
+
 impl Drop for Pairs {
     fn drop(&mut self) {
         for t in self.tasks.get_mut().expect("tasks").drain(..) {
