@@ -122,6 +122,8 @@ pub struct Dist {
     store: Arc<dyn Store>,
     server: Option<TcpStoreServer>,
     timeout: Duration,
+    /// torch processes hold some ranks ([`InitOptions::torch_peers`]).
+    torch_peers: bool,
 }
 
 impl Dist {
@@ -216,7 +218,8 @@ impl Dist {
                 None => self.store.clone(),
             };
         let b = consort_nccl::NcclBackend::new(&*store, rank, world, opts).await?;
-        if world > 1 && bool_var("CONSORT_NCCL_CHECK", true)? {
+        // torch's ranks would never join the check's side channel.
+        if world > 1 && !self.torch_peers && bool_var("CONSORT_NCCL_CHECK", true)? {
             // The side channel of the mismatch check: a TCP mesh of its own
             // (its own store keys), used by nothing else.
             let mut tcp = self.tcp_options().await?;
@@ -458,6 +461,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
             store: Arc::new(MemStore::new(opts.store_timeout)),
             server: None,
             timeout: opts.store_timeout,
+            torch_peers: opts.torch_peers,
         });
     }
     let server = if env.hosts_store() {
@@ -489,6 +493,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
             store,
             server,
             timeout: opts.store_timeout,
+            torch_peers: true,
         });
     }
     let rdzv = rendezvous_store(&store, &env);
@@ -538,6 +543,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
         store,
         server,
         timeout: opts.store_timeout,
+        torch_peers: false,
     })
 }
 

@@ -323,8 +323,14 @@ impl GlooBackend {
             }
             Op::ReduceScatter { output, input, op } => {
                 let (dtype, out) = host(output)?;
-                let mut whole = input.host("gloo")?.bytes().to_vec();
-                all_reduce(io, tag, dtype, &mut whole, op).await?;
+                // torch's reduce_scatter_tensor on Gloo: an all_reduce of a
+                // copy of the whole input (aligned, as a tensor is), then
+                // this rank's part.
+                let input = input.host("gloo")?.bytes();
+                let mut words = vec![0u64; input.len().div_ceil(8)];
+                let whole = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
+                whole.copy_from_slice(input);
+                all_reduce(io, tag, dtype, whole, op).await?;
                 let part = out.len();
                 let at = io.rank() * part;
                 out.copy_from_slice(&whole[at..at + part]);
