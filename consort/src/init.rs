@@ -132,6 +132,12 @@ impl Dist {
         &self.env
     }
 
+    /// Whether torch processes hold some of the job's ranks
+    /// ([`InitOptions::torch_peers`]).
+    pub fn torch_peers(&self) -> bool {
+        self.torch_peers
+    }
+
     /// Global rank.
     pub fn rank(&self) -> usize {
         self.env.rank
