@@ -92,6 +92,7 @@ impl ProcessGroup {
         obj: Option<&T>,
         root: usize,
     ) -> Result<T> {
+        self.own_calls("broadcast_object")?;
         validate::root(root, self.world_size())?;
         validate::root_only(
             "broadcast_object",
@@ -118,6 +119,7 @@ impl ProcessGroup {
         &self,
         obj: &T,
     ) -> Result<Vec<T>> {
+        self.own_calls("all_gather_object")?;
         let enc = encode(obj);
         let sizes = self.all_gather_vec(&[announced(&enc)]).await?;
         let counts: Vec<usize> = sizes
@@ -140,6 +142,7 @@ impl ProcessGroup {
         obj: &T,
         dst: usize,
     ) -> Result<Option<Vec<T>>> {
+        self.own_calls("gather_object")?;
         validate::root(dst, self.world_size())?;
         let enc = encode(obj);
         let sizes = self.all_gather_vec(&[announced(&enc)]).await?;
@@ -168,6 +171,7 @@ impl ProcessGroup {
         objs: Option<&[T]>,
         src: usize,
     ) -> Result<T> {
+        self.own_calls("scatter_object")?;
         let n = self.world_size();
         validate::root(src, n)?;
         validate::root_only(

@@ -113,6 +113,7 @@ impl ProcessGroup {
     /// (not sorted); the lists must not overlap. Ranks no list names get
     /// `None`.
     pub async fn split_group(&self, split_ranks: &[Vec<usize>]) -> Result<Option<ProcessGroup>> {
+        self.own_calls("split_group")?;
         let lists = self.check_disjoint(split_ranks, false)?;
         self.agree("split_group", &lists).await?;
         let mut mine = None;
@@ -128,6 +129,7 @@ impl ProcessGroup {
     /// ordered by `key` and then by rank; a rank that passes `None` joins
     /// none and gets `None`. Every rank of this group calls it.
     pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<ProcessGroup>> {
+        self.own_calls("split")?;
         let mine = [color.map_or(u64::MAX, u64::from), key as u64];
         let all = self.all_gather_vec(&mine).await?;
         let mut colors: Vec<u64> = all.chunks(2).map(|c| c[0]).collect();
@@ -169,6 +171,20 @@ impl ProcessGroup {
             out.push(l);
         }
         Ok(out)
+    }
+
+    /// Refuses `what`, which makes calls or encodings of consort's own,
+    /// on a group that torch ranks may share ([`crate::Backend::may_add_calls`]):
+    /// they would make other calls, or read other bytes.
+    pub(crate) fn own_calls(&self, what: &str) -> Result<()> {
+        if self.backend().may_add_calls() {
+            return Ok(());
+        }
+        Err(CommError::unsupported(format!(
+            "{what} makes calls of consort's own, which torch's ranks in this {} group would not \
+             make; use what torch's ranks call (new_group, the collectives)",
+            self.backend().name()
+        )))
     }
 
     /// Checks that every rank passed the same lists to `what`, where the

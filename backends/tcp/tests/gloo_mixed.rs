@@ -65,6 +65,15 @@ fn script(world: usize) -> Vec<Value> {
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "i64", "n": 3, "group": 24}),
         json!({"op": "barrier", "group": 24}),
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 2}),
+        // Sums that round: the bytes show the reduction's order.
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 37, "frac": true}),
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "bf16", "n": 50, "frac": true}),
+        json!({"op": "all_reduce", "reduce": "avg", "dtype": "f32", "n": 9, "frac": true}),
+        json!({"op": "all_reduce", "reduce": "avg", "dtype": "bf16", "n": 9, "frac": true}),
+        json!({"op": "all_reduce", "reduce": "max", "dtype": "f16", "n": 5, "frac": true}),
+        json!({"op": "reduce_scatter", "reduce": "sum", "dtype": "bf16", "n": 3, "frac": true}),
+        // Past 2 x world segments of 1 MiB: several segments per rank.
+        json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 2_621_443, "frac": true}),
     ]
 }
 
@@ -95,6 +104,11 @@ fn reduce(s: &Value) -> ReduceOp {
 
 /// The inputs, as torch_gloo.py's `data`.
 fn data(rank: usize, step: usize, n: usize, dt: DType) -> Vec<f64> {
+    data_of(rank, step, n, dt, false)
+}
+
+/// As torch_gloo.py's `data`: with `frac`, thirds (in f32): sums that round.
+fn data_of(rank: usize, step: usize, n: usize, dt: DType, frac: bool) -> Vec<f64> {
     (0..n)
         .map(|i| {
             let v = (i * 7 + rank * 3 + step * 5) % 11;
@@ -103,7 +117,11 @@ fn data(rank: usize, step: usize, n: usize, dt: DType) -> Vec<f64> {
             } else {
                 v
             };
-            v as f64
+            if frac {
+                f64::from(v as f32 / 3.0)
+            } else {
+                v as f64
+            }
         })
         .collect()
 }
@@ -224,9 +242,11 @@ fn expected(script: &[Value], world: usize, rank: usize) -> Vec<Value> {
                 return Value::Null;
             };
             if op == "barrier" {
-                return json!([]);
+                return json!([[], ""]);
             }
             let (dt, n) = (dtype(s), s["n"].as_u64().unwrap() as usize);
+            let frac = s.get("frac").is_some();
+            let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
             let g = m.len();
             let v = match op {
                 "all_reduce" => {
@@ -242,9 +262,13 @@ fn expected(script: &[Value], world: usize, rank: usize) -> Vec<Value> {
                 "send_recv" => data((rank + world - 1) % world, step, n, dt),
                 other => panic!("op {other}"),
             };
-            json!(v)
+            json!([v, ""])
         })
         .collect()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn buf(dt: DType, a: &mut Aligned) -> BufferMut<'_> {
@@ -302,10 +326,12 @@ async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) 
         let (grank, gsize) = (pg.rank(), pg.world_size());
         if op == "barrier" {
             b.barrier(&CallOptions::default()).await.unwrap();
-            results.push(json!([]));
+            results.push(json!([[], ""]));
             continue;
         }
         let (dt, n) = (dtype(s), s["n"].as_u64().unwrap() as usize);
+        let frac = s.get("frac").is_some();
+        let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
         let out = match op {
             "all_reduce" => {
                 let mut v = to_bytes(&data(grank, step, n, dt), dt);
@@ -377,14 +403,21 @@ async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) 
             }
             other => panic!("op {other}"),
         };
-        results.push(json!(from_bytes(out.bytes(), dt)));
+        results.push(json!([from_bytes(out.bytes(), dt), hex(out.bytes())]));
     }
     results
 }
 
 /// Runs one arrangement: bit `r` of `torch_mask` set means torch runs
 /// rank `r`.
-async fn arrangement(world: usize, torch_mask: u32) {
+/// Runs one arrangement and returns every rank's results; checks them
+/// against the reference values, and bit for bit against `all_torch` (the
+/// all-torch arrangement's results) when given.
+async fn arrangement(
+    world: usize,
+    torch_mask: u32,
+    all_torch: Option<&[Vec<Value>]>,
+) -> Vec<Vec<Value>> {
     let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
     let port = server.local_addr().port();
     let script = script(world);
@@ -433,25 +466,41 @@ async fn arrangement(world: usize, torch_mask: u32) {
     for (rank, g) in got.iter().enumerate() {
         let want = expected(&script, world, rank);
         for (step, (a, b)) in g.iter().zip(&want).enumerate() {
+            let tol = match (script[step].get("frac"), script[step].get("dtype")) {
+                (Some(_), Some(d)) if d == "bf16" || d == "f16" => 3e-2,
+                (Some(_), _) => 1e-5,
+                _ => 1e-6,
+            };
             assert!(
-                close(a, b),
+                close(&a[0], &b[0], tol),
                 "world {world}, torch ranks {torch_mask:#b}: rank {rank} step {step} ({}) got \
-                 {a} but the reference is {b}",
-                script[step]
+                 {} but the reference is {}",
+                script[step],
+                a[0],
+                b[0]
             );
+            if let Some(t) = all_torch {
+                assert_eq!(
+                    a[1], t[rank][step][1],
+                    "world {world}, torch ranks {torch_mask:#b}: rank {rank} step {step} ({}): \
+                     the bytes differ from an all-torch group's",
+                    script[step]
+                );
+            }
         }
         assert_eq!(g.len(), want.len());
     }
     server.shutdown().await;
+    got
 }
 
-fn close(a: &Value, b: &Value) -> bool {
+fn close(a: &Value, b: &Value, tol: f64) -> bool {
     match (a, b) {
         (Value::Array(x), Value::Array(y)) => {
             x.len() == y.len()
                 && x.iter().zip(y).all(|(p, q)| {
                     let (p, q) = (p.as_f64().unwrap(), q.as_f64().unwrap());
-                    (p - q).abs() <= 1e-6 * q.abs().max(1.0)
+                    (p - q).abs() <= tol * q.abs().max(1.0)
                 })
         }
         _ => a == b,
@@ -459,9 +508,12 @@ fn close(a: &Value, b: &Value) -> bool {
 }
 
 async fn every_arrangement(world: usize) {
-    // Every mix of torch and consort ranks, and consort alone.
-    for mask in 0..(1u32 << world) - 1 {
-        arrangement(world, mask).await;
+    // torch alone first: its bytes are the reference for every mix of torch
+    // and consort ranks, and for consort alone.
+    let all = (1u32 << world) - 1;
+    let reference = arrangement(world, all, None).await;
+    for mask in 0..all {
+        arrangement(world, mask, Some(&reference)).await;
     }
 }
 

@@ -38,17 +38,23 @@ OPS = {
 }
 
 
-def data(rank, step, n, dtype):
-    """Small integers: exact in every dtype, and in every sum of 4 ranks."""
+def data(rank, step, n, dtype, frac=False):
+    """Small integers: exact in every dtype, and in every sum of 4 ranks.
+    With `frac`, thirds of them (in float32, then the dtype): sums that
+    round, so the order of the reduction shows in the bits."""
     i = torch.arange(n, dtype=torch.int64)
     v = (i * 7 + rank * 3 + step * 5) % 11
     if dtype == torch.uint8 or dtype == torch.int8:
         v = v % 5
+    if frac:
+        return (v.to(torch.float32) / 3.0).to(dtype)
     return v.to(dtype)
 
 
 def out(t):
-    return t.to(torch.float64).tolist()
+    """The values, and the tensor's bytes in hex (compared bit for bit)."""
+    raw = bytes(t.contiguous().view(torch.uint8).tolist())
+    return [t.to(torch.float64).tolist(), raw.hex()]
 
 
 def main():
@@ -82,32 +88,32 @@ def main():
         dtype = DTYPES[s["dtype"]] if "dtype" in s else None
         n = s.get("n", 0)
         if op == "all_reduce":
-            t = data(grank, step, n, dtype)
+            t = data(grank, step, n, dtype, s.get("frac", False))
             dist.all_reduce(t, op=OPS[s["reduce"]], group=group)
             results.append(out(t))
         elif op == "broadcast":
-            t = data(grank, step, n, dtype)
+            t = data(grank, step, n, dtype, s.get("frac", False))
             if group is None:
                 dist.broadcast(t, src=s["root"])
             else:
                 dist.broadcast(t, group_src=s["root"], group=group)
             results.append(out(t))
         elif op == "all_gather":
-            t = data(grank, step, n, dtype)
+            t = data(grank, step, n, dtype, s.get("frac", False))
             o = torch.empty(n * gsize, dtype=dtype)
             dist.all_gather_into_tensor(o, t, group=group)
             results.append(out(o))
         elif op == "reduce_scatter":
-            t = data(grank, step, n * gsize, dtype)
+            t = data(grank, step, n * gsize, dtype, s.get("frac", False))
             o = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(o, t, op=OPS[s["reduce"]], group=group)
             results.append(out(o))
         elif op == "barrier":
             dist.barrier(group=group)
-            results.append([])
+            results.append([[], ""])
         elif op == "send_recv":
             # A ring: send to the next rank, receive from the previous one.
-            t = data(grank, step, n, dtype)
+            t = data(grank, step, n, dtype, s.get("frac", False))
             r = torch.empty(n, dtype=dtype)
             nxt, prv = (rank + 1) % world, (rank + world - 1) % world
             if rank % 2 == 0:

@@ -110,7 +110,9 @@ pub async fn full_mesh(
         }
     }
 
-    let acceptor = tokio::spawn(accept_loop(listener, waiting));
+    // Aborted when this function returns or is dropped, error or not: the
+    // listener closes with it.
+    let acceptor = AbortOnDrop(tokio::spawn(accept_loop(listener, waiting)));
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     for (peer, remote) in dials {
         streams[peer] = Some(dial(rank, peer, remote, deadline).await?);
@@ -119,7 +121,6 @@ pub async fn full_mesh(
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(s)) => streams[peer] = Some(s),
             _ => {
-                acceptor.abort();
                 return Err(CommError::Timeout {
                     ctx: Default::default(),
                     after: timeout,
@@ -128,8 +129,17 @@ pub async fn full_mesh(
             }
         }
     }
-    acceptor.abort();
+    drop(acceptor);
     Ok(streams)
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// No Nagle delay (Gloo's `noDelay`), and socket buffers for a few

@@ -21,6 +21,7 @@ pub mod pairs;
 pub mod wire;
 
 use std::{
+    collections::{HashMap, VecDeque},
     net::IpAddr,
     sync::{
         Arc,
@@ -31,8 +32,8 @@ use std::{
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, BufferMut, CallOptions, CommError, DType, ErrorContext, GroupId, Op, OpKind, ReduceOp,
-    Result, Work,
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, GroupId, Op, OpKind,
+    ReduceOp, Result, Work,
     algo::gloo::{self as algo, GlooIo},
     reduce::divide_bytes,
     store::{PrefixStore, Store},
@@ -208,9 +209,22 @@ struct CallIo<'a> {
     deadline: Instant,
     after: Duration,
     sends: std::sync::Mutex<Vec<pairs::SendId>>,
+    /// The call's posted receives per (peer, slot), oldest first.
+    tickets: std::sync::Mutex<HashMap<(usize, u64), VecDeque<pairs::RecvTicket>>>,
 }
 
-impl CallIo<'_> {
+impl<'a> CallIo<'a> {
+    /// A call on `pairs` that has `after` to finish, from now.
+    fn new(pairs: &'a Pairs, after: Duration) -> CallIo<'a> {
+        CallIo {
+            pairs,
+            deadline: Instant::now() + after,
+            after,
+            sends: Default::default(),
+            tickets: Default::default(),
+        }
+    }
+
     /// Waits for every send this call posted to be written.
     async fn flush(&self) -> Result<()> {
         let sends = std::mem::take(&mut *self.sends.lock().expect("sends"));
@@ -234,15 +248,57 @@ impl GlooIo for CallIo<'_> {
         Ok(())
     }
     fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
-        self.pairs.post_recv(peer, slot, len)
+        let ticket = self.pairs.post_recv(peer, slot, len)?;
+        let mut t = self.tickets.lock().expect("tickets");
+        t.entry((peer, slot)).or_default().push_back(ticket);
+        Ok(())
     }
     async fn wait_recv(&self, peer: usize, slot: u64) -> Result<Vec<u8>> {
+        let ticket = {
+            let mut t = self.tickets.lock().expect("tickets");
+            let q = t.get_mut(&(peer, slot));
+            let ticket = q.and_then(VecDeque::pop_front);
+            if t.get(&(peer, slot)).is_some_and(VecDeque::is_empty) {
+                t.remove(&(peer, slot));
+            }
+            ticket.ok_or_else(|| {
+                CommError::invalid(format!(
+                    "a wait for rank {peer}'s payload on Gloo slot {slot:#x} without a posted \
+                     receive"
+                ))
+            })?
+        };
         self.pairs
-            .wait_recv(peer, slot, self.deadline, self.after)
+            .wait_recv(peer, slot, ticket, self.deadline, self.after)
             .await
     }
     fn recycle(&self, data: Vec<u8>) {
         self.pairs.recycle(data);
+    }
+}
+
+/// Posts a send's or a receive's message when the call is made, so that
+/// p2p calls on one tag and peer match in the order they were made (as
+/// torch's), whichever is awaited first.
+fn post_p2p(io: &CallIo<'_>, op: &Op<'_>, tag: u32) -> Result<()> {
+    let slot = u64::from(tag);
+    match op {
+        Op::Send { buf, dst } => match buf {
+            Buffer::Host(h) => io.post_send(*dst, slot, h.bytes()),
+            Buffer::Device(_) => Err(CommError::unsupported(
+                "the gloo backend works on host memory and got a device buffer; copy it to the \
+                 host first, or use the nccl backend for GPU memory",
+            )),
+        },
+        Op::Recv {
+            buf: BufferMut::Host(h),
+            src,
+        } => io.post_recv(*src, slot, h.bytes().len()),
+        Op::Recv { .. } => Err(CommError::unsupported(
+            "the gloo backend works on host memory and got a device buffer; copy it to the \
+             host first, or use the nccl backend for GPU memory",
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -284,7 +340,48 @@ fn combine_with(op: ReduceOp, dtype: DType) -> Result<impl Fn(&mut [u8], &[u8]) 
         other => other,
     };
     base.check(dtype)?;
-    Ok(move |dst: &mut [u8], src: &[u8]| base.apply_bytes(dtype, dst, src))
+    Ok(move |dst: &mut [u8], src: &[u8]| match base {
+        ReduceOp::Min | ReduceOp::Max if dtype.is_float() => {
+            float_min_max(base, dtype, dst, src);
+            Ok(())
+        }
+        _ => base.apply_bytes(dtype, dst, src),
+    })
+}
+
+/// Gloo's `min` and `max` on floats: `std::min(ours, theirs)` keeps ours
+/// unless theirs is smaller, so a NaN on the far side is dropped and one on
+/// our side kept (consort's own MIN and MAX propagate NaN from either).
+/// f16 and bf16 compare as f32, as `c10::Half` does.
+fn float_min_max(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) {
+    let n = dtype.size_bytes();
+    let pick = |a: f64, b: f64| match op {
+        ReduceOp::Min => b < a,
+        _ => a < b,
+    };
+    for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+        let (a, b) = match dtype {
+            DType::F32 => (
+                f64::from(f32::from_ne_bytes(d.try_into().expect("4 bytes"))),
+                f64::from(f32::from_ne_bytes(s.try_into().expect("4 bytes"))),
+            ),
+            DType::F64 => (
+                f64::from_ne_bytes(d.try_into().expect("8 bytes")),
+                f64::from_ne_bytes(s.try_into().expect("8 bytes")),
+            ),
+            DType::F16 => (
+                half::f16::from_ne_bytes(d.try_into().expect("2 bytes")).to_f64(),
+                half::f16::from_ne_bytes(s.try_into().expect("2 bytes")).to_f64(),
+            ),
+            _ => (
+                half::bf16::from_ne_bytes(d.try_into().expect("2 bytes")).to_f64(),
+                half::bf16::from_ne_bytes(s.try_into().expect("2 bytes")).to_f64(),
+            ),
+        };
+        if pick(a, b) {
+            d.copy_from_slice(s);
+        }
+    }
 }
 
 /// torch's all_reduce on Gloo: the ring, then AVG's division.
@@ -337,14 +434,12 @@ impl GlooBackend {
                 Ok(())
             }
             Op::Barrier => algo::barrier(io, tag).await,
-            Op::Send { buf, dst } => {
-                let data = buf.host("gloo")?.bytes();
-                io.post_send(dst, u64::from(opts.tag), data)
-            }
+            // Posted in submit (see `post_p2p`): the send waits for its
+            // payload to go in flush, the receive for its payload here.
+            Op::Send { .. } => Ok(()),
             Op::Recv { buf, src } => {
                 let (_, bytes) = host(buf)?;
                 let slot = u64::from(opts.tag);
-                io.post_recv(src, slot, bytes.len())?;
                 let data = io.wait_recv(src, slot).await?;
                 if data.len() != bytes.len() {
                     return Err(CommError::invalid(format!(
@@ -412,7 +507,10 @@ impl Backend for GlooBackend {
             _ => self.tag.fetch_add(1, Ordering::Relaxed),
         };
         let opts = *opts;
-        let after = opts.timeout_or(self.timeout);
+        let io = CallIo::new(&self.pairs, opts.timeout_or(self.timeout));
+        if let Err(e) = post_p2p(&io, &op, opts.tag) {
+            return Work::ready(Err(e.with_context(ctx)));
+        }
         let guard = Unfinished {
             pairs: &self.pairs,
             ctx,
@@ -420,12 +518,6 @@ impl Backend for GlooBackend {
         };
         Work::new(async move {
             let mut guard = guard;
-            let io = CallIo {
-                pairs: &self.pairs,
-                deadline: Instant::now() + after,
-                after,
-                sends: Default::default(),
-            };
             let res = match self.run(op, opts, tag, &io).await {
                 Ok(()) => io.flush().await,
                 // Refused before a message went: the group goes on.
@@ -470,5 +562,47 @@ impl Backend for GlooBackend {
         )
         .await?;
         Ok(Some(Arc::new(b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    fn back(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    /// `std::min(ours, theirs)`: a NaN that arrives is dropped, one already
+    /// here is kept (consort's own MIN would give NaN both times).
+    #[test]
+    fn min_and_max_keep_our_value_against_nan_as_gloo_does() {
+        let min = combine_with(ReduceOp::Min, DType::F32).unwrap();
+        let mut ours = f32s(&[1.0, f32::NAN, 3.0]);
+        min(&mut ours, &f32s(&[f32::NAN, 2.0, 0.5])).unwrap();
+        let got = back(&ours);
+        assert_eq!(got[0], 1.0);
+        assert!(got[1].is_nan());
+        assert_eq!(got[2], 0.5);
+
+        let max = combine_with(ReduceOp::Max, DType::BF16).unwrap();
+        let h = |v: f32| half::bf16::from_f32(v).to_ne_bytes();
+        let mut ours: Vec<u8> = [h(1.0), h(-2.0)].concat();
+        max(&mut ours, &[h(f32::NAN), h(4.0)].concat()).unwrap();
+        assert_eq!(ours, [h(1.0), h(4.0)].concat());
+    }
+
+    #[test]
+    fn premul_sum_is_refused() {
+        assert!(matches!(
+            combine_with(ReduceOp::premul_sum(2.0), DType::F32),
+            Err(CommError::Unsupported { .. })
+        ));
     }
 }

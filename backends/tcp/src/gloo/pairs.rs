@@ -40,9 +40,10 @@ use tokio::{
 use super::wire::{Opcode, PREAMBLE_BYTES, Preamble};
 
 /// The most receives a peer may announce ahead of our sends: far more than
-/// any collective posts at once, and a bound on what a misbehaving peer
-/// makes this rank hold (about 64 bytes each).
-const MAX_EARLY_RECVS: usize = 1 << 20;
+/// any collective posts at once (a ring all_reduce of 1 GiB posts 2,048),
+/// and a bound on what a misbehaving peer makes this rank hold (an entry
+/// and, for a new slot, a map slot and a queue: about 150 bytes).
+const MAX_EARLY_RECVS: usize = 1 << 16;
 
 /// One message for a writer: a header, and for data its payload and the
 /// send it completes.
@@ -51,6 +52,29 @@ type Frame = ([u8; PREAMBLE_BYTES], Vec<u8>, Option<SendId>);
 /// A posted send, until its payload is written ([`Pairs::wait_sent`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SendId(u64);
+
+/// A posted receive: the payload [`Pairs::wait_recv`] takes for it. The
+/// k-th payload on a slot from a peer fills the k-th receive posted there,
+/// whichever waiter wakes first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RecvTicket(u64);
+
+/// The receives of one slot from one peer: how many were posted, how many
+/// payloads arrived, how many of those are not taken yet.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tickets {
+    posted: u64,
+    arrived: u64,
+    untaken: u64,
+}
+
+/// Where a send's payload is.
+#[derive(Clone, Copy, Debug)]
+struct Unsent {
+    peer: usize,
+    /// With the writer (else waiting for the peer's receive).
+    handed: bool,
+}
 
 /// What one peer's traffic has left to match.
 #[derive(Debug, Default)]
@@ -65,8 +89,12 @@ struct PeerState {
     /// Our receives whose payload has not begun to arrive, per slot: the
     /// bytes each can take.
     posted_recvs: HashMap<u64, VecDeque<usize>>,
-    /// Payloads that arrived and have not been taken, per slot.
-    arrived: HashMap<u64, VecDeque<Vec<u8>>>,
+    /// Payloads that arrived and have not been taken, by slot and ticket.
+    arrived: HashMap<(u64, u64), Vec<u8>>,
+    /// Ticket counts per slot (dropped once a slot has nothing left).
+    tickets: HashMap<u64, Tickets>,
+    /// Why this peer's writer stopped: its queued payloads will not go.
+    write_failed: Option<CommError>,
     /// Why the connection ended, once it has: a peer that leaves after its
     /// last call closes it, so this fails only the calls that still need
     /// the peer (as Gloo fails only that pair).
@@ -80,8 +108,8 @@ struct State {
     failed: Option<CommError>,
     /// The next [`SendId`].
     next_send: u64,
-    /// Sends whose payload is not written yet, and their peers.
-    unsent: HashMap<SendId, usize>,
+    /// Sends whose payload is not written yet.
+    unsent: HashMap<SendId, Unsent>,
 }
 
 /// The connections of one rank of one Gloo context.
@@ -179,14 +207,17 @@ impl Pairs {
             tasks: Mutex::new(Vec::new()),
             pool: Pool::default(),
         });
-        let mut tasks = Vec::new();
-        for (peer, h) in halves.into_iter().enumerate() {
-            if let Some((r, w, rx)) = h {
-                tasks.push(tokio::spawn(read_loop(pairs.clone(), peer, r)));
-                tasks.push(tokio::spawn(write_loop(pairs.clone(), peer, w, rx)));
+        {
+            // Spawned under the lock, so that a failure in a task that has
+            // just started finds every task to abort.
+            let mut tasks = pairs.tasks.lock().expect("tasks");
+            for (peer, h) in halves.into_iter().enumerate() {
+                if let Some((r, w, rx)) = h {
+                    tasks.push(tokio::spawn(read_loop(pairs.clone(), peer, r)));
+                    tasks.push(tokio::spawn(write_loop(pairs.clone(), peer, w, rx)));
+                }
             }
         }
-        *pairs.tasks.lock().expect("tasks") = tasks;
         pairs
     }
 
@@ -261,11 +292,14 @@ impl Pairs {
     /// `UnboundBuffer::send`). The bytes are copied now; the payload goes
     /// once the peer posts its receive ([`Pairs::wait_sent`] waits for it).
     pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<SendId> {
+        // Copied before the lock: every pair's tasks take it.
+        let copy = self.pool.copy(data);
         let mut st = self.state.lock().expect("gloo state");
         self.usable(&mut st, peer)?;
         let id = SendId(st.next_send);
         st.next_send += 1;
-        st.unsent.insert(id, peer);
+        let handed = st.peers[peer].remote_recvs.contains_key(&slot);
+        st.unsent.insert(id, Unsent { peer, handed });
         let notify = Preamble::new(Opcode::NotifySendReady, slot, data.len()).encode();
         self.send_frame(peer, (notify, Vec::new(), None));
         let ps = &mut st.peers[peer];
@@ -277,13 +311,13 @@ impl Pairs {
                     return Err(self.fail_locked(&mut st, why));
                 }
                 let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
-                self.send_frame(peer, (head, self.pool.copy(data), Some(id)));
+                self.send_frame(peer, (head, copy, Some(id)));
             }
             None => ps
                 .pending_sends
                 .entry(slot)
                 .or_default()
-                .push_back((id, self.pool.copy(data))),
+                .push_back((id, copy)),
         }
         Ok(id)
     }
@@ -303,18 +337,29 @@ impl Pairs {
             changed.as_mut().enable();
             let waiting_on = {
                 let mut st = self.state.lock().expect("gloo state");
-                let mut peers: Vec<usize> = sends
+                let left: Vec<Unsent> = sends
                     .iter()
                     .filter_map(|id| st.unsent.get(id).copied())
                     .collect();
-                if peers.is_empty() {
+                if left.is_empty() {
                     return Ok(());
                 }
+                if let Some(why) = &st.failed {
+                    return Err(why.to_aborted());
+                }
+                for u in &left {
+                    // A payload with the writer goes unless the write
+                    // fails (the peer may read it and leave meanwhile); one
+                    // still waiting for the peer's receive needs the peer.
+                    match st.peers[u.peer].write_failed.clone() {
+                        Some(why) if u.handed => return Err(self.fail_locked(&mut st, why)),
+                        _ if !u.handed => self.usable(&mut st, u.peer)?,
+                        _ => {}
+                    }
+                }
+                let mut peers: Vec<usize> = left.iter().map(|u| u.peer).collect();
                 peers.sort_unstable();
                 peers.dedup();
-                for &p in &peers {
-                    self.usable(&mut st, p)?;
-                }
                 peers
             };
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
@@ -341,26 +386,27 @@ impl Pairs {
 
     /// Posts a receive of up to `len` bytes from `peer` on `slot` (Gloo's
     /// `UnboundBuffer::recv`); [`Pairs::wait_recv`] takes the payload.
-    pub fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
+    pub fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<RecvTicket> {
         let mut st = self.state.lock().expect("gloo state");
         self.usable(&mut st, peer)?;
-        st.peers[peer]
-            .posted_recvs
-            .entry(slot)
-            .or_default()
-            .push_back(len);
+        let ps = &mut st.peers[peer];
+        ps.posted_recvs.entry(slot).or_default().push_back(len);
+        let t = ps.tickets.entry(slot).or_default();
+        let ticket = RecvTicket(t.posted);
+        t.posted += 1;
         let head = Preamble::new(Opcode::NotifyRecvReady, slot, len).encode();
         self.send_frame(peer, (head, Vec::new(), None));
-        Ok(())
+        Ok(ticket)
     }
 
-    /// Waits for the oldest posted receive from `peer` on `slot` and returns
-    /// its payload; fails the context if `deadline` passes first (`after`
-    /// is the call's timeout, for the error).
+    /// Waits for the payload of receive `ticket` from `peer` on `slot`;
+    /// fails the context if `deadline` passes first (`after` is the call's
+    /// timeout, for the error).
     pub async fn wait_recv(
         &self,
         peer: usize,
         slot: u64,
+        ticket: RecvTicket,
         deadline: Instant,
         after: Duration,
     ) -> Result<Vec<u8>> {
@@ -372,7 +418,7 @@ impl Pairs {
                 let mut st = self.state.lock().expect("gloo state");
                 // What arrived before the peer left is still its part.
                 if st.failed.is_none()
-                    && let Some(data) = pop(&mut st.peers[peer].arrived, slot)
+                    && let Some(data) = st.peers[peer].take(slot, ticket)
                 {
                     return Ok(data);
                 }
@@ -418,11 +464,12 @@ impl Pairs {
 
     fn deliver(&self, peer: usize, slot: u64, data: Vec<u8>) {
         let mut st = self.state.lock().expect("gloo state");
-        st.peers[peer]
-            .arrived
-            .entry(slot)
-            .or_default()
-            .push_back(data);
+        let ps = &mut st.peers[peer];
+        let t = ps.tickets.entry(slot).or_default();
+        let ticket = t.arrived;
+        t.arrived += 1;
+        t.untaken += 1;
+        ps.arrived.insert((slot, ticket), data);
         drop(st);
         self.changed.notify_waiters();
     }
@@ -438,6 +485,9 @@ impl Pairs {
             Some((id, data)) => {
                 let head = Preamble::new(Opcode::SendUnboundBuffer, slot, data.len()).encode();
                 self.send_frame(peer, (head, data, Some(id)));
+                if let Some(u) = st.unsent.get_mut(&id) {
+                    u.handed = true;
+                }
                 Ok(())
             }
             None if ps.remote_recv_count >= MAX_EARLY_RECVS => Err(CommError::protocol(
@@ -464,6 +514,20 @@ impl Pairs {
         for t in self.tasks.lock().expect("tasks").drain(..) {
             t.abort();
         }
+    }
+}
+
+impl PeerState {
+    /// The payload of `ticket` on `slot`, if it arrived.
+    fn take(&mut self, slot: u64, ticket: RecvTicket) -> Option<Vec<u8>> {
+        let data = self.arrived.remove(&(slot, ticket.0))?;
+        if let Some(t) = self.tickets.get_mut(&slot) {
+            t.untaken -= 1;
+            if t.untaken == 0 && t.arrived == t.posted {
+                self.tickets.remove(&slot);
+            }
+        }
+        Some(data)
     }
 }
 
@@ -534,7 +598,19 @@ async fn read_loop(pairs: Arc<Pairs>, peer: usize, mut r: OwnedReadHalf) {
                     Err(e) => Err(e),
                 }
             }
-            _ => Err(CommError::protocol(
+            Some(Opcode::SendBuffer) => Err(CommError::protocol(
+                Some(peer),
+                "a bound-buffer payload (Gloo's SEND_BUFFER), which torch's collectives never \
+                 send and this backend does not take",
+            )),
+            Some(op) => Err(CommError::protocol(
+                Some(peer),
+                format!(
+                    "a malformed {op:?} message: its header says {} bytes in all, {} of payload",
+                    head.nbytes, head.length
+                ),
+            )),
+            None => Err(CommError::protocol(
                 Some(peer),
                 format!(
                     "a message Gloo does not define (opcode {}, {} bytes)",
@@ -579,14 +655,13 @@ async fn write_loop(
         }
         .await;
         if let Err(e) = res {
-            pairs.lose(
+            let why = CommError::PeerLost {
+                ctx: Default::default(),
                 peer,
-                CommError::PeerLost {
-                    ctx: Default::default(),
-                    peer,
-                    reason: format!("rank {} could not write to it: {e}", pairs.rank),
-                },
-            );
+                reason: format!("rank {} could not write to it: {e}", pairs.rank),
+            };
+            pairs.state.lock().expect("gloo state").peers[peer].write_failed = Some(why.clone());
+            pairs.lose(peer, why);
             return;
         }
         if let Some(id) = id {

@@ -190,10 +190,18 @@ impl Address {
             }
             _ => return None,
         };
+        let mut addr = SocketAddr::new(ip, port);
+        if let SocketAddr::V6(a) = &mut addr {
+            // A link-local address is only reachable through its scope.
+            a.set_flowinfo(u32::from_be_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]));
+            a.set_scope_id(u32::from_ne_bytes([
+                bytes[24], bytes[25], bytes[26], bytes[27],
+            ]));
+        }
         let mut seq = [0u8; 8];
         seq.copy_from_slice(&bytes[SOCKADDR_BYTES..]);
         Some(Address {
-            addr: SocketAddr::new(ip, port),
+            addr,
             seq: i64::from_ne_bytes(seq),
         })
     }
@@ -219,7 +227,8 @@ pub fn is_initiator(local: &Address, remote: &Address) -> Option<bool> {
             if p != 0 {
                 i64::from(p)
             } else {
-                local.seq - remote.seq
+                // The peer's number: compared, never subtracted.
+                local.seq.cmp(&remote.seq) as i64
             }
         }
     };
@@ -329,6 +338,11 @@ mod tests {
         assert_eq!(is_initiator(&a("::1", 7, 2), &a("::1", 7, 1)), Some(true));
         assert_eq!(is_initiator(&a("::1", 7, 1), &a("::1", 7, 1)), None);
         assert_eq!(is_initiator(&a("::1", 7, 1), &a("127.0.0.1", 7, 1)), None);
+        // Extreme sequence numbers from a peer do not overflow.
+        assert_eq!(
+            is_initiator(&a("::1", 7, i64::MIN), &a("::1", 7, i64::MAX)),
+            Some(false)
+        );
     }
 
     proptest! {
