@@ -110,6 +110,32 @@ pub async fn listen_ip() -> Result<IpAddr> {
     Ok(IpAddr::from([127, 0, 0, 1]))
 }
 
+/// Refuses the torch settings under which torch's ranks would do what this
+/// backend does not (launchers pass one environment to every rank):
+/// `TORCH_GLOO_LAZY_INIT=1` (torch's ranks connect on first use) and
+/// `TORCH_DIST_INIT_BARRIER=1` (a store barrier after init).
+fn refuse_torch_modes() -> Result<()> {
+    for (var, what) in [
+        (
+            "TORCH_GLOO_LAZY_INIT",
+            "torch's Gloo ranks then connect on first use; consort connects at init",
+        ),
+        (
+            "TORCH_DIST_INIT_BARRIER",
+            "torch's ranks then wait in a store barrier after init that consort does not join",
+        ),
+    ] {
+        if let Ok(v) = std::env::var(var)
+            && matches!(v.trim(), "1" | "true" | "True" | "TRUE" | "y" | "yes")
+        {
+            return Err(CommError::unsupported(format!(
+                "{var}={v}: {what}; unset it for jobs with consort ranks"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// One rank's handle on a torch `gloo` process group.
 #[derive(Debug)]
 pub struct GlooBackend {
@@ -139,6 +165,7 @@ impl GlooBackend {
         size: usize,
         opts: GlooOptions,
     ) -> Result<GlooBackend> {
+        refuse_torch_modes()?;
         let ip = match opts.ip {
             Some(ip) => ip,
             None => listen_ip().await?,

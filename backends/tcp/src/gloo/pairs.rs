@@ -670,3 +670,106 @@ async fn write_loop(
         pairs.pool.give(data);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! A raw socket as rank 1, sending what a broken or hostile peer might.
+
+    use tokio::{io::AsyncWriteExt, net::TcpListener};
+
+    use super::*;
+
+    async fn pair() -> (Arc<Pairs>, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let raw = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (ours, _) = l.accept().await.unwrap();
+        (Pairs::start(0, vec![None, Some(ours)]), raw)
+    }
+
+    async fn failed(p: &Pairs) -> CommError {
+        for _ in 0..500 {
+            if let Some(e) = p.failure() {
+                return e;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the context did not fail");
+    }
+
+    fn head(op: u64, slot: u64, nbytes: u64, length: u64) -> [u8; PREAMBLE_BYTES] {
+        Preamble {
+            nbytes,
+            opcode: op,
+            slot,
+            offset: 0,
+            length,
+            roffset: 0,
+        }
+        .encode()
+    }
+
+    #[tokio::test]
+    async fn an_undefined_opcode_fails_the_context() {
+        let (p, mut raw) = pair().await;
+        raw.write_all(&head(9, 0, 48, 0)).await.unwrap();
+        let e = failed(&p).await;
+        assert!(e.to_string().contains("opcode 9"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_payload_nobody_asked_for_fails_the_context() {
+        let (p, mut raw) = pair().await;
+        raw.write_all(&head(1, 5, 48 + 4, 4)).await.unwrap();
+        raw.write_all(&[1, 2, 3, 4]).await.unwrap();
+        let e = failed(&p).await;
+        assert!(e.to_string().contains("never asked for"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_payload_longer_than_the_receive_fails_the_context() {
+        let (p, mut raw) = pair().await;
+        p.post_recv(1, 5, 2).unwrap();
+        raw.write_all(&head(1, 5, 48 + 4, 4)).await.unwrap();
+        raw.write_all(&[1, 2, 3, 4]).await.unwrap();
+        let e = failed(&p).await;
+        assert!(e.to_string().contains("different sizes"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_header_whose_sizes_disagree_fails_the_context() {
+        let (p, mut raw) = pair().await;
+        p.post_recv(1, 5, 1 << 20).unwrap();
+        raw.write_all(&head(1, 5, 48 + 4, 1 << 20)).await.unwrap();
+        let e = failed(&p).await;
+        assert!(e.to_string().contains("malformed"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn endless_receive_announcements_are_cut_off() {
+        let (p, mut raw) = pair().await;
+        let mut burst = Vec::new();
+        for slot in 0..=MAX_EARLY_RECVS as u64 {
+            burst.extend_from_slice(&head(3, slot, 48, 8));
+        }
+        let _ = raw.write_all(&burst).await;
+        let e = failed(&p).await;
+        assert!(e.to_string().contains("receives announced"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_closes_mid_payload_is_lost_for_the_call_that_needs_it() {
+        let (p, mut raw) = pair().await;
+        let t = p.post_recv(1, 5, 8).unwrap();
+        raw.write_all(&head(1, 5, 48 + 8, 8)).await.unwrap();
+        raw.write_all(&[1, 2, 3]).await.unwrap();
+        drop(raw);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let e = p
+            .wait_recv(1, 5, t, deadline, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, CommError::PeerLost { peer: 1, .. }), "{e}");
+        // Sticky from then on.
+        assert!(p.post_recv(1, 6, 1).is_err());
+    }
+}
