@@ -442,6 +442,58 @@ fn identity() -> String {
     format!("{host}:{}", std::process::id())
 }
 
+/// Claims this rank in consort's rendezvous (a second process with the same
+/// rank is refused) and waits until every rank has claimed its own.
+async fn claim_rank(
+    store: &Arc<dyn Store>,
+    env: &DistEnv,
+    opts: &InitOptions,
+) -> Result<(), InitError> {
+    let rank = env.rank;
+    let err = |source| InitError::Store { rank, source };
+    let rdzv = rendezvous_store(store, env);
+
+    let me = identity();
+    let key = format!("rank/{rank}");
+    let owner = rdzv
+        .compare_set(&key, b"", me.as_bytes())
+        .await
+        .map_err(err)?;
+    if owner != me.as_bytes() {
+        return Err(InitError::DuplicateRank {
+            rank,
+            first: String::from_utf8_lossy(&owner).into_owned(),
+            second: me,
+        });
+    }
+    let keys: Vec<String> = (0..env.world_size).map(|r| format!("rank/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match rdzv.wait(&refs, opts.store_timeout).await {
+        Ok(()) => {}
+        Err(StoreError::Timeout { after, .. }) => {
+            let mut missing = Vec::new();
+            let mut missing_count = 0;
+            for (r, k) in refs.iter().enumerate() {
+                if !rdzv.check(&[k]).await.map_err(err)? {
+                    missing_count += 1;
+                    if missing.len() < 16 {
+                        missing.push(r);
+                    }
+                }
+            }
+            return Err(InitError::Incomplete {
+                rank,
+                world_size: env.world_size,
+                missing,
+                missing_count,
+                after,
+            });
+        }
+        Err(e) => return Err(err(e)),
+    }
+    Ok(())
+}
+
 /// Reads torchrun's (or Slurm's) variables and joins the job; see [`init`].
 ///
 /// With no launcher variables at all, this is a world of one process with
@@ -502,47 +554,7 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
             torch_peers: true,
         });
     }
-    let rdzv = rendezvous_store(&store, &env);
-
-    let me = identity();
-    let key = format!("rank/{rank}");
-    let owner = rdzv
-        .compare_set(&key, b"", me.as_bytes())
-        .await
-        .map_err(err)?;
-    if owner != me.as_bytes() {
-        return Err(InitError::DuplicateRank {
-            rank,
-            first: String::from_utf8_lossy(&owner).into_owned(),
-            second: me,
-        });
-    }
-    let keys: Vec<String> = (0..env.world_size).map(|r| format!("rank/{r}")).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    match rdzv.wait(&refs, opts.store_timeout).await {
-        Ok(()) => {}
-        Err(StoreError::Timeout { after, .. }) => {
-            let mut missing = Vec::new();
-            let mut missing_count = 0;
-            for (r, k) in refs.iter().enumerate() {
-                if !rdzv.check(&[k]).await.map_err(err)? {
-                    missing_count += 1;
-                    if missing.len() < 16 {
-                        missing.push(r);
-                    }
-                }
-            }
-            return Err(InitError::Incomplete {
-                rank,
-                world_size: env.world_size,
-                missing,
-                missing_count,
-                after,
-            });
-        }
-        Err(e) => return Err(err(e)),
-    }
-    drop(rdzv);
+    claim_rank(&store, &env, &opts).await?;
     tracing::debug!(rank, world_size = env.world_size, "rendezvous complete");
     Ok(Dist {
         env,

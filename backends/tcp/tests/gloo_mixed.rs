@@ -279,6 +279,93 @@ fn input(dt: DType, a: &Aligned) -> consort_comm::Buffer<'_> {
     consort_comm::Buffer::Host(consort_comm::HostSlice::from_bytes(dt, a.bytes()).unwrap())
 }
 
+/// One step of the script on `pg`, as torch_gloo.py runs it: the result's
+/// values and bytes.
+async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world: usize) -> Value {
+    let op = s["op"].as_str().unwrap();
+    let b = pg.backend();
+    let (grank, gsize) = (pg.rank(), pg.world_size());
+    if op == "barrier" {
+        b.barrier(&CallOptions::default()).await.unwrap();
+        return json!([[], ""]);
+    }
+    let (dt, n) = (dtype(s), s["n"].as_u64().unwrap() as usize);
+    let frac = s.get("frac").is_some();
+    let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
+    let out = match op {
+        "all_reduce" => {
+            let mut v = to_bytes(&data(grank, step, n, dt), dt);
+            let op = Op::AllReduce {
+                buf: buf(dt, &mut v),
+                op: reduce(s),
+            };
+            b.submit(op, &CallOptions::default()).await.unwrap();
+            v
+        }
+        "broadcast" => {
+            let mut v = to_bytes(&data(grank, step, n, dt), dt);
+            let root = s["root"].as_u64().unwrap() as usize;
+            b.submit(
+                Op::Broadcast {
+                    buf: buf(dt, &mut v),
+                },
+                &CallOptions::root(root),
+            )
+            .await
+            .unwrap();
+            v
+        }
+        "all_gather" => {
+            let i = to_bytes(&data(grank, step, n, dt), dt);
+            let mut o = Aligned::zeroed(i.len * gsize);
+            let op = Op::AllGather {
+                output: buf(dt, &mut o),
+                input: input(dt, &i),
+            };
+            b.submit(op, &CallOptions::default()).await.unwrap();
+            o
+        }
+        "reduce_scatter" => {
+            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
+            let mut o = Aligned::zeroed(n * dt.size_bytes());
+            let op = Op::ReduceScatter {
+                output: buf(dt, &mut o),
+                input: input(dt, &i),
+                op: reduce(s),
+            };
+            b.submit(op, &CallOptions::default()).await.unwrap();
+            o
+        }
+        "send_recv" => {
+            let t = to_bytes(&data(rank, step, n, dt), dt);
+            let mut r = Aligned::zeroed(t.len);
+            let tag = s["tag"].as_u64().unwrap() as u32;
+            let o = CallOptions::default().with_tag(tag);
+            let (nxt, prv) = ((rank + 1) % world, (rank + world - 1) % world);
+            // A send returns once the peer has posted its receive
+            // (as torch's): even ranks send first, odd ones receive.
+            let send = Op::Send {
+                buf: input(dt, &t),
+                dst: nxt,
+            };
+            let recv = Op::Recv {
+                buf: buf(dt, &mut r),
+                src: prv,
+            };
+            if rank % 2 == 0 {
+                b.submit(send, &o).await.unwrap();
+                b.submit(recv, &o).await.unwrap();
+            } else {
+                b.submit(recv, &o).await.unwrap();
+                b.submit(send, &o).await.unwrap();
+            }
+            r
+        }
+        other => panic!("op {other}"),
+    };
+    json!([from_bytes(out.bytes(), dt), hex(out.bytes())])
+}
+
 /// Runs the script as consort rank `rank`, returning what torch_gloo.py
 /// prints.
 async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) -> Vec<Value> {
@@ -322,88 +409,7 @@ async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) 
                 }
             },
         };
-        let b = pg.backend();
-        let (grank, gsize) = (pg.rank(), pg.world_size());
-        if op == "barrier" {
-            b.barrier(&CallOptions::default()).await.unwrap();
-            results.push(json!([[], ""]));
-            continue;
-        }
-        let (dt, n) = (dtype(s), s["n"].as_u64().unwrap() as usize);
-        let frac = s.get("frac").is_some();
-        let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
-        let out = match op {
-            "all_reduce" => {
-                let mut v = to_bytes(&data(grank, step, n, dt), dt);
-                let op = Op::AllReduce {
-                    buf: buf(dt, &mut v),
-                    op: reduce(s),
-                };
-                b.submit(op, &CallOptions::default()).await.unwrap();
-                v
-            }
-            "broadcast" => {
-                let mut v = to_bytes(&data(grank, step, n, dt), dt);
-                let root = s["root"].as_u64().unwrap() as usize;
-                b.submit(
-                    Op::Broadcast {
-                        buf: buf(dt, &mut v),
-                    },
-                    &CallOptions::root(root),
-                )
-                .await
-                .unwrap();
-                v
-            }
-            "all_gather" => {
-                let i = to_bytes(&data(grank, step, n, dt), dt);
-                let mut o = Aligned::zeroed(i.len * gsize);
-                let op = Op::AllGather {
-                    output: buf(dt, &mut o),
-                    input: input(dt, &i),
-                };
-                b.submit(op, &CallOptions::default()).await.unwrap();
-                o
-            }
-            "reduce_scatter" => {
-                let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
-                let mut o = Aligned::zeroed(n * dt.size_bytes());
-                let op = Op::ReduceScatter {
-                    output: buf(dt, &mut o),
-                    input: input(dt, &i),
-                    op: reduce(s),
-                };
-                b.submit(op, &CallOptions::default()).await.unwrap();
-                o
-            }
-            "send_recv" => {
-                let t = to_bytes(&data(rank, step, n, dt), dt);
-                let mut r = Aligned::zeroed(t.len);
-                let tag = s["tag"].as_u64().unwrap() as u32;
-                let o = CallOptions::default().with_tag(tag);
-                let (nxt, prv) = ((rank + 1) % world, (rank + world - 1) % world);
-                // A send returns once the peer has posted its receive
-                // (as torch's): even ranks send first, odd ones receive.
-                let send = Op::Send {
-                    buf: input(dt, &t),
-                    dst: nxt,
-                };
-                let recv = Op::Recv {
-                    buf: buf(dt, &mut r),
-                    src: prv,
-                };
-                if rank % 2 == 0 {
-                    b.submit(send, &o).await.unwrap();
-                    b.submit(recv, &o).await.unwrap();
-                } else {
-                    b.submit(recv, &o).await.unwrap();
-                    b.submit(send, &o).await.unwrap();
-                }
-                r
-            }
-            other => panic!("op {other}"),
-        };
-        results.push(json!([from_bytes(out.bytes(), dt), hex(out.bytes())]));
+        results.push(run_step(pg, s, step, rank, world).await);
     }
     results
 }

@@ -66,28 +66,7 @@ pub async fn full_mesh(
     let mut dials = Vec::new();
     let mut accepts = Vec::new();
     for peer in (0..size).filter(|&p| p != rank) {
-        let key = peer.to_string();
-        store.wait(&[key.as_str()], remaining(deadline)).await?;
-        let info = RankInfo::decode(&store.get(&key).await?).map_err(|why| {
-            CommError::protocol(
-                Some(peer),
-                format!("its Gloo rank record is malformed: {why}"),
-            )
-        })?;
-        let seq = match info.pair_ids.len() {
-            0 => rank as i64,
-            n if n == size => info.pair_ids[rank],
-            n => {
-                return Err(CommError::protocol(
-                    Some(peer),
-                    format!("its Gloo rank record names {n} pairs in a group of {size}"),
-                ));
-            }
-        };
-        let remote = Address {
-            addr: info.device.addr,
-            seq,
-        };
+        let (remote, remote_device) = peer_address(store, rank, size, peer, deadline).await?;
         let local = Address {
             addr: device.addr,
             seq: peer as i64,
@@ -104,7 +83,7 @@ pub async fn full_mesh(
                     "rank {rank} listens on {} and rank {peer} on {}: Gloo needs one address \
                      family and distinct addresses; set GLOO_SOCKET_IFNAME to the same \
                      interface on every rank",
-                    device.addr, info.device.addr
+                    device.addr, remote_device
                 )));
             }
         }
@@ -131,6 +110,41 @@ pub async fn full_mesh(
     }
     drop(acceptor);
     Ok(streams)
+}
+
+/// Where rank `rank` dials (or is dialled by) `peer`: the peer's device
+/// and the sequence number its pair for `rank` answers to, from the rank
+/// record `peer` published.
+async fn peer_address(
+    store: &dyn Store,
+    rank: usize,
+    size: usize,
+    peer: usize,
+    deadline: Instant,
+) -> Result<(Address, SocketAddr)> {
+    let key = peer.to_string();
+    store.wait(&[key.as_str()], remaining(deadline)).await?;
+    let info = RankInfo::decode(&store.get(&key).await?).map_err(|why| {
+        CommError::protocol(
+            Some(peer),
+            format!("its Gloo rank record is malformed: {why}"),
+        )
+    })?;
+    let seq = match info.pair_ids.len() {
+        0 => rank as i64,
+        n if n == size => info.pair_ids[rank],
+        n => {
+            return Err(CommError::protocol(
+                Some(peer),
+                format!("its Gloo rank record names {n} pairs in a group of {size}"),
+            ));
+        }
+    };
+    let remote = Address {
+        addr: info.device.addr,
+        seq,
+    };
+    Ok((remote, info.device.addr))
 }
 
 /// Aborts its task when dropped.
