@@ -196,3 +196,40 @@ fn a_rank_that_leaves_after_its_last_call_fails_no_one() {
         }
     }
 }
+
+/// The same on a multi-threaded runtime with a large payload, where the
+/// root's writer, a peer's reader and the peer's waiting call really run
+/// at once (a payload handed to the writer must count as sent even if the
+/// peer reads it and leaves before the writer says so).
+#[test]
+fn a_root_that_leaves_races_no_one_on_many_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for round in 0..10 {
+            let world = gloo_world(4).await;
+            let tasks: Vec<_> = world
+                .into_iter()
+                .map(|b| {
+                    tokio::spawn(async move {
+                        let pg = ProcessGroup::new(b);
+                        let mut buf = vec![pg.rank() as f32; 1 << 20];
+                        pg.broadcast(&mut buf, 0).await.map_err(|e| e.to_string())?;
+                        pg.barrier().await.map_err(|e| e.to_string())?;
+                        pg.broadcast(&mut buf, 0).await.map_err(|e| e.to_string())?;
+                        Ok::<_, String>(buf.iter().all(|&x| x == 0.0))
+                    })
+                })
+                .collect();
+            for (r, t) in tasks.into_iter().enumerate() {
+                match t.await.unwrap() {
+                    Ok(true) => {}
+                    other => panic!("round {round}, rank {r}: {other:?}"),
+                }
+            }
+        }
+    });
+}
