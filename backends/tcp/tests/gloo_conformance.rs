@@ -6,7 +6,7 @@
 //! Gloo groups leave out what Gloo's wire has no room for: consort's
 //! mismatch check (a Gloo rank that calls another collective waits for its
 //! timeout, as between torch ranks; see `a_mismatch_fails_every_rank`),
-//! and reduce, gather, scatter and all_to_all, which the backend refuses.
+//! and reduce and uneven all_to_all, which the backend refuses.
 
 use std::{sync::Arc, time::Duration};
 
@@ -73,6 +73,16 @@ proptest! {
     #[test]
     fn reduce_scatter(n in 1usize..=6, len in 0usize..40, dtype in dtype(), op in 0usize..8, seed in any::<u64>()) {
         checks::reduce_scatter(gloo_world, n, len, dtype, op, seed);
+    }
+
+    #[test]
+    fn gather_scatter(n in 1usize..=6, len in len(), dtype in dtype(), root in 0usize..6, seed in any::<u64>()) {
+        checks::gather_scatter(gloo_world, n, len, dtype, root % n, seed);
+    }
+
+    #[test]
+    fn all_to_all(n in 1usize..=6, dtype in dtype(), seed in any::<u64>()) {
+        checks::all_to_all(gloo_world, n, dtype, false, seed);
     }
 
     #[test]

@@ -65,6 +65,10 @@ fn script(world: usize) -> Vec<Value> {
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "i64", "n": 3, "group": 24}),
         json!({"op": "barrier", "group": 24}),
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 2}),
+        json!({"op": "gather", "dtype": "f32", "n": 3, "root": last}),
+        json!({"op": "scatter", "dtype": "i64", "n": 2, "root": 0}),
+        json!({"op": "all_to_all", "dtype": "bf16", "n": 3, "frac": true}),
+        json!({"op": "gather", "dtype": "u8", "n": 0, "root": 0}),
         // Sums that round: the bytes show the reduction's order.
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 37, "frac": true}),
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "bf16", "n": 50, "frac": true}),
@@ -260,6 +264,14 @@ fn expected(script: &[Value], world: usize, rank: usize) -> Vec<Value> {
                     fold(&parts, reduce(s), dt)[me * n..(me + 1) * n].to_vec()
                 }
                 "send_recv" => data((rank + world - 1) % world, step, n, dt),
+                "gather" if me != s["root"].as_u64().unwrap() as usize => return Value::Null,
+                "gather" => (0..g).flat_map(|r| data(r, step, n, dt)).collect(),
+                "scatter" => data(s["root"].as_u64().unwrap() as usize, step, n * g, dt)
+                    [me * n..(me + 1) * n]
+                    .to_vec(),
+                "all_to_all" => (0..g)
+                    .flat_map(|r| data(r, step, n * g, dt)[me * n..(me + 1) * n].to_vec())
+                    .collect(),
                 other => panic!("op {other}"),
             };
             json!([v, ""])
@@ -332,6 +344,44 @@ async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world:
                 output: buf(dt, &mut o),
                 input: input(dt, &i),
                 op: reduce(s),
+            };
+            b.submit(op, &CallOptions::default()).await.unwrap();
+            o
+        }
+        "gather" => {
+            let root = s["root"].as_u64().unwrap() as usize;
+            let i = to_bytes(&data(grank, step, n, dt), dt);
+            let mut o = Aligned::zeroed(i.len * gsize);
+            let output = (grank == root).then(|| buf(dt, &mut o));
+            let op = Op::Gather {
+                output,
+                input: input(dt, &i),
+            };
+            b.submit(op, &CallOptions::root(root)).await.unwrap();
+            if grank != root {
+                return Value::Null;
+            }
+            o
+        }
+        "scatter" => {
+            let root = s["root"].as_u64().unwrap() as usize;
+            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
+            let mut o = Aligned::zeroed(n * dt.size_bytes());
+            let op = Op::Scatter {
+                output: buf(dt, &mut o),
+                input: (grank == root).then(|| input(dt, &i)),
+            };
+            b.submit(op, &CallOptions::root(root)).await.unwrap();
+            o
+        }
+        "all_to_all" => {
+            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
+            let mut o = Aligned::zeroed(i.len);
+            let op = Op::AllToAll {
+                output: buf(dt, &mut o),
+                input: input(dt, &i),
+                output_splits: None,
+                input_splits: None,
             };
             b.submit(op, &CallOptions::default()).await.unwrap();
             o

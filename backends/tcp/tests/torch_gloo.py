@@ -108,6 +108,23 @@ def main():
             o = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(o, t, op=OPS[s["reduce"]], group=group)
             results.append(out(o))
+        elif op == "gather":
+            t = data(grank, step, n, dtype, s.get("frac", False))
+            root = s["root"]
+            parts = [torch.empty(n, dtype=dtype) for _ in range(gsize)] if grank == root else None
+            dist.gather(t, parts, dst=root)
+            results.append(out(torch.cat(parts)) if grank == root else None)
+        elif op == "scatter":
+            root = s["root"]
+            whole = data(grank, step, n * gsize, dtype, s.get("frac", False))
+            o = torch.empty(n, dtype=dtype)
+            dist.scatter(o, list(whole.chunk(gsize)) if grank == root else None, src=root)
+            results.append(out(o))
+        elif op == "all_to_all":
+            t = data(grank, step, n * gsize, dtype, s.get("frac", False))
+            o = torch.empty(n * gsize, dtype=dtype)
+            dist.all_to_all_single(o, t)
+            results.append(out(o))
         elif op == "barrier":
             dist.barrier(group=group)
             results.append([[], ""])

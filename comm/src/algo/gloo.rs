@@ -21,14 +21,20 @@ use crate::Result;
 
 /// Slot prefixes per collective (gloo/types.h).
 pub mod prefix {
+    /// `gloo::gather`.
+    pub const GATHER: u8 = 0x01;
     /// `gloo::allgather`.
     pub const ALLGATHER: u8 = 0x02;
     /// `gloo::allreduce`.
     pub const ALLREDUCE: u8 = 0x04;
+    /// `gloo::scatter`.
+    pub const SCATTER: u8 = 0x05;
     /// `gloo::broadcast`.
     pub const BROADCAST: u8 = 0x06;
     /// `gloo::barrier`.
     pub const BARRIER: u8 = 0x07;
+    /// `gloo::alltoall`.
+    pub const ALLTOALL: u8 = 0x08;
 }
 
 /// `gloo::Slot::build(prefix, tag)`: the prefix in the top byte, the tag in
@@ -280,6 +286,85 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
     while let Some((at, n)) = waiting.pop_front() {
         let data = take(io, recv_rank, slot, n).await?;
         out[at..at + n].copy_from_slice(&data);
+        io.recycle(data);
+    }
+    Ok(())
+}
+
+/// gloo's `gather` to `root`: every other rank sends its `input`, and the
+/// root places each in `out` (`Some` on the root only) by rank.
+pub async fn gather(
+    io: &dyn GlooIo,
+    tag: u32,
+    out: Option<&mut [u8]>,
+    input: &[u8],
+    root: usize,
+) -> Result<()> {
+    let (size, rank) = (io.size(), io.rank());
+    let slot = slot(prefix::GATHER, tag);
+    let Some(out) = out else {
+        return io.post_send(root, slot, input);
+    };
+    let n = input.len();
+    for peer in (0..size).filter(|&p| p != rank) {
+        io.post_recv(peer, slot, n)?;
+    }
+    out[rank * n..(rank + 1) * n].copy_from_slice(input);
+    for peer in (0..size).filter(|&p| p != rank) {
+        let data = take(io, peer, slot, n).await?;
+        out[peer * n..(peer + 1) * n].copy_from_slice(&data);
+        io.recycle(data);
+    }
+    Ok(())
+}
+
+/// gloo's `scatter` from `root`: part `r` of the root's `input` (`Some` on
+/// the root only) goes to rank `r`'s `out`.
+pub async fn scatter(
+    io: &dyn GlooIo,
+    tag: u32,
+    out: &mut [u8],
+    input: Option<&[u8]>,
+    root: usize,
+) -> Result<()> {
+    let (size, rank) = (io.size(), io.rank());
+    let slot = slot(prefix::SCATTER, tag);
+    let n = out.len();
+    match input {
+        Some(input) => {
+            for peer in (0..size).filter(|&p| p != rank) {
+                io.post_send(peer, slot, &input[peer * n..(peer + 1) * n])?;
+            }
+            out.copy_from_slice(&input[rank * n..(rank + 1) * n]);
+        }
+        None => {
+            io.post_recv(root, slot, n)?;
+            let data = take(io, root, slot, n).await?;
+            out.copy_from_slice(&data);
+            io.recycle(data);
+        }
+    }
+    Ok(())
+}
+
+/// gloo's `alltoall` with equal parts: part `j` of `input` goes to rank
+/// `j`, part `i` of `out` comes from rank `i`; in round `k` each rank sends
+/// to rank + k and receives from rank - k.
+pub async fn alltoall(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) -> Result<()> {
+    let (size, rank) = (io.size(), io.rank());
+    let slot = slot(prefix::ALLTOALL, tag);
+    let n = input.len() / size;
+    out[rank * n..(rank + 1) * n].copy_from_slice(&input[rank * n..(rank + 1) * n]);
+    for k in 1..size {
+        let to = (rank + k) % size;
+        let from = (rank + size - k) % size;
+        io.post_send(to, slot, &input[to * n..(to + 1) * n])?;
+        io.post_recv(from, slot, n)?;
+    }
+    for k in 1..size {
+        let from = (rank + size - k) % size;
+        let data = take(io, from, slot, n).await?;
+        out[from * n..(from + 1) * n].copy_from_slice(&data);
         io.recycle(data);
     }
     Ok(())

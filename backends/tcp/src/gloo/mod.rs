@@ -461,6 +461,26 @@ impl GlooBackend {
                 Ok(())
             }
             Op::Barrier => algo::barrier(io, tag).await,
+            Op::Gather { output, input } => {
+                let out = match output {
+                    Some(o) => Some(host(o)?.1),
+                    None => None,
+                };
+                algo::gather(io, tag, out, input.host("gloo")?.bytes(), opts.root).await
+            }
+            Op::Scatter { output, input } => {
+                let input = match input {
+                    Some(i) => Some(i.host("gloo")?.bytes()),
+                    None => None,
+                };
+                algo::scatter(io, tag, host(output)?.1, input, opts.root).await
+            }
+            Op::AllToAll {
+                output,
+                input,
+                output_splits: None,
+                input_splits: None,
+            } => algo::alltoall(io, tag, host(output)?.1, input.host("gloo")?.bytes()).await,
             // Posted in submit (see `post_p2p`): the send waits for its
             // payload to go in flush, the receive for its payload here.
             Op::Send { .. } => Ok(()),
@@ -481,9 +501,14 @@ impl GlooBackend {
                 io.recycle(data);
                 Ok(())
             }
+            Op::AllToAll { .. } => Err(CommError::unsupported(
+                "all_to_all_single with split sizes (gloo's alltoallv) on the gloo backend; \
+                 equal parts work",
+            )),
             other => Err(CommError::unsupported(format!(
                 "the gloo backend speaks all_reduce, broadcast, all_gather, reduce_scatter, \
-                 barrier, send and recv; not {}",
+                 gather, scatter, all_to_all_single (equal parts), barrier, send and recv; not \
+                 {}",
                 other.kind()
             ))),
         }

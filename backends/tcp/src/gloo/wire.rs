@@ -40,7 +40,7 @@ pub struct Preamble {
     pub nbytes: u64,
     /// The [`Opcode`], as sent.
     pub opcode: u64,
-    /// The slot the message belongs to (see [`slot`]).
+    /// The slot the message belongs to (`consort_comm::algo::gloo::slot`).
     pub slot: u64,
     /// Unused by unbound buffers (bound buffers' offset).
     pub offset: u64,
@@ -114,32 +114,6 @@ impl Preamble {
             _ => return None,
         })
     }
-}
-
-/// Slot prefixes per collective (gloo/types.h).
-pub mod prefix {
-    /// `gloo::gather`.
-    pub const GATHER: u8 = 0x01;
-    /// `gloo::allgather`.
-    pub const ALLGATHER: u8 = 0x02;
-    /// `gloo::reduce`.
-    pub const REDUCE: u8 = 0x03;
-    /// `gloo::allreduce`.
-    pub const ALLREDUCE: u8 = 0x04;
-    /// `gloo::scatter`.
-    pub const SCATTER: u8 = 0x05;
-    /// `gloo::broadcast`.
-    pub const BROADCAST: u8 = 0x06;
-    /// `gloo::barrier`.
-    pub const BARRIER: u8 = 0x07;
-    /// `gloo::alltoall`.
-    pub const ALLTOALL: u8 = 0x08;
-}
-
-/// `gloo::Slot::build(prefix, tag)`: the prefix in the top byte, the tag in
-/// the 32 bits below it, 24 bits left for a collective's own offsets.
-pub fn slot(prefix: u8, tag: u32) -> u64 {
-    (u64::from(prefix) << 56) | (u64::from(tag) << 24)
 }
 
 /// A pair's address: where its device listens, and the sequence number
@@ -306,13 +280,6 @@ impl RankInfo {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    #[test]
-    fn slots_follow_gloo() {
-        assert_eq!(slot(prefix::ALLREDUCE, 0), 0x0400_0000_0000_0000);
-        assert_eq!(slot(prefix::BARRIER, 3), 0x0700_0000_0300_0000);
-        assert_eq!(slot(prefix::BROADCAST, u32::MAX), 0x06ff_ffff_ff00_0000);
-    }
 
     #[test]
     fn the_greater_address_dials() {
