@@ -291,6 +291,62 @@ fn input(dt: DType, a: &Aligned) -> consort_comm::Buffer<'_> {
     consort_comm::Buffer::Host(consort_comm::HostSlice::from_bytes(dt, a.bytes()).unwrap())
 }
 
+/// gather, scatter and all_to_all on `pg`: the output, or `None` where
+/// this rank has none (a gather's non-root).
+async fn run_parts(
+    pg: &ProcessGroup,
+    s: &Value,
+    step: usize,
+    dt: DType,
+    n: usize,
+) -> Option<Aligned> {
+    let b = pg.backend();
+    let (grank, gsize) = (pg.rank(), pg.world_size());
+    let frac = s.get("frac").is_some();
+    let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
+    match s["op"].as_str().unwrap() {
+        "gather" => {
+            let root = s["root"].as_u64().unwrap() as usize;
+            let i = to_bytes(&data(grank, step, n, dt), dt);
+            let mut o = Aligned::zeroed(i.len * gsize);
+            let output = (grank == root).then(|| buf(dt, &mut o));
+            let op = Op::Gather {
+                output,
+                input: input(dt, &i),
+            };
+            b.submit(op, &CallOptions::root(root)).await.unwrap();
+            if grank != root {
+                return None;
+            }
+            Some(o)
+        }
+        "scatter" => {
+            let root = s["root"].as_u64().unwrap() as usize;
+            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
+            let mut o = Aligned::zeroed(n * dt.size_bytes());
+            let op = Op::Scatter {
+                output: buf(dt, &mut o),
+                input: (grank == root).then(|| input(dt, &i)),
+            };
+            b.submit(op, &CallOptions::root(root)).await.unwrap();
+            Some(o)
+        }
+        "all_to_all" => {
+            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
+            let mut o = Aligned::zeroed(i.len);
+            let op = Op::AllToAll {
+                output: buf(dt, &mut o),
+                input: input(dt, &i),
+                output_splits: None,
+                input_splits: None,
+            };
+            b.submit(op, &CallOptions::default()).await.unwrap();
+            Some(o)
+        }
+        other => panic!("op {other}"),
+    }
+}
+
 /// One step of the script on `pg`, as torch_gloo.py runs it: the result's
 /// values and bytes.
 async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world: usize) -> Value {
@@ -348,44 +404,10 @@ async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world:
             b.submit(op, &CallOptions::default()).await.unwrap();
             o
         }
-        "gather" => {
-            let root = s["root"].as_u64().unwrap() as usize;
-            let i = to_bytes(&data(grank, step, n, dt), dt);
-            let mut o = Aligned::zeroed(i.len * gsize);
-            let output = (grank == root).then(|| buf(dt, &mut o));
-            let op = Op::Gather {
-                output,
-                input: input(dt, &i),
-            };
-            b.submit(op, &CallOptions::root(root)).await.unwrap();
-            if grank != root {
-                return Value::Null;
-            }
-            o
-        }
-        "scatter" => {
-            let root = s["root"].as_u64().unwrap() as usize;
-            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
-            let mut o = Aligned::zeroed(n * dt.size_bytes());
-            let op = Op::Scatter {
-                output: buf(dt, &mut o),
-                input: (grank == root).then(|| input(dt, &i)),
-            };
-            b.submit(op, &CallOptions::root(root)).await.unwrap();
-            o
-        }
-        "all_to_all" => {
-            let i = to_bytes(&data(grank, step, n * gsize, dt), dt);
-            let mut o = Aligned::zeroed(i.len);
-            let op = Op::AllToAll {
-                output: buf(dt, &mut o),
-                input: input(dt, &i),
-                output_splits: None,
-                input_splits: None,
-            };
-            b.submit(op, &CallOptions::default()).await.unwrap();
-            o
-        }
+        "gather" | "scatter" | "all_to_all" => match run_parts(pg, s, step, dt, n).await {
+            Some(o) => o,
+            None => return Value::Null,
+        },
         "send_recv" => {
             let t = to_bytes(&data(rank, step, n, dt), dt);
             let mut r = Aligned::zeroed(t.len);
