@@ -6,7 +6,7 @@
 //! Gloo groups leave out what Gloo's wire has no room for: consort's
 //! mismatch check (a Gloo rank that calls another collective waits for its
 //! timeout, as between torch ranks; see `a_mismatch_fails_every_rank`),
-//! and reduce and uneven all_to_all, which the backend refuses.
+//! and uneven all_to_all (gloo's alltoallv), which the backend refuses.
 
 use std::{sync::Arc, time::Duration};
 
@@ -76,6 +76,11 @@ proptest! {
     }
 
     #[test]
+    fn reduce(n in 1usize..=6, len in len(), dtype in dtype(), op in 0usize..8, root in 0usize..6, seed in any::<u64>()) {
+        checks::reduce(gloo_world, n, len, dtype, op, root % n, seed);
+    }
+
+    #[test]
     fn gather_scatter(n in 1usize..=6, len in len(), dtype in dtype(), root in 0usize..6, seed in any::<u64>()) {
         checks::gather_scatter(gloo_world, n, len, dtype, root % n, seed);
     }
@@ -121,9 +126,15 @@ fn invalid_arguments_are_refused_on_every_rank() {
 fn unsupported_ops_say_so() {
     let out = run_world(gloo_world, 2, |pg: ProcessGroup| async move {
         let mut buf = vec![1.0f32; 4];
-        match pg.reduce(&mut buf, ReduceOp::Sum, 0).await {
+        let (mut out, splits) = (vec![0.0f32; 4], [1usize, 3]);
+        let uneven = pg.all_to_all_single(&mut out, &buf, Some(&splits), Some(&splits));
+        match uneven.await {
             Err(CommError::Unsupported { reason, .. }) if reason.contains("gloo") => {}
-            other => return Err(format!("reduce: want Unsupported, got {other:?}")),
+            other => {
+                return Err(format!(
+                    "uneven all_to_all: want Unsupported, got {other:?}"
+                ));
+            }
         }
         pg.all_reduce(&mut buf, ReduceOp::Sum)
             .await

@@ -69,6 +69,10 @@ fn script(world: usize) -> Vec<Value> {
         json!({"op": "scatter", "dtype": "i64", "n": 2, "root": 0}),
         json!({"op": "all_to_all", "dtype": "bf16", "n": 3, "frac": true}),
         json!({"op": "gather", "dtype": "u8", "n": 0, "root": 0}),
+        json!({"op": "reduce", "reduce": "sum", "dtype": "f32", "n": 5, "root": last}),
+        json!({"op": "reduce", "reduce": "avg", "dtype": "bf16", "n": 21, "root": 0, "frac": true}),
+        json!({"op": "reduce", "reduce": "max", "dtype": "i32", "n": 1, "root": 1 % world}),
+        json!({"op": "reduce", "reduce": "sum", "dtype": "f32", "n": 2_621_443, "root": 0, "frac": true}),
         // Sums that round: the bytes show the reduction's order.
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "f32", "n": 37, "frac": true}),
         json!({"op": "all_reduce", "reduce": "sum", "dtype": "bf16", "n": 50, "frac": true}),
@@ -264,7 +268,13 @@ fn expected(script: &[Value], world: usize, rank: usize) -> Vec<Value> {
                     fold(&parts, reduce(s), dt)[me * n..(me + 1) * n].to_vec()
                 }
                 "send_recv" => data((rank + world - 1) % world, step, n, dt),
-                "gather" if me != s["root"].as_u64().unwrap() as usize => return Value::Null,
+                "gather" | "reduce" if me != s["root"].as_u64().unwrap() as usize => {
+                    return Value::Null;
+                }
+                "reduce" => {
+                    let parts: Vec<_> = (0..g).map(|r| data(r, step, n, dt)).collect();
+                    fold(&parts, reduce(s), dt)
+                }
                 "gather" => (0..g).flat_map(|r| data(r, step, n, dt)).collect(),
                 "scatter" => data(s["root"].as_u64().unwrap() as usize, step, n * g, dt)
                     [me * n..(me + 1) * n]
@@ -291,8 +301,8 @@ fn input(dt: DType, a: &Aligned) -> consort_comm::Buffer<'_> {
     consort_comm::Buffer::Host(consort_comm::HostSlice::from_bytes(dt, a.bytes()).unwrap())
 }
 
-/// gather, scatter and all_to_all on `pg`: the output, or `None` where
-/// this rank has none (a gather's non-root).
+/// reduce, gather, scatter and all_to_all on `pg`: the output, or `None`
+/// where this rank has none (a reduce's or a gather's non-root).
 async fn run_parts(
     pg: &ProcessGroup,
     s: &Value,
@@ -305,6 +315,19 @@ async fn run_parts(
     let frac = s.get("frac").is_some();
     let data = |r, step, n, dt| data_of(r, step, n, dt, frac);
     match s["op"].as_str().unwrap() {
+        "reduce" => {
+            let root = s["root"].as_u64().unwrap() as usize;
+            let mut v = to_bytes(&data(grank, step, n, dt), dt);
+            let op = Op::Reduce {
+                buf: buf(dt, &mut v),
+                op: reduce(s),
+            };
+            b.submit(op, &CallOptions::root(root)).await.unwrap();
+            if grank != root {
+                return None;
+            }
+            Some(v)
+        }
         "gather" => {
             let root = s["root"].as_u64().unwrap() as usize;
             let i = to_bytes(&data(grank, step, n, dt), dt);
@@ -404,7 +427,8 @@ async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world:
             b.submit(op, &CallOptions::default()).await.unwrap();
             o
         }
-        "gather" | "scatter" | "all_to_all" => match run_parts(pg, s, step, dt, n).await {
+        "reduce" | "gather" | "scatter" | "all_to_all" => match run_parts(pg, s, step, dt, n).await
+        {
             Some(o) => o,
             None => return Value::Null,
         },

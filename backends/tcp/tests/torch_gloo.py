@@ -108,6 +108,11 @@ def main():
             o = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(o, t, op=OPS[s["reduce"]], group=group)
             results.append(out(o))
+        elif op == "reduce":
+            t = data(grank, step, n, dtype, s.get("frac", False))
+            root = s["root"]
+            dist.reduce(t, dst=root, op=OPS[s["reduce"]])
+            results.append(out(t) if grank == root else None)
         elif op == "gather":
             t = data(grank, step, n, dtype, s.get("frac", False))
             root = s["root"]

@@ -25,6 +25,8 @@ pub mod prefix {
     pub const GATHER: u8 = 0x01;
     /// `gloo::allgather`.
     pub const ALLGATHER: u8 = 0x02;
+    /// `gloo::reduce`.
+    pub const REDUCE: u8 = 0x03;
     /// `gloo::allreduce`.
     pub const ALLREDUCE: u8 = 0x04;
     /// `gloo::scatter`.
@@ -287,6 +289,84 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
         let data = take(io, recv_rank, slot, n).await?;
         out[at..at + n].copy_from_slice(&data);
         io.recycle(data);
+    }
+    Ok(())
+}
+
+/// gloo's `reduce` to `root`, in place: the ring's reduce-scatter (its own
+/// segment sizes: at most 1 MiB, at least 2 x world segments, a send ahead
+/// of every reduction) leaves chunk `r` reduced on rank `r`, and every
+/// rank sends its chunk to the root. Other ranks' buffers end partly
+/// reduced, as in torch.
+pub async fn reduce(
+    io: &dyn GlooIo,
+    tag: u32,
+    buf: &mut [u8],
+    elem: usize,
+    root: usize,
+    combine: Combine<'_>,
+) -> Result<()> {
+    let (size, rank) = (io.size(), io.rank());
+    let total = buf.len();
+    if total == 0 || size == 1 {
+        return Ok(());
+    }
+    let slot = slot(prefix::REDUCE, tag);
+    let recv_rank = (rank + 1) % size;
+    let send_rank = (rank + size - 1) % size;
+    let max_seg = elem * (MAX_SEGMENT_BYTES / elem);
+    let seg_bytes = total.div_ceil(size * 2).min(max_seg).next_multiple_of(elem);
+    let segments = total
+        .div_ceil(seg_bytes)
+        .max(size * 2)
+        .next_multiple_of(size);
+    let ring = Ring {
+        total,
+        rank,
+        segments,
+        per_rank: segments / size,
+        seg_bytes,
+    };
+    for i in 0..segments {
+        if i >= 2 {
+            let prev = ring.reduce_scatter(i - 2);
+            if prev.recv_len > 0 {
+                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
+                let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
+                combine(&mut buf[at], &data)?;
+                io.recycle(data);
+            }
+        }
+        if i + 2 < segments {
+            let cur = ring.reduce_scatter(i);
+            if cur.recv_len > 0 {
+                io.post_recv(recv_rank, slot, cur.recv_len as usize)?;
+            }
+            if cur.send_len > 0 {
+                let at = cur.send_off..cur.send_off + cur.send_len as usize;
+                io.post_send(send_rank, slot, &buf[at])?;
+            }
+        }
+    }
+    let chunk = ring.per_rank * seg_bytes;
+    let part = |r: usize| {
+        let off = r * chunk;
+        off..(off + chunk).min(total).max(off)
+    };
+    if rank == root {
+        let peers: Vec<usize> = (0..size)
+            .filter(|&r| r != rank && part(r).start < total)
+            .collect();
+        for &r in &peers {
+            io.post_recv(r, slot, part(r).len())?;
+        }
+        for &r in &peers {
+            let data = take(io, r, slot, part(r).len()).await?;
+            buf[part(r)].copy_from_slice(&data);
+            io.recycle(data);
+        }
+    } else if part(rank).start < total {
+        io.post_send(root, slot, &buf[part(rank)])?;
     }
     Ok(())
 }

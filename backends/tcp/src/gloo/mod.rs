@@ -427,6 +427,45 @@ async fn all_reduce(
     Ok(())
 }
 
+/// torch's reduce_scatter_tensor on Gloo: an all_reduce of a copy of the
+/// whole input (aligned, as a tensor is), then this rank's part.
+async fn reduce_scatter(
+    io: &CallIo<'_>,
+    tag: u32,
+    output: BufferMut<'_>,
+    input: Buffer<'_>,
+    op: ReduceOp,
+) -> Result<()> {
+    let (dtype, out) = host(output)?;
+    let input = input.host("gloo")?.bytes();
+    let mut words = vec![0u64; input.len().div_ceil(8)];
+    let whole = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
+    whole.copy_from_slice(input);
+    all_reduce(io, tag, dtype, whole, op).await?;
+    let part = out.len();
+    let at = io.rank() * part;
+    out.copy_from_slice(&whole[at..at + part]);
+    Ok(())
+}
+
+/// torch's reduce on Gloo: gloo's reduce, then AVG's division on every
+/// rank (torch divides everywhere).
+async fn reduce(
+    io: &CallIo<'_>,
+    tag: u32,
+    buf: BufferMut<'_>,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let (dtype, bytes) = host(buf)?;
+    let combine = combine_with(op, dtype)?;
+    algo::reduce(io, tag, bytes, dtype.size_bytes(), root, &combine).await?;
+    if matches!(op, ReduceOp::Avg) {
+        divide_bytes(dtype, bytes, io.size())?;
+    }
+    Ok(())
+}
+
 impl GlooBackend {
     /// Runs `op` as torch's `ProcessGroupGloo` does, under `tag` (for
     /// collectives) and the call's deadline.
@@ -446,21 +485,10 @@ impl GlooBackend {
                 algo::allgather(io, tag, out, input).await
             }
             Op::ReduceScatter { output, input, op } => {
-                let (dtype, out) = host(output)?;
-                // torch's reduce_scatter_tensor on Gloo: an all_reduce of a
-                // copy of the whole input (aligned, as a tensor is), then
-                // this rank's part.
-                let input = input.host("gloo")?.bytes();
-                let mut words = vec![0u64; input.len().div_ceil(8)];
-                let whole = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
-                whole.copy_from_slice(input);
-                all_reduce(io, tag, dtype, whole, op).await?;
-                let part = out.len();
-                let at = io.rank() * part;
-                out.copy_from_slice(&whole[at..at + part]);
-                Ok(())
+                reduce_scatter(io, tag, output, input, op).await
             }
             Op::Barrier => algo::barrier(io, tag).await,
+            Op::Reduce { buf, op } => reduce(io, tag, buf, op, opts.root).await,
             Op::Gather { output, input } => {
                 let out = match output {
                     Some(o) => Some(host(o)?.1),
@@ -505,12 +533,6 @@ impl GlooBackend {
                 "all_to_all_single with split sizes (gloo's alltoallv) on the gloo backend; \
                  equal parts work",
             )),
-            other => Err(CommError::unsupported(format!(
-                "the gloo backend speaks all_reduce, broadcast, all_gather, reduce_scatter, \
-                 gather, scatter, all_to_all_single (equal parts), barrier, send and recv; not \
-                 {}",
-                other.kind()
-            ))),
         }
     }
 }
