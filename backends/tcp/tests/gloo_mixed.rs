@@ -462,9 +462,9 @@ async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world:
     json!([from_bytes(out.bytes(), dt), hex(out.bytes())])
 }
 
-/// Runs the script as consort rank `rank`, returning what torch_gloo.py
-/// prints.
-async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) -> Vec<Value> {
+/// Consort's rank `rank` of `world` in the job whose store listens on
+/// `port`, with op timeout `timeout`.
+async fn join(port: u16, rank: usize, world: usize, timeout: Duration) -> GlooBackend {
     let store = TcpStore::connect(
         format!("127.0.0.1:{port}"),
         TcpStoreOptions {
@@ -477,13 +477,19 @@ async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) 
     .unwrap();
     let store: Arc<dyn Store> = Arc::new(store);
     let opts = GlooOptions {
-        timeout: Duration::from_secs(60),
+        timeout,
         ip: Some("127.0.0.1".parse().unwrap()),
     };
+    GlooBackend::connect(store, rank, world, opts)
+        .await
+        .unwrap()
+}
+
+/// Runs the script as consort rank `rank`, returning what torch_gloo.py
+/// prints.
+async fn consort_rank(port: u16, rank: usize, world: usize, script: Vec<Value>) -> Vec<Value> {
     let world_pg = ProcessGroup::new(Arc::new(
-        GlooBackend::connect(store, rank, world, opts)
-            .await
-            .unwrap(),
+        join(port, rank, world, Duration::from_secs(60)).await,
     ));
     let mut groups: Vec<Option<ProcessGroup>> = vec![None; script.len()];
     let mut results = Vec::new();
@@ -652,23 +658,7 @@ async fn mismatched(torch_step: Value, ours: Value) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start python");
-    let store = TcpStore::connect(
-        format!("127.0.0.1:{port}"),
-        TcpStoreOptions {
-            timeout: Duration::from_secs(60),
-            connect_timeout: Duration::from_secs(60),
-            secret: None,
-        },
-    )
-    .await
-    .unwrap();
-    let opts = GlooOptions {
-        timeout: Duration::from_secs(5),
-        ip: Some("127.0.0.1".parse().unwrap()),
-    };
-    let b = GlooBackend::connect(Arc::new(store), 1, 2, opts)
-        .await
-        .unwrap();
+    let b = join(port, 1, 2, Duration::from_secs(5)).await;
     let (dt, n) = (dtype(&ours), ours["n"].as_u64().unwrap() as usize);
     let mut v = to_bytes(&data(1, 0, n, dt), dt);
     let op = match ours["op"].as_str().unwrap() {

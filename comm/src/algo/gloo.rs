@@ -69,23 +69,37 @@ pub trait GlooIo: Send + Sync {
     }
 }
 
-/// Waits for the oldest receive from `peer` on `slot`, which must bring
-/// exactly `len` bytes: Gloo lets a shorter payload fill part of a receive,
-/// which between two calls of different sizes would leave stale bytes.
-async fn take(io: &dyn GlooIo, peer: usize, slot: u64, len: usize) -> Result<Vec<u8>> {
+/// Waits for the oldest receive from `peer` on `slot` and puts its
+/// payload into `dst`, combined with what is there when `combine` is given.
+/// The payload must be exactly `dst.len()` bytes: Gloo lets a shorter one
+/// fill part of a receive, which between two calls of different sizes
+/// would leave stale bytes.
+async fn recv_into(
+    io: &dyn GlooIo,
+    peer: usize,
+    slot: u64,
+    dst: &mut [u8],
+    combine: Option<Combine<'_>>,
+) -> Result<()> {
     let data = io.wait_recv(peer, slot).await?;
-    if data.len() != len {
+    if data.len() != dst.len() {
         return Err(crate::CommError::Aborted {
             ctx: Default::default(),
             cause: format!(
-                "rank {peer} sent {} bytes where rank {} expected {len}: the two ranks called \
+                "rank {peer} sent {} bytes where rank {} expected {}: the two ranks called \
                  collectives of different sizes at this point",
                 data.len(),
-                io.rank()
+                io.rank(),
+                dst.len()
             ),
         });
     }
-    Ok(data)
+    match combine {
+        Some(c) => c(dst, &data)?,
+        None => dst.copy_from_slice(&data),
+    }
+    io.recycle(data);
+    Ok(())
 }
 
 /// Combines `src` into `dst` (both whole elements): `dst = dst ⊕ src`.
@@ -109,6 +123,50 @@ struct Ring {
     segments: usize,
     per_rank: usize,
     seg_bytes: usize,
+}
+
+impl Seg {
+    fn send(&self) -> std::ops::Range<usize> {
+        self.send_off..self.send_off + self.send_len.max(0) as usize
+    }
+    fn recv(&self) -> std::ops::Range<usize> {
+        self.recv_off..self.recv_off + self.recv_len.max(0) as usize
+    }
+}
+
+/// One phase of the ring with two segments in flight: round `i` posts
+/// segment `i`'s receive (from rank + 1) and send (to rank - 1) while
+/// `i < posts`, and from round 2 on takes segment `i - 2`'s payload into
+/// place (combined or copied): gloo's loop in allreduce.cc and reduce.cc.
+async fn ring_phase(
+    io: &dyn GlooIo,
+    slot: u64,
+    buf: &mut [u8],
+    posts: usize,
+    seg: impl Fn(usize) -> Seg,
+    combine: Option<Combine<'_>>,
+) -> Result<()> {
+    let (size, rank) = (io.size(), io.rank());
+    let recv_rank = (rank + 1) % size;
+    let send_rank = (rank + size - 1) % size;
+    for i in 0..posts + 2 {
+        if i >= 2 {
+            let prev = seg(i - 2);
+            if prev.recv_len > 0 {
+                recv_into(io, recv_rank, slot, &mut buf[prev.recv()], combine).await?;
+            }
+        }
+        if i < posts {
+            let cur = seg(i);
+            if cur.recv_len > 0 {
+                io.post_recv(recv_rank, slot, cur.recv().len())?;
+            }
+            if cur.send_len > 0 {
+                io.post_send(send_rank, slot, &buf[cur.send()])?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Ring {
@@ -171,52 +229,18 @@ pub async fn allreduce(
         return Ok(());
     }
     let slot = slot(prefix::ALLREDUCE, tag);
-    let recv_rank = (rank + 1) % size;
-    let send_rank = (rank + size - 1) % size;
     let ring = Ring::new(buf.len(), elem, size, rank);
     let steps = ring.steps();
-    for i in 0..steps + 2 {
-        if i >= 2 {
-            let prev = ring.reduce_scatter(i - 2);
-            if prev.recv_len > 0 {
-                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
-                let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
-                combine(&mut buf[at], &data)?;
-                io.recycle(data);
-            }
-        }
-        if i < steps {
-            let cur = ring.reduce_scatter(i);
-            if cur.recv_len > 0 {
-                io.post_recv(recv_rank, slot, cur.recv_len as usize)?;
-            }
-            if cur.send_len > 0 {
-                let at = cur.send_off..cur.send_off + cur.send_len as usize;
-                io.post_send(send_rank, slot, &buf[at])?;
-            }
-        }
-    }
-    for i in 0..steps + 2 {
-        if i >= 2 {
-            let prev = ring.all_gather(i - 2);
-            if prev.recv_len > 0 {
-                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
-                let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
-                buf[at].copy_from_slice(&data);
-                io.recycle(data);
-            }
-        }
-        if i < steps {
-            let cur = ring.all_gather(i);
-            if cur.recv_len > 0 {
-                io.post_recv(recv_rank, slot, cur.recv_len as usize)?;
-            }
-            if cur.send_len > 0 {
-                let at = cur.send_off..cur.send_off + cur.send_len as usize;
-                io.post_send(send_rank, slot, &buf[at])?;
-            }
-        }
-    }
+    ring_phase(
+        io,
+        slot,
+        buf,
+        steps,
+        |i| ring.reduce_scatter(i),
+        Some(combine),
+    )
+    .await?;
+    ring_phase(io, slot, buf, steps, |i| ring.all_gather(i), None).await?;
     Ok(())
 }
 
@@ -243,9 +267,7 @@ pub async fn broadcast(io: &dyn GlooIo, tag: u32, buf: &mut [u8], root: usize) -
             io.post_send(peer, slot, buf)?;
         } else {
             io.post_recv(peer, slot, buf.len())?;
-            let data = take(io, peer, slot, buf.len()).await?;
-            buf.copy_from_slice(&data);
-            io.recycle(data);
+            recv_into(io, peer, slot, buf, None).await?;
         }
     }
     Ok(())
@@ -277,18 +299,14 @@ pub async fn allgather(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) 
         let len = chunk[i & 1];
         if i >= 2 {
             let (at, n): (usize, usize) = waiting.pop_front().expect("two receives in flight");
-            let data = take(io, recv_rank, slot, n).await?;
-            out[at..at + n].copy_from_slice(&data);
-            io.recycle(data);
+            recv_into(io, recv_rank, slot, &mut out[at..at + n], None).await?;
         }
         io.post_send(send_rank, slot, &out[send_off..send_off + len])?;
         io.post_recv(recv_rank, slot, len)?;
         waiting.push_back((recv_off, len));
     }
     while let Some((at, n)) = waiting.pop_front() {
-        let data = take(io, recv_rank, slot, n).await?;
-        out[at..at + n].copy_from_slice(&data);
-        io.recycle(data);
+        recv_into(io, recv_rank, slot, &mut out[at..at + n], None).await?;
     }
     Ok(())
 }
@@ -312,8 +330,6 @@ pub async fn reduce(
         return Ok(());
     }
     let slot = slot(prefix::REDUCE, tag);
-    let recv_rank = (rank + 1) % size;
-    let send_rank = (rank + size - 1) % size;
     let max_seg = elem * (MAX_SEGMENT_BYTES / elem);
     let seg_bytes = total.div_ceil(size * 2).min(max_seg).next_multiple_of(elem);
     let segments = total
@@ -327,27 +343,17 @@ pub async fn reduce(
         per_rank: segments / size,
         seg_bytes,
     };
-    for i in 0..segments {
-        if i >= 2 {
-            let prev = ring.reduce_scatter(i - 2);
-            if prev.recv_len > 0 {
-                let data = take(io, recv_rank, slot, prev.recv_len as usize).await?;
-                let at = prev.recv_off..prev.recv_off + prev.recv_len as usize;
-                combine(&mut buf[at], &data)?;
-                io.recycle(data);
-            }
-        }
-        if i + 2 < segments {
-            let cur = ring.reduce_scatter(i);
-            if cur.recv_len > 0 {
-                io.post_recv(recv_rank, slot, cur.recv_len as usize)?;
-            }
-            if cur.send_len > 0 {
-                let at = cur.send_off..cur.send_off + cur.send_len as usize;
-                io.post_send(send_rank, slot, &buf[at])?;
-            }
-        }
-    }
+    // Every round but the last two posts (gloo: `i < numSegments - 2`).
+    let posts = segments - 2;
+    ring_phase(
+        io,
+        slot,
+        buf,
+        posts,
+        |i| ring.reduce_scatter(i),
+        Some(combine),
+    )
+    .await?;
     let chunk = ring.per_rank * seg_bytes;
     let part = |r: usize| {
         let off = r * chunk;
@@ -361,9 +367,7 @@ pub async fn reduce(
             io.post_recv(r, slot, part(r).len())?;
         }
         for &r in &peers {
-            let data = take(io, r, slot, part(r).len()).await?;
-            buf[part(r)].copy_from_slice(&data);
-            io.recycle(data);
+            recv_into(io, r, slot, &mut buf[part(r)], None).await?;
         }
     } else if part(rank).start < total {
         io.post_send(root, slot, &buf[part(rank)])?;
@@ -391,9 +395,7 @@ pub async fn gather(
     }
     out[rank * n..(rank + 1) * n].copy_from_slice(input);
     for peer in (0..size).filter(|&p| p != rank) {
-        let data = take(io, peer, slot, n).await?;
-        out[peer * n..(peer + 1) * n].copy_from_slice(&data);
-        io.recycle(data);
+        recv_into(io, peer, slot, &mut out[peer * n..(peer + 1) * n], None).await?;
     }
     Ok(())
 }
@@ -419,9 +421,7 @@ pub async fn scatter(
         }
         None => {
             io.post_recv(root, slot, n)?;
-            let data = take(io, root, slot, n).await?;
-            out.copy_from_slice(&data);
-            io.recycle(data);
+            recv_into(io, root, slot, out, None).await?;
         }
     }
     Ok(())
@@ -443,9 +443,7 @@ pub async fn alltoall(io: &dyn GlooIo, tag: u32, out: &mut [u8], input: &[u8]) -
     }
     for k in 1..size {
         let from = (rank + size - k) % size;
-        let data = take(io, from, slot, n).await?;
-        out[from * n..(from + 1) * n].copy_from_slice(&data);
-        io.recycle(data);
+        recv_into(io, from, slot, &mut out[from * n..(from + 1) * n], None).await?;
     }
     Ok(())
 }
@@ -460,7 +458,7 @@ pub async fn barrier(io: &dyn GlooIo, tag: u32) -> Result<()> {
         let from = (size + rank - d % size) % size;
         io.post_recv(from, slot, 0)?;
         io.post_send((rank + d) % size, slot, &[])?;
-        take(io, from, slot, 0).await?;
+        recv_into(io, from, slot, &mut [], None).await?;
         d <<= 1;
     }
     Ok(())
