@@ -173,7 +173,7 @@ impl<W> Ordered<W> {
     /// since it was made.
     pub fn launchable(&mut self, id: CallId) -> Result<()> {
         let failed = match (&self.closed, self.engine.poisoned(self.group)) {
-            (_, Some(e)) => Some(e.to_aborted()),
+            (_, Some(e)) => Some(self.named_or_aborted(id, e)),
             (Some(why), None) => Some(CommError::Aborted {
                 ctx: ErrorContext::default(),
                 cause: why.clone(),
@@ -186,6 +186,21 @@ impl<W> Ordered<W> {
                 self.engine.end(id, Err(e)).result
             }
             None => Ok(()),
+        }
+    }
+
+    /// The error of call `id`, refused because its group failed with `e`:
+    /// a mismatch that names this very call (the check can find it before
+    /// the call reaches the stream) is the call's own error, as it is for
+    /// calls in flight; any other first cause is an earlier failure.
+    fn named_or_aborted(&self, id: CallId, e: &CommError) -> CommError {
+        match e {
+            CommError::Mismatch { local, .. }
+                if local.group == self.group && Some(local.seq) == self.context(id).seq =>
+            {
+                e.clone()
+            }
+            _ => e.to_aborted(),
         }
     }
 

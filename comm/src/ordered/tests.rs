@@ -130,6 +130,26 @@ fn a_mismatch_found_after_its_call_ended_still_poisons() {
     assert!(o.mismatch(CommError::invalid("x")).is_empty());
 }
 
+#[test]
+fn a_mismatch_found_before_its_call_reaches_the_stream_is_that_calls_error() {
+    // NCCL's host calls stage before they enqueue; the check over the side
+    // channel can answer first (seen on an H100: the call got "aborted by
+    // an earlier failure" instead of the mismatch that named it).
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let next = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let e = first_difference(m.fp, 0, &both(m.fp, other)).unwrap();
+    assert!(o.mismatch(e).is_empty());
+    let got = o.launchable(m.id).unwrap_err();
+    assert!(matches!(got, CommError::Mismatch { .. }), "{got}");
+    // A later call is not the one named: it fails by the earlier failure.
+    let got = o.launchable(next.id).unwrap_err();
+    assert!(matches!(got, CommError::Aborted { .. }), "{got}");
+    assert!(got.to_string().contains("mismatch"), "{got}");
+    assert!(o.is_idle());
+}
+
 fn both(a: Fingerprint, b: Fingerprint) -> Vec<u8> {
     let mut v = FrameHeader::data(a, 0, 0, 0).encode().to_vec();
     v.extend_from_slice(&FrameHeader::data(b, 0, 0, 0).encode());
