@@ -185,6 +185,12 @@ impl Dist {
     /// collective is `Mismatch` on every rank, not a hang or garbage.
     /// `CONSORT_NCCL_CHECK=0` turns that off.
     ///
+    /// The communicator is nonblocking, so its init, subgroup splits and
+    /// shutdown each end within `CONSORT_TIMEOUT` (a peer that never
+    /// arrives is an error, and the process can exit);
+    /// `CONSORT_NCCL_BLOCKING=1` makes a blocking one, as torch does by
+    /// default (less host time per call; see `NcclOptions::blocking`).
+    ///
     /// `CONSORT_SHARE_GPU=1` puts every rank on GPU 0, for correctness runs
     /// of several ranks on a one-GPU machine. NCCL allows that from 2.30
     /// with `NCCL_MULTI_RANK_GPU_ENABLE=1`; older releases need a distinct
@@ -215,6 +221,7 @@ impl Dist {
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
         }
+        opts.blocking = bool_var("CONSORT_NCCL_BLOCKING", false)?;
         let (rank, world) = (self.env.rank, self.env.world_size);
         // A restarted round's unique id under its own prefix: the previous
         // round's is still in the launcher's store.
@@ -242,7 +249,7 @@ impl Dist {
     /// rank, rendezvoused through [`Dist::store`].
     ///
     /// `CONSORT_TIMEOUT` (seconds) sets the default op timeout (torch's 30
-    /// min otherwise). The address to listen on and advertise is
+    /// min otherwise) and bounds building the mesh (5 min otherwise). The address to listen on and advertise is
     /// `CONSORT_BIND_ADDR`, else the address of interface
     /// `CONSORT_SOCKET_IFNAME`, else the address this host uses to reach
     /// `MASTER_ADDR` (loopback for a single-node job).
@@ -261,7 +268,9 @@ impl Dist {
             ..TcpOptions::default()
         };
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
+            // torch's init_process_group timeout bounds the rendezvous too.
             opts.timeout = t;
+            opts.connect_timeout = t;
         }
         opts.algo.overrides = AlgoConfig::from_env()
             .map_err(|e| CommError::invalid(format!("CONSORT_ALGO: {e}")))?

@@ -679,6 +679,44 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
     }
 }
 
+/// The bounded-init self-test that `scripts/gpu-check` runs on NCCL, here
+/// on TCP: rank 1 joins the store but never builds its backend, and rank 0
+/// gets an init error naming the missing rank within CONSORT_TIMEOUT
+/// (before, the mesh waited its own 5 minutes whatever the timeout), so
+/// the launcher ends the job.
+#[test]
+fn an_init_with_an_absent_peer_fails_within_consort_timeout() {
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        BIN,
+        "init-check",
+        "--absent",
+        "1",
+    ])
+    .env("CONSORT_TIMEOUT", "3")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    let out = finish(cmd.spawn().unwrap(), "consort run -- consort init-check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("INIT FAILED rank 0 after"))
+        .unwrap_or_else(|| panic!("rank 0 gave no verdict: {text}"));
+    // The job ends by itself (finish allows 120 s; the mesh used to wait
+    // its own 300 s whatever CONSORT_TIMEOUT said).
+    assert!(line.contains("missing ranks [1]"), "{line}");
+}
+
 /// `consort store --secret`: a client without the secret is refused, one
 /// with it is served.
 #[test]

@@ -6,7 +6,10 @@
 //! waits. It owns no collective: [`crate::NcclBackend`] orders its own
 //! stream against the streams these buffers live on.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use consort_comm::{CommError, Device, ErrorContext, EventId, Result, StreamId};
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
@@ -19,7 +22,14 @@ pub struct CudaDevice {
     ordinal: i32,
     ctx: Arc<CudaContext>,
     streams: Mutex<Vec<usize>>,
+    /// How long `synchronize` (and so `copy_to_host`) waits for a stream.
+    sync_timeout: Duration,
 }
+
+/// [`CudaDevice`]'s default limit on one stream synchronization: NCCL's
+/// default op timeout, so a stream behind a collective that never finishes
+/// is reported after the communicator's own watchdog has had its turn.
+pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -46,6 +56,20 @@ impl CudaDevice {
             ordinal: ordinal as i32,
             ctx,
             streams: Mutex::new(Vec::new()),
+            sync_timeout: DEFAULT_SYNC_TIMEOUT,
+        }))
+    }
+
+    /// GPU `ordinal` with `synchronize` waiting at most `timeout` for a
+    /// stream (the default is [`DEFAULT_SYNC_TIMEOUT`]).
+    pub fn with_sync_timeout(ordinal: usize, timeout: Duration) -> Result<Arc<Self>> {
+        probe_device(ordinal)?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| err("context creation", e))?;
+        Ok(Arc::new(CudaDevice {
+            ordinal: ordinal as i32,
+            ctx,
+            streams: Mutex::new(Vec::new()),
+            sync_timeout: timeout,
         }))
     }
 
@@ -204,9 +228,37 @@ impl Device for CudaDevice {
             .map_err(|e| err("event destroy", e))
     }
 
+    /// Waits for the stream's work, at most the sync timeout: an event is
+    /// recorded and polled (spinning briefly, then sleeping), so a stream
+    /// behind a kernel that never ends is an error, not a hang.
     fn synchronize(&self, s: StreamId) -> Result<()> {
-        self.bind()?;
-        // SAFETY: a stream of this context.
-        unsafe { cu::stream::synchronize(stream(s)) }.map_err(|e| err("stream synchronize", e))
+        let e = self.record(s)?;
+        let deadline = consort_comm::time::deadline(self.sync_timeout);
+        let mut spins = 0u32;
+        let out = loop {
+            // SAFETY: `e` was recorded above and is released below, once.
+            match unsafe { self.query(e) } {
+                Ok(true) => break Ok(()),
+                Err(x) => break Err(x),
+                Ok(false) if Instant::now() >= deadline => {
+                    break Err(CommError::Aborted {
+                        ctx: ErrorContext::default(),
+                        cause: format!(
+                            "CUDA stream {s} of GPU {} did not drain within {:?}: a kernel on it \
+                             (a collective whose peer is gone or stopped?) never finished",
+                            self.ordinal, self.sync_timeout
+                        ),
+                    });
+                }
+                Ok(false) if spins < 1000 => {
+                    spins += 1;
+                    std::thread::yield_now();
+                }
+                Ok(false) => std::thread::sleep(Duration::from_micros(20)),
+            }
+        };
+        // SAFETY: recorded above, released once.
+        let _ = unsafe { self.release(e) };
+        out
     }
 }

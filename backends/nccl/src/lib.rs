@@ -34,5 +34,5 @@ pub mod sys;
 mod work;
 
 pub use backend::{NcclBackend, NcclOptions};
-pub use cuda::CudaDevice;
+pub use cuda::{CudaDevice, DEFAULT_SYNC_TIMEOUT};
 pub use probe::{load_nccl, probe, probe_device, probe_with};

@@ -101,6 +101,46 @@ pub const fn version_code(major: i32, minor: i32, patch: i32) -> i32 {
 
 type R = c_int;
 
+/// `NCCL_CONFIG_UNDEF_INT`: a config field NCCL fills with its default.
+pub const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+
+/// `ncclConfig_t` up to `splitShare`, as NCCL 2.18 lays it out. NCCL reads
+/// `size` bytes of it, trusts `version` for which fields are set, and
+/// leaves later fields at their defaults, so this prefix is valid on every
+/// release from 2.14 on.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    /// 0: calls may return `ncclInProgress` and finish in the background
+    /// (polled with `ncclCommGetAsyncError`); 1: every call blocks.
+    pub blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+impl Config {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking` set.
+    pub fn new(blocking: bool) -> Self {
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: version_code(2, 18, 0) as u32,
+            blocking: c_int::from(blocking),
+            cga_cluster_size: CONFIG_UNDEF_INT,
+            min_ctas: CONFIG_UNDEF_INT,
+            max_ctas: CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: CONFIG_UNDEF_INT,
+        }
+    }
+}
+
 /// Every NCCL entry point consort calls, loaded from one library. The
 /// function pointers are NCCL's own (raw FFI: calling one is `unsafe`, with
 /// nccl.h's rules); the library stays loaded as long as this value lives.
@@ -114,6 +154,9 @@ pub struct Nccl {
     pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> R,
     /// `ncclCommInitRank`.
     pub comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> R,
+    /// `ncclCommInitRankConfig` (NCCL 2.14+).
+    pub comm_init_rank_config:
+        Option<unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> R>,
     /// `ncclCommFinalize` (NCCL 2.14+).
     pub comm_finalize: Option<unsafe extern "C" fn(Comm) -> R>,
     /// `ncclCommDestroy`.
@@ -165,7 +208,7 @@ pub struct Nccl {
     pub red_op_destroy: Option<unsafe extern "C" fn(c_int, Comm) -> R>,
     /// `ncclCommSplit(comm, color, key, newcomm, config)` (NCCL 2.18+); a
     /// null config inherits the parent's.
-    pub comm_split: Option<unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> R>,
+    pub comm_split: Option<unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut Config) -> R>,
 }
 
 impl std::fmt::Debug for Nccl {
@@ -306,6 +349,12 @@ fn open(name: &str) -> Result<Nccl, String> {
             version,
             get_unique_id: sym(&lib, "ncclGetUniqueId")?,
             comm_init_rank: sym(&lib, "ncclCommInitRank")?,
+            comm_init_rank_config: opt(
+                &lib,
+                "ncclCommInitRankConfig",
+                version,
+                version_code(2, 14, 0),
+            ),
             comm_finalize: opt(&lib, "ncclCommFinalize", version, version_code(2, 14, 0)),
             comm_destroy: sym(&lib, "ncclCommDestroy")?,
             comm_abort: sym(&lib, "ncclCommAbort")?,

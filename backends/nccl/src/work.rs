@@ -38,6 +38,9 @@ impl Event {
     }
 }
 
+/// How long an abort waits for a launch to leave the launch lock.
+const ABORT_WAIT: Duration = Duration::from_secs(2);
+
 /// What a host call waits on: the result of its work.
 pub(crate) type Waiter = tokio::sync::oneshot::Sender<Result<(), CommError>>;
 
@@ -116,14 +119,18 @@ impl Track {
 pub(crate) struct Shared {
     pub(crate) nccl: Arc<Nccl>,
     pub(crate) rank: usize,
-    /// The `ncclComm_t`, 0 once destroyed or aborted. An atomic, not part
-    /// of the launch lock: the watchdog must be able to query and abort the
-    /// communicator while a launch is blocked inside NCCL (torch's watchdog
-    /// aborts from its own thread for the same reason).
+    /// The `ncclComm_t`, 0 once destroyed or aborted. It is read and
+    /// cleared under the launch lock only: whoever holds the lock may use
+    /// the handle, and an abort takes the lock before freeing it.
     pub(crate) comm: std::sync::atomic::AtomicUsize,
     /// The launch lock: the right to make NCCL calls on the communicator
-    /// (one thread at a time).
+    /// (one thread at a time). The communicator is nonblocking, so no call
+    /// holds it inside NCCL for long: an `ncclInProgress` is polled under
+    /// it until the call's deadline, or until [`Shared::aborting`] is set.
     pub(crate) slot: Mutex<()>,
+    /// Set while an abort waits for the launch lock: a launch polling an
+    /// `ncclInProgress` steps aside.
+    pub(crate) aborting: std::sync::atomic::AtomicBool,
     pub(crate) track: Mutex<Track>,
     pub(crate) cv: Condvar,
     /// Woken when a call leaves the turn order (enqueued, failed, dropped).
@@ -206,19 +213,66 @@ impl Shared {
         }
     }
 
-    /// Aborts the communicator and poisons the backend with `e`. It does
-    /// not take the launch lock: a launch may be blocked inside NCCL
-    /// (connection setup, a full queue behind a hung kernel), and
-    /// `ncclCommAbort` from another thread is how NCCL unblocks it.
+    /// Aborts the communicator and poisons the backend with `e`.
+    ///
+    /// The abort is serialised with every other use of the handle: it asks
+    /// a launch in progress to step aside ([`Shared::aborting`]) and takes
+    /// the launch lock before `ncclCommAbort` frees the communicator. Only
+    /// a launch stuck inside CUDA itself (a kernel launch queue full behind
+    /// a hung kernel) can keep the lock; after [`ABORT_WAIT`] the abort
+    /// goes ahead under it, since NCCL's abort flag is what unblocks that
+    /// launch, and says so in the log.
     pub(crate) fn abort(&self, e: CommError) {
-        let c = self.comm.swap(0, std::sync::atomic::Ordering::SeqCst);
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.aborting.swap(true, SeqCst) {
+            // Another thread is aborting (ncclCommAbort can take a second
+            // while NCCL's threads wind down): this one's calls fail now.
+            self.poison(e);
+            return;
+        }
+        let slot = self.slot_within(ABORT_WAIT);
+        self.abort_under(slot, e);
+        self.aborting.store(false, SeqCst);
+    }
+
+    /// [`Shared::abort`] by a thread that holds the launch lock (`slot`;
+    /// `None`: it could not be had), which is released before the calls in
+    /// flight fail.
+    pub(crate) fn abort_under(&self, slot: Option<MutexGuard<'_, ()>>, e: CommError) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let c = self.comm.swap(0, SeqCst);
         if c != 0 {
+            if slot.is_none() {
+                tracing::warn!(
+                    rank = self.rank,
+                    "an NCCL launch held the launch lock for over {ABORT_WAIT:?}; aborting the \
+                     communicator under it"
+                );
+            }
             // SAFETY: the communicator was live and is aborted once (the
             // swap hands it to one caller); abort is allowed with work in
-            // flight and from another thread than the one blocked in NCCL.
+            // flight, and no other thread is using the handle (the lock).
             unsafe { (self.nccl.comm_abort)(c as Comm) };
         }
+        drop(slot);
         self.poison(e);
+    }
+
+    /// The launch lock, if it comes free within `wait`.
+    fn slot_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
+        let deadline = consort_comm::time::deadline(wait);
+        loop {
+            match self.slot.try_lock() {
+                Ok(g) => return Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() >= deadline => {
+                    return None;
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+        }
     }
 
     /// Stops the watchdog: it leaves once the queue is empty (or at once,
@@ -301,14 +355,14 @@ fn watchdog(shared: &Shared) {
     }
 }
 
-/// `ncclCommGetAsyncError` as an error, if there is one.
+/// `ncclCommGetAsyncError` as an error, if there is one. Skipped while a
+/// launch holds the launch lock (it polls the same state itself).
 fn async_error(shared: &Shared, ctx: ErrorContext) -> Option<CommError> {
+    let _slot = shared.slot.try_lock().ok()?;
     let comm = shared.comm()?;
     let mut code: c_int = result::SUCCESS;
-    // SAFETY: the communicator is live (only this thread aborts it while
-    // the watchdog runs, and shutdown stops the watchdog first);
-    // ncclCommGetAsyncError may be called while another thread is inside
-    // NCCL, as torch's watchdog does.
+    // SAFETY: the communicator is live and cannot be freed meanwhile: an
+    // abort or a shutdown takes the launch lock, held here.
     let r = unsafe { (shared.nccl.comm_get_async_error)(comm as Comm, &mut code) };
     let code = if r != result::SUCCESS { r } else { code };
     if code == result::SUCCESS || code == result::IN_PROGRESS {

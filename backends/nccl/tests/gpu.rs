@@ -163,12 +163,36 @@ fn ddp_with_cuda_buckets() {
 }
 
 /// Host time per call on device buffers, consort against the same NCCL
-/// call made directly, 4 B to 1 GiB (a benchmark: prints, asserts nothing
-/// about time).
+/// call made directly (settled, as the communicator requires), 4 B to
+/// 1 GiB, on consort's nonblocking communicator and on a blocking one
+/// (`NcclOptions::blocking`, torch's default). A benchmark: prints, asserts
+/// nothing about time.
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
 fn bench_host_overhead_per_call() {
-    let b = shared();
+    let blocking = std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = MemStore::new(Duration::from_secs(30));
+        let opts = NcclOptions {
+            blocking: true,
+            ..NcclOptions::default()
+        };
+        rt.block_on(NcclBackend::new(&store, 0, 1, opts))
+            .expect("a blocking NCCL communicator on GPU 0")
+    })
+    .join()
+    .expect("NCCL init thread");
+    println!("| communicator | bytes | consort host us/call | direct host us/call | overhead us |");
+    println!("|---|---|---|---|---|");
+    overhead_rows("nonblocking", &shared());
+    overhead_rows("blocking", &blocking);
+    blocking.shutdown().unwrap();
+}
+
+fn overhead_rows(label: &str, b: &NcclBackend) {
     let dev = CudaDevice::new(0).unwrap();
     let s = b.comm_stream();
     let p = Placement {
@@ -179,8 +203,6 @@ fn bench_host_overhead_per_call() {
         .enable_all()
         .build()
         .unwrap();
-    println!("| bytes | consort host us/call | direct host us/call | overhead us |");
-    println!("|---|---|---|---|");
     let mut bytes = 4usize;
     while bytes <= 1 << 30 {
         let n = bytes / 4;
@@ -199,12 +221,12 @@ fn bench_host_overhead_per_call() {
         rt.block_on(b.synchronize()).unwrap();
         let nccl = b.nccl().clone();
         // SAFETY: raw calls on the comm stream, from this thread only, all
-        // ranks (one) making the same ones.
+        // ranks (one) making the same ones, each settled before the next.
         let comm = unsafe { b.raw_comm() };
         let direct = per_call(iters, || {
             // SAFETY: as above; x holds n f32 on this GPU.
             let r = unsafe {
-                (nccl.all_reduce)(
+                b.settle_raw((nccl.all_reduce)(
                     x as *const _,
                     x as *mut _,
                     n,
@@ -212,13 +234,13 @@ fn bench_host_overhead_per_call() {
                     consort_nccl::sys::op::SUM,
                     comm,
                     s as *mut _,
-                )
+                ))
             };
             assert_eq!(r, 0);
         });
         dev.synchronize(s).unwrap();
         println!(
-            "| {bytes} | {:.2} | {:.2} | {:+.2} |",
+            "| {label} | {bytes} | {:.2} | {:.2} | {:+.2} |",
             ours * 1e6,
             direct * 1e6,
             (ours - direct) * 1e6

@@ -3,7 +3,7 @@
 
 use clap::Subcommand;
 
-use super::{bench, collective, mismatch};
+use super::{bench, collective, init_check, mismatch};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -34,6 +34,18 @@ pub(crate) enum Helper {
         #[arg(long, default_value = "tcp")]
         backend: String,
     },
+    /// One rank of the bounded-init self-test (`consort run ... -- consort
+    /// init-check --backend nccl`, started by scripts/gpu-check): rank
+    /// `--absent` never inits, the others must fail within CONSORT_TIMEOUT.
+    #[command(hide = true)]
+    InitCheck {
+        /// tcp, quic or nccl.
+        #[arg(long, default_value = "tcp")]
+        backend: String,
+        /// The rank that stays out of the init.
+        #[arg(long, default_value_t = 1)]
+        absent: usize,
+    },
 }
 
 /// Runs a helper.
@@ -41,6 +53,7 @@ pub(crate) async fn run(h: Helper) -> Result<(), BoxError> {
     match h {
         Helper::BenchWorker { spec } => collective::worker(&spec).await?,
         Helper::MismatchCheck { backend } => mismatch::run(&backend).await?,
+        Helper::InitCheck { backend, absent } => init_check::run(&backend, absent).await?,
         Helper::BenchLoopbackPeer { port, bytes, mode } => {
             tokio::task::spawn_blocking(move || {
                 bench::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())

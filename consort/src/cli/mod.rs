@@ -10,6 +10,7 @@ mod ddp_bench;
 mod debug;
 mod gpus;
 mod helper;
+mod init_check;
 mod mismatch;
 #[cfg(feature = "nccl")]
 mod nccl_bench;

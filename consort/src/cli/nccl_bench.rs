@@ -119,13 +119,16 @@ fn direct<T: Small>(b: &NcclBackend, op: OpKind, x: &Bufs) -> Option<i32> {
     // buffers hold `count` (or `part`) elements of T on this GPU.
     unsafe {
         let c = b.raw_comm();
-        Some(match op {
+        let r = match op {
             OpKind::AllReduce => (nccl.all_reduce)(i, i, x.count, dt, sys::op::SUM, c, s),
             OpKind::Broadcast => (nccl.broadcast)(i, i, x.count, dt, 0, c, s),
             OpKind::ReduceScatter => (nccl.reduce_scatter)(i, o, x.part, dt, sys::op::SUM, c, s),
             OpKind::AllGather => (nccl.all_gather)(i, o, x.part, dt, c, s),
             _ => return None,
-        })
+        };
+        // The communicator may be nonblocking: the call is done enqueuing
+        // once settled, and the next may only come then.
+        Some(b.settle_raw(r))
     }
 }
 

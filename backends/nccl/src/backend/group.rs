@@ -9,15 +9,16 @@
 
 use std::{
     ffi::c_int,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
 };
 
 use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, Result};
 
-use super::{NcclBackend, NcclOptions, init_comm};
+use super::{
+    NcclBackend, NcclOptions,
+    launch::settle,
+    life::{init_comm, init_timeout},
+};
 use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
@@ -112,16 +113,24 @@ impl NcclBackend {
         match me {
             Some(me) => {
                 let (nccl, cctx, n) = (&self.shared.nccl, &self.ctx, ranks.len());
-                init_comm(nccl, cctx, ctx0, id, me, n, timeout).await
+                let opts = NcclOptions {
+                    timeout,
+                    ..self.opts.clone()
+                };
+                init_comm(nccl, cctx, ctx0, id, (me, n), &opts).await
             }
             None => Ok(0),
         }
     }
 
-    /// `ncclCommSplit` of this communicator, off the async runtime, under
-    /// the launch lock (so no enqueue of this rank interleaves with it).
-    /// Members take color 0 and their group rank as the key; the rest
-    /// `NCCL_SPLIT_NOCOLOR` and get no communicator (0).
+    /// `ncclCommSplit` of this communicator on a blocking thread that
+    /// holds the launch lock (no enqueue of this rank interleaves with it,
+    /// and the parent is not used while NCCL makes the child). The parent
+    /// is nonblocking: the split returns at once and is polled on the
+    /// parent until `timeout`; a rank that never calls `new_group` leaves
+    /// it in progress, and then the parent is aborted (under the lock) and
+    /// this rank stays failed. Members take color 0 and their group rank as
+    /// the key; the rest `NCCL_SPLIT_NOCOLOR` and get no communicator (0).
     async fn split(
         &self,
         me: Option<usize>,
@@ -134,60 +143,50 @@ impl NcclBackend {
             Some(me) => (0, me as c_int),
             None => (sys::SPLIT_NOCOLOR, 0),
         };
-        // Set when nobody waits for the split any more: a communicator it
-        // makes after that is destroyed, not leaked.
-        let abandoned = Arc::new(AtomicBool::new(false));
-        let gave_up = abandoned.clone();
+        let deadline = consort_comm::time::deadline(timeout);
         let work = tokio::task::spawn_blocking(move || -> Result<usize> {
             cctx.bind_to_thread()
                 .map_err(|e| driver_error(ctx0, "context binding", e))?;
-            let _launches = lock(&shared.slot);
+            let slot = lock(&shared.slot);
             if let Some(e) = lock(&shared.track).core.poisoned() {
                 return Err(e.to_aborted().with_context(ctx0));
             }
             let parent = shared.comm().ok_or_else(|| CommError::Aborted {
                 ctx: ctx0,
                 cause: "the NCCL communicator is gone (aborted)".into(),
-            })?;
+            })? as Comm;
             let split = shared.nccl.comm_split.ok_or_else(|| {
                 CommError::unsupported("this NCCL has no ncclCommSplit (it needs 2.18)")
             })?;
-            let mut made: Comm = std::ptr::null_mut();
+            // NCCL writes the child's handle here when the split completes,
+            // from its own thread: the box outlives the split.
+            let mut made: Box<Comm> = Box::new(std::ptr::null_mut());
             // SAFETY: `parent` is live (checked above, under the launch
             // lock); `made` is a valid out-pointer; a null config inherits
-            // the parent's.
-            let r = unsafe { split(parent as Comm, color, key, &mut made, std::ptr::null_mut()) };
-            if r != result::SUCCESS {
-                return Err(nccl_error(ctx0, r, "ncclCommSplit"));
+            // the parent's (nonblocking).
+            let r = unsafe { split(parent, color, key, &mut *made, std::ptr::null_mut()) };
+            let stop = || shared.aborting.load(Ordering::SeqCst);
+            let mut r = settle(&shared.nccl, parent, r, deadline, stop);
+            if r == result::SUCCESS && !made.is_null() {
+                // The child is nonblocking too: ready once its own state is.
+                r = settle(&shared.nccl, *made, result::IN_PROGRESS, deadline, stop);
             }
-            if gave_up.load(Ordering::SeqCst) && !made.is_null() {
-                // SAFETY: made just above, never handed out.
-                let _ = unsafe { (shared.nccl.comm_destroy)(made) };
-                return Err(CommError::Aborted {
-                    ctx: ctx0,
-                    cause: "ncclCommSplit finished after its deadline".into(),
-                });
+            if r == result::SUCCESS {
+                return Ok(*made as usize);
             }
-            Ok(made as usize)
+            let e = if r == result::TIMEOUT {
+                init_timeout(ctx0, timeout, "ncclCommSplit")
+            } else {
+                nccl_error(ctx0, r, &shared.last_error(parent as usize))
+            };
+            // NCCL may still hold the out-pointer until the abort ends it.
+            std::mem::forget(made);
+            shared.abort_under(Some(slot), e.clone());
+            Err(e)
         });
-        match tokio::time::timeout(timeout, work).await {
-            Ok(joined) => joined.map_err(|e| CommError::Aborted {
-                ctx: ctx0,
-                cause: format!("the ncclCommSplit thread failed: {e}"),
-            })?,
-            Err(_) => {
-                // A rank that never calls new_group leaves the split blocked
-                // inside NCCL, holding the launch lock: abort the parent
-                // (without that lock), which ends it, and stay failed.
-                abandoned.store(true, Ordering::SeqCst);
-                let e = CommError::Timeout {
-                    ctx: ctx0,
-                    after: timeout,
-                    waiting_on: Vec::new(),
-                };
-                self.shared.abort(e.clone());
-                Err(e)
-            }
-        }
+        work.await.map_err(|e| CommError::Aborted {
+            ctx: ctx0,
+            cause: format!("the ncclCommSplit thread failed: {e}"),
+        })?
     }
 }

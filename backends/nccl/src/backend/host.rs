@@ -78,8 +78,8 @@ impl NcclBackend {
         let (generation, dev) = (st.generation + 1, st.dev);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (ci, co) = (dev, dev + in_len as u64);
-        let staged: Enqueue<'_> = Box::new(move |nccl, comm, stream, _, _| {
-            let s = stream as cusys::CUstream;
+        let staged: Enqueue<'_> = Box::new(move |on, _, _| {
+            let s = on.stream as cusys::CUstream;
             // SAFETY: `pinned` and `dev` hold `in_len + out_len` bytes; the
             // copies and the op are ordered on the communication stream.
             unsafe {
@@ -88,8 +88,9 @@ impl NcclBackend {
                 if !both.is_empty() && cu::memcpy_htod_async(dev, both, s).is_err() {
                     return result::UNHANDLED_CUDA_ERROR;
                 }
-                let r = enqueue(nccl, comm, stream, ci, co);
-                if r != result::SUCCESS && r != result::IN_PROGRESS {
+                // Settled: the copy back must follow the kernel.
+                let r = enqueue(on, ci, co);
+                if r != result::SUCCESS {
                     return r;
                 }
                 let back = std::slice::from_raw_parts_mut(host.add(in_len), out_len);

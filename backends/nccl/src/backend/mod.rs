@@ -42,9 +42,13 @@ use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
 mod check;
 mod group;
 mod host;
+mod launch;
+mod life;
 mod ops;
 
 use host::Staging;
+use launch::{On, RedOp};
+use life::init_comm;
 
 use crate::{
     keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
@@ -71,6 +75,14 @@ pub struct NcclOptions {
     /// made and ended is shown there, so the watchdog sees NCCL ranks'
     /// progress and names a stopped one.
     pub heartbeat_file: Option<std::path::PathBuf>,
+    /// A blocking communicator (`ncclConfig_t::blocking = 1`, torch's
+    /// default), instead of consort's nonblocking one. Each NCCL call then
+    /// enqueues on the caller's thread rather than NCCL's, which costs less
+    /// host time per call, but init cannot be aborted: a rank whose peer
+    /// never arrives stays in `ncclCommInitRank` (its caller still gets a
+    /// timeout error). `CONSORT_NCCL_BLOCKING=1` sets it for
+    /// `Dist::nccl_backend`.
+    pub blocking: bool,
 }
 
 impl Default for NcclOptions {
@@ -82,6 +94,7 @@ impl Default for NcclOptions {
             counter: 0,
             poll_interval: Duration::from_micros(50),
             heartbeat_file: None,
+            blocking: false,
         }
     }
 }
@@ -188,8 +201,9 @@ impl Drop for Unlaunched<'_> {
     }
 }
 
-/// `enqueue(nccl, comm, stream, input address, output address)`.
-type Enqueue<'a> = Box<dyn FnOnce(&Nccl, Comm, Stream, u64, u64) -> c_int + Send + 'a>;
+/// `enqueue(on, input address, output address)`: the op's NCCL calls,
+/// each settled ([`On::settle`]) before the next.
+type Enqueue<'a> = Box<dyn FnOnce(&On<'_>, u64, u64) -> c_int + Send + 'a>;
 
 impl NcclBackend {
     /// Joins the NCCL communicator of `world` ranks: rank 0 creates the
@@ -229,7 +243,7 @@ impl NcclBackend {
             let v = store.get(&key).await.map_err(store_err)?;
             check_unique_id(&key, &v).map_err(CommError::invalid)?
         };
-        let comm = init_comm(&nccl, &ctx, ctx0, id, rank, world, opts.timeout).await?;
+        let comm = init_comm(&nccl, &ctx, ctx0, id, (rank, world), &opts).await?;
         Self::assemble(nccl, ctx, (rank, world, device), comm, GroupId::WORLD, opts)
     }
 
@@ -261,6 +275,7 @@ impl NcclBackend {
             rank,
             comm: std::sync::atomic::AtomicUsize::new(comm),
             slot: Mutex::new(()),
+            aborting: AtomicBool::new(false),
             track: Mutex::new(Track::new(
                 Ordered::new(rank, world, group),
                 consort_comm::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),
@@ -325,6 +340,25 @@ impl NcclBackend {
             .map_or(std::ptr::null_mut(), |c| c as *mut c_void)
     }
 
+    /// The final result of a raw NCCL call on [`NcclBackend::raw_comm`]
+    /// that returned `r`. consort's communicators are nonblocking (unless
+    /// [`NcclOptions::blocking`]): a call may return `ncclInProgress` and
+    /// finish enqueuing on NCCL's thread, and the next call on the
+    /// communicator may only come once it has. This polls
+    /// `ncclCommGetAsyncError` until then, at most the default timeout
+    /// (then `ncclTimeout`, 8 here). Settle every raw call before the next.
+    ///
+    /// # Safety
+    /// As [`NcclBackend::raw_comm`]: the communicator is live, and no
+    /// consort call runs on it from another thread.
+    pub unsafe fn settle_raw(&self, r: c_int) -> c_int {
+        let Some(comm) = self.shared.comm() else {
+            return r;
+        };
+        let deadline = consort_comm::time::deadline(self.opts.timeout);
+        launch::settle(&self.shared.nccl, comm as Comm, r, deadline, || false)
+    }
+
     /// The communication stream's handle (the stream NCCL runs on).
     pub fn comm_stream(&self) -> u64 {
         self.stream.cu_stream() as u64
@@ -378,20 +412,8 @@ impl NcclBackend {
         };
         if let Some(c) = comm {
             let _ = self.ctx.bind_to_thread();
-            let nccl = &self.shared.nccl;
-            if let Some(fin) = nccl.comm_finalize {
-                // SAFETY: live communicator, nothing in flight, no other
-                // NCCL call on it (the slot is empty now).
-                let r = unsafe { fin(c as Comm) };
-                if r != result::SUCCESS && r != result::IN_PROGRESS {
-                    out = out.and(Err(nccl_error(ctx, r, "ncclCommFinalize")));
-                }
-            }
-            // SAFETY: destroyed once, after finalize.
-            let r = unsafe { (nccl.comm_destroy)(c as Comm) };
-            if r != result::SUCCESS {
-                out = out.and(Err(nccl_error(ctx, r, "ncclCommDestroy")));
-            }
+            let by = consort_comm::time::deadline(self.opts.timeout);
+            out = out.and(life::finalize_and_destroy(&self.shared.nccl, c, ctx, by));
         }
         self.free_staging();
         out
@@ -455,7 +477,8 @@ impl NcclBackend {
                 cause: "the NCCL communicator is gone (aborted)".into(),
             }));
         };
-        let enqueued = self.enqueue_ordered(ctx, comm, streams, io, enqueue);
+        let deadline = consort_comm::time::deadline(call.timeout);
+        let enqueued = self.enqueue_ordered(ctx, (comm, deadline), streams, io, enqueue);
         drop(slot);
         let done = enqueued.map_err(fail)?;
         let (staging, waiter) = match host {
@@ -481,7 +504,7 @@ impl NcclBackend {
     fn enqueue_ordered(
         &self,
         ctx: ErrorContext,
-        comm: usize,
+        (comm, deadline): (usize, Instant),
         streams: &[u64],
         io: (u64, u64),
         enqueue: Enqueue<'_>,
@@ -502,8 +525,21 @@ impl NcclBackend {
             .map_err(cu_err("stream ordering (input)"))?;
             sh.recycle(ev);
         }
-        let r = enqueue(&sh.nccl, comm as Comm, own as Stream, io.0, io.1);
-        if r != result::SUCCESS && r != result::IN_PROGRESS {
+        let on = On {
+            nccl: &sh.nccl,
+            comm: comm as Comm,
+            stream: own as Stream,
+            deadline,
+            stop: &sh.aborting,
+        };
+        let r = enqueue(&on, io.0, io.1);
+        if r == result::IN_PROGRESS {
+            return Err(CommError::Aborted {
+                ctx,
+                cause: "the communicator was aborted while this call was being enqueued".into(),
+            });
+        }
+        if r != result::SUCCESS {
             return Err(nccl_error(ctx, r, &sh.last_error(comm)));
         }
         let done = sh.event(ctx)?;
@@ -732,165 +768,16 @@ impl NcclBackend {
         fp: Fingerprint,
         buf: BufferMut<'a>,
         opts: &CallOptions,
-        f: impl FnOnce(&Nccl, Comm, Stream, u64, usize, c_int) -> c_int + Send + 'a,
+        f: impl FnOnce(&On<'_>, u64, usize, c_int) -> c_int + Send + 'a,
     ) -> Result<consort_comm::Work<'a>> {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, true)))?;
-        let enqueue: Enqueue<'a> = Box::new(move |nc, c, s, _, o| f(nc, c, s, o, n, dt));
+        let enqueue: Enqueue<'a> = Box::new(move |on, _, o| f(on, o, n, dt));
         Ok(self.call(fp, opts, args, enqueue))
-    }
-
-    /// Gather or scatter as grouped point-to-point calls.
-    fn rooted(
-        nccl: &Nccl,
-        comm: Comm,
-        stream: Stream,
-        (mine, whole): (u64, u64),
-        (n, dtype): (usize, DType),
-        (root, world, is_root): (usize, usize, bool),
-        gather: bool,
-    ) -> c_int {
-        let dt = nccl_dtype(dtype);
-        let size = dtype.size_bytes() as u64;
-        grouped(nccl, || {
-            let mut r = p2p(nccl, gather, mine, n, dt, root, comm, stream);
-            if is_root {
-                for p in 0..world {
-                    let at = whole + p as u64 * n as u64 * size;
-                    let x = p2p(nccl, !gather, at, n, dt, p, comm, stream);
-                    if r == result::SUCCESS {
-                        r = x;
-                    }
-                }
-            }
-            r
-        })
-    }
-}
-
-/// The reduce op of one call: built in, or a pre-multiplied sum with its
-/// scalar (in the call's dtype), made on the communicator just before the
-/// enqueue and destroyed just after it, which NCCL allows once the call
-/// that uses it has returned.
-#[derive(Clone, Copy)]
-enum RedOp {
-    Builtin(c_int),
-    PremulSum([u8; 8]),
-}
-
-/// `f(op)` with `op` made for this call when it is a pre-multiplied sum.
-fn with_op(nccl: &Nccl, comm: Comm, op: RedOp, dt: c_int, f: impl FnOnce(c_int) -> c_int) -> c_int {
-    let mut scalar = match op {
-        RedOp::Builtin(o) => return f(o),
-        RedOp::PremulSum(s) => s,
-    };
-    let (Some(create), Some(destroy)) = (nccl.red_op_create_pre_mul_sum, nccl.red_op_destroy)
-    else {
-        return result::INVALID_USAGE;
-    };
-    let mut made: c_int = 0;
-    // SAFETY: `scalar` holds one element of `dt`, read during this call
-    // (host-immediate); `comm` is live under the launch lock.
-    let r = unsafe {
-        create(
-            &mut made,
-            scalar.as_mut_ptr().cast(),
-            dt,
-            sys::SCALAR_HOST_IMMEDIATE,
-            comm,
-        )
-    };
-    if r != result::SUCCESS {
-        return r;
-    }
-    let out = f(made);
-    // SAFETY: made above on `comm`; the call that used it has returned.
-    let d = unsafe { destroy(made, comm) };
-    if out != result::SUCCESS && out != result::IN_PROGRESS {
-        out
-    } else if d != result::SUCCESS {
-        d
-    } else {
-        out
     }
 }
 
 const WAIT: cusys::CUevent_wait_flags = cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
-
-/// `f` between `ncclGroupStart` and `ncclGroupEnd`.
-fn grouped(nccl: &Nccl, f: impl FnOnce() -> c_int) -> c_int {
-    // SAFETY: group calls only batch the enqueues inside `f`.
-    let r = unsafe { (nccl.group_start)() };
-    if r != result::SUCCESS {
-        return r;
-    }
-    let inner = f();
-    // SAFETY: paired with the start above.
-    let end = unsafe { (nccl.group_end)() };
-    if inner != result::SUCCESS { inner } else { end }
-}
-
-/// One `ncclSend` (`send`) or `ncclRecv` of `n` elements at `ptr`.
-#[allow(clippy::too_many_arguments)]
-fn p2p(
-    nccl: &Nccl,
-    send: bool,
-    ptr: u64,
-    n: usize,
-    dt: c_int,
-    peer: usize,
-    comm: Comm,
-    stream: Stream,
-) -> c_int {
-    // SAFETY: `ptr` holds `n` elements of `dt` on this rank's GPU (the
-    // caller's buffer or the staging buffer), alive until the work ends.
-    unsafe {
-        if send {
-            (nccl.send)(ptr as *const c_void, n, dt, peer as c_int, comm, stream)
-        } else {
-            (nccl.recv)(ptr as *mut c_void, n, dt, peer as c_int, comm, stream)
-        }
-    }
-}
-
-/// Runs `ncclCommInitRank` off the async runtime, under the timeout.
-async fn init_comm(
-    nccl: &Arc<Nccl>,
-    ctx: &Arc<CudaContext>,
-    ctx0: ErrorContext,
-    id: [u8; UNIQUE_ID_BYTES],
-    rank: usize,
-    world: usize,
-    timeout: Duration,
-) -> Result<usize> {
-    let id = sys::UniqueId {
-        internal: id.map(|b| b as std::ffi::c_char),
-    };
-    let (nccl, cctx) = (nccl.clone(), ctx.clone());
-    let (n, r) = (world as c_int, rank as c_int);
-    let init = tokio::task::spawn_blocking(move || -> Result<usize> {
-        cctx.bind_to_thread()
-            .map_err(|e| driver_error(ctx0, "context binding", e))?;
-        let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; the id came from rank 0.
-        let res = unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) };
-        if res != result::SUCCESS {
-            return Err(nccl_error(ctx0, res, "ncclCommInitRank"));
-        }
-        Ok(comm as usize)
-    });
-    tokio::time::timeout(timeout, init)
-        .await
-        .map_err(|_| CommError::Timeout {
-            ctx: ctx0,
-            after: timeout,
-            waiting_on: Vec::new(),
-        })?
-        .map_err(|e| CommError::Aborted {
-            ctx: ctx0,
-            cause: format!("the NCCL init thread failed: {e}"),
-        })?
-}
 
 impl Drop for NcclBackend {
     fn drop(&mut self) {

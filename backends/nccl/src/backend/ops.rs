@@ -10,7 +10,7 @@ use consort_comm::{
     validate,
 };
 
-use super::{Enqueue, NcclBackend, grouped, p2p, with_op};
+use super::{Enqueue, NcclBackend};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
@@ -92,8 +92,9 @@ impl NcclBackend {
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
         let nop = self.op(op, buf.dtype())?;
-        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
-            with_op(nc, c, nop, dt, |o| {
+        self.in_place(fp, buf, opts, move |on, p, n, dt| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
+            on.with_op(nop, dt, |o| {
                 // SAFETY: in place on `n` elements of our device.
                 unsafe { (nc.all_reduce)(p as *const _, p as *mut _, n, dt, o, c, s) }
             })
@@ -107,9 +108,10 @@ impl NcclBackend {
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
         let root = opts.root as c_int;
-        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
+        self.in_place(fp, buf, opts, move |on, p, n, dt| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
             // SAFETY: in place on `n` elements of our device.
-            unsafe { (nc.broadcast)(p as *const _, p as *mut _, n, dt, root, c, s) }
+            on.settle(unsafe { (nc.broadcast)(p as *const _, p as *mut _, n, dt, root, c, s) })
         })
     }
 
@@ -121,8 +123,9 @@ impl NcclBackend {
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
         let (nop, root) = (self.op(op, buf.dtype())?, opts.root as c_int);
-        self.in_place(fp, buf, opts, move |nc, c, s, p, n, dt| {
-            with_op(nc, c, nop, dt, |o| {
+        self.in_place(fp, buf, opts, move |on, p, n, dt| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
+            on.with_op(nop, dt, |o| {
                 // SAFETY: in place on `n` elements of our device.
                 unsafe { (nc.reduce)(p as *const _, p as *mut _, n, dt, o, root, c, s) }
             })
@@ -138,9 +141,10 @@ impl NcclBackend {
     ) -> Result<Work<'a>> {
         let (n, dt) = (input.len(), nccl_dtype(input.dtype()));
         let args = self.args(Some(input), Some((output, false)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
+        let enqueue: Enqueue<'_> = Box::new(move |on, i, o| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
             // SAFETY: `o` holds world × `n` elements of our device.
-            unsafe { (nc.all_gather)(i as *const _, o as *mut _, n, dt, c, s) }
+            on.settle(unsafe { (nc.all_gather)(i as *const _, o as *mut _, n, dt, c, s) })
         });
         Ok(self.call(fp, opts, args, enqueue))
     }
@@ -155,10 +159,8 @@ impl NcclBackend {
         let is_root = output.is_some();
         let (n, dtype, root, world) = (input.len(), input.dtype(), opts.root, self.world);
         let args = self.args(Some(input), output.map(|o| (o, false)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
-            let shape = (root, world, is_root);
-            Self::rooted(nc, c, s, (i, o), (n, dtype), shape, true)
-        });
+        let enqueue: Enqueue<'_> =
+            Box::new(move |on, i, o| on.rooted((i, o), (n, dtype), (root, world, is_root), true));
         Ok(self.call(fp, opts, args, enqueue))
     }
 
@@ -172,10 +174,8 @@ impl NcclBackend {
         let is_root = input.is_some();
         let (n, dtype, root, world) = (output.len(), output.dtype(), opts.root, self.world);
         let args = self.args(input, Some((output, false)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
-            let shape = (root, world, is_root);
-            Self::rooted(nc, c, s, (o, i), (n, dtype), shape, false)
-        });
+        let enqueue: Enqueue<'_> =
+            Box::new(move |on, i, o| on.rooted((o, i), (n, dtype), (root, world, is_root), false));
         Ok(self.call(fp, opts, args, enqueue))
     }
 
@@ -190,8 +190,9 @@ impl NcclBackend {
         let nop = self.op(op, output.dtype())?;
         let (n, dt) = (output.len(), nccl_dtype(output.dtype()));
         let args = self.args(Some(input), Some((output, false)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
-            with_op(nc, c, nop, dt, |op| {
+        let enqueue: Enqueue<'_> = Box::new(move |on, i, o| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
+            on.with_op(nop, dt, |op| {
                 // SAFETY: `i` holds world × `n` elements of our device.
                 unsafe { (nc.reduce_scatter)(i as *const _, o as *mut _, n, dt, op, c, s) }
             })
@@ -212,14 +213,14 @@ impl NcclBackend {
         let ins = validate::splits(input_split_sizes, input.len(), self.world, "input")?;
         let dtype = input.dtype();
         let args = self.args(Some(input), Some((output, false)))?;
-        let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, i, o| {
+        let enqueue: Enqueue<'_> = Box::new(move |on, i, o| {
             let (dt, size) = (nccl_dtype(dtype), dtype.size_bytes() as u64);
-            grouped(nc, || {
+            on.grouped(|| {
                 let (mut io, mut oo) = (0u64, 0u64);
                 let mut r = result::SUCCESS;
                 for p in 0..ins.len() {
-                    let x = p2p(nc, true, i + io * size, ins[p], dt, p, c, s);
-                    let y = p2p(nc, false, o + oo * size, outs[p], dt, p, c, s);
+                    let x = on.p2p(true, i + io * size, ins[p], dt, p);
+                    let y = on.p2p(false, o + oo * size, outs[p], dt, p);
                     io += ins[p] as u64;
                     oo += outs[p] as u64;
                     for z in [x, y] {
@@ -246,9 +247,10 @@ impl NcclBackend {
         Work::new(async move {
             let mut one = [1u8];
             let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
-            let enqueue: Enqueue<'_> = Box::new(move |nc, c, s, _, o| {
+            let enqueue: Enqueue<'_> = Box::new(move |on, _, o| {
+                let (nc, c, s) = (on.nccl, on.comm, on.stream);
                 // SAFETY: one byte, in place, on our device (staging).
-                unsafe { (nc.all_reduce)(o as *const _, o as *mut _, 1, dt, sum, c, s) }
+                on.settle(unsafe { (nc.all_reduce)(o as *const _, o as *mut _, 1, dt, sum, c, s) })
             });
             self.host_in_turn(pending, call, None, Some((&mut one[..], true)), enqueue)
                 .await
@@ -264,8 +266,7 @@ impl NcclBackend {
     ) -> Result<Work<'a>> {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
-        let enqueue: Enqueue<'_> =
-            Box::new(move |nc, c, s, i, _| p2p(nc, true, i, n, dt, dst, c, s));
+        let enqueue: Enqueue<'_> = Box::new(move |on, i, _| on.settle(on.p2p(true, i, n, dt, dst)));
         Ok(self.call(fp, opts, args, enqueue))
     }
 
@@ -279,7 +280,7 @@ impl NcclBackend {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
-            Box::new(move |nc, c, s, _, o| p2p(nc, false, o, n, dt, src, c, s));
+            Box::new(move |on, _, o| on.settle(on.p2p(false, o, n, dt, src)));
         Ok(self.call(fp, opts, args, enqueue))
     }
 }

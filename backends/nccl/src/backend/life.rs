@@ -1,0 +1,264 @@
+//! A communicator's birth and end, each with a deadline: init
+//! (`ncclCommInitRankConfig`, nonblocking, polled and aborted when its
+//! deadline passes), and finalize (polled, then destroy, or abort when it
+//! does not finish in time). No thread is left behind in NCCL: a rank
+//! whose peer never arrives gets an error within its timeout and can exit.
+
+use std::{
+    ffi::c_int,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use consort_comm::{CommError, ErrorContext, Result};
+use cudarc::driver::CudaContext;
+
+use super::launch::settle;
+use crate::{
+    keys::UNIQUE_ID_BYTES,
+    map::nccl_error,
+    sys::{self, Comm, Config, Nccl, result},
+    work::driver_error,
+};
+
+/// How often an init or a split in progress is looked at.
+const POLL: Duration = Duration::from_millis(1);
+
+/// Joins the communicator of `world` ranks with unique id `id` as `rank`,
+/// within `opts.timeout`. On NCCL 2.14+ the communicator is nonblocking:
+/// the init runs on NCCL's own thread, polled here, and is aborted when the
+/// deadline passes (a peer that never arrives). A blocking communicator
+/// (`opts.blocking`, or NCCL before 2.14) inits on a thread of its own
+/// that is left behind on a timeout (it cannot hold the process open).
+pub(super) async fn init_comm(
+    nccl: &Arc<Nccl>,
+    ctx: &Arc<CudaContext>,
+    ctx0: ErrorContext,
+    id: [u8; UNIQUE_ID_BYTES],
+    (rank, world): (usize, usize),
+    opts: &super::NcclOptions,
+) -> Result<usize> {
+    let timeout = opts.timeout;
+    let deadline = consort_comm::time::deadline(timeout);
+    let id = sys::UniqueId {
+        internal: id.map(|b| b as std::ffi::c_char),
+    };
+    let (n, r) = (world as c_int, rank as c_int);
+    let init = match nccl.comm_init_rank_config {
+        Some(init) if !opts.blocking => init,
+        _ => return init_blocking(nccl, ctx, ctx0, id, (rank, world), timeout).await,
+    };
+    ctx.bind_to_thread()
+        .map_err(|e| driver_error(ctx0, "context binding", e))?;
+    let (comm, res) = {
+        let mut comm: Comm = std::ptr::null_mut();
+        let mut config = Config::new(false);
+        // SAFETY: `comm` and `config` are valid pointers for the call; the
+        // id came from the group's first rank; the config is NCCL's layout.
+        let res = unsafe { init(&mut comm, n, id, r, &mut config) };
+        (comm as usize, res)
+    };
+    if comm == 0 {
+        return Err(nccl_error(ctx0, res, "ncclCommInitRankConfig"));
+    }
+    match res {
+        result::SUCCESS | result::IN_PROGRESS => {}
+        failed => {
+            return Err(abort_failed(
+                nccl,
+                comm,
+                ctx0,
+                failed,
+                "ncclCommInitRankConfig",
+            ));
+        }
+    }
+    ready(
+        nccl,
+        comm,
+        ctx0,
+        deadline,
+        timeout,
+        "ncclCommInitRankConfig",
+    )
+    .await?;
+    Ok(comm)
+}
+
+/// Waits until a nonblocking communicator that is being made (init or
+/// split) is ready; aborts it when it fails or `deadline` passes.
+pub(super) async fn ready(
+    nccl: &Nccl,
+    comm: usize,
+    ctx0: ErrorContext,
+    deadline: Instant,
+    timeout: Duration,
+    what: &str,
+) -> Result<()> {
+    loop {
+        let mut state = result::SUCCESS;
+        // SAFETY: `comm` is ours, made by the caller and not yet handed
+        // out; `state` is a valid out-pointer.
+        let q = unsafe { (nccl.comm_get_async_error)(comm as Comm, &mut state) };
+        let state = if q != result::SUCCESS { q } else { state };
+        match state {
+            result::SUCCESS => return Ok(()),
+            result::IN_PROGRESS if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+            result::IN_PROGRESS => {
+                // SAFETY: ours; aborting a communicator still being made is
+                // how NCCL ends a nonblocking init.
+                let _ = unsafe { (nccl.comm_abort)(comm as Comm) };
+                return Err(init_timeout(ctx0, timeout, what));
+            }
+            failed => return Err(abort_failed(nccl, comm, ctx0, failed, what)),
+        }
+    }
+}
+
+/// The error of an init or split that did not finish within `timeout`.
+pub(super) fn init_timeout(ctx: ErrorContext, timeout: Duration, what: &str) -> CommError {
+    CommError::Backend {
+        ctx,
+        backend: "NCCL",
+        code: result::TIMEOUT,
+        detail: format!(
+            "{what} did not finish within {timeout:?}: a rank of the group never joined (it \
+             failed, is stopped, or is still before its init). The communicator was aborted; \
+             check that every rank starts and reaches the same NCCL init, or raise the timeout \
+             (CONSORT_TIMEOUT, NcclOptions::timeout)"
+        ),
+    }
+}
+
+/// Aborts a communicator being made whose init failed with `code`.
+fn abort_failed(nccl: &Nccl, comm: usize, ctx: ErrorContext, code: c_int, what: &str) -> CommError {
+    let detail = last_error(nccl, comm);
+    // SAFETY: ours, never handed out; abort frees it.
+    let _ = unsafe { (nccl.comm_abort)(comm as Comm) };
+    let e = nccl_error(ctx, code, &detail);
+    match e {
+        CommError::Backend {
+            ctx,
+            backend,
+            code,
+            detail,
+        } => CommError::Backend {
+            ctx,
+            backend,
+            code,
+            detail: format!("{what}: {detail}"),
+        },
+        other => other,
+    }
+}
+
+fn last_error(nccl: &Nccl, comm: usize) -> String {
+    let Some(f) = nccl.get_last_error else {
+        return String::new();
+    };
+    // SAFETY: `comm` is live; NCCL returns a NUL-terminated string it owns.
+    let p = unsafe { f(comm as Comm) };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: as above.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `ncclCommInitRank` (a blocking communicator) on a thread of its own, awaited within `timeout`. On a timeout that
+/// thread stays blocked in NCCL; it is a plain thread, not the async
+/// runtime's, so it does not keep the process from exiting.
+async fn init_blocking(
+    nccl: &Arc<Nccl>,
+    ctx: &Arc<CudaContext>,
+    ctx0: ErrorContext,
+    id: sys::UniqueId,
+    (rank, world): (usize, usize),
+    timeout: Duration,
+) -> Result<usize> {
+    let (nccl, cctx) = (nccl.clone(), ctx.clone());
+    let (n, r) = (world as c_int, rank as c_int);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("consort-nccl-init-{rank}"))
+        .spawn(move || {
+            let out = cctx
+                .bind_to_thread()
+                .map_err(|e| driver_error(ctx0, "context binding", e))
+                .and_then(|()| {
+                    let mut comm: Comm = std::ptr::null_mut();
+                    // SAFETY: `comm` is a valid out-pointer; the id came
+                    // from the group's first rank.
+                    let res = unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) };
+                    if res == result::SUCCESS {
+                        Ok(comm as usize)
+                    } else {
+                        Err(nccl_error(ctx0, res, "ncclCommInitRank"))
+                    }
+                });
+            if let Err(Ok(comm)) = tx.send(out) {
+                // Nobody waits any more: do not leak the communicator.
+                // SAFETY: made above, never handed out.
+                let _ = unsafe { (nccl.comm_abort)(comm as Comm) };
+            }
+        })
+        .map_err(|e| CommError::Aborted {
+            ctx: ctx0,
+            cause: format!("could not start the NCCL init thread: {e}"),
+        })?;
+    match tokio::time::timeout(timeout, rx).await {
+        Ok(Ok(out)) => out,
+        Ok(Err(_)) => Err(CommError::Aborted {
+            ctx: ctx0,
+            cause: "the NCCL init thread ended without an answer".into(),
+        }),
+        Err(_) => Err(init_timeout(ctx0, timeout, "ncclCommInitRank")),
+    }
+}
+
+/// `ncclCommFinalize` (NCCL 2.14+) settled within `deadline`, then
+/// `ncclCommDestroy`; when finalize fails or does not finish in time, the
+/// communicator is aborted instead (a peer that left mid-way must not hold
+/// the shutdown). Returns the first error.
+pub(super) fn finalize_and_destroy(
+    nccl: &Nccl,
+    comm: usize,
+    ctx: ErrorContext,
+    deadline: Instant,
+) -> Result<()> {
+    let c = comm as Comm;
+    if let Some(fin) = nccl.comm_finalize {
+        // SAFETY: live communicator, nothing in flight, no other NCCL call
+        // on it (the caller holds the launch lock and cleared the handle).
+        let r = settle(nccl, c, unsafe { fin(c) }, deadline, || false);
+        if r != result::SUCCESS {
+            let e = if r == result::TIMEOUT {
+                CommError::Backend {
+                    ctx,
+                    backend: "NCCL",
+                    code: r,
+                    detail: "ncclCommFinalize did not finish in time (a peer is gone or \
+                             stopped); the communicator was aborted instead"
+                        .into(),
+                }
+            } else {
+                nccl_error(
+                    ctx,
+                    r,
+                    &format!("ncclCommFinalize: {}", last_error(nccl, comm)),
+                )
+            };
+            // SAFETY: aborted once, instead of the destroy below.
+            let _ = unsafe { (nccl.comm_abort)(c) };
+            return Err(e);
+        }
+    }
+    // SAFETY: destroyed once, after finalize.
+    let r = unsafe { (nccl.comm_destroy)(c) };
+    if r != result::SUCCESS {
+        return Err(nccl_error(ctx, r, "ncclCommDestroy"));
+    }
+    Ok(())
+}
