@@ -231,6 +231,8 @@ impl Dist {
                 None => self.store.clone(),
             };
         let b = consort_nccl::NcclBackend::new(&*store, rank, world, opts).await?;
+        // Where survivors of a lost rank make their communicator.
+        b.set_store(store.clone());
         // torch's ranks would never join the check's side channel.
         if world > 1 && !self.torch_peers && bool_var("CONSORT_NCCL_CHECK", true)? {
             // The side channel of the mismatch check: a TCP mesh of its own

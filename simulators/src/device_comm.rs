@@ -920,6 +920,13 @@ impl Backend for EmulatedComm {
         Ok(Some(Arc::new(sub)))
     }
 
+    /// The wrapped backend's: a simulated rank's clock must move while it
+    /// waits outside its calls (DDP's shrink waits on the store so), or it
+    /// holds its peers' calls, and the aborts they need, at its time.
+    async fn idle(&self, d: Duration) {
+        self.inner.idle(d).await;
+    }
+
     async fn synchronize(&self) -> Result<()> {
         let timeout = self.default_timeout();
         let start = Instant::now();

@@ -150,3 +150,68 @@ fn an_emulated_communicator_with_the_check_on() {
         );
     }
 }
+
+/// A rank whose process is gone (its side-channel handle dropped, as its
+/// sockets close when it dies) is reported by every survivor's checker as
+/// `PeerLost` naming it, at the next collective: on NCCL that fails the
+/// calls in flight, where a kernel waiting on the dead rank might never
+/// fail by itself. A checker that stopped on it would report nothing.
+#[test]
+fn a_lost_rank_is_reported_by_every_survivors_checker() {
+    let n = 3;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let world = SimWorld::new(SimConfig::new(n)).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut keep = Vec::new();
+    for r in world.ranks() {
+        let rank = r.rank();
+        if rank == 2 {
+            continue; // dropped: this rank's process is gone
+        }
+        let tx = tx.clone();
+        let report = Arc::new(move |e: CommError| {
+            let _ = tx.send((rank, e));
+        });
+        let (c, task) = Checker::new(Arc::new(r), Duration::from_secs(30), report);
+        rt.spawn(task);
+        c.check(fp(OpKind::AllReduce, 0));
+        keep.push(c);
+    }
+    let mut got: Vec<(usize, CommError)> = rt.block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..n - 1 {
+            let r = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await;
+            v.push(r.expect("every survivor reports").expect("open"));
+        }
+        v
+    });
+    got.sort_by_key(|(r, _)| *r);
+    for (rank, e) in got {
+        assert!(
+            matches!(e, CommError::PeerLost { peer: 2, .. }),
+            "rank {rank}: {e}"
+        );
+    }
+    // The checkers still make subgroups: the survivors make theirs.
+    let subs = rt.block_on(async {
+        let report: consort_comm::ordered::check::Report = Arc::new(|_| {});
+        let made = keep.iter().map(|c| c.new_group(&[0, 1], report.clone()));
+        futures_join(made).await
+    });
+    for s in subs {
+        assert!(s.expect("a subgroup of the survivors").is_some());
+    }
+}
+
+async fn futures_join<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let handles: Vec<_> = fs.map(Box::pin).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await);
+    }
+    out
+}

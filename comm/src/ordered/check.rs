@@ -9,7 +9,9 @@
 //! Every rank sees every rank's fingerprint, so every rank finds a
 //! mismatch itself and reports `Mismatch` naming both sides; the driver
 //! then fails its calls in flight and aborts the communicator
-//! ([`super::Ordered::mismatch`]).
+//! ([`super::Ordered::mismatch`]). A rank whose process is gone is found
+//! the same way: the side channel reports `PeerLost` naming it, on every
+//! survivor, at their next collective.
 //!
 //! Calls are compared in the order they were made, which is the order on
 //! the stream. A rank that skipped a collective compares its next one
@@ -37,7 +39,8 @@ use crate::{
 /// The future that runs a checker: spawn it on any executor.
 pub type CheckTask = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
-/// Where a checker reports the mismatch it found.
+/// Where a checker reports its verdict: the mismatch it found, or the peer
+/// the side channel lost.
 pub type Report = Arc<dyn Fn(CommError) + Send + Sync>;
 
 enum Msg {
@@ -125,7 +128,10 @@ impl Checker {
     }
 }
 
-/// The checker task: one message at a time, in the order sent.
+/// The checker task: one message at a time, in the order sent. After its
+/// verdict (a mismatch, a lost peer) or a failed side channel it stops
+/// comparing, but still makes subgroups' checkers: the survivors of a lost
+/// peer make their group through it.
 async fn run(
     host: Arc<dyn Backend>,
     timeout: Duration,
@@ -134,8 +140,12 @@ async fn run(
     done: Arc<AtomicU64>,
 ) {
     let opts = CallOptions::default().with_timeout(timeout);
-    while let Some(msg) = rx.recv().await {
+    let mut checking = true;
+    while let Some(msg) = next(&mut rx, &*host, checking).await {
         match msg {
+            Msg::Check(_) if !checking => {
+                done.fetch_add(1, Ordering::SeqCst);
+            }
             Msg::Check(fp) => {
                 let verdict = compare(&*host, fp, &opts).await;
                 done.fetch_add(1, Ordering::SeqCst);
@@ -143,7 +153,15 @@ async fn run(
                     Ok(None) => {}
                     Ok(Some(e)) => {
                         report(e);
-                        return;
+                        checking = false;
+                    }
+                    // The side channel saw a rank's process go (its sockets
+                    // closed): the communicator's calls need that rank too,
+                    // and NCCL may take long to notice, or never (a kernel
+                    // waiting on it). Every survivor reports it, naming it.
+                    Err(e @ CommError::PeerLost { .. }) => {
+                        report(e);
+                        checking = false;
                     }
                     Err(e) => {
                         // The side channel failed, not the communicator: its
@@ -155,7 +173,7 @@ async fn run(
                              ({e}); mismatched collectives on this communicator are no longer \
                              caught"
                         );
-                        return;
+                        checking = false;
                     }
                 }
             }
@@ -170,6 +188,34 @@ async fn run(
                     .map(|sub| sub.map(|h| Checker::new(h, timeout, report)));
                 let _ = reply.send(made);
             }
+        }
+    }
+}
+
+/// The next message. Once the checker has stopped comparing, it waits as
+/// an idle rank of `host` does: a simulated side channel's clock must move
+/// (its peers' calls and aborts wait on it otherwise); real ones idle at
+/// once, and the wait polls every 50 ms.
+async fn next(
+    rx: &mut mpsc::UnboundedReceiver<Msg>,
+    host: &dyn Backend,
+    checking: bool,
+) -> Option<Msg> {
+    if checking {
+        return rx.recv().await;
+    }
+    loop {
+        let mut idle = std::pin::pin!(async {
+            host.idle(Duration::from_millis(50)).await;
+            futures_timer::Delay::new(Duration::from_millis(50)).await;
+        });
+        let got = std::future::poll_fn(|cx| match rx.poll_recv(cx) {
+            std::task::Poll::Ready(m) => std::task::Poll::Ready(Some(m)),
+            std::task::Poll::Pending => idle.as_mut().poll(cx).map(|()| None),
+        })
+        .await;
+        if let Some(m) = got {
+            return m;
         }
     }
 }

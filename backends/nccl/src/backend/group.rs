@@ -12,7 +12,7 @@ use std::{
     sync::{Arc, atomic::Ordering},
 };
 
-use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, Result};
+use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, GroupId, Result};
 
 use super::{
     NcclBackend, NcclOptions,
@@ -20,7 +20,7 @@ use super::{
     life::{init_comm, init_timeout},
 };
 use crate::{
-    keys::UNIQUE_ID_BYTES,
+    keys::{UNIQUE_ID_BYTES, check_unique_id},
     map::nccl_error,
     sys::{self, Comm, result},
     work::{driver_error, lock},
@@ -36,17 +36,21 @@ impl NcclBackend {
         let me = ranks.iter().position(|&r| r == self.rank);
         let timeout = opts.timeout_or(self.opts.timeout);
         // Every rank of the parent numbers the subgroup alike, member or not.
-        let id = {
+        let (parent, id, failed) = {
             let mut t = lock(&self.shared.track);
             let parent = t.core.group();
-            t.core.engine_mut().next_group_id(parent)?
+            let failed = t.core.poisoned().is_some();
+            (parent, t.core.engine_mut().next_group_id(parent)?, failed)
         };
         let check = self.subgroup_checker(ranks).await?;
         let ctx0 = ErrorContext {
             rank: Some(self.rank),
             ..Default::default()
         };
-        let comm = if self.shared.nccl.comm_split.is_some() {
+        let comm = if failed {
+            self.init_by_store(ranks, me, (parent, id), timeout, ctx0)
+                .await?
+        } else if self.shared.nccl.comm_split.is_some() {
             self.split(me, timeout, ctx0).await?
         } else {
             self.init_by_broadcast(ranks, me, timeout, ctx0).await?
@@ -69,10 +73,68 @@ impl NcclBackend {
             sub_opts,
         )?;
         sub.subgroup = true;
+        if let Some(store) = self.store.get() {
+            let _ = sub.store.set(store.clone());
+        }
         if let Some((checker, task, bind)) = check {
             sub.start_checker(checker, task, bind);
         }
         Ok(Some(Arc::new(sub)))
+    }
+
+    /// A subgroup of a failed communicator: the survivors of a lost rank
+    /// (`OnPeerLost::Shrink`, `Dist::shutdown_without`), who cannot call
+    /// anything on it. Its first rank makes a unique id and sets it in the
+    /// job's store (`NcclBackend::set_store`) under the subgroup's id, the
+    /// other members read it, and all init a new communicator, bounded as
+    /// every init is. Works on every NCCL release (`ncclCommShrink` needs a
+    /// parent that was revoked, not aborted, and 2.28.7 for that).
+    async fn init_by_store(
+        &self,
+        ranks: &[usize],
+        me: Option<usize>,
+        (parent, id): (GroupId, GroupId),
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<usize> {
+        let Some(me) = me else {
+            return Ok(0);
+        };
+        let store = self.store.get().ok_or_else(|| {
+            CommError::unsupported(format!(
+                "a group of the survivors of failed NCCL group {:#x} needs the job's store to \
+                 meet in: call NcclBackend::set_store (Dist::nccl_backend does)",
+                parent.0
+            ))
+        })?;
+        let key = format!("consort/nccl/survivors/{:08x}/{:08x}", parent.0, id.0);
+        let store_err = |source| CommError::Store { ctx: ctx0, source };
+        let bytes: [u8; UNIQUE_ID_BYTES] = if me == 0 {
+            let u = self
+                .shared
+                .nccl
+                .unique_id()
+                .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
+            let bytes = u.internal.map(|c| c as u8);
+            store.set(&key, &bytes).await.map_err(store_err)?;
+            bytes
+        } else {
+            let got = tokio::time::timeout(timeout, store.get(&key))
+                .await
+                .map_err(|_| CommError::Timeout {
+                    ctx: ctx0,
+                    after: timeout,
+                    waiting_on: vec![ranks[0]],
+                })?
+                .map_err(store_err)?;
+            check_unique_id(&key, &got).map_err(CommError::invalid)?
+        };
+        let opts = NcclOptions {
+            timeout,
+            ..self.opts.clone()
+        };
+        let (nccl, cctx) = (&self.shared.nccl, &self.ctx);
+        init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await
     }
 
     /// A subgroup's communicator where NCCL has no `ncclCommSplit`: its

@@ -112,6 +112,9 @@ pub struct NcclBackend {
     staging: tokio::sync::Mutex<Staging>,
     /// Made by `new_group`: dropping it is how a subgroup ends.
     subgroup: bool,
+    /// The job's store, where the survivors of a failed communicator meet
+    /// (see [`NcclBackend::set_store`]).
+    store: std::sync::OnceLock<Arc<dyn Store>>,
     closed: AtomicBool,
     opts: NcclOptions,
 }
@@ -302,9 +305,20 @@ impl NcclBackend {
             watchdog: Mutex::new(Some(watchdog)),
             staging: tokio::sync::Mutex::new(Staging::default()),
             subgroup: false,
+            store: std::sync::OnceLock::new(),
             closed: AtomicBool::new(false),
             opts,
         })
+    }
+
+    /// The job's store (a restarted round's prefix included), where the
+    /// survivors of a failed communicator make theirs: `new_group` of the
+    /// ranks still alive on a failed group (DDP's `OnPeerLost::Shrink`,
+    /// `Dist::shutdown_without`) meets there, since nothing can be called
+    /// on the failed communicator. Set once; subgroups inherit it.
+    /// `Dist::nccl_backend` sets it.
+    pub fn set_store(&self, store: Arc<dyn Store>) {
+        let _ = self.store.set(store);
     }
 
     /// The GPU this rank uses.
