@@ -241,23 +241,21 @@ impl Shared {
     pub(crate) fn abort_under(&self, slot: Option<MutexGuard<'_, ()>>, e: CommError) {
         use std::sync::atomic::Ordering::SeqCst;
         let c = self.comm.swap(0, SeqCst);
-        if c != 0 {
-            if slot.is_none() {
-                tracing::warn!(
-                    rank = self.rank,
-                    "an NCCL launch held the launch lock for over {ABORT_WAIT:?}; aborting the \
-                     communicator under it"
-                );
-            }
-            // SAFETY: the communicator was live and is aborted once (the
-            // swap hands it to one caller); abort is allowed with work in
-            // flight, and no other thread is using the handle (the lock).
-            unsafe { (self.nccl.comm_abort)(c as Comm) };
+        if c != 0 && slot.is_none() {
+            tracing::warn!(
+                rank = self.rank,
+                "an NCCL launch held the launch lock for over {ABORT_WAIT:?}; aborting the \
+                 communicator under it"
+            );
         }
+        // Nobody can reach the handle any more (it was cleared under the
+        // lock, and whoever read it before did so under the lock too).
         drop(slot);
         self.poison(e);
+        if c != 0 {
+            abort_in_background(&self.nccl, c, self.rank);
+        }
     }
-
     /// The launch lock, if it comes free within `wait`.
     fn slot_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
         let deadline = consort_comm::time::deadline(wait);
@@ -287,6 +285,26 @@ impl Shared {
             // SAFETY: pooled events are complete and owned by the pool.
             let _ = unsafe { cu::event::destroy(e.raw()) };
         }
+    }
+}
+
+/// `ncclCommAbort` of `comm`, which nothing else can reach any more, on a
+/// thread of its own: with a dead peer NCCL's abort can wait long for its
+/// proxy threads, and the calls it fails must not wait for it (torch's
+/// watchdog aborts with a timeout for the same reason). The thread is a
+/// plain one, so it never keeps the process from exiting.
+pub(crate) fn abort_in_background(nccl: &Arc<Nccl>, comm: usize, rank: usize) {
+    let n = nccl.clone();
+    let abort = move || {
+        // SAFETY: `comm` was live and is aborted once: its only holder
+        // handed it over and cleared its own copy.
+        let _ = unsafe { (n.comm_abort)(comm as Comm) };
+    };
+    let spawned = std::thread::Builder::new()
+        .name(format!("consort-nccl-abort-{rank}"))
+        .spawn(abort.clone());
+    if spawned.is_err() {
+        abort();
     }
 }
 

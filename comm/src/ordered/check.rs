@@ -58,6 +58,8 @@ pub struct Checker {
     tx: mpsc::UnboundedSender<Msg>,
     sent: Arc<AtomicU64>,
     done: Arc<AtomicU64>,
+    /// Each comparison's limit, and so the limit on waiting for the task.
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for Msg {
@@ -77,7 +79,15 @@ impl Checker {
         let (tx, rx) = mpsc::unbounded_channel();
         let (sent, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let task = Box::pin(run(host, timeout, rx, report, done.clone()));
-        (Checker { tx, sent, done }, task)
+        (
+            Checker {
+                tx,
+                sent,
+                done,
+                timeout,
+            },
+            task,
+        )
     }
 
     /// Sends a collective's fingerprint to be compared; never blocks.
@@ -124,7 +134,26 @@ impl Checker {
                 reply,
             })
             .map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+        // The task may be in the middle of a comparison (bounded by the
+        // timeout); it answers after it, or never if it is stuck.
+        let limit = self.timeout.saturating_mul(2);
+        let mut late = std::pin::pin!(futures_timer::Delay::new(limit));
+        let mut answer = answer;
+        let got = std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(r) = std::pin::Pin::new(&mut answer).poll(cx) {
+                return std::task::Poll::Ready(Some(r));
+            }
+            late.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        match got {
+            Some(r) => r.map_err(|_| gone())?,
+            None => Err(CommError::Timeout {
+                ctx: ErrorContext::default(),
+                after: limit,
+                waiting_on: Vec::new(),
+            }),
+        }
     }
 }
 

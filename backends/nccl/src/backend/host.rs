@@ -29,6 +29,9 @@ pub(super) struct Staging {
     generation: u64,
 }
 
+/// How long freeing the staging buffers waits for the stream to drain.
+const STAGING_DRAIN: Duration = Duration::from_secs(10);
+
 impl NcclBackend {
     /// Frees the staging memory once the communication stream is idle.
     pub(super) fn free_staging(&self) {
@@ -39,15 +42,56 @@ impl NcclBackend {
             return;
         }
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: our stream; after shutdown or abort nothing new is
-        // enqueued on it, so this waits for the last staged copies.
-        let _ = unsafe { cu::stream::synchronize(self.cu_stream()) };
+        // After shutdown or abort nothing new is enqueued on our stream:
+        // once it drains, the last staged copies are done. A stream that
+        // does not drain (a kernel NCCL's abort has not ended yet) keeps
+        // the buffers: they are leaked, not freed under it.
+        if !self.stream_drains(STAGING_DRAIN) {
+            tracing::warn!(
+                rank = self.rank,
+                "the NCCL stream did not drain within {STAGING_DRAIN:?} after the communicator \
+                 ended; its staging buffers ({} bytes) are left allocated",
+                st.cap
+            );
+            *st = Staging::default();
+            return;
+        }
         // SAFETY: allocated by `grow`, freed once (cap is reset).
         unsafe {
             let _ = cu::free_host(st.host as *mut c_void);
             let _ = cu::free_sync(st.dev);
         }
         *st = Staging::default();
+    }
+
+    /// Whether the communication stream's work finishes within `limit`
+    /// (an event recorded now, polled).
+    fn stream_drains(&self, limit: Duration) -> bool {
+        let Ok(e) = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else {
+            return false;
+        };
+        // SAFETY: `e` is ours; the stream is ours.
+        if unsafe { cu::event::record(e, self.cu_stream()) }.is_err() {
+            // SAFETY: created above, destroyed once.
+            let _ = unsafe { cu::event::destroy(e) };
+            return false;
+        }
+        let deadline = consort_comm::time::deadline(limit);
+        let drained = loop {
+            // SAFETY: recorded above, destroyed below.
+            match unsafe { cu::event::query(e) } {
+                Ok(()) => break true,
+                Err(x) if x.0 == cusys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+                Err(_) => break false,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        // SAFETY: ours, destroyed once.
+        let _ = unsafe { cu::event::destroy(e) };
+        drained
     }
 
     pub(super) async fn host_call(

@@ -18,7 +18,7 @@ use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::driver_error,
+    work::{abort_in_background, driver_error},
 };
 
 /// How often an init or a split in progress is looked at.
@@ -88,7 +88,7 @@ pub(super) async fn init_comm(
 /// Waits until a nonblocking communicator that is being made (init or
 /// split) is ready; aborts it when it fails or `deadline` passes.
 pub(super) async fn ready(
-    nccl: &Nccl,
+    nccl: &Arc<Nccl>,
     comm: usize,
     ctx0: ErrorContext,
     deadline: Instant,
@@ -105,9 +105,9 @@ pub(super) async fn ready(
             result::SUCCESS => return Ok(()),
             result::IN_PROGRESS if Instant::now() < deadline => tokio::time::sleep(POLL).await,
             result::IN_PROGRESS => {
-                // SAFETY: ours; aborting a communicator still being made is
-                // how NCCL ends a nonblocking init.
-                let _ = unsafe { (nccl.comm_abort)(comm as Comm) };
+                // Ours, never handed out; aborting a communicator still
+                // being made is how NCCL ends a nonblocking init.
+                abort_in_background(nccl, comm, ctx0.rank.unwrap_or(0));
                 return Err(init_timeout(ctx0, timeout, what));
             }
             failed => return Err(abort_failed(nccl, comm, ctx0, failed, what)),
@@ -131,10 +131,16 @@ pub(super) fn init_timeout(ctx: ErrorContext, timeout: Duration, what: &str) -> 
 }
 
 /// Aborts a communicator being made whose init failed with `code`.
-fn abort_failed(nccl: &Nccl, comm: usize, ctx: ErrorContext, code: c_int, what: &str) -> CommError {
+fn abort_failed(
+    nccl: &Arc<Nccl>,
+    comm: usize,
+    ctx: ErrorContext,
+    code: c_int,
+    what: &str,
+) -> CommError {
     let detail = last_error(nccl, comm);
-    // SAFETY: ours, never handed out; abort frees it.
-    let _ = unsafe { (nccl.comm_abort)(comm as Comm) };
+    // Ours, never handed out; abort frees it.
+    abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
     let e = nccl_error(ctx, code, &detail);
     match e {
         CommError::Backend {
@@ -223,7 +229,7 @@ async fn init_blocking(
 /// communicator is aborted instead (a peer that left mid-way must not hold
 /// the shutdown). Returns the first error.
 pub(super) fn finalize_and_destroy(
-    nccl: &Nccl,
+    nccl: &Arc<Nccl>,
     comm: usize,
     ctx: ErrorContext,
     deadline: Instant,
@@ -250,8 +256,8 @@ pub(super) fn finalize_and_destroy(
                     &format!("ncclCommFinalize: {}", last_error(nccl, comm)),
                 )
             };
-            // SAFETY: aborted once, instead of the destroy below.
-            let _ = unsafe { (nccl.comm_abort)(c) };
+            // Aborted once, instead of the destroy below.
+            abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
             return Err(e);
         }
     }
