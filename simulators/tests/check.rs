@@ -24,28 +24,49 @@ fn fp(op: OpKind, seq: u64) -> Fingerprint {
     }
 }
 
+type Reports = tokio::sync::mpsc::UnboundedReceiver<(usize, CommError)>;
+
+/// A checker per rank of a simulated side channel of `n` ranks (less rank
+/// `gone`, whose handle is dropped), each reporting (rank, verdict) to the
+/// receiver, their tasks on the returned runtime.
+fn checkers(
+    n: usize,
+    gone: Option<usize>,
+    timeout: Duration,
+) -> (tokio::runtime::Runtime, Vec<(usize, Checker)>, Reports) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let world = SimWorld::new(SimConfig::new(n)).unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut out = Vec::new();
+    for r in world.ranks() {
+        let rank = r.rank();
+        if Some(rank) == gone {
+            continue;
+        }
+        let tx = tx.clone();
+        let report = Arc::new(move |e: CommError| {
+            let _ = tx.send((rank, e));
+        });
+        let (c, task) = Checker::new(Arc::new(r), timeout, report);
+        rt.spawn(task);
+        out.push((rank, c));
+    }
+    (rt, out, rx)
+}
+
 /// Each rank's checker compares two calls; rank `odd` makes a broadcast
 /// where the others make their second all_reduce. Every rank must report
 /// `Mismatch` naming both sides, and nothing for the first call.
 #[test]
 fn every_rank_finds_the_mismatch_and_names_both_sides() {
     for (n, odd) in [(2, 1), (3, 0), (5, 3)] {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let world = SimWorld::new(SimConfig::new(n)).unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (rt, checkers, mut rx) = checkers(n, None, Duration::from_secs(10));
         let mut keep = Vec::new();
-        for r in world.ranks() {
-            let rank = r.rank();
-            let tx = tx.clone();
-            let report = Arc::new(move |e: CommError| {
-                let _ = tx.send((rank, e));
-            });
-            let (c, task) = Checker::new(Arc::new(r), Duration::from_secs(10), report);
-            rt.spawn(task);
+        for (rank, c) in checkers {
             c.check(fp(OpKind::AllReduce, 0));
             let second = if rank == odd {
                 OpKind::Broadcast
@@ -159,25 +180,10 @@ fn an_emulated_communicator_with_the_check_on() {
 #[test]
 fn a_lost_rank_is_reported_by_every_survivors_checker() {
     let n = 3;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let world = SimWorld::new(SimConfig::new(n)).unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    // Rank 2's handle is dropped: its process is gone.
+    let (rt, checkers, mut rx) = checkers(n, Some(2), Duration::from_secs(30));
     let mut keep = Vec::new();
-    for r in world.ranks() {
-        let rank = r.rank();
-        if rank == 2 {
-            continue; // dropped: this rank's process is gone
-        }
-        let tx = tx.clone();
-        let report = Arc::new(move |e: CommError| {
-            let _ = tx.send((rank, e));
-        });
-        let (c, task) = Checker::new(Arc::new(r), Duration::from_secs(30), report);
-        rt.spawn(task);
+    for (_, c) in checkers {
         c.check(fp(OpKind::AllReduce, 0));
         keep.push(c);
     }

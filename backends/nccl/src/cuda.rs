@@ -50,14 +50,7 @@ impl CudaDevice {
     /// GPU `ordinal`'s primary context. `BackendUnavailable` (never a
     /// panic) without a driver or that GPU.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
-        probe_device(ordinal)?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| err("context creation", e))?;
-        Ok(Arc::new(CudaDevice {
-            ordinal: ordinal as i32,
-            ctx,
-            streams: Mutex::new(Vec::new()),
-            sync_timeout: DEFAULT_SYNC_TIMEOUT,
-        }))
+        Self::with_sync_timeout(ordinal, DEFAULT_SYNC_TIMEOUT)
     }
 
     /// GPU `ordinal` with `synchronize` waiting at most `timeout` for a

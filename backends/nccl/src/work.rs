@@ -153,22 +153,11 @@ pub(crate) fn driver_error(ctx: ErrorContext, what: &str, e: cu::DriverError) ->
 
 impl Shared {
     /// NCCL's last error text for the communicator (empty when unknown).
+    /// `comm` is live: callers hold the launch lock, or are the watchdog,
+    /// which runs until before the communicator is destroyed.
     pub(crate) fn last_error(&self, comm: usize) -> String {
-        let Some(f) = self.nccl.get_last_error else {
-            return String::new();
-        };
-        // SAFETY: `comm` is live (callers hold the launch lock, or are the
-        // watchdog, which runs until before the communicator is destroyed).
-        let p = unsafe { f(comm as Comm) };
-        if p.is_null() {
-            return String::new();
-        }
-        // SAFETY: NCCL returns a NUL-terminated string it owns.
-        unsafe { std::ffi::CStr::from_ptr(p) }
-            .to_string_lossy()
-            .into_owned()
+        last_error(&self.nccl, comm)
     }
-
     /// Fails every call in flight with `e` (the first cause sticks).
     pub(crate) fn poison(&self, e: CommError) {
         let mut t = lock(&self.track);
@@ -286,6 +275,23 @@ impl Shared {
             let _ = unsafe { cu::event::destroy(e.raw()) };
         }
     }
+}
+
+/// NCCL's last error text for live communicator `comm` (empty when
+/// unknown).
+pub(crate) fn last_error(nccl: &Nccl, comm: usize) -> String {
+    let Some(f) = nccl.get_last_error else {
+        return String::new();
+    };
+    // SAFETY: `comm` is live (the caller's promise).
+    let p = unsafe { f(comm as Comm) };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: NCCL returns a NUL-terminated string it owns.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// `ncclCommAbort` of `comm`, which nothing else can reach any more, on a

@@ -41,7 +41,8 @@ pub(crate) async fn run(backend: &str, absent: usize) -> Result<(), BoxError> {
     }
 }
 
-async fn group(dist: &consort::Dist, backend: &str) -> Result<ProcessGroup, CommError> {
+/// The process group of `backend` (tcp, quic or nccl) for the self-tests.
+pub(super) async fn group(dist: &consort::Dist, backend: &str) -> Result<ProcessGroup, CommError> {
     match backend {
         "tcp" => dist.process_group().await,
         "quic" => dist.quic_process_group().await,

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use consort::{CommError, ProcessGroup, ReduceOp};
+use consort::{CommError, ReduceOp};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -16,14 +16,7 @@ type BoxError = Box<dyn std::error::Error>;
 /// the call failed with `Mismatch` (the check worked), and fails otherwise.
 pub(crate) async fn run(backend: &str) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
-    let pg = match backend {
-        "tcp" => dist.process_group().await?,
-        "quic" => dist.quic_process_group().await?,
-        "nccl" => nccl_group(&dist).await?,
-        other => {
-            return Err(format!("unknown backend {other:?}: expected tcp, quic or nccl").into());
-        }
-    };
+    let pg = super::init_check::group(&dist, backend).await?;
     let rank = pg.rank();
     // Rank 0 calls with one element more: the fingerprints differ in count.
     let mut x = vec![1.0f32; if rank == 0 { 5 } else { 4 }];
@@ -47,14 +40,4 @@ pub(crate) async fn run(backend: &str) -> Result<(), BoxError> {
         eprintln!("rank {rank}: shutdown after the mismatch: {e}");
     }
     verdict.map_err(Into::into)
-}
-
-#[cfg(feature = "nccl")]
-async fn nccl_group(dist: &consort::Dist) -> Result<ProcessGroup, CommError> {
-    dist.nccl_process_group().await
-}
-
-#[cfg(not(feature = "nccl"))]
-async fn nccl_group(_: &consort::Dist) -> Result<ProcessGroup, CommError> {
-    Err(super::collective::nccl_not_built())
 }

@@ -1,24 +1,25 @@
 //! A communicator's birth and end, each with a deadline: init
 //! (`ncclCommInitRankConfig`, nonblocking, polled and aborted when its
-//! deadline passes), and finalize (polled, then destroy, or abort when it
+//! deadline passes), and [`NcclBackend::shutdown`] and
+//! [`NcclBackend::abort`] (finalize polled, then destroy, or abort when it
 //! does not finish in time). No thread is left behind in NCCL: a rank
 //! whose peer never arrives gets an error within its timeout and can exit.
 
 use std::{
     ffi::c_int,
-    sync::Arc,
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
 use consort_comm::{CommError, ErrorContext, Result};
 use cudarc::driver::CudaContext;
 
-use super::launch::settle;
+use super::{NcclBackend, launch::settle};
 use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::{abort_in_background, driver_error},
+    work::{abort_in_background, driver_error, last_error, lock},
 };
 
 /// How often an init or a split in progress is looked at.
@@ -158,21 +159,6 @@ fn abort_failed(
     }
 }
 
-fn last_error(nccl: &Nccl, comm: usize) -> String {
-    let Some(f) = nccl.get_last_error else {
-        return String::new();
-    };
-    // SAFETY: `comm` is live; NCCL returns a NUL-terminated string it owns.
-    let p = unsafe { f(comm as Comm) };
-    if p.is_null() {
-        return String::new();
-    }
-    // SAFETY: as above.
-    unsafe { std::ffi::CStr::from_ptr(p) }
-        .to_string_lossy()
-        .into_owned()
-}
-
 /// `ncclCommInitRank` (a blocking communicator) on a thread of its own, awaited within `timeout`. On a timeout that
 /// thread stays blocked in NCCL; it is a plain thread, not the async
 /// runtime's, so it does not keep the process from exiting.
@@ -267,4 +253,84 @@ pub(super) fn finalize_and_destroy(
         return Err(nccl_error(ctx, r, "ncclCommDestroy"));
     }
     Ok(())
+}
+
+impl NcclBackend {
+    /// Finishes the work in flight (within the default timeout), stops the
+    /// watchdog, and destroys the communicator. Every rank should call it
+    /// at the end; afterwards every op fails. With a failed communicator
+    /// it only releases what is left and returns the first error.
+    pub fn shutdown(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let deadline = consort_comm::time::deadline(self.opts.timeout);
+        loop {
+            let mut t = lock(&self.shared.track);
+            if t.core.in_flight() == 0 || t.core.poisoned().is_some() {
+                t.core.close("the NCCL backend was shut down");
+                break;
+            }
+            if Instant::now() >= deadline {
+                drop(t);
+                let after = self.opts.timeout;
+                self.shared
+                    .abort(consort_comm::ordered::wait_timeout(self.rank, after));
+                break;
+            }
+            let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
+        }
+        self.shared.turn.notify_waiters();
+        self.stop_watchdog();
+        let poisoned = lock(&self.shared.track).core.poisoned().cloned();
+        let comm = {
+            let _launches = lock(&self.shared.slot);
+            match self.shared.comm.swap(0, Ordering::SeqCst) {
+                0 => None,
+                c => Some(c),
+            }
+        };
+        let ctx = ErrorContext {
+            rank: Some(self.rank),
+            ..Default::default()
+        };
+        let mut out = match poisoned {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        if let Some(c) = comm {
+            let _ = self.ctx.bind_to_thread();
+            let by = consort_comm::time::deadline(self.opts.timeout);
+            out = out.and(finalize_and_destroy(&self.shared.nccl, c, ctx, by));
+        }
+        self.free_staging();
+        out
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): in-flight work on every
+    /// rank fails, and this backend stays failed. Safe with work in
+    /// flight. Use it when a peer is known dead.
+    pub fn abort(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        lock(&self.shared.track)
+            .core
+            .close("the NCCL communicator was aborted");
+        self.shared.abort(CommError::Aborted {
+            ctx: ErrorContext {
+                rank: Some(self.rank),
+                ..Default::default()
+            },
+            cause: "the communicator was aborted".into(),
+        });
+        self.stop_watchdog();
+        self.free_staging();
+        Ok(())
+    }
+
+    fn stop_watchdog(&self) {
+        let w = lock(&self.watchdog).take();
+        self.shared.stop(w);
+    }
 }
