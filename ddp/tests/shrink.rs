@@ -11,7 +11,9 @@ use std::{sync::Arc, time::Duration};
 use common::{Mlp, close, run_sim};
 use consort_comm::{Backend, MemStore, store::Store};
 use consort_ddp::{Ddp, DdpError, DdpOptions, OnPeerLost};
-use consort_sim::SimConfig;
+use consort_sim::{
+    EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
+};
 
 const STEPS: usize = 10;
 const GLOBAL: usize = 12;
@@ -73,70 +75,77 @@ fn reference(s: &Setup) -> Vec<Vec<f64>> {
     params
 }
 
-#[test]
-fn three_survivors_finish_like_one_process_with_the_global_batch() {
-    let s = Arc::new(setup());
-    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
-    let want = reference(&s);
-    let (out, _) = run_sim(SimConfig::new(4), move |rank| {
-        let (s, store) = (s.clone(), store.clone());
-        async move {
-            let r0 = rank.rank();
-            let mut model = s.mlp.model(&s.init);
-            let opts = DdpOptions::default().on_peer_lost(OnPeerLost::Shrink {
-                store,
-                timeout: Duration::from_secs(60),
-            });
-            let mut ddp = Ddp::new(rank, &mut model, opts).await.unwrap();
-            let (mut r, mut world) = (r0, 4);
-            let mut shrunk = None;
-            let mut step = 0;
-            while step < STEPS {
-                if r0 == 2 && step == CRASH_AT {
-                    return None; // this rank's process is gone
-                }
-                let params: Vec<Vec<f64>> = (0..model.len())
-                    .map(|i| model.param::<f64>(i).unwrap().to_vec())
-                    .collect();
-                let per = GLOBAL / world;
-                let (xs, ys): (Vec<_>, Vec<_>) =
-                    s.data[step][r * per..(r + 1) * per].iter().cloned().unzip();
-                // Scaled by the world so that the average is the sum.
-                let mut err = Ok(());
-                s.mlp.backward(&params, &xs, &ys, world as f64, |i, g| {
-                    if err.is_ok() {
-                        err = ddp.mark_ready(i, &g);
-                    }
-                });
-                err.unwrap();
-                match ddp.finish().await {
-                    Ok(()) => {}
-                    Err(DdpError::Shrunk {
-                        rank,
-                        world: w,
-                        lost,
-                        ..
-                    }) => {
-                        shrunk = Some((step, lost.clone(), w));
-                        (r, world) = (rank, w);
-                        continue; // redo this step on the survivors
-                    }
-                    Err(e) => panic!("rank {r0}: {e}"),
-                }
-                for i in 0..model.len() {
-                    let g = ddp.grad::<f64>(i).unwrap().to_vec();
-                    for (v, d) in model.param_mut::<f64>(i).unwrap().iter_mut().zip(g) {
-                        *v -= d / 64.0;
-                    }
-                }
-                step += 1;
-            }
-            let params: Vec<Vec<f64>> = (0..model.len())
-                .map(|i| model.param::<f64>(i).unwrap().to_vec())
-                .collect();
-            Some((params, shrunk, r, ddp.world_size()))
-        }
+/// What one rank returns: its parameters, (step, lost, world) of its
+/// shrink, and its rank and world at the end; `None` for the lost rank.
+type Outcome = Option<(
+    Vec<Vec<f64>>,
+    Option<(usize, Vec<usize>, usize)>,
+    usize,
+    usize,
+)>;
+
+/// One rank's training: rank 2 stops at step `CRASH_AT`, the others shrink
+/// past it and redo that step on the survivors.
+async fn train(s: Arc<Setup>, store: Arc<dyn Store>, b: Arc<dyn Backend>) -> Outcome {
+    let r0 = b.rank();
+    let mut model = s.mlp.model(&s.init);
+    let opts = DdpOptions::default().on_peer_lost(OnPeerLost::Shrink {
+        store,
+        timeout: Duration::from_secs(60),
     });
+    let mut ddp = Ddp::new(b, &mut model, opts).await.unwrap();
+    let (mut r, mut world) = (r0, 4);
+    let mut shrunk = None;
+    let mut step = 0;
+    while step < STEPS {
+        if r0 == 2 && step == CRASH_AT {
+            return None; // this rank's process is gone
+        }
+        let params: Vec<Vec<f64>> = (0..model.len())
+            .map(|i| model.param::<f64>(i).unwrap().to_vec())
+            .collect();
+        let per = GLOBAL / world;
+        let (xs, ys): (Vec<_>, Vec<_>) =
+            s.data[step][r * per..(r + 1) * per].iter().cloned().unzip();
+        // Scaled by the world so that the average is the sum.
+        let mut err = Ok(());
+        s.mlp.backward(&params, &xs, &ys, world as f64, |i, g| {
+            if err.is_ok() {
+                err = ddp.mark_ready(i, &g);
+            }
+        });
+        err.unwrap();
+        match ddp.finish().await {
+            Ok(()) => {}
+            Err(DdpError::Shrunk {
+                rank,
+                world: w,
+                lost,
+                ..
+            }) => {
+                shrunk = Some((step, lost.clone(), w));
+                (r, world) = (rank, w);
+                continue; // redo this step on the survivors
+            }
+            Err(e) => panic!("rank {r0}: {e}"),
+        }
+        for i in 0..model.len() {
+            let g = ddp.grad::<f64>(i).unwrap().to_vec();
+            for (v, d) in model.param_mut::<f64>(i).unwrap().iter_mut().zip(g) {
+                *v -= d / 64.0;
+            }
+        }
+        step += 1;
+    }
+    let params: Vec<Vec<f64>> = (0..model.len())
+        .map(|i| model.param::<f64>(i).unwrap().to_vec())
+        .collect();
+    Some((params, shrunk, r, ddp.world_size()))
+}
+
+/// The three survivors shrank at the crash, took ranks 0, 1, 2 in the old
+/// order, and hold one process's parameters.
+fn check(out: Vec<Outcome>, want: &[Vec<f64>]) {
     for (r0, got) in out.into_iter().enumerate() {
         let Some((params, shrunk, r, world)) = got else {
             assert_eq!(r0, 2);
@@ -144,10 +153,68 @@ fn three_survivors_finish_like_one_process_with_the_global_batch() {
         };
         assert_eq!(shrunk, Some((CRASH_AT, vec![2], 3)), "rank {r0}");
         assert_eq!((r, world), ([0, 1, 9, 2][r0], 3), "rank {r0}'s new rank");
-        for (p, (g, w)) in params.iter().zip(&want).enumerate() {
+        for (p, (g, w)) in params.iter().zip(want).enumerate() {
             for (k, (a, b)) in g.iter().zip(w).enumerate() {
                 assert!(close(*a, *b), "rank {r0} param {p}[{k}]: {a} vs {b}");
             }
         }
     }
+}
+
+#[test]
+fn three_survivors_finish_like_one_process_with_the_global_batch() {
+    let s = Arc::new(setup());
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let want = reference(&s);
+    let (out, _) = run_sim(SimConfig::new(4), move |rank| {
+        train(s.clone(), store.clone(), rank)
+    });
+    check(out, &want);
+}
+
+/// The same on stream-ordered communicators (the emulated device, which
+/// runs NCCL's call rules), each rank on its own thread: host buffers are
+/// staged through each rank's device, the lost rank fails the survivors'
+/// calls, and their group is a new communicator made on the failed one, as
+/// on NCCL. It hung twice before: the emulated communicator did not pass
+/// DDP's idle waits (during the survivors' agreement) to its simulated
+/// rank, whose clock then held back its peers' aborts; and dropping a
+/// communicator waited for its subgroups (DDP's worker holds the
+/// survivors' group until the runtime goes), so the first rank to finish
+/// never left and held its peers' last frames.
+#[test]
+fn three_survivors_shrink_on_emulated_communicators() {
+    let s = Arc::new(setup());
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let want = reference(&s);
+    let world = SimWorld::new(SimConfig::new(4)).expect("sim world");
+    let threads: Vec<_> = world
+        .ranks()
+        .into_iter()
+        .map(|rank| {
+            let (s, store) = (s.clone(), store.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let device = EmulatedDevice::new(EmulatedOptions {
+                        seed: rank.rank() as u64 + 1,
+                        max_delay: Duration::from_micros(40),
+                        sync_timeout: Duration::from_secs(20),
+                        ..Default::default()
+                    });
+                    let opts = EmulatedCommOptions::default();
+                    let comm = EmulatedComm::new(Arc::new(rank), device, opts).unwrap();
+                    train(s, store, Arc::new(comm)).await
+                })
+            })
+        })
+        .collect();
+    let out = threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread panicked"))
+        .collect();
+    check(out, &want);
 }

@@ -294,7 +294,12 @@ pub struct EmulatedComm {
     inner: Arc<dyn Backend>,
     device: Arc<EmulatedDevice>,
     opts: EmulatedCommOptions,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The way to the rank's communication thread: one slot, which the
+    /// parent's subgroups share, so that dropping the parent closes it
+    /// (its thread ends) even while a subgroup lives on (in a task that
+    /// only the runtime the parent is dropped on would drop); a subgroup's
+    /// later calls then fail.
+    jobs: Arc<Mutex<Option<mpsc::Sender<Job>>>>,
     shared: Arc<Shared>,
     /// The communication thread (the parent's; a subgroup has none).
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -366,7 +371,7 @@ impl EmulatedComm {
             inner,
             device,
             opts,
-            jobs: Mutex::new(Some(tx)),
+            jobs: Arc::new(Mutex::new(Some(tx))),
             shared,
             worker: Mutex::new(Some(worker)),
             watchdog: Mutex::new(Some(watchdog)),
@@ -680,8 +685,8 @@ async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
 
 impl Drop for EmulatedComm {
     fn drop(&mut self) {
-        lock(&self.jobs).take();
         if let Some(w) = lock(&self.worker).take() {
+            lock(&self.jobs).take();
             let _ = w.join();
         }
         self.shared.lock().stop = true;
@@ -901,13 +906,13 @@ impl Backend for EmulatedComm {
         let Some(inner) = self.inner.new_group(ranks, opts).await? else {
             return Ok(None);
         };
-        let jobs = lock(&self.jobs).clone();
+        let jobs = self.jobs.clone();
         let (shared, watchdog) = communicator(&*inner, &self.device)?;
         let sub = EmulatedComm {
             inner: inner.clone(),
             device: self.device.clone(),
             opts: self.opts.clone(),
-            jobs: Mutex::new(jobs),
+            jobs,
             shared,
             worker: Mutex::new(None),
             watchdog: Mutex::new(Some(watchdog)),

@@ -77,3 +77,45 @@ fn all_reduce_and_broadcast_on_device_buffers_are_stream_ordered() {
         assert_eq!(sum, [6.0; 4], "rank {r}");
     }
 }
+
+/// Dropping a communicator while one of its subgroups lives on (DDP's
+/// bucket worker holds the survivors' group until the runtime goes) ends
+/// the rank's communication thread instead of waiting for the subgroup:
+/// the rank's process exits (its peers see it go), and the subgroup's
+/// later calls fail.
+#[test]
+fn dropping_the_parent_while_a_subgroup_lives_does_not_hang() {
+    let out = per_thread(2, |rank| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let (_dev, comm) = setup(rank, 3);
+            let o = CallOptions::default();
+            let sub = comm.new_group(&[0, 1], &o).await.unwrap().unwrap();
+            let mut v = [1.0f32; 4];
+            sub.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum, &o)
+                .await
+                .unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                drop(comm);
+                let _ = tx.send(());
+            });
+            let dropped = rx.recv_timeout(Duration::from_secs(20)).is_ok();
+            let later = sub
+                .all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum, &o)
+                .await;
+            (v, dropped, later.is_err())
+        })
+    });
+    for (v, dropped, later_failed) in out {
+        assert_eq!(v, [2.0; 4]);
+        assert!(dropped, "dropping the parent hung on its subgroup");
+        assert!(
+            later_failed,
+            "a subgroup call after its parent's drop must fail"
+        );
+    }
+}
