@@ -277,6 +277,18 @@ impl Shared {
     }
 }
 
+/// A communicator's state (`ncclCommGetAsyncError`): success, in
+/// progress, or its error (the query's own failure included). `comm` must
+/// be live: the callers hold the launch lock, or own a communicator not yet
+/// handed out.
+pub(crate) fn comm_state(nccl: &Nccl, comm: Comm) -> c_int {
+    let mut state = result::SUCCESS;
+    // SAFETY: `comm` is live (the caller's promise); `state` is a valid
+    // out-pointer.
+    let q = unsafe { (nccl.comm_get_async_error)(comm, &mut state) };
+    if q != result::SUCCESS { q } else { state }
+}
+
 /// NCCL's last error text for live communicator `comm` (empty when
 /// unknown).
 pub(crate) fn last_error(nccl: &Nccl, comm: usize) -> String {
@@ -384,11 +396,9 @@ fn watchdog(shared: &Shared) {
 fn async_error(shared: &Shared, ctx: ErrorContext) -> Option<CommError> {
     let _slot = shared.slot.try_lock().ok()?;
     let comm = shared.comm()?;
-    let mut code: c_int = result::SUCCESS;
-    // SAFETY: the communicator is live and cannot be freed meanwhile: an
-    // abort or a shutdown takes the launch lock, held here.
-    let r = unsafe { (shared.nccl.comm_get_async_error)(comm as Comm, &mut code) };
-    let code = if r != result::SUCCESS { r } else { code };
+    // The communicator is live and cannot be freed meanwhile: an abort or
+    // a shutdown takes the launch lock, held here.
+    let code = comm_state(&shared.nccl, comm as Comm);
     if code == result::SUCCESS || code == result::IN_PROGRESS {
         return None;
     }

@@ -137,16 +137,7 @@ impl Checker {
         // The task may be in the middle of a comparison (bounded by the
         // timeout); it answers after it, or never if it is stuck.
         let limit = self.timeout.saturating_mul(2);
-        let mut late = std::pin::pin!(futures_timer::Delay::new(limit));
-        let mut answer = answer;
-        let got = std::future::poll_fn(|cx| {
-            if let std::task::Poll::Ready(r) = std::pin::Pin::new(&mut answer).poll(cx) {
-                return std::task::Poll::Ready(Some(r));
-            }
-            late.as_mut().poll(cx).map(|()| None)
-        })
-        .await;
-        match got {
+        match unless(answer, futures_timer::Delay::new(limit)).await {
             Some(r) => r.map_err(|_| gone())?,
             None => Err(CommError::Timeout {
                 ctx: ErrorContext::default(),
@@ -234,19 +225,24 @@ async fn next(
         return rx.recv().await;
     }
     loop {
-        let mut idle = std::pin::pin!(async {
+        let idle = async {
             host.idle(Duration::from_millis(50)).await;
             futures_timer::Delay::new(Duration::from_millis(50)).await;
-        });
-        let got = std::future::poll_fn(|cx| match rx.poll_recv(cx) {
-            std::task::Poll::Ready(m) => std::task::Poll::Ready(Some(m)),
-            std::task::Poll::Pending => idle.as_mut().poll(cx).map(|()| None),
-        })
-        .await;
-        if let Some(m) = got {
+        };
+        if let Some(m) = unless(rx.recv(), idle).await {
             return m;
         }
     }
+}
+
+/// `f`'s output, or `None` if `other` finishes first.
+async fn unless<T>(f: impl Future<Output = T>, other: impl Future<Output = ()>) -> Option<T> {
+    let (mut f, mut other) = (std::pin::pin!(f), std::pin::pin!(other));
+    std::future::poll_fn(|cx| match f.as_mut().poll(cx) {
+        std::task::Poll::Ready(v) => std::task::Poll::Ready(Some(v)),
+        std::task::Poll::Pending => other.as_mut().poll(cx).map(|()| None),
+    })
+    .await
 }
 
 /// All-gathers `mine` over `host` and compares: `Some(Mismatch)` naming

@@ -21,6 +21,7 @@ use consort_comm::DType;
 use crate::{
     map::nccl_dtype,
     sys::{self, Comm, Nccl, Stream, result},
+    work::comm_state,
 };
 
 /// The communicator and stream of one launch, under the launch lock.
@@ -162,11 +163,9 @@ pub(crate) fn settle(
     }
     let start = Instant::now();
     loop {
-        let mut state = result::SUCCESS;
-        // SAFETY: `comm` is live (the caller holds the launch lock, which
-        // an abort waits for); `state` is a valid out-pointer.
-        let q = unsafe { (nccl.comm_get_async_error)(comm, &mut state) };
-        let r = if q != result::SUCCESS { q } else { state };
+        // `comm` is live: the caller holds the launch lock, which an abort
+        // waits for.
+        let r = comm_state(nccl, comm);
         if r != result::IN_PROGRESS {
             return r;
         }

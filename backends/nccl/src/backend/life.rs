@@ -19,7 +19,7 @@ use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::{abort_in_background, driver_error, last_error, lock},
+    work::{abort_in_background, comm_state, driver_error, last_error, lock},
 };
 
 /// How often an init or a split in progress is looked at.
@@ -88,7 +88,7 @@ pub(super) async fn init_comm(
 
 /// Waits until a nonblocking communicator that is being made (init or
 /// split) is ready; aborts it when it fails or `deadline` passes.
-pub(super) async fn ready(
+async fn ready(
     nccl: &Arc<Nccl>,
     comm: usize,
     ctx0: ErrorContext,
@@ -97,12 +97,8 @@ pub(super) async fn ready(
     what: &str,
 ) -> Result<()> {
     loop {
-        let mut state = result::SUCCESS;
-        // SAFETY: `comm` is ours, made by the caller and not yet handed
-        // out; `state` is a valid out-pointer.
-        let q = unsafe { (nccl.comm_get_async_error)(comm as Comm, &mut state) };
-        let state = if q != result::SUCCESS { q } else { state };
-        match state {
+        // `comm` is ours, made by the caller and not yet handed out.
+        match comm_state(nccl, comm as Comm) {
             result::SUCCESS => return Ok(()),
             result::IN_PROGRESS if Instant::now() < deadline => tokio::time::sleep(POLL).await,
             result::IN_PROGRESS => {
