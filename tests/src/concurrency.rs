@@ -280,3 +280,59 @@ pub fn cancelled(factory: Factory, n: usize) {
         "a dropped call aborted the group on some ranks only: {seen:?}"
     );
 }
+
+/// f32s in the buffer a leaked call borrows: large enough to go in place
+/// on every transport.
+const LEAKED_LEN: usize = 1 << 18;
+
+/// What the leaked call's buffer holds, and must still hold at the end.
+const CANARY: f32 = -7.0;
+
+/// Rank 0 polls an `all_reduce` until it is under way, then forgets it
+/// (`mem::forget`, as safe code may) and gets its buffer back; the other
+/// ranks then make the call and send their frames, and rank 0 makes
+/// another call, which takes what its links hold. No background task and
+/// no other call may write into the forgotten call's buffer: every byte is
+/// still the canary. (After a leak the group may fail; that is allowed, a
+/// hang or a write is not.)
+pub async fn leaked_rank(pg: ProcessGroup, gate: std::sync::Arc<tokio::sync::Barrier>) -> Outcome {
+    let opts = consort_comm::CallOptions::default().with_timeout(std::time::Duration::from_secs(2));
+    if pg.rank() != 0 {
+        gate.wait().await;
+        let mut x = vec![1.0f32; LEAKED_LEN];
+        // Fails: rank 0 never goes on with this call.
+        let _ = pg.all_reduce_with(&mut x, ReduceOp::Sum, &opts).await;
+        gate.wait().await;
+        return Ok(());
+    }
+    let mut canary = vec![CANARY; LEAKED_LEN];
+    let mut call = Box::pin(pg.all_reduce_with(&mut canary, ReduceOp::Sum, &opts));
+    for _ in 0..5 {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx)));
+        if let std::task::Poll::Ready(out) = polled.await {
+            return Err(format!("the call ended before its peers made it: {out:?}"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    std::mem::forget(call);
+    gate.wait().await;
+    let mut other = vec![0.0f32; 16];
+    let _ = pg.all_reduce_with(&mut other, ReduceOp::Sum, &opts).await;
+    gate.wait().await;
+    let touched = canary.iter().filter(|&&x| x != CANARY).count();
+    if touched > 0 {
+        return Err(format!(
+            "{touched} of {LEAKED_LEN} elements of a forgotten call's buffer were written after \
+             the call was forgotten"
+        ));
+    }
+    Ok(())
+}
+
+/// [`leaked_rank`] on a world of `n`.
+pub fn leaked(factory: Factory, n: usize) {
+    let gate = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let out = crate::run_world(factory, n, move |pg| leaked_rank(pg, gate.clone()));
+    let errs: Vec<String> = out.into_iter().filter_map(|o| o.err()).collect();
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}

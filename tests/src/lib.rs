@@ -447,6 +447,11 @@ macro_rules! conformance {
             }
 
             #[test]
+            fn a_forgotten_call_s_buffer_is_never_written() {
+                $crate::concurrency::leaked($factory, 3);
+            }
+
+            #[test]
             fn monitored_barrier_names_the_rank_that_did_not_arrive() {
                 checks::monitored_barrier_names_the_missing_rank($factory, 3);
             }

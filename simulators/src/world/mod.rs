@@ -154,16 +154,6 @@ pub struct TraceEvent {
     pub bytes: usize,
 }
 
-#[derive(Clone, Copy)]
-struct Raw {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: a Raw is only dereferenced under the world lock, while the call
-// that lent the memory is registered (see `rank::CallGuard`).
-unsafe impl Send for Raw {}
-
 #[derive(Clone, Debug)]
 enum Payload {
     Data(Vec<u8>),
@@ -197,35 +187,26 @@ struct Call {
     p2p: bool,
     reduce: Option<ReduceOp>,
     dtype: DType,
-    input: Raw,
-    /// Owns the bytes `input` points into when the call scaled its input
-    /// (a pre-multiplied reduce_scatter); else `input` is the lender's.
-    _scaled: Option<Vec<u8>>,
-    output: Raw,
+    /// A copy of the caller's input (scaled, for a pre-multiplied
+    /// reduce_scatter). The call owns its buffers: other ranks' tasks move
+    /// the world on, and they must never write into memory that a caller
+    /// may have taken back by leaking the call's future.
+    input: Vec<u8>,
+    /// The output, copied from the caller's and copied back by the
+    /// caller's future when the call succeeds.
+    output: Vec<u8>,
     scratch: Vec<u64>,
     finalize: bool,
     timeout: Duration,
 }
 
 impl Call {
-    /// The call's buffers. Only under the world lock while the call is
-    /// registered.
+    /// The call's buffers.
     fn buffers(&mut self) -> CallBuffers<'_> {
-        // SAFETY: the call is registered, so the lender's future is alive
-        // (its guard unregisters it on drop) and its buffers are valid; the
-        // world lock is held, so no one else touches them; `input` and
-        // `output` never overlap (they come from a `&[u8]` and a `&mut [u8]`
-        // of one call).
-        let (input, output) = unsafe {
-            (
-                std::slice::from_raw_parts(self.input.ptr, self.input.len),
-                std::slice::from_raw_parts_mut(self.output.ptr, self.output.len),
-            )
-        };
         CallBuffers {
             dtype: self.dtype,
-            input,
-            output,
+            input: &self.input,
+            output: &mut self.output,
             scratch: scratch_bytes(&mut self.scratch),
         }
     }
@@ -254,7 +235,9 @@ struct RankState {
     /// Calls made after it, in order.
     queue: VecDeque<Call>,
     /// Outcomes of finished calls, by id, for their futures to take.
-    outcomes: HashMap<u64, Result<()>>,
+    /// Ended calls' results: a success carries the output bytes, which
+    /// the caller's future copies into the caller's buffer.
+    outcomes: HashMap<u64, Result<Vec<u8>>>,
     /// The call rules: groups, sequence numbers, mailbox, poisoning.
     engine: Engine<Vec<u8>>,
     status: Status,

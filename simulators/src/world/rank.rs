@@ -12,7 +12,7 @@ use consort_comm::{
     },
 };
 
-use super::{Call, Raw, Shared, Status, dur_ns, lock, wake};
+use super::{Call, Shared, Status, dur_ns, lock, wake};
 
 /// One rank of a [`super::SimWorld`], on the world group or a subgroup.
 /// Dropping the world handle is the rank's process exiting: peers that
@@ -153,7 +153,13 @@ impl SimRank {
 
     /// Registers a call: the engine fixes its sequence number now; it runs
     /// on the rank's stream after the calls made before it.
-    fn begin(&self, mut req: CallReq<'_>, opts: &CallOptions) -> Result<(u64, Duration)> {
+    /// Returns the call's id, its timeout and the caller's output buffer,
+    /// which the call's future fills once the call succeeds.
+    fn begin<'a>(
+        &self,
+        mut req: CallReq<'a>,
+        opts: &CallOptions,
+    ) -> Result<(u64, Duration, &'a mut [u8])> {
         let r = self.rank;
         let n = self.members.len();
         let mut s = lock(&self.shared);
@@ -187,16 +193,11 @@ impl SimRank {
             p2p: req.is_p2p(),
             reduce: req.reduce,
             dtype: req.dtype,
-            input: Raw {
-                ptr: req.input_bytes().as_ptr().cast_mut(),
-                len: req.input_bytes().len(),
-            },
-            // The heap bytes `input` points into when the input was scaled.
-            _scaled: req.scaled_input.take(),
-            output: Raw {
-                ptr: req.output.as_mut_ptr(),
-                len: req.output.len(),
-            },
+            input: req
+                .scaled_input
+                .take()
+                .unwrap_or_else(|| req.input.to_vec()),
+            output: req.output.to_vec(),
             finalize: req.finalize,
             timeout,
         });
@@ -204,12 +205,17 @@ impl SimRank {
         s.activate(r, t);
         s.progress();
         wake(&self.shared, &mut s);
-        Ok((id, timeout))
+        Ok((id, timeout, std::mem::take(&mut req.output)))
     }
 
     /// Waits for call `id`'s outcome. Virtual time is free; a rank that
     /// never returns to the world is caught by the timeout in real time.
-    async fn wait(&self, mut guard: CallGuard<'_>, timeout: Duration) -> Result<()> {
+    async fn wait(
+        &self,
+        mut guard: CallGuard<'_>,
+        timeout: Duration,
+        output: &mut [u8],
+    ) -> Result<()> {
         let r = self.rank;
         let deadline_real = consort_comm::time::deadline(timeout);
         loop {
@@ -218,7 +224,10 @@ impl SimRank {
                 let mut s = lock(&self.shared);
                 if let Some(out) = s.ranks[r].outcomes.remove(&guard.id) {
                     guard.armed = false;
-                    return out;
+                    drop(s);
+                    // Written here, in the caller's own future: nothing
+                    // else ever holds the caller's buffer.
+                    return out.map(|bytes| output.copy_from_slice(&bytes));
                 }
             }
             if consort_comm::time::before(deadline_real, notified)
@@ -260,6 +269,11 @@ impl SimRank {
                     s.fail(r, e, t);
                     s.progress();
                     wake(&self.shared, &mut s);
+                } else {
+                    let t = s.ranks[r].clock;
+                    s.time_out_queued(r, guard.id, timeout, t);
+                    s.progress();
+                    wake(&self.shared, &mut s);
                 }
             }
         }
@@ -296,7 +310,7 @@ impl Backend for SimRank {
             Ok(req) => req,
             Err(e) => return Work::ready(Err(e.with_context(self.ctx(kind)))),
         };
-        let (id, timeout) = match self.begin(req, opts) {
+        let (id, timeout, output) = match self.begin(req, opts) {
             Ok(x) => x,
             Err(e) => return Work::ready(Err(e)),
         };
@@ -306,7 +320,7 @@ impl Backend for SimRank {
             id,
             armed: true,
         };
-        Work::new(self.wait(guard, timeout))
+        Work::new(self.wait(guard, timeout, output))
     }
 
     async fn idle(&self, d: Duration) {

@@ -277,12 +277,45 @@ impl State {
         rank.engine.flight_mut().set_now_us(t / 1000);
         let ended = rank.engine.end(call.eid, out);
         rank.clock = rank.clock.max(t);
-        rank.outcomes.insert(call.id, ended.result);
+        rank.outcomes
+            .insert(call.id, ended.result.map(|()| call.output));
         self.wake.insert(r);
         if let Some(abort) = ended.abort {
             self.send_abort(r, abort, t);
         }
         self.activate(r, t);
+    }
+
+    /// Rank `r`'s call `id` passed its deadline (`after`) still queued:
+    /// the call ahead of it on the rank's stream never ended (its caller
+    /// stopped polling it, or leaked it). It times out like a running call
+    /// (the group is poisoned and the peers told), instead of waiting for
+    /// a stream that never frees.
+    pub(super) fn time_out_queued(&mut self, r: usize, id: u64, after: Duration, t: u64) {
+        let rank = &mut self.ranks[r];
+        let Some(call) = rank
+            .queue
+            .iter()
+            .position(|c| c.id == id)
+            .and_then(|i| rank.queue.remove(i))
+        else {
+            return;
+        };
+        let e = CommError::Timeout {
+            ctx: ErrorContext {
+                rank: Some(call.group_rank(r).unwrap_or(r)),
+                ..Default::default()
+            },
+            after,
+            waiting_on: Vec::new(),
+        };
+        let ended = rank.engine.end(call.eid, Err(e));
+        rank.outcomes
+            .insert(call.id, ended.result.map(|()| Vec::new()));
+        self.wake.insert(r);
+        if let Some(abort) = ended.abort {
+            self.send_abort(r, abort, t);
+        }
     }
 
     /// Fails rank `r`'s running call with `err`: the engine poisons the
@@ -298,7 +331,8 @@ impl State {
             ..Default::default()
         });
         let ended = rank.engine.end(call.eid, Err(err));
-        rank.outcomes.insert(call.id, ended.result);
+        rank.outcomes
+            .insert(call.id, ended.result.map(|()| Vec::new()));
         rank.clock = rank.clock.max(t);
         self.wake.insert(r);
         if let Some(abort) = ended.abort {
@@ -451,7 +485,8 @@ impl State {
                 cause: why.to_string(),
             };
             let ended = rank.engine.end(call.eid, Err(e));
-            rank.outcomes.insert(call.id, ended.result);
+            rank.outcomes
+                .insert(call.id, ended.result.map(|()| Vec::new()));
         }
         rank.clock = rank.clock.max(t);
         self.wake.insert(r);

@@ -89,15 +89,22 @@ impl MeshBackend {
             got: Vec::new(),
             done: Vec::new(),
         };
-        run.run(&mut pulls).await?;
-        if req.finalize
-            && let Some(op) = req.reduce
-        {
-            let _reg = lock(&inner.direct);
-            // SAFETY: readers are excluded by the lock.
-            unsafe { run.raw.buffers() }.finalize(op, n)?;
+        // Links write into this call's receives only while it is polled
+        // (see `registry`).
+        Polling {
+            call: call_id,
+            fut: async {
+                run.run(&mut pulls).await?;
+                if req.finalize
+                    && let Some(op) = req.reduce
+                {
+                    // SAFETY: the call itself, inside its poll.
+                    unsafe { run.raw.buffers() }.finalize(op, n)?;
+                }
+                Ok(())
+            },
         }
-        Ok(())
+        .await
     }
 }
 
@@ -108,11 +115,8 @@ impl CallRun<'_> {
                 match a {
                     Action::Transmit(tx) => self.transmit(tx, pulls).await?,
                     Action::Copy(c) => {
-                        let reg = lock(&self.b.inner.direct);
-                        // SAFETY: readers are excluded by the lock.
-                        let copied = unsafe { self.raw.buffers() }.copy(&c);
-                        drop(reg);
-                        copied?;
+                        // SAFETY: the call itself, inside its poll.
+                        unsafe { self.raw.buffers() }.copy(&c)?;
                     }
                     Action::Receive(rv) => self.post(rv),
                 }
@@ -264,27 +268,28 @@ impl CallRun<'_> {
                 return Err(e);
             }
         }
-        let progressed = !done.is_empty() || !got.is_empty();
+        // After the engine's news: a receive filed done has every chunk
+        // that came outside this poll waiting here by now.
+        let applied = registry::take_pending(inner, self.call_id);
+        let progressed = applied > 0 || !done.is_empty() || !got.is_empty();
         for rv in done.drain(..) {
             self.schedule
                 .handle_recv(rv.from, rv.tag)
                 .map_err(|e| CommError::protocol(Some(rv.from), e.to_string()))?;
         }
         for (rv, f) in got.drain(..) {
-            let applied = {
-                let mut reg = lock(&inner.direct);
-                // The frame came the buffered way: its in-place
-                // registration must go before the range is reused.
-                let key = (
-                    self.b.group,
-                    self.b.members[rv.from],
-                    self.begun.seq,
-                    rv.tag,
-                );
-                reg.posted.remove(&key);
-                // SAFETY: readers are excluded by the lock.
-                unsafe { self.raw.buffers() }.apply(&rv, &f.payload, self.reduce, rv.from)
-            };
+            // The frame came the buffered way: its in-place registration
+            // must go before the range is reused.
+            let key = (
+                self.b.group,
+                self.b.members[rv.from],
+                self.begun.seq,
+                rv.tag,
+            );
+            lock(&inner.direct).posted.remove(&key);
+            // SAFETY: the call itself, inside its poll.
+            let applied =
+                unsafe { self.raw.buffers() }.apply(&rv, &f.payload, self.reduce, rv.from);
             inner.recycle(f.payload);
             applied?;
             self.schedule

@@ -89,7 +89,8 @@ pub(super) struct RawBufs {
 }
 
 // SAFETY: the parts point into buffers that the call's future borrows for
-// its whole life; they are dereferenced only under the rules of `Registry`.
+// its whole life; they are dereferenced only inside that call's poll (see
+// `registry`).
 unsafe impl Send for RawBufs {}
 // SAFETY: as above.
 unsafe impl Sync for RawBufs {}
@@ -124,10 +125,13 @@ impl RawBufs {
     ///
     /// # Safety
     ///
-    /// The registry lock must be held (no reader writes meanwhile).
+    /// Only the call itself, inside its poll, with no other slice of its
+    /// buffers alive (links write into them only from inside that poll:
+    /// see `registry`).
     pub(super) unsafe fn buffers(&self) -> CallBuffers<'_> {
         // SAFETY: the parts come from the call's live buffers, which do not
-        // overlap; the caller holds the lock that keeps readers out.
+        // overlap; the caller holds no other slice of them, and no one else
+        // writes them (see `registry`).
         unsafe {
             CallBuffers {
                 dtype: self.dtype,
@@ -136,20 +140,6 @@ impl RawBufs {
                 scratch: std::slice::from_raw_parts_mut(self.scratch.0, self.scratch.1),
             }
         }
-    }
-}
-
-/// Removes a call and its posted receives from the in-place registry when
-/// it ends (returns, fails, or is cancelled), before its buffers can go
-/// away.
-pub(super) struct DirectGuard<'a>(pub(super) &'a Inner, pub(super) u64);
-
-impl Drop for DirectGuard<'_> {
-    fn drop(&mut self) {
-        let mut reg = lock(&self.0.direct);
-        reg.live.remove(&self.1);
-        let call = self.1;
-        reg.posted.retain(|_, d| d.call != call);
     }
 }
 

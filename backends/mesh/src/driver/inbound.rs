@@ -26,22 +26,6 @@ pub(super) fn take_posted(inner: &Inner, peer: usize, h: &FrameHeader) -> Option
     }
 }
 
-/// Copies or reduces `bytes` into bytes `off..` of posted receive `d`,
-/// under the registry lock, if its call is still live (otherwise they are
-/// dropped). `bytes` holds whole elements.
-pub(super) fn apply_chunk(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes: &[u8]) {
-    let reg = lock(&inner.direct);
-    if reg.live.contains(&d.call) && off + bytes.len() <= d.len {
-        // SAFETY: the registering call is live and holds no other
-        // reference to this range (see `Registry`), `off + len <= d.len`
-        // bytes from `dst` lie inside its buffer, and we hold the lock.
-        let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), bytes.len()) };
-        if let Some(e) = apply(d.reduce, dst, bytes) {
-            lock(&inner.engine).protocol_error(peer, e);
-        }
-    }
-}
-
 /// Reduces (or copies) `data` into `dst`; the error, if any, for the call
 /// to report.
 pub(super) fn apply(

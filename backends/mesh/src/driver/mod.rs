@@ -11,7 +11,9 @@
 //!   the calls that wait on them;
 //! - [`inbound`] files a decoded frame: in place into a posted receive, with
 //!   the engine, or as a probe or an abort;
-//! - [`drive`] sends frames and starts calls; [`call`] drives one.
+//! - [`drive`] sends frames and starts calls; [`call`] drives one;
+//! - [`registry`] holds the receives links may fill in place, and the rule
+//!   that keeps that sound when a caller leaks a call.
 //!
 //! The engine sits behind a mutex, locked briefly (never across an await)
 //! by the readers and by the calls, as quinn keeps `proto::Connection` in
@@ -55,46 +57,10 @@ struct Frame {
     payload: Vec<u8>,
 }
 
-/// Bounce-buffer chunk of in-place receives: L2-sized, so the kernel's copy
-/// and the reduce that follows meet in cache.
+/// Chunk of an in-place receive read from a stream (and of a pull's reduce):
+/// L2-sized, so that a chunk's copy and the reduce that follows it meet in
+/// cache.
 const BOUNCE: usize = 256 * 1024;
-
-/// A posted receive that a reader may apply in place.
-struct Direct {
-    /// The registering call (see `Registry`).
-    call: u64,
-    fp: Fingerprint,
-    dst: *mut u8,
-    len: usize,
-    reduce: Option<(ReduceOp, DType)>,
-}
-
-// SAFETY: `dst` is only written under the registry lock while the call that
-// registered it is the registry's current call (see `Registry`).
-unsafe impl Send for Direct {}
-// SAFETY: as above; a shared `&Direct` only reads its fields.
-unsafe impl Sync for Direct {}
-
-/// The receives of the running call that readers may apply in place.
-///
-/// Soundness: a reader writes through `Direct::dst` only while holding this
-/// lock and only if `live` still holds the call that registered the entry;
-/// each call removes itself and its entries (under the lock) before its
-/// buffers go out of scope, on every path including cancellation. Calls in
-/// flight together have disjoint buffers (each borrows its own). While readers may write,
-/// the call itself touches its buffers either under this lock or through
-/// ranges disjoint from every registered receive (a schedule never uses a
-/// posted receive's range until that receive completes).
-#[derive(Default)]
-struct Registry {
-    /// Calls whose buffers readers may still write.
-    live: rustc_hash::FxHashSet<u64>,
-    next_call: u64,
-    /// Posted receives by (group, mesh sender, seq, tag).
-    posted: rustc_hash::FxHashMap<DirectKey, Direct>,
-}
-
-type DirectKey = (GroupId, usize, u64, u32);
 
 /// What a reader files for a receive: a frame, or the news that it was
 /// applied in place.
@@ -362,10 +328,11 @@ mod flight;
 mod inbound;
 mod poll;
 mod read;
+mod registry;
 
 pub use flight::dump_flight_records;
 
-use self::{drive::*, read::*};
+use self::{drive::*, read::*, registry::*};
 
 /// Tells world ranks `to` about a failure in call `fp` (best effort).
 async fn propagate(inner: &Arc<Inner>, (info, fp, to): (AbortInfo, Fingerprint, Vec<usize>)) {

@@ -77,7 +77,8 @@ pub(super) struct Decoder {
     cur: Option<Current>,
     /// Pull frames taken on this link (the last one's number).
     pulls: u64,
-    /// Where pulled bytes wait to be reduced into place.
+    /// Where pulled bytes wait to be reduced into place, or to be kept for
+    /// a call other than the one polling.
     bounce: Vec<u8>,
 }
 
@@ -134,7 +135,7 @@ impl Decoder {
                 promote(inner, from.0, cur);
                 let n = (len - cur.got).min(bytes.len());
                 match &mut cur.sink {
-                    Sink::Place(d) => apply_chunk(inner, from.0, d, cur.got, &bytes[..n]),
+                    Sink::Place(d) => deliver(inner, from.0, d, cur.got, &bytes[..n]),
                     Sink::Buffer(b) => b.extend_from_slice(&bytes[..n]),
                     Sink::Address(a) => a[cur.got..cur.got + n].copy_from_slice(&bytes[..n]),
                 }
@@ -249,8 +250,9 @@ impl Decoder {
     }
 
     /// Reads a pull frame's payload into posted receive `d`, a piece at a
-    /// time, copying straight into place or reducing from the bounce
-    /// buffer.
+    /// time: straight into place when this is `d`'s call's poll and the
+    /// receive copies, otherwise through the bounce buffer (see
+    /// [`deliver`]).
     fn pull_in_place(
         &mut self,
         inner: &Inner,
@@ -261,21 +263,18 @@ impl Decoder {
         let mut off = 0;
         while off < d.len {
             let n = (d.len - off).min(PULL_PIECE);
-            if d.reduce.is_some() {
+            if in_place_now(d) && d.reduce.is_none() {
+                // SAFETY: this thread is inside the registering call's poll
+                // (see `registry`), which holds no other reference to this
+                // range, and `off + n <= d.len`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
+                link.read_peer(addr + off as u64, dst)?;
+            } else {
                 if self.bounce.len() < n {
                     self.bounce.resize(n, 0);
                 }
                 link.read_peer(addr + off as u64, &mut self.bounce[..n])?;
-                apply_chunk(inner, peer, d, off, &self.bounce[..n]);
-            } else {
-                let reg = lock(&inner.direct);
-                if reg.live.contains(&d.call) {
-                    // SAFETY: the registering call is live and holds no
-                    // other reference to this range (see `Registry`),
-                    // `off + n <= d.len`, and we hold the lock.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
-                    link.read_peer(addr + off as u64, dst)?;
-                }
+                deliver(inner, peer, d, off, &self.bounce[..n]);
             }
             off += n;
         }
@@ -304,7 +303,7 @@ fn promote(inner: &Inner, peer: usize, cur: &mut Current) {
     let Some(d) = take_posted(inner, peer, &cur.h) else {
         return;
     };
-    apply_chunk(inner, peer, &d, 0, &b[..cur.got]);
+    deliver(inner, peer, &d, 0, &b[..cur.got]);
     inner.late_posts.fetch_add(1, Ordering::Relaxed);
     if let Sink::Buffer(b) = std::mem::replace(&mut cur.sink, Sink::Place(d)) {
         inner.recycle(b);

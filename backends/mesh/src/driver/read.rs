@@ -1,6 +1,7 @@
 //! The stream reader: one task per peer stream that decodes frames and
-//! hands them to [`super::inbound`], reading a posted receive's payload
-//! through an L2-sized bounce buffer straight into place.
+//! hands them to [`super::inbound`], reading a posted receive's payload in
+//! L2-sized chunks that its call applies (see [`super::registry`]: a
+//! reader task never writes into a caller's buffer).
 
 use super::{inbound::*, *};
 
@@ -8,7 +9,6 @@ use super::{inbound::*, *};
 /// lost.
 pub(super) async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: BoxRead) {
     let mut head = [0u8; HEADER_LEN];
-    let mut bounce = vec![0u64; BOUNCE / 8];
     let why = loop {
         if let Err(e) = r.read_exact(&mut head).await {
             break if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -30,7 +30,7 @@ pub(super) async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: BoxRead) {
             break why.to_string();
         }
         if let Some(d) = take_posted(&inner, peer, &h) {
-            match read_in_place(&inner, peer, &mut r, &mut bounce, &d, (0, 0)).await {
+            match read_in_place(&inner, peer, &mut r, &d, (0, Vec::new())).await {
                 Ok(()) => {
                     file_done(&inner, peer, &h);
                     continue;
@@ -38,7 +38,7 @@ pub(super) async fn read_loop(inner: Arc<Inner>, peer: usize, mut r: BoxRead) {
                 Err(e) => break format!("connection error mid-frame: {e}"),
             }
         }
-        let payload = match read_payload(&inner, peer, &mut r, &h, &mut bounce).await {
+        let payload = match read_payload(&inner, peer, &mut r, &h).await {
             Ok(Some(p)) => p,
             Ok(None) => {
                 file_done(&inner, peer, &h);
@@ -69,14 +69,13 @@ async fn read_payload(
     peer: usize,
     r: &mut BoxRead,
     h: &FrameHeader,
-    bounce: &mut [u64],
 ) -> std::result::Result<Option<Vec<u8>>, String> {
     let len = h.payload_len as usize;
     let late = h.kind == FrameKind::Data && len >= super::poll::PROMOTE_MIN;
     let mut payload = inner.buffer(len);
     while payload.len() < len {
         if late && let Some(d) = take_posted(inner, peer, h) {
-            return promote_read(inner, peer, r, bounce, &d, payload)
+            return promote_read(inner, peer, r, &d, payload)
                 .await
                 .map(|()| None)
                 .map_err(|e| format!("connection error mid-frame: {e}"));
@@ -92,63 +91,62 @@ async fn read_payload(
 }
 
 /// Moves a frame being read into `payload` over to its receive `d`, posted
-/// since its header came: the whole elements read so far are applied, the
-/// rest of the frame is read in place (the stream's side of
+/// since its header came: the whole elements read so far go to the call as
+/// one chunk, the rest of the frame is read in chunks (the stream's side of
 /// `poll::promote`).
 async fn promote_read(
     inner: &Inner,
     peer: usize,
     r: &mut BoxRead,
-    bounce: &mut [u64],
     d: &Direct,
-    payload: Vec<u8>,
+    mut payload: Vec<u8>,
 ) -> std::io::Result<()> {
     inner
         .late_posts
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Elements are 1, 2, 4 or 8 bytes: a multiple of 8 is whole elements.
     let whole = payload.len() / 8 * 8;
-    apply_chunk(inner, peer, d, 0, &payload[..whole]);
     // The few bytes of a split element lead the next chunk.
-    let rest = payload.len() - whole;
-    as_bytes(bounce)[..rest].copy_from_slice(&payload[whole..]);
-    inner.recycle(payload);
-    read_in_place(inner, peer, r, bounce, d, (whole, rest)).await
+    let mut held = inner.buffer(BOUNCE);
+    held.extend_from_slice(&payload[whole..]);
+    payload.truncate(whole);
+    deliver_owned(inner, peer, d, 0, payload);
+    read_in_place(inner, peer, r, d, (whole, held)).await
 }
 
 /// Streams a payload into a registered receive, chunk by chunk: each chunk
-/// is read into the (cache-hot) bounce buffer, then copied or reduced into
-/// place (see [`apply_chunk`]; a receive whose call has ended is read and
-/// dropped, keeping the stream in step).
+/// is read into a buffer of its own and left for the call to copy or
+/// reduce into place (see [`deliver_owned`]; a receive whose call has ended
+/// is read and dropped, keeping the stream in step).
 ///
 /// A promoted frame starts at byte `from` (a multiple of 8: what came
-/// before is applied), and the bounce buffer's first `held` bytes (fewer
-/// than 8) are already read and come next.
+/// before is delivered), and `held` (fewer than 8 bytes) is already read
+/// and comes next.
 async fn read_in_place(
     inner: &Inner,
     peer: usize,
     r: &mut BoxRead,
-    bounce: &mut [u64],
     d: &Direct,
-    (from, mut held): (usize, usize),
+    (from, mut held): (usize, Vec<u8>),
 ) -> std::io::Result<()> {
-    let buf = as_bytes(bounce);
     let mut off = from;
     while off < d.len {
-        let n = (d.len - off).min(buf.len());
-        r.read_exact(&mut buf[held..n]).await?;
-        held = 0;
+        let n = (d.len - off).min(BOUNCE);
+        let mut chunk = if held.is_empty() {
+            inner.buffer(n)
+        } else {
+            std::mem::take(&mut held)
+        };
+        while chunk.len() < n {
+            let mut limited = (&mut *r).take((n - chunk.len()) as u64);
+            if limited.read_buf(&mut chunk).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
         // Chunks are whole elements: BOUNCE is a multiple of 8, and so is
         // every offset a chunk starts at.
-        apply_chunk(inner, peer, d, off, &buf[..n]);
+        deliver_owned(inner, peer, d, off, chunk);
         off += n;
     }
     Ok(())
-}
-
-/// The bounce buffer (u64s, for alignment) as bytes.
-fn as_bytes(bounce: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u64 has no padding; every byte pattern is a valid u8, and the
-    // slice covers exactly the u64s' bytes.
-    unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast(), bounce.len() * 8) }
 }
