@@ -36,7 +36,7 @@ pub type StreamId = u64;
 /// An event recorded on a stream; release it with [`Device::release`]
 /// once nothing waits on it any more. It is a raw handle (a `CUevent`):
 /// the methods that use one are `unsafe`, since a released or forged one
-/// is undefined behaviour in the driver.
+/// is undefined behaviour in the driver. [`Event`] owns one safely.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EventId(pub u64);
 
@@ -126,6 +126,57 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// Blocks the host until everything enqueued on `stream` has run.
     fn synchronize(&self, stream: StreamId) -> Result<()>;
+}
+
+/// An event recorded on a stream, owned: released once, when dropped, so
+/// that safe code cannot use a released handle or release one twice. The
+/// safe way to order two streams (what [`Device::wait`] and friends do on
+/// raw handles).
+pub struct Event<'d> {
+    device: &'d dyn Device,
+    id: EventId,
+}
+
+impl<'d> Event<'d> {
+    /// Records an event on `stream` of `device`: it completes when the
+    /// work enqueued there before it has run.
+    pub fn record(device: &'d dyn Device, stream: StreamId) -> Result<Event<'d>> {
+        Ok(Event {
+            device,
+            id: device.record(stream)?,
+        })
+    }
+
+    /// Makes `stream` (of the same device) wait for this event before it
+    /// runs anything enqueued after this call. Does not block the host.
+    pub fn wait_on(&self, stream: StreamId) -> Result<()> {
+        // SAFETY: recorded on this device by `record`, released only by
+        // `drop`.
+        unsafe { self.device.wait(stream, self.id) }
+    }
+
+    /// Whether the work before the event has run.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: as in `wait_on`.
+        unsafe { self.device.query(self.id) }
+    }
+}
+
+impl Drop for Event<'_> {
+    fn drop(&mut self) {
+        // SAFETY: as in `wait_on`; this is the one release. A failed
+        // release leaves a handle leaked, which is safe.
+        let _ = unsafe { self.device.release(self.id) };
+    }
+}
+
+impl fmt::Debug for Event<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event")
+            .field("device", &self.device.kind())
+            .field("id", &self.id)
+            .finish()
+    }
 }
 
 /// Where a model's tensors live: a device and the compute stream that

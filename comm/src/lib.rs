@@ -53,7 +53,7 @@ pub mod validate;
 
 pub use backend::{Backend, CallOptions, Op, Work};
 pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
-pub use device::{Device, EventId, Placement, StreamId};
+pub use device::{Device, Event, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};
 pub use error::{CommError, ErrorContext, Result};
 pub use fingerprint::{Fingerprint, GroupId, OpKind};

@@ -18,7 +18,7 @@
 //! host never waits for the device inside a step.
 
 use consort_comm::{
-    Backend, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, Placement,
+    Backend, BufferMut, CallOptions, CommError, DType, DeviceBuffer, Element, Event, Placement,
 };
 
 use crate::{
@@ -73,13 +73,7 @@ impl Storage {
 /// Makes the compute stream wait for `stream` when they differ.
 fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
-        let e = p.device.record(stream)?;
-        // SAFETY: `e` was just recorded on this device and is released once,
-        // last.
-        unsafe {
-            p.device.wait(p.stream, e)?;
-            p.device.release(e)?;
-        }
+        Event::record(&*p.device, stream)?.wait_on(p.stream)?;
     }
     Ok(())
 }
@@ -87,12 +81,7 @@ fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
 /// Makes `stream` wait for the compute stream when they differ.
 fn order_before(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
-        let e = p.device.record(p.stream)?;
-        // SAFETY: as in `order_after`.
-        unsafe {
-            p.device.wait(stream, e)?;
-            p.device.release(e)?;
-        }
+        Event::record(&*p.device, p.stream)?.wait_on(stream)?;
     }
     Ok(())
 }

@@ -537,14 +537,15 @@ mod tests {
         unsafe {
             d.copy_from_host(x + 2, &[9], a).unwrap();
             d.copy_from_host(x, &[1, 2], a).unwrap();
-            let e = d.record(a).unwrap();
+            // The owned event: released when it goes.
+            let e = consort_comm::Event::record(&*d, a).unwrap();
             if wait {
-                d.wait(b, e).unwrap();
+                e.wait_on(b).unwrap();
             }
             d.copy(y, x, 4, b).unwrap();
             let mut out = [0u8; 4];
             d.copy_to_host(&mut out, y, b).unwrap();
-            d.release(e).unwrap();
+            assert!(!wait || e.query().unwrap(), "b waited for a, so a has run");
             out.to_vec()
         }
     }

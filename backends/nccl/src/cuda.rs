@@ -225,12 +225,11 @@ impl Device for CudaDevice {
     /// recorded and polled (spinning briefly, then sleeping), so a stream
     /// behind a kernel that never ends is an error, not a hang.
     fn synchronize(&self, s: StreamId) -> Result<()> {
-        let e = self.record(s)?;
+        let e = consort_comm::Event::record(self, s)?;
         let deadline = consort_comm::time::deadline(self.sync_timeout);
         let mut spins = 0u32;
-        let out = loop {
-            // SAFETY: `e` was recorded above and is released below, once.
-            match unsafe { self.query(e) } {
+        loop {
+            match e.query() {
                 Ok(true) => break Ok(()),
                 Err(x) => break Err(x),
                 Ok(false) if Instant::now() >= deadline => {
@@ -249,9 +248,6 @@ impl Device for CudaDevice {
                 }
                 Ok(false) => std::thread::sleep(Duration::from_micros(20)),
             }
-        };
-        // SAFETY: recorded above, released once.
-        let _ = unsafe { self.release(e) };
-        out
+        }
     }
 }
