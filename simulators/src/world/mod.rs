@@ -170,6 +170,33 @@ struct Msg {
     checksum: Option<u64>,
 }
 
+/// A copy of a caller's bytes in 8-aligned storage, so that every dtype's
+/// elements can be read in place (as from the caller's own buffer).
+#[derive(Default)]
+struct Owned {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Owned {
+    fn copy_of(bytes: &[u8]) -> Owned {
+        let mut o = Owned {
+            words: vec![0; bytes.len().div_ceil(8)],
+            len: bytes.len(),
+        };
+        o.bytes_mut().copy_from_slice(bytes);
+        o
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut scratch_bytes(&mut self.words)[..self.len]
+    }
+}
+
 /// A call made on a rank, active or waiting its turn on the stream.
 struct Call {
     /// The world's id of the call (for its start and deadline events).
@@ -191,10 +218,10 @@ struct Call {
     /// reduce_scatter). The call owns its buffers: other ranks' tasks move
     /// the world on, and they must never write into memory that a caller
     /// may have taken back by leaking the call's future.
-    input: Vec<u8>,
+    input: Owned,
     /// The output, copied from the caller's and copied back by the
     /// caller's future when the call succeeds.
-    output: Vec<u8>,
+    output: Owned,
     scratch: Vec<u64>,
     finalize: bool,
     timeout: Duration,
@@ -205,8 +232,8 @@ impl Call {
     fn buffers(&mut self) -> CallBuffers<'_> {
         CallBuffers {
             dtype: self.dtype,
-            input: &self.input,
-            output: &mut self.output,
+            input: self.input.bytes(),
+            output: self.output.bytes_mut(),
             scratch: scratch_bytes(&mut self.scratch),
         }
     }
@@ -237,7 +264,7 @@ struct RankState {
     /// Outcomes of finished calls, by id, for their futures to take.
     /// Ended calls' results: a success carries the output bytes, which
     /// the caller's future copies into the caller's buffer.
-    outcomes: HashMap<u64, Result<Vec<u8>>>,
+    outcomes: HashMap<u64, Result<Owned>>,
     /// The call rules: groups, sequence numbers, mailbox, poisoning.
     engine: Engine<Vec<u8>>,
     status: Status,

@@ -12,7 +12,7 @@ use consort_comm::{
     },
 };
 
-use super::{Call, Shared, Status, dur_ns, lock, wake};
+use super::{Call, Owned, Shared, Status, dur_ns, lock, wake};
 
 /// One rank of a [`super::SimWorld`], on the world group or a subgroup.
 /// Dropping the world handle is the rank's process exiting: peers that
@@ -193,11 +193,8 @@ impl SimRank {
             p2p: req.is_p2p(),
             reduce: req.reduce,
             dtype: req.dtype,
-            input: req
-                .scaled_input
-                .take()
-                .unwrap_or_else(|| req.input.to_vec()),
-            output: req.output.to_vec(),
+            input: Owned::copy_of(req.input_bytes()),
+            output: Owned::copy_of(req.output),
             finalize: req.finalize,
             timeout,
         });
@@ -227,7 +224,7 @@ impl SimRank {
                     drop(s);
                     // Written here, in the caller's own future: nothing
                     // else ever holds the caller's buffer.
-                    return out.map(|bytes| output.copy_from_slice(&bytes));
+                    return out.map(|o| output.copy_from_slice(o.bytes()));
                 }
             }
             if consort_comm::time::before(deadline_real, notified)

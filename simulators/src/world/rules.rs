@@ -10,8 +10,8 @@ use consort_comm::{
 };
 
 use super::{
-    Duration, Event, Link, Msg, Payload, State, Status, TraceEvent, TraceKind, dur_ns, fnv, lost,
-    ns,
+    Duration, Event, Link, Msg, Owned, Payload, State, Status, TraceEvent, TraceKind, dur_ns, fnv,
+    lost, ns,
 };
 
 impl State {
@@ -311,7 +311,7 @@ impl State {
         };
         let ended = rank.engine.end(call.eid, Err(e));
         rank.outcomes
-            .insert(call.id, ended.result.map(|()| Vec::new()));
+            .insert(call.id, ended.result.map(|()| Owned::default()));
         self.wake.insert(r);
         if let Some(abort) = ended.abort {
             self.send_abort(r, abort, t);
@@ -332,7 +332,7 @@ impl State {
         });
         let ended = rank.engine.end(call.eid, Err(err));
         rank.outcomes
-            .insert(call.id, ended.result.map(|()| Vec::new()));
+            .insert(call.id, ended.result.map(|()| Owned::default()));
         rank.clock = rank.clock.max(t);
         self.wake.insert(r);
         if let Some(abort) = ended.abort {
@@ -486,7 +486,7 @@ impl State {
             };
             let ended = rank.engine.end(call.eid, Err(e));
             rank.outcomes
-                .insert(call.id, ended.result.map(|()| Vec::new()));
+                .insert(call.id, ended.result.map(|()| Owned::default()));
         }
         rank.clock = rank.clock.max(t);
         self.wake.insert(r);
