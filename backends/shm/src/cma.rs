@@ -2,9 +2,12 @@
 //! from the sender's memory with `process_vm_readv`, one copy in all.
 //!
 //! The kernel allows it only where the reader may ptrace the sender (same
-//! user; with Yama's `ptrace_scope` 1, only if the sender names it, which
-//! [`Probe::offer`] does for any process, as Open MPI's shared-memory
-//! transport does; containers may forbid it altogether). So each side
+//! user; with Yama's `ptrace_scope` 1, only if the sender names it, or an
+//! ancestor of it; containers may forbid it altogether). Yama keeps one
+//! named tracer per process, so a rank cannot name each of several
+//! same-host peers: [`Probe::offer`] names its parent, the launcher
+//! (`consort run`, torchrun, mpirun) whose children the peers are, and
+//! never "any process" (Open MPI's choice). So each side
 //! tries once, at set-up, to read a known word of the other's, and falls
 //! back to the queues (two copies) toward a peer it cannot read, with one
 //! line in the log.
@@ -28,8 +31,9 @@ pub(crate) struct Probe {
 static WORD: AtomicU64 = AtomicU64::new(0);
 
 impl Probe {
-    /// Lets peers read this process (Yama) and returns the probe to offer;
-    /// `None` if no random value could be had.
+    /// Lets the launcher's children read this process (Yama) and returns
+    /// the probe to offer; `None` if no random value could be had. Called
+    /// only when single-copy reads are on.
     pub(crate) fn offer() -> Option<Probe> {
         static VALUE: OnceLock<Option<u64>> = OnceLock::new();
         let value = (*VALUE.get_or_init(|| {
@@ -38,9 +42,16 @@ impl Probe {
             let v = u64::from_le_bytes(n) | 1;
             WORD.store(v, Ordering::SeqCst);
             // Under Yama's ptrace_scope 1 a sibling may read this process
-            // only if it is named; fails harmlessly where Yama is absent.
-            // SAFETY: prctl with integer arguments only.
-            unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+            // only if it, or an ancestor of it, is named: the launcher, the
+            // peers' common parent. Not init, nor a parent in another PID
+            // namespace (0): that would be every process. Fails harmlessly
+            // where Yama is absent.
+            // SAFETY: getppid has no preconditions.
+            let parent = unsafe { libc::getppid() };
+            if parent > 1 {
+                // SAFETY: prctl with integer arguments only.
+                unsafe { libc::prctl(libc::PR_SET_PTRACER, parent as libc::c_ulong, 0, 0, 0) };
+            }
             Some(v)
         }))?;
         Some(Probe {

@@ -18,3 +18,9 @@ pub use server::{
     DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_CLIENTS, ServerOptions, TcpStoreServer, parse_bytes,
 };
 pub use wire::VALIDATION_MAGIC;
+
+/// The server's request decoder over given bytes, for fuzzing.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::server::{Fed, feed};
+}

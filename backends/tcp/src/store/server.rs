@@ -25,6 +25,8 @@ use super::wire::ReadError;
 use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 
 mod requests;
+#[doc(hidden)]
+pub use requests::{Fed, feed};
 mod state;
 
 use state::{Budget, ClientId, Out, State};

@@ -323,67 +323,88 @@ async fn read<R: AsyncRead + Unpin + Send>(
     }
 }
 
+/// What the decoder left after [`feed`]: for its property tests and its
+/// fuzz target.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Fed {
+    /// Whether it ended by itself (the input ran out, or a rule was broken)
+    /// within 5 s.
+    pub ended: bool,
+    /// Bytes still reserved in the budget once the client is gone, beyond
+    /// what the store holds: must be 0.
+    pub leaked: usize,
+    /// The replies, in order.
+    pub replies: Vec<Vec<u8>>,
+}
+
+/// Runs one client's decoder over `bytes` (after VALIDATE when
+/// `validated`), against a fresh store with a 1 MiB budget, as the server
+/// does; then drops the client as the server does when one leaves.
+#[doc(hidden)]
+pub fn feed(bytes: &[u8], validated: bool) -> Fed {
+    use super::state::Budget;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a current-thread runtime");
+    let mut input = Vec::new();
+    if validated {
+        input.push(cmd::VALIDATE);
+        input.extend_from_slice(&wire::VALIDATION_MAGIC.to_le_bytes());
+    }
+    input.extend_from_slice(bytes);
+    let budget = Budget::new(1 << 20);
+    let state = Mutex::new(State::new(budget.clone()));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let out = Out {
+        tx,
+        budget: budget.clone(),
+    };
+    let deadlines = Deadlines {
+        validate: Duration::from_secs(1),
+        request: Duration::from_secs(1),
+    };
+    let ended = rt.block_on(async {
+        let mut r = &input[..];
+        let run = handle_requests(&mut r, 1, &out, &state, deadlines);
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .is_ok()
+    });
+    drop(out);
+    state.lock().unwrap_or_else(|p| p.into_inner()).forget(1);
+    let mut replies = Vec::new();
+    while let Ok((reply, _lease)) = rx.try_recv() {
+        replies.push(reply);
+    }
+    let state = state.into_inner().unwrap_or_else(|p| p.into_inner());
+    let held: usize = state
+        .map
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + OVERHEAD)
+        .sum::<usize>()
+        + state
+            .queues
+            .iter()
+            .map(|(k, q)| k.len() + OVERHEAD + q.iter().map(|v| v.len() + OVERHEAD).sum::<usize>())
+            .sum::<usize>();
+    Fed {
+        ended,
+        leaked: budget.used().saturating_sub(held),
+        replies,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use tokio::sync::mpsc;
 
     use super::*;
-    use crate::store::server::state::Budget;
 
-    /// Runs the decoder over `bytes` (after VALIDATE when `validated`) and
-    /// returns whether it ended by itself, the bytes still reserved once
-    /// the client's replies are dropped, and the replies.
     fn decode(bytes: &[u8], validated: bool) -> (bool, usize, Vec<Vec<u8>>) {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        let mut input = Vec::new();
-        if validated {
-            input.push(cmd::VALIDATE);
-            input.extend_from_slice(&wire::VALIDATION_MAGIC.to_le_bytes());
-        }
-        input.extend_from_slice(bytes);
-        let budget = Budget::new(1 << 20);
-        let state = Mutex::new(State::new(budget.clone()));
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let out = Out {
-            tx,
-            budget: budget.clone(),
-        };
-        let deadlines = Deadlines {
-            validate: Duration::from_secs(1),
-            request: Duration::from_secs(1),
-        };
-        let ended = rt.block_on(async {
-            let mut r = &input[..];
-            let run = handle_requests(&mut r, 1, &out, &state, deadlines);
-            tokio::time::timeout(Duration::from_secs(5), run)
-                .await
-                .is_ok()
-        });
-        drop(out);
-        // As the server does when a client leaves.
-        state.lock().unwrap().forget(1);
-        let mut replies = Vec::new();
-        while let Ok((reply, _lease)) = rx.try_recv() {
-            replies.push(reply);
-        }
-        let state = state.into_inner().unwrap();
-        let held: usize = state
-            .map
-            .iter()
-            .map(|(k, v)| k.len() + v.len() + OVERHEAD)
-            .sum::<usize>()
-            + state
-                .queues
-                .iter()
-                .map(|(k, q)| {
-                    k.len() + OVERHEAD + q.iter().map(|v| v.len() + OVERHEAD).sum::<usize>()
-                })
-                .sum::<usize>();
-        (ended, budget.used().saturating_sub(held), replies)
+        let f = feed(bytes, validated);
+        (f.ended, f.leaked, f.replies)
     }
 
     proptest! {

@@ -87,7 +87,6 @@ impl Budget {
 
 impl Budget {
     /// Bytes held plus bytes in flight.
-    #[cfg(test)]
     pub(super) fn used(&self) -> usize {
         self.held.load(Ordering::Relaxed) + self.transient.load(Ordering::Relaxed)
     }
