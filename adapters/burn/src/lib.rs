@@ -30,7 +30,12 @@
 //! and listed in the order burn visits them, which is the same on every
 //! rank for the same module type. f32, f64, f16 and bf16 parameters are
 //! supported, up to 6 dimensions. burn's `Linear` keeps its weight as
-//! `[d_input, d_output]`, the transpose of torch's.
+//! `[d_input, d_output]`, the transpose of torch's, and its norm layers
+//! call their affine parameters `gamma` and `beta`:
+//! [`BurnModel::torch_state_dict`] gives the names and layouts of the same
+//! model written with `torch.nn`, so that torch's `load_state_dict` takes
+//! the checkpoint as it is, and [`BurnModel::load_torch_state_dict`] reads
+//! one back.
 
 /// The burn this adapter is built against (0.22.1), for code that names
 /// burn's types through consort (`consort::burn::burn`).
@@ -43,6 +48,8 @@ use burn::{
 };
 use consort_comm::{DType, with_dtype};
 use consort_ddp::{DdpError, ParamSet, ParamSpec, PlainModel, PlainModelError, Sharded};
+
+mod torch;
 
 /// Why the burn adapter failed.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +99,9 @@ pub enum BurnError {
 #[derive(Clone, Debug)]
 struct Entry {
     name: String,
+    /// The innermost struct module holding it (`Struct:Linear`), which
+    /// decides its torch name and layout (see [`torch`]).
+    container: String,
     id: ParamId,
     dims: Vec<usize>,
     dtype: BDType,
@@ -123,24 +133,34 @@ fn our_dtype(name: &str, d: BDType) -> Result<DType, BurnError> {
 /// Collects every float parameter with its module path.
 struct Collect {
     path: Vec<String>,
+    containers: Vec<String>,
     found: Vec<(Entry, Vec<u8>)>,
     err: Option<BurnError>,
 }
 
 impl ModuleVisitor for Collect {
-    fn enter_module(&mut self, name: &str, _container: &str) {
+    fn enter_module(&mut self, name: &str, container: &str) {
         self.path.push(name.to_string());
+        self.containers.push(container.to_string());
     }
 
     fn exit_module(&mut self, _name: &str, _container: &str) {
         self.path.pop();
+        self.containers.pop();
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let t = param.val();
         let name = self.path.join(".");
+        // Vec and array wrappers sit between a struct and its children.
+        let container = self
+            .containers
+            .iter()
+            .rev()
+            .find(|c| c.starts_with("Struct:"));
         let entry = Entry {
             name,
+            container: container.cloned().unwrap_or_default(),
             id: param.id,
             dims: t.dims().to_vec(),
             dtype: t.dtype(),
@@ -160,6 +180,7 @@ impl ModuleVisitor for Collect {
 fn collect<M: Module>(module: &M) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
     let mut c = Collect {
         path: Vec::new(),
+        containers: Vec::new(),
         found: Vec::new(),
         err: None,
     };

@@ -3,7 +3,9 @@
 //! DistributedSampler, burn computes the gradients, consort averages them
 //! across the ranks, and burn's Adam steps. It prints the loss and
 //! tokens/s, draws the loss curve (`OUT/loss.png`), writes a checkpoint
-//! (`OUT/checkpoint.safetensors`, named by module path) and the loss so far
+//! (`OUT/checkpoint.safetensors`, in torch's names and layouts: module
+//! paths, `Linear` weights as `[out, in]`, norms' `weight` and `bias`; see
+//! `BurnModel::torch_state_dict`) and the loss so far
 //! (`OUT/metrics.json`) every `--checkpoint-every` steps, and resumes from
 //! them when run again.
 //!
@@ -189,7 +191,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
                 // host copy's starting ones, go in the checkpoint.
                 host.pull_values(&net)?;
                 let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
-                save_safetensors(&ckpt, &host.state_dict(), &meta)?;
+                save_safetensors(&ckpt, &host.torch_state_dict(), &meta)?;
                 std::fs::write(&metrics, serde_json::to_vec(&history)?)?;
             }
             // No rank leaves a step before the checkpoint of it exists.
@@ -223,7 +225,7 @@ fn resume(
         return Ok((0, Vec::new()));
     }
     let (sd, meta) = load_safetensors(ckpt)?;
-    host.load_state_dict(&sd)?;
+    host.load_torch_state_dict(&sd)?;
     let start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
     if say {
         println!("resuming from {} at step {start}", ckpt.display());
