@@ -223,6 +223,36 @@ impl ModuleMapper for Push<'_> {
     }
 }
 
+/// Gives each float parameter the id [`BurnModel::adopt_ids`] names for
+/// its module path.
+struct Adopt<'a> {
+    model: &'a mut BurnModel,
+    ids: &'a std::collections::BTreeMap<String, u64>,
+    next: usize,
+    err: Option<BurnError>,
+}
+
+impl ModuleMapper for Adopt<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let i = self.next;
+        self.next += 1;
+        let Some(e) = self.model.entries.get_mut(i).filter(|e| e.id == param.id) else {
+            self.err.get_or_insert(BurnError::Mismatch {
+                why: format!("its float parameter #{i} is not the one expected there"),
+            });
+            return param;
+        };
+        let Some(&id) = self.ids.get(&e.name) else {
+            self.err.get_or_insert(BurnError::Mismatch {
+                why: format!("no id was saved for its parameter {}", e.name),
+            });
+            return param;
+        };
+        e.id = ParamId::from(id);
+        Param::initialized(e.id, param.val())
+    }
+}
+
 /// Calls `$body` with `$d` bound to a const rank from 1 to 6.
 macro_rules! with_rank {
     ($dims:expr, $d:ident => $body:expr, $else:expr) => {
@@ -342,6 +372,44 @@ impl BurnModel {
         if push.next != want {
             return Err(BurnError::Mismatch {
                 why: format!("it has {} float parameters, not {want}", push.next),
+            });
+        }
+        Ok(module)
+    }
+
+    /// Each float parameter's burn id, by module path: save it beside an
+    /// optimizer record (burn keys optimizer state by parameter id, and a
+    /// module made again gets new ids), then [`BurnModel::adopt_ids`].
+    pub fn param_ids(&self) -> std::collections::BTreeMap<String, u64> {
+        let ids = self.entries.iter().map(|e| (e.name.clone(), e.id.val()));
+        ids.collect()
+    }
+
+    /// `module` with its float parameters carrying the ids `ids` names for
+    /// their module paths (from [`BurnModel::param_ids`] of an earlier
+    /// run, or of rank 0), values unchanged: so that an optimizer record
+    /// saved then (`ModuleOptimizer::to_record`) applies to this module
+    /// when loaded (`load_record`). `module` must be the one this was made
+    /// from; this model takes the ids too.
+    pub fn adopt_ids<M: Module>(
+        &mut self,
+        module: M,
+        ids: &std::collections::BTreeMap<String, u64>,
+    ) -> Result<M, BurnError> {
+        let want = self.entries.len();
+        let mut adopt = Adopt {
+            model: self,
+            ids,
+            next: 0,
+            err: None,
+        };
+        let module = module.map(&mut adopt);
+        if let Some(e) = adopt.err {
+            return Err(e);
+        }
+        if adopt.next != want {
+            return Err(BurnError::Mismatch {
+                why: format!("it has {} float parameters, not {want}", adopt.next),
             });
         }
         Ok(module)

@@ -16,8 +16,10 @@
 //!     target/release/examples/gpt --backend tcp                              # 2 processes over TCP
 //! ```
 //!
-//! The resumed run restarts Adam's moments (the checkpoint holds the
-//! parameters and the step).
+//! The resumed run goes on with Adam's moments: the checkpoint's metadata
+//! names the optimizer record written beside it (`OUT/optimizer-{step}.bpk`,
+//! burn's format) and each parameter's burn id by module path, which the
+//! new module adopts (burn keys optimizer state by parameter id).
 
 mod data;
 mod model;
@@ -31,7 +33,7 @@ use consort::{
         BurnModel,
         burn::{
             Tensor,
-            optim::{AdamConfig, GradientsParams},
+            optim::{AdamConfig, GradientsParams, ModuleOptimizer, OptimizerRecord},
             tensor::{Device, Int, TensorData},
         },
     },
@@ -158,10 +160,14 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         args.out.join("checkpoint.safetensors"),
         args.out.join("metrics.json"),
     );
-    let (start, mut history) = resume(&mut host, &ckpt, &metrics, r == 0)?;
+    let (start, mut history, saved) = resume(&mut host, &ckpt, &metrics, r == 0)?;
     let mut ddp = Ddp::new(rank.clone(), &mut host, DdpOptions::default()).await?;
     let mut net = host.push_values(net)?;
     let mut optim = AdamConfig::new().init();
+    if let Some((record, ids)) = saved {
+        net = host.adopt_ids(net, &ids)?;
+        optim = optim.load_record(OptimizerRecord::load(args.out.join(record))?);
+    }
     let mut windows = Windows::new(&args, world, r)?;
     let bar = (r == 0).then(|| {
         let b = indicatif::ProgressBar::new(args.steps as u64);
@@ -190,8 +196,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
                 // burn's optimizer stepped the module: its values, not the
                 // host copy's starting ones, go in the checkpoint.
                 host.pull_values(&net)?;
-                let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
-                save_safetensors(&ckpt, &host.torch_state_dict(), &meta)?;
+                save(&args.out, &ckpt, step + 1, &host, &optim)?;
                 std::fs::write(&metrics, serde_json::to_vec(&history)?)?;
             }
             // No rank leaves a step before the checkpoint of it exists.
@@ -213,29 +218,71 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// The step to start from and the loss so far: from the checkpoint and
-/// metrics of an earlier run, if there are any (its values go into `host`).
+/// Writes the checkpoint of step `step`: the optimizer record first, then
+/// the parameters with the metadata that names it (the checkpoint is what
+/// a resume trusts), then drops older records.
+fn save(
+    out: &std::path::Path,
+    ckpt: &std::path::Path,
+    step: usize,
+    host: &BurnModel,
+    optim: &ModuleOptimizer,
+) -> Result<(), BoxError> {
+    let record = format!("optimizer-{step}.bpk");
+    optim.to_record().save(out.join(&record))?;
+    let meta = BTreeMap::from([
+        ("step".to_string(), step.to_string()),
+        ("optimizer".to_string(), record.clone()),
+        (
+            "param_ids".to_string(),
+            serde_json::to_string(&host.param_ids())?,
+        ),
+    ]);
+    save_safetensors(ckpt, &host.torch_state_dict(), &meta)?;
+    for e in std::fs::read_dir(out)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("optimizer-") && name.ends_with(".bpk") && name != record {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(())
+}
+
+/// What a resume restores besides the values: the optimizer record's
+/// file name and the burn ids it is keyed by.
+type Saved = Option<(String, BTreeMap<String, u64>)>;
+
+/// The loss after each step so far.
+type History = Vec<(usize, f64)>;
+
+/// The step to start from, the loss so far and the optimizer state: from
+/// the checkpoint and metrics of an earlier run, if there are any (its
+/// values go into `host`).
 fn resume(
     host: &mut BurnModel,
     ckpt: &std::path::Path,
     metrics: &std::path::Path,
     say: bool,
-) -> Result<(usize, Vec<(usize, f64)>), BoxError> {
+) -> Result<(usize, History, Saved), BoxError> {
     if !ckpt.exists() {
-        return Ok((0, Vec::new()));
+        return Ok((0, Vec::new(), None));
     }
     let (sd, meta) = load_safetensors(ckpt)?;
     host.load_torch_state_dict(&sd)?;
     let start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let saved = match (meta.get("optimizer"), meta.get("param_ids")) {
+        (Some(record), Some(ids)) => Some((record.clone(), serde_json::from_str(ids)?)),
+        _ => None,
+    };
     if say {
         println!("resuming from {} at step {start}", ckpt.display());
     }
-    let mut history: Vec<(usize, f64)> = std::fs::read(metrics)
+    let mut history: History = std::fs::read(metrics)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
     history.retain(|h| h.0 <= start);
-    Ok((start, history))
+    Ok((start, history, saved))
 }
 
 /// One line every 20 steps (shown with or without a terminal: the bar
