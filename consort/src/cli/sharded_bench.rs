@@ -15,7 +15,7 @@
 use std::{sync::Arc, time::Instant};
 
 use consort::{
-    Backend, OpKind,
+    Backend, OpKind, ProcessGroup, ReduceOp,
     algo::AlgoConfig,
     ddp::{
         AdamW, Ddp, DdpOptions, Memory, PlainModel, ShardOptimizer, ShardOptions, Sharded, Strategy,
@@ -194,8 +194,19 @@ pub(crate) async fn memory(params: usize, layers: usize) -> Result<Table, BoxErr
     Ok(t)
 }
 
-/// Rank `rank`'s step under `s` (`None`: DDP, then AdamW on every
-/// parameter), timed; the median of `iters` after one warm-up step.
+/// One step's time as the slowest rank's (the anchors' and nccl-tests'
+/// way): every rank's milliseconds, all-reduced with Max outside the timed
+/// region.
+async fn slowest(backend: &Arc<dyn Backend>, ms: f64) -> Result<f64, BoxError> {
+    let mut v = [ms];
+    ProcessGroup::new(backend.clone())
+        .all_reduce(&mut v, ReduceOp::Max)
+        .await?;
+    Ok(v[0])
+}
+
+/// The step under `s` (`None`: DDP, then AdamW on every parameter), timed
+/// as the slowest rank's; the median of `iters` after one warm-up step.
 async fn time_steps(
     backend: Arc<dyn Backend>,
     s: Option<Strategy>,
@@ -206,6 +217,8 @@ async fn time_steps(
 ) -> Result<f64, BoxError> {
     let rank = backend.rank();
     let bias = rank as f32 * 1e-3;
+    // The timing's own all_reduce, on the same ranks.
+    let timer = backend.clone();
     let mut m = model(params, layers, 0)?;
     let opt = AdamW::new(1e-3);
     let mut times = Vec::new();
@@ -234,8 +247,9 @@ async fn time_steps(
             }
             drop(gathered);
             sh.step().await?;
+            let ms = slowest(&timer, t.elapsed().as_secs_f64() * 1e3).await?;
             if it > 0 {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                times.push(ms);
             }
         }
     } else {
@@ -255,8 +269,9 @@ async fn time_steps(
                 let g = ddp.grad::<f32>(l)?.to_vec();
                 opt.step_f32(it as u64 + 1, m.param_mut::<f32>(l)?, &g, &mut [a, b]);
             }
+            let ms = slowest(&timer, t.elapsed().as_secs_f64() * 1e3).await?;
             if it > 0 {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                times.push(ms);
             }
         }
     }
