@@ -52,13 +52,7 @@ impl MeshBackend {
                 (b.as_mut_ptr(), b.len())
             },
         };
-        let call_id = {
-            let mut reg = lock(&inner.direct);
-            reg.next_call += 1;
-            let id = reg.next_call;
-            reg.live.insert(id);
-            id
-        };
+        let call_id = registry::new_call(inner);
         // Unregisters the call's receives when it ends, however it ends.
         let _direct = DirectGuard(inner, call_id);
         let timeout = opts.timeout_or(self.opts.timeout);
@@ -209,8 +203,10 @@ impl CallRun<'_> {
             && bytes >= self.b.opts.in_place_min
             && let Some(dst) = self.raw.ptr(rv.buf, &rv.range)
         {
+            let key = key(self.b, self.begun.seq, &rv);
             let direct = Direct {
                 call: self.call_id,
+                key,
                 fp: self.begun.fp,
                 dst,
                 len: bytes,
@@ -218,12 +214,6 @@ impl CallRun<'_> {
                     .reduce
                     .then(|| (self.reduce.unwrap_or(ReduceOp::Sum), dtype)),
             };
-            let key = (
-                self.b.group,
-                self.b.members[rv.from],
-                self.begun.seq,
-                rv.tag,
-            );
             lock(&self.b.inner.direct).posted.insert(key, direct);
         }
         self.posted.push(rv);
@@ -272,21 +262,18 @@ impl CallRun<'_> {
         // that came outside this poll waiting here by now.
         let applied = registry::take_pending(inner, self.call_id);
         let progressed = applied > 0 || !done.is_empty() || !got.is_empty();
+        // Handed back to the schedule from here on: a duplicated frame that
+        // took a registration writes nothing more into these ranges (and a
+        // frame that came the buffered way loses its registration).
+        let keys = done.iter().chain(got.iter().map(|(rv, _)| rv));
+        let (b, seq) = (self.b, self.begun.seq);
+        registry::retire(inner, self.call_id, keys.map(|rv| key(b, seq, rv)));
         for rv in done.drain(..) {
             self.schedule
                 .handle_recv(rv.from, rv.tag)
                 .map_err(|e| CommError::protocol(Some(rv.from), e.to_string()))?;
         }
         for (rv, f) in got.drain(..) {
-            // The frame came the buffered way: its in-place registration
-            // must go before the range is reused.
-            let key = (
-                self.b.group,
-                self.b.members[rv.from],
-                self.begun.seq,
-                rv.tag,
-            );
-            lock(&inner.direct).posted.remove(&key);
             // SAFETY: the call itself, inside its poll.
             let applied =
                 unsafe { self.raw.buffers() }.apply(&rv, &f.payload, self.reduce, rv.from);
@@ -336,4 +323,9 @@ impl CallRun<'_> {
         let _ = before(wake.unwrap_or(self.deadline), woken).await;
         Ok(())
     }
+}
+
+/// The in-place registry's key of receive `rv` of call `seq` on `b`.
+fn key(b: &MeshBackend, seq: u64, rv: &Receive) -> DirectKey {
+    (b.group, b.members[rv.from], seq, rv.tag)
 }

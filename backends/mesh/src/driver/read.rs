@@ -107,8 +107,11 @@ async fn promote_read(
     // Elements are 1, 2, 4 or 8 bytes: a multiple of 8 is whole elements.
     let whole = payload.len() / 8 * 8;
     // The few bytes of a split element lead the next chunk.
-    let mut held = inner.buffer(BOUNCE);
-    held.extend_from_slice(&payload[whole..]);
+    let mut held = Vec::new();
+    if whole < payload.len() {
+        held = inner.buffer(BOUNCE);
+        held.extend_from_slice(&payload[whole..]);
+    }
     payload.truncate(whole);
     deliver_owned(inner, peer, d, 0, payload);
     read_in_place(inner, peer, r, d, (whole, held)).await

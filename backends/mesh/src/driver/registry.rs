@@ -32,6 +32,8 @@ use super::*;
 pub(super) struct Direct {
     /// The registering call (see [`Registry`]).
     pub(super) call: u64,
+    /// Its key in [`Registry::posted`].
+    pub(super) key: DirectKey,
     pub(super) fp: Fingerprint,
     pub(super) dst: *mut u8,
     pub(super) len: usize,
@@ -57,11 +59,39 @@ pub(super) struct Pending {
 pub(super) struct Registry {
     /// Calls whose receives may still be filled.
     pub(super) live: rustc_hash::FxHashSet<u64>,
-    pub(super) next_call: u64,
     /// Posted receives by (group, mesh sender, seq, tag).
     pub(super) posted: rustc_hash::FxHashMap<DirectKey, Direct>,
     /// Chunks that came outside their call's poll, by call.
     pending: rustc_hash::FxHashMap<u64, Vec<Pending>>,
+    /// Receives their call has handed back to its schedule: bytes for them
+    /// (a duplicated frame that took the registration) are dropped, never
+    /// written into a range the schedule may be using again.
+    retired: rustc_hash::FxHashSet<(u64, DirectKey)>,
+}
+
+impl Registry {
+    fn accepts(&self, d: &Direct) -> bool {
+        self.live.contains(&d.call) && !self.retired.contains(&(d.call, d.key))
+    }
+}
+
+/// A new call's registry id: unique in the process, since [`POLLING`]
+/// marks threads process-wide and one process may hold several meshes.
+pub(super) fn new_call(inner: &Inner) -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    lock(&inner.direct).live.insert(id);
+    id
+}
+
+/// Marks the receives of `call` keyed `keys` handed back to its schedule
+/// (see [`Registry::retired`]); their registrations go too.
+pub(super) fn retire(inner: &Inner, call: u64, keys: impl IntoIterator<Item = DirectKey>) {
+    let mut reg = lock(&inner.direct);
+    for key in keys {
+        reg.posted.remove(&key);
+        reg.retired.insert((call, key));
+    }
 }
 
 pub(super) type DirectKey = (GroupId, usize, u64, u32);
@@ -110,7 +140,7 @@ use std::task::Poll;
 /// this thread is inside `d`'s call; otherwise keeps a copy for the call
 /// to apply (see [`deliver_owned`]). `bytes` holds whole elements.
 pub(super) fn deliver(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes: &[u8]) {
-    if off + bytes.len() > d.len {
+    if bytes.is_empty() || off + bytes.len() > d.len || !lock(&inner.direct).accepts(d) {
         return;
     }
     if polling(d.call) {
@@ -136,7 +166,7 @@ pub(super) fn deliver(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes:
 pub(super) fn deliver_owned(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes: Vec<u8>) {
     {
         let mut reg = lock(&inner.direct);
-        if !reg.live.contains(&d.call) || off + bytes.len() > d.len {
+        if !reg.accepts(d) || off + bytes.len() > d.len {
             drop(reg);
             inner.recycle(bytes);
             return;
@@ -160,8 +190,13 @@ pub(super) fn in_place_now(d: &Direct) -> bool {
 /// Applies the chunks that came for `call` outside its poll; returns how
 /// many. Called by the call itself (see the module's rule).
 pub(super) fn take_pending(inner: &Inner, call: u64) -> usize {
-    let Some(chunks) = lock(&inner.direct).pending.remove(&call) else {
-        return 0;
+    let chunks = {
+        let mut reg = lock(&inner.direct);
+        let Some(mut chunks) = reg.pending.remove(&call) else {
+            return 0;
+        };
+        chunks.retain(|c| !reg.retired.contains(&(call, c.d.key)));
+        chunks
     };
     debug_assert!(polling(call), "only a call applies its own chunks");
     let n = chunks.len();
@@ -190,6 +225,7 @@ impl Drop for DirectGuard<'_> {
             let mut reg = lock(&self.0.direct);
             reg.live.remove(&call);
             reg.posted.retain(|_, d| d.call != call);
+            reg.retired.retain(|(c, _)| *c != call);
             reg.pending.remove(&call)
         };
         for c in chunks.into_iter().flatten() {
