@@ -253,6 +253,20 @@ impl ModuleMapper for Adopt<'_> {
     }
 }
 
+/// How a mapper over every float parameter ends: with its first error, or
+/// with a count of parameters other than the model's.
+fn mapped<M>(module: M, err: Option<BurnError>, seen: usize, want: usize) -> Result<M, BurnError> {
+    if let Some(e) = err {
+        return Err(e);
+    }
+    if seen != want {
+        return Err(BurnError::Mismatch {
+            why: format!("it has {seen} float parameters, not {want}"),
+        });
+    }
+    Ok(module)
+}
+
 /// Calls `$body` with `$d` bound to a const rank from 1 to 6.
 macro_rules! with_rank {
     ($dims:expr, $d:ident => $body:expr, $else:expr) => {
@@ -366,15 +380,7 @@ impl BurnModel {
             err: None,
         };
         let module = module.map(&mut push);
-        if let Some(e) = push.err {
-            return Err(e);
-        }
-        if push.next != want {
-            return Err(BurnError::Mismatch {
-                why: format!("it has {} float parameters, not {want}", push.next),
-            });
-        }
-        Ok(module)
+        mapped(module, push.err, push.next, want)
     }
 
     /// Each float parameter's burn id, by module path: save it beside an
@@ -404,15 +410,7 @@ impl BurnModel {
             err: None,
         };
         let module = module.map(&mut adopt);
-        if let Some(e) = adopt.err {
-            return Err(e);
-        }
-        if adopt.next != want {
-            return Err(BurnError::Mismatch {
-                why: format!("it has {} float parameters, not {want}", adopt.next),
-            });
-        }
-        Ok(module)
+        mapped(module, adopt.err, adopt.next, want)
     }
 
     /// Copies this step's gradients from `grads` to the host copy; a

@@ -5,37 +5,19 @@
 
 use std::sync::Arc;
 
+mod common;
+
 use burn::{
     Tensor,
-    module::Module,
-    nn::{Linear, LinearConfig},
     optim::{GradientsParams, SgdConfig},
-    tensor::{Device, TensorData, activation::relu},
+    tensor::{Device, TensorData},
 };
+use common::Net;
 use consort_burn::BurnModel;
 use consort_comm::Backend;
 use consort_ddp::{Ddp, DdpOptions, ParamSet, Sgd, ShardOptions, Sharded, Strategy};
 use consort_sim::{SimConfig, SimWorld};
 use proptest::prelude::*;
-
-#[derive(Module, Debug)]
-struct Net {
-    fc1: Linear,
-    fc2: Linear,
-}
-
-impl Net {
-    fn new(device: &Device) -> Self {
-        Net {
-            fc1: LinearConfig::new(4, 8).init(device),
-            fc2: LinearConfig::new(8, 3).init(device),
-        }
-    }
-
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc2.forward(relu(self.fc1.forward(x)))
-    }
-}
 
 /// Sample `i` of step `s`: an input of 4 and a target of 3.
 fn sample(s: usize, i: usize) -> (Vec<f32>, Vec<f32>) {

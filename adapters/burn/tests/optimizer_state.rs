@@ -3,37 +3,22 @@
 //! adopted by the new module, Adam's saved state applies: a resumed run
 //! steps exactly as the run that never stopped.
 
+mod common;
+
 use burn::{
     Tensor,
-    module::Module,
-    nn::{Linear, LinearConfig},
     optim::{AdamConfig, GradientsParams, ModuleOptimizer, OptimizerRecord},
-    tensor::{Device, TensorData, activation::relu},
+    tensor::{Device, TensorData},
 };
+use common::Net;
 use consort_burn::BurnModel;
 
-#[derive(Module, Debug)]
-struct Net {
-    fc1: Linear,
-    fc2: Linear,
-}
-
-impl Net {
-    fn new(device: &Device) -> Self {
-        Net {
-            fc1: LinearConfig::new(4, 8).init(device),
-            fc2: LinearConfig::new(8, 3).init(device),
-        }
-    }
-
-    fn loss(&self, s: usize, device: &Device) -> Tensor<1> {
-        let v = |k: usize| (((s * 31 + k * 3) % 17) as f32 - 8.0) / 8.0;
-        let x = Tensor::<2>::from_data(TensorData::new((0..8).map(v).collect(), [2, 4]), device);
-        let y = Tensor::<2>::from_data(TensorData::new((8..14).map(v).collect(), [2, 3]), device);
-        (self.fc2.forward(relu(self.fc1.forward(x))) - y)
-            .powf_scalar(2.0)
-            .mean()
-    }
+/// The loss of step `s` (two samples).
+fn loss(net: &Net, s: usize, device: &Device) -> Tensor<1> {
+    let v = |k: usize| (((s * 31 + k * 3) % 17) as f32 - 8.0) / 8.0;
+    let x = Tensor::<2>::from_data(TensorData::new((0..8).map(v).collect(), [2, 4]), device);
+    let y = Tensor::<2>::from_data(TensorData::new((8..14).map(v).collect(), [2, 3]), device);
+    (net.forward(x) - y).powf_scalar(2.0).mean()
 }
 
 fn values(net: &Net) -> Vec<u8> {
@@ -48,7 +33,7 @@ fn adam_state_saved_by_module_path_resumes_exactly() {
     let mut net = Net::new(&device);
     let mut optim = AdamConfig::new().init();
     let step = |net: Net, optim: &mut ModuleOptimizer, s: usize| {
-        let grads = GradientsParams::from_grads(net.loss(s, &device).backward(), &net);
+        let grads = GradientsParams::from_grads(loss(&net, s, &device).backward(), &net);
         optim.step(0.01, net, grads)
     };
     for s in 0..3 {
