@@ -440,40 +440,48 @@ impl std::fmt::Debug for SimWorld {
     }
 }
 
+/// The world's topology, after checking the configuration: at least one
+/// rank, a topology of the world's size, faults naming ranks inside it.
+fn checked_topology(cfg: &SimConfig) -> Result<Topology> {
+    let n = cfg.world_size;
+    if n == 0 {
+        return Err(CommError::invalid(
+            "a simulated world needs at least one rank",
+        ));
+    }
+    let topo = cfg
+        .topology
+        .unwrap_or_else(|| Topology::flat(n, Link::loopback_tcp()));
+    if topo.world_size() != n {
+        return Err(CommError::invalid(format!(
+            "topology has {} ranks ({} nodes x {}) but the world has {n}",
+            topo.world_size(),
+            topo.nodes,
+            topo.ranks_per_node
+        )));
+    }
+    for f in &cfg.faults {
+        let bad = match f {
+            Fault::Crash { rank, .. } => *rank >= n,
+            Fault::Hold { from, to, .. } => *from >= n || *to >= n,
+            Fault::Partition { a, b, .. } => a.iter().chain(b).any(|r| *r >= n),
+            _ => false,
+        };
+        if bad {
+            return Err(CommError::invalid(format!(
+                "fault {f:?} names a rank outside a world of {n}"
+            )));
+        }
+    }
+    Ok(topo)
+}
+
 impl SimWorld {
     /// Builds the world. Errors on an empty world or a fault naming a rank
     /// that does not exist.
     pub fn new(cfg: SimConfig) -> Result<Self> {
         let n = cfg.world_size;
-        if n == 0 {
-            return Err(CommError::invalid(
-                "a simulated world needs at least one rank",
-            ));
-        }
-        let topo = cfg
-            .topology
-            .unwrap_or_else(|| Topology::flat(n, Link::loopback_tcp()));
-        if topo.world_size() != n {
-            return Err(CommError::invalid(format!(
-                "topology has {} ranks ({} nodes x {}) but the world has {n}",
-                topo.world_size(),
-                topo.nodes,
-                topo.ranks_per_node
-            )));
-        }
-        for f in &cfg.faults {
-            let bad = match f {
-                Fault::Crash { rank, .. } => *rank >= n,
-                Fault::Hold { from, to, .. } => *from >= n || *to >= n,
-                Fault::Partition { a, b, .. } => a.iter().chain(b).any(|r| *r >= n),
-                _ => false,
-            };
-            if bad {
-                return Err(CommError::invalid(format!(
-                    "fault {f:?} names a rank outside a world of {n}"
-                )));
-            }
-        }
+        let topo = checked_topology(&cfg)?;
         let ranks = (0..n)
             .map(|r| RankState {
                 clock: 0,
