@@ -13,7 +13,14 @@ fn per_thread<T: Send + 'static>(
     world: usize,
     f: impl Fn(SimRank) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let w = SimWorld::new(SimConfig::new(world)).unwrap();
+    per_thread_in(SimConfig::new(world), f)
+}
+
+fn per_thread_in<T: Send + 'static>(
+    cfg: SimConfig,
+    f: impl Fn(SimRank) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let w = SimWorld::new(cfg).unwrap();
     let threads: Vec<_> = w
         .ranks()
         .into_iter()
@@ -117,5 +124,76 @@ fn dropping_the_parent_while_a_subgroup_lives_does_not_hang() {
             later_failed,
             "a subgroup call after its parent's drop must fail"
         );
+    }
+}
+
+/// A rank's process dies while its peers are launching a burst of
+/// stream-ordered device collectives (NCCL's "abort during launch"): on
+/// every survivor each call either ran or fails naming the lost rank, the
+/// first failure is sticky, `synchronize` reports it, and every launch
+/// after that fails at once naming it too; nothing hangs (the world's
+/// thread ends within its bound).
+#[test]
+fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
+    const BURST: usize = 30;
+    let mut cfg = SimConfig::new(3);
+    cfg.faults = vec![consort_comm::fault::Fault::Crash {
+        rank: 2,
+        at: consort_comm::fault::Trigger::AfterMessages(12),
+    }];
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let out = per_thread_in(cfg, |rank| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let r = rank.rank();
+                let (dev, comm) = setup(rank, 11);
+                let s = dev.new_stream().unwrap();
+                let x = dev.alloc_zeroed(4096, s).unwrap();
+                // SAFETY: x holds 4096 bytes, live until the thread ends.
+                let buf = unsafe { consort_comm::DeviceBuffer::new(x, 1024, DType::F32, 0, s) };
+                let o = CallOptions::default().with_timeout(Duration::from_secs(10));
+                let launch = || comm.all_reduce(BufferMut::Device(buf), ReduceOp::Sum, &o);
+                let mut burst = Vec::new();
+                for _ in 0..BURST {
+                    burst.push(launch().await.map_err(|e| e.to_string()));
+                    // Host work between launches (a layer's backward): the
+                    // stream runs meanwhile, so the loss lands mid-burst.
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                let synced = comm.synchronize().await.map_err(|e| e.to_string());
+                let mut after = Vec::new();
+                for _ in 0..5 {
+                    after.push(launch().await.map_err(|e| e.to_string()));
+                }
+                (r, burst, synced, after)
+            })
+        });
+        let _ = tx.send(out);
+    });
+    let out = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a burst of launches hung after a rank was lost");
+    let names_it = |e: &str| e.contains("rank 2") || e.contains("peer 2");
+    for (r, burst, synced, after) in out.into_iter().filter(|o| o.0 != 2) {
+        if let Some(i) = burst.iter().position(Result::is_err) {
+            for (j, o) in burst[i..].iter().enumerate() {
+                let e = o
+                    .as_ref()
+                    .expect_err("a launch after a failed one succeeded");
+                assert!(names_it(e), "rank {r}, launch {}: {e}", i + j);
+            }
+        }
+        let e = synced.expect_err("synchronize after a lost rank succeeded");
+        assert!(names_it(&e), "rank {r}: synchronize: {e}");
+        for (j, o) in after.iter().enumerate() {
+            let e = o
+                .as_ref()
+                .expect_err("a launch after the failure succeeded");
+            assert!(names_it(e), "rank {r}, launch {j} after synchronize: {e}");
+        }
     }
 }
