@@ -263,6 +263,46 @@ impl Dist {
     }
 
     /// The TCP options from the environment (see [`Dist::process_group`]).
+    /// A process group on the emulated device (consort-sim's
+    /// `EmulatedComm`): NCCL's stream-ordered model, call rules, mismatch
+    /// check and heartbeat, over a TCP mesh, with no GPU. For testing the
+    /// GPU code paths of a job on CPU (the launcher's restarts and
+    /// watchdog, init bounds, the fingerprint side channel); its buffers
+    /// are the emulated device's or the host's.
+    ///
+    /// The check's side channel is a TCP mesh of its own, as on NCCL.
+    pub async fn emulated_process_group(&self) -> Result<ProcessGroup, CommError> {
+        let (rank, world) = (self.env.rank, self.env.world_size);
+        let mut tcp = self.tcp_options().await?;
+        tcp.namespace = format!("consort/tcp/{}/emulated", self.env.restart_count);
+        let heartbeat = tcp.heartbeat_file.take();
+        let host = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
+        let device = consort_sim::EmulatedDevice::new(consort_sim::EmulatedOptions {
+            seed: rank as u64,
+            ..Default::default()
+        });
+        let comm = consort_sim::EmulatedComm::new(
+            Arc::new(host),
+            device,
+            consort_sim::EmulatedCommOptions {
+                seed: rank as u64,
+                ..Default::default()
+            },
+        )?;
+        if let Some(path) = heartbeat {
+            comm.set_heartbeat(&path)?;
+        }
+        if world > 1 {
+            let mut tcp = self.tcp_options().await?;
+            tcp.namespace = format!("consort/tcp/{}/emulated-check", self.env.restart_count);
+            tcp.heartbeat_file = None;
+            tcp.flight_dir = None;
+            let side = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
+            comm.check_fingerprints(Arc::new(side))?;
+        }
+        Ok(ProcessGroup::new(Arc::new(comm)))
+    }
+
     async fn tcp_options(&self) -> Result<TcpOptions, CommError> {
         let mut opts = TcpOptions {
             namespace: format!("consort/tcp/{}/world", self.env.restart_count),

@@ -651,31 +651,37 @@ fn sigint_reaches_every_worker_as_sigint() {
 /// (rank 0's five elements against the others' four).
 #[test]
 fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
-    let child = consort(&[
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        "--",
-        BIN,
-        "mismatch-check",
-    ]);
-    let out = finish(child, "consort run -- consort mismatch-check");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{text}");
-    for r in 0..3 {
-        let line = text
-            .lines()
-            .find(|l| l.contains(&format!("MISMATCH rank {r} after")))
-            .unwrap_or_else(|| panic!("no verdict from rank {r}: {text}"));
-        assert!(
-            line.contains("5 x float32") && line.contains("4 x float32"),
-            "rank {r} does not name both calls: {line}"
+    // The emulated device: NCCL's model (stream order, the fingerprint
+    // side channel) over TCP, in real processes.
+    for backend in ["tcp", "emulated"] {
+        let child = consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--",
+            BIN,
+            "mismatch-check",
+            "--backend",
+            backend,
+        ]);
+        let out = finish(child, "consort run -- consort mismatch-check");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
         );
+        assert!(out.status.success(), "{backend}: {text}");
+        for r in 0..3 {
+            let line = text
+                .lines()
+                .find(|l| l.contains(&format!("MISMATCH rank {r} after")))
+                .unwrap_or_else(|| panic!("{backend}: no verdict from rank {r}: {text}"));
+            assert!(
+                line.contains("5 x float32") && line.contains("4 x float32"),
+                "{backend}: rank {r} does not name both calls: {line}"
+            );
+        }
     }
 }
 
@@ -686,35 +692,41 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
 /// the launcher ends the job.
 #[test]
 fn an_init_with_an_absent_peer_fails_within_consort_timeout() {
-    let mut cmd = std::process::Command::new(BIN);
-    cmd.args([
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--",
-        BIN,
-        "init-check",
-        "--absent",
-        "1",
-    ])
-    .env("CONSORT_TIMEOUT", "3")
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped());
-    let out = finish(cmd.spawn().unwrap(), "consort run -- consort init-check");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(!out.status.success(), "{text}");
-    let line = text
-        .lines()
-        .find(|l| l.contains("INIT FAILED rank 0 after"))
-        .unwrap_or_else(|| panic!("rank 0 gave no verdict: {text}"));
-    // The job ends by itself (finish allows 120 s; the mesh used to wait
-    // its own 300 s whatever CONSORT_TIMEOUT said).
-    assert!(line.contains("missing ranks [1]"), "{line}");
+    // And on the emulated device, whose communicator is made over a mesh
+    // that waits for the absent rank as NCCL's init does.
+    for backend in ["tcp", "emulated"] {
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args([
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--",
+            BIN,
+            "init-check",
+            "--backend",
+            backend,
+            "--absent",
+            "1",
+        ])
+        .env("CONSORT_TIMEOUT", "3")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        let out = finish(cmd.spawn().unwrap(), "consort run -- consort init-check");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{backend}: {text}");
+        let line = text
+            .lines()
+            .find(|l| l.contains("INIT FAILED rank 0 after"))
+            .unwrap_or_else(|| panic!("{backend}: rank 0 gave no verdict: {text}"));
+        // The job ends by itself (finish allows 120 s; the mesh used to
+        // wait its own 300 s whatever CONSORT_TIMEOUT said).
+        assert!(line.contains("missing ranks [1]"), "{backend}: {line}");
+    }
 }
 
 /// `consort store --secret`: a client without the secret is refused, one

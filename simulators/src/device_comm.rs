@@ -427,7 +427,11 @@ impl EmulatedComm {
         std::thread::Builder::new()
             .name(format!("consort-emulated-check-{}", self.rank()))
             .spawn(move || {
-                if let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() {
+                // Timers and sockets: the side channel may be a real mesh.
+                if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
                     rt.block_on(task);
                 }
             })
@@ -707,7 +711,11 @@ fn comm_thread(
     opts: &EmulatedCommOptions,
     jobs: mpsc::Receiver<Job>,
 ) {
-    let rt = tokio::runtime::Builder::new_current_thread().build();
+    // Timers and sockets: the host backend may be a real mesh (TCP), whose
+    // calls arm tokio timers in the task that drives them.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
     let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
     let max = opts.max_delay.as_nanos() as u64;
     while let Ok(mut job) = jobs.recv() {

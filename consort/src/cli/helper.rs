@@ -30,7 +30,7 @@ pub(crate) enum Helper {
     /// mismatch-check --backend nccl`, started by scripts/gpu-check).
     #[command(hide = true)]
     MismatchCheck {
-        /// tcp, quic or nccl.
+        /// tcp, quic, nccl or emulated.
         #[arg(long, default_value = "tcp")]
         backend: String,
     },
@@ -39,7 +39,7 @@ pub(crate) enum Helper {
     /// `--absent` never inits, the others must fail within CONSORT_TIMEOUT.
     #[command(hide = true)]
     InitCheck {
-        /// tcp, quic or nccl.
+        /// tcp, quic, nccl or emulated.
         #[arg(long, default_value = "tcp")]
         backend: String,
         /// The rank that stays out of the init.

@@ -5,7 +5,7 @@
 //! `INIT FAILED rank R after T s: ...` and exit 1, so the launcher ends
 //! the job. `scripts/gpu-check` runs it on NCCL (a nonblocking
 //! `ncclCommInitRankConfig` aborted at its deadline); the tests run it on
-//! TCP.
+//! TCP and on the emulated device.
 //!
 //! `CONSORT_TIMEOUT=10 consort run --standalone --nproc-per-node 2 -- consort init-check --backend nccl`
 
@@ -41,14 +41,16 @@ pub(crate) async fn run(backend: &str, absent: usize) -> Result<(), BoxError> {
     }
 }
 
-/// The process group of `backend` (tcp, quic or nccl) for the self-tests.
+/// The process group of `backend` (tcp, quic, nccl, or emulated: NCCL's
+/// model on the emulated device) for the self-tests.
 pub(super) async fn group(dist: &consort::Dist, backend: &str) -> Result<ProcessGroup, CommError> {
     match backend {
         "tcp" => dist.process_group().await,
         "quic" => dist.quic_process_group().await,
         "nccl" => nccl_group(dist).await,
+        "emulated" => dist.emulated_process_group().await,
         other => Err(CommError::invalid(format!(
-            "unknown backend {other:?}: expected tcp, quic or nccl"
+            "unknown backend {other:?}: expected tcp, quic, nccl or emulated"
         ))),
     }
 }
