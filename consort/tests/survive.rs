@@ -34,8 +34,12 @@ fn train_bin() -> PathBuf {
     p
 }
 
+/// A fresh directory of this test's own: tests run in parallel, and two
+/// of them may want the same name (the undisturbed runs).
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("consort-survive-{}-{name}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("consort-survive-{}-{n}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
@@ -74,8 +78,13 @@ fn worker_pid(launcher: u32, rank: usize) -> Option<i32> {
 /// Runs the trainer on 3 workers for 6 epochs; once rank 0 reports epoch
 /// 2, sends `signal` to rank 1. Returns the launcher's output and the run
 /// directory.
-fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, PathBuf) {
-    let out = scratch(name);
+fn disturbed_run(
+    name: &str,
+    signal: i32,
+    extra: &[&str],
+    backend: &str,
+) -> (bool, String, PathBuf) {
+    let out = scratch(&format!("{name}-{backend}"));
     let mut job = Command::new(consort_bin())
         .args([
             "run",
@@ -89,7 +98,15 @@ fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, Path
         .args(extra)
         .arg("--")
         .arg(train_bin())
-        .args(["--epochs", "6", "--batch-size", "30", "--out"])
+        .args([
+            "--backend",
+            backend,
+            "--epochs",
+            "6",
+            "--batch-size",
+            "30",
+            "--out",
+        ])
         .arg(&out)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -113,35 +130,42 @@ fn disturbed_run(name: &str, signal: i32, extra: &[&str]) -> (bool, String, Path
     (ok, text, out)
 }
 
+/// Over TCP, and through NCCL's model on the emulated device (issue 29's
+/// kill then restart, and stop then watchdog, on CPU).
 #[test]
 fn a_killed_worker_restarts_the_world_and_training_finishes() {
-    let (ok, text, out) = disturbed_run("kill", libc::SIGKILL, &[]);
-    assert!(ok, "the job did not finish: {text}");
-    assert!(
-        text.contains("[consort run] rank 1 failed (signal 9); restarting the group"),
-        "{text}"
-    );
-    assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    assert_accuracy(&out, 3, "after a restart");
-    std::fs::remove_dir_all(out).unwrap();
+    for backend in ["tcp", "emulated"] {
+        let (ok, text, out) = disturbed_run("kill", libc::SIGKILL, &[], backend);
+        assert!(ok, "{backend}: the job did not finish: {text}");
+        assert!(
+            text.contains("[consort run] rank 1 failed (signal 9); restarting the group"),
+            "{backend}: {text}"
+        );
+        assert!(text.contains("[rank0]: epoch   6/6"), "{backend}: {text}");
+        assert_accuracy(&out, 3, &format!("after a restart ({backend})"));
+        std::fs::remove_dir_all(out).unwrap();
+    }
 }
 
 #[test]
 fn a_stopped_worker_is_named_by_the_watchdog_and_training_finishes() {
-    let (ok, text, out) = disturbed_run("stop", libc::SIGSTOP, &["--watchdog-timeout", "3"]);
-    assert!(ok, "the job did not finish: {text}");
-    assert!(
-        text.contains("[consort run] rank 1 failed (a hang (the watchdog stopped it))"),
-        "{text}"
-    );
-    assert!(
-        text.contains("watchdog: rank 1 (pid ")
-            && text.contains("stopped (SIGSTOP?)) made no progress for"),
-        "{text}"
-    );
-    assert!(text.contains("[rank0]: epoch   6/6"), "{text}");
-    assert_accuracy(&out, 3, "after a restart");
-    std::fs::remove_dir_all(out).unwrap();
+    for backend in ["tcp", "emulated"] {
+        let (ok, text, out) =
+            disturbed_run("stop", libc::SIGSTOP, &["--watchdog-timeout", "3"], backend);
+        assert!(ok, "{backend}: the job did not finish: {text}");
+        assert!(
+            text.contains("[consort run] rank 1 failed (a hang (the watchdog stopped it))"),
+            "{backend}: {text}"
+        );
+        assert!(
+            text.contains("watchdog: rank 1 (pid ")
+                && text.contains("stopped (SIGSTOP?)) made no progress for"),
+            "{backend}: {text}"
+        );
+        assert!(text.contains("[rank0]: epoch   6/6"), "{backend}: {text}");
+        assert_accuracy(&out, 3, &format!("after a restart ({backend})"));
+        std::fs::remove_dir_all(out).unwrap();
+    }
 }
 
 /// A free local port for an agent store.

@@ -44,7 +44,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[command(name = "train")]
 struct Args {
     /// sim (N ranks in this process), tcp (one process per rank, launched
-    /// by `consort run` or torchrun) or nccl. Default: tcp when launched
+    /// by `consort run` or torchrun), emulated (as tcp, through NCCL's
+    /// model on the emulated device) or nccl. Default: tcp when launched
     /// (RANK is set), sim otherwise.
     #[arg(long)]
     backend: Option<String>,
@@ -187,9 +188,16 @@ async fn run(args: Args) -> Result<(), BoxError> {
             }
             first.map_or(Ok(()), Err)
         }
-        "tcp" => {
+        "tcp" | "emulated" => {
             let dist = consort::init_from_env().await?;
-            let pg = dist.process_group().await?;
+            let pg = if backend == "tcp" {
+                dist.process_group().await?
+            } else {
+                // NCCL's model on the emulated device, over TCP: the GPU
+                // code paths of a launched job (call rules, the mismatch
+                // check, the heartbeat), on CPU.
+                dist.emulated_process_group().await?
+            };
             let store = Some(dist.store().clone());
             let res = train_any(pg.backend().clone(), args, data, store).await;
             drop(pg);
@@ -199,7 +207,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
             res.map(drop)
         }
         "nccl" => nccl(args, data).await,
-        other => Err(format!("unknown --backend {other:?}: expected sim, tcp or nccl").into()),
+        other => {
+            Err(format!("unknown --backend {other:?}: expected sim, tcp, emulated or nccl").into())
+        }
     }
 }
 
