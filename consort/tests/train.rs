@@ -189,7 +189,10 @@ fn bad_requests_fail_with_a_reason() {
             vec!["--batch-size", "30", "--world-size", "4"],
             "multiple of the world size",
         ),
-        (vec!["--backend", "gloo"], "expected sim, tcp or nccl"),
+        (
+            vec!["--backend", "gloo"],
+            "expected sim, tcp, emulated or nccl",
+        ),
         (
             vec!["--strategy", "zero3"],
             "expected ddp, zero1, zero2, fsdp or hsdp",
