@@ -13,6 +13,7 @@ variables):
 
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py              # gloo, CPU
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py --device cuda  # nccl
+    torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py --device cuda --share-gpu
 
 Prints one row per strategy on rank 0 (step ms and the peak memory of the
 device, on CUDA); --json prints JSON objects instead.
@@ -101,9 +102,19 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="every rank on GPU 0 (NCCL < 2.30 then needs a host id per rank over sockets)",
+    )
     a = ap.parse_args()
     cuda = a.device == "cuda"
     local = int(os.environ.get("LOCAL_RANK", 0))
+    if a.share_gpu:
+        os.environ.setdefault("NCCL_HOSTID", f"h-{local}")
+        os.environ.setdefault("NCCL_NET", "Socket")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        local = 0
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo")
