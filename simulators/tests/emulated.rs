@@ -32,6 +32,15 @@ fn per_thread_in<T: Send + 'static>(
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
+/// Runs `f` on a current-thread runtime of this thread (a rank's thread).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
 fn setup(rank: SimRank, seed: u64) -> (Arc<EmulatedDevice>, EmulatedComm) {
     let r = rank.rank() as u64;
     let dev = EmulatedDevice::new(EmulatedOptions {
@@ -47,11 +56,7 @@ fn setup(rank: SimRank, seed: u64) -> (Arc<EmulatedDevice>, EmulatedComm) {
 #[test]
 fn all_reduce_and_broadcast_on_device_buffers_are_stream_ordered() {
     let out = per_thread(3, |rank| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
+        block_on(async move {
             let r = rank.rank();
             let (dev, comm) = setup(rank, 7);
             let s = dev.new_stream().unwrap();
@@ -93,11 +98,7 @@ fn all_reduce_and_broadcast_on_device_buffers_are_stream_ordered() {
 #[test]
 fn dropping_the_parent_while_a_subgroup_lives_does_not_hang() {
     let out = per_thread(2, |rank| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
+        block_on(async move {
             let (_dev, comm) = setup(rank, 3);
             let o = CallOptions::default();
             let sub = comm.new_group(&[0, 1], &o).await.unwrap().unwrap();
@@ -144,11 +145,7 @@ fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let out = per_thread_in(cfg, |rank| {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
+            block_on(async move {
                 let r = rank.rank();
                 let (dev, comm) = setup(rank, 11);
                 let s = dev.new_stream().unwrap();

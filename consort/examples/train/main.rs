@@ -119,6 +119,37 @@ fn main() -> ExitCode {
     }
 }
 
+/// The options of a CPU run that only make sense together.
+fn check_cpu_options(args: &Args, backend: &str) -> Result<(), BoxError> {
+    if args.strategy != "ddp" && args.device != "cpu" {
+        return Err(format!(
+            "--strategy {} keeps parameters in host memory: use --device cpu, or --strategy ddp \
+             on the GPU",
+            args.strategy
+        )
+        .into());
+    }
+    if !matches!(args.on_peer_lost.as_str(), "fail" | "shrink") {
+        return Err(format!(
+            "unknown --on-peer-lost {:?}: expected fail or shrink",
+            args.on_peer_lost
+        )
+        .into());
+    }
+    // The name now; HSDP's shard size once the world size is known.
+    if backend == "sim" || args.strategy != "hsdp" {
+        sharded::strategy(args, if backend == "sim" { args.world_size } else { 1 })?;
+    }
+    if args.strategy == "ddp" && args.momentum != 0.0 {
+        return Err(
+            "--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
+                    trainer applies plain SGD"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 async fn run(args: Args) -> Result<(), BoxError> {
     let data = Arc::new(data::load()?);
     let launched = std::env::var_os("RANK").is_some();
@@ -140,32 +171,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             return Err(format!("unknown --device {other:?}: expected cpu or cuda").into());
         }
     }
-    if args.strategy != "ddp" && args.device != "cpu" {
-        return Err(format!(
-            "--strategy {} keeps parameters in host memory: use --device cpu, or --strategy ddp \
-             on the GPU",
-            args.strategy
-        )
-        .into());
-    }
-    if !matches!(args.on_peer_lost.as_str(), "fail" | "shrink") {
-        return Err(format!(
-            "unknown --on-peer-lost {:?}: expected fail or shrink",
-            args.on_peer_lost
-        )
-        .into());
-    }
-    // The name now; HSDP's shard size once the world size is known.
-    if backend == "sim" || args.strategy != "hsdp" {
-        sharded::strategy(&args, if backend == "sim" { args.world_size } else { 1 })?;
-    }
-    if args.strategy == "ddp" && args.momentum != 0.0 {
-        return Err(
-            "--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \
-                    trainer applies plain SGD"
-                .into(),
-        );
-    }
+    check_cpu_options(&args, &backend)?;
     match backend.as_str() {
         "sim" => {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
