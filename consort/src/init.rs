@@ -235,14 +235,7 @@ impl Dist {
         b.set_store(store.clone());
         // torch's ranks would never join the check's side channel.
         if world > 1 && !self.torch_peers && bool_var("CONSORT_NCCL_CHECK", true)? {
-            // The side channel of the mismatch check: a TCP mesh of its own
-            // (its own store keys), used by nothing else.
-            let mut tcp = self.tcp_options().await?;
-            tcp.namespace = format!("consort/tcp/{}/nccl-check", self.env.restart_count);
-            tcp.heartbeat_file = None;
-            tcp.flight_dir = None;
-            let host = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
-            b.check_fingerprints(Arc::new(host))?;
+            b.check_fingerprints(Arc::new(self.check_channel("nccl-check").await?))?;
         }
         Ok(b)
     }
@@ -293,14 +286,21 @@ impl Dist {
             comm.set_heartbeat(&path)?;
         }
         if world > 1 {
-            let mut tcp = self.tcp_options().await?;
-            tcp.namespace = format!("consort/tcp/{}/emulated-check", self.env.restart_count);
-            tcp.heartbeat_file = None;
-            tcp.flight_dir = None;
-            let side = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
-            comm.check_fingerprints(Arc::new(side))?;
+            comm.check_fingerprints(Arc::new(self.check_channel("emulated-check").await?))?;
         }
         Ok(ProcessGroup::new(Arc::new(comm)))
+    }
+
+    /// The side channel of a stream-ordered communicator's mismatch check
+    /// (NCCL's, the emulated device's): a TCP mesh of its own under
+    /// `consort/tcp/{restart}/{name}`, used by nothing else, with no
+    /// heartbeat or flight records of its own.
+    async fn check_channel(&self, name: &str) -> Result<TcpBackend, CommError> {
+        let mut tcp = self.tcp_options().await?;
+        tcp.namespace = format!("consort/tcp/{}/{name}", self.env.restart_count);
+        tcp.heartbeat_file = None;
+        tcp.flight_dir = None;
+        TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, tcp).await
     }
 
     async fn tcp_options(&self) -> Result<TcpOptions, CommError> {
