@@ -20,7 +20,7 @@
 //! - the call engine ([`engine`]): one sans-IO endpoint per rank with the
 //!   call rules (sequence numbers, fingerprints and mismatch, poisoning,
 //!   aborts, cancellation, stall probes), and the flight recorder
-//!   ([`flight`]) it fills;
+//!   ([`flight`]) it fills; a cancelled call's cause ([`cancel`]);
 //! - the rules of stream-ordered communicators ([`ordered`]), on that
 //!   engine, with time as an argument: what NCCL and the emulated device
 //!   both drive, and the fingerprint check over a host side channel;
@@ -32,6 +32,7 @@
 pub mod algo;
 mod backend;
 mod buffer;
+pub mod cancel;
 pub mod device;
 pub mod dtype;
 pub mod engine;

@@ -237,7 +237,7 @@ impl<W> Ordered<W> {
     /// that says so.
     pub fn cancel(&mut self, id: CallId) {
         if self.unlaunched.remove(&id) {
-            let _ = self.engine.cancel(id);
+            let _ = self.engine.cancel(id, crate::cancel::cause());
         }
     }
 

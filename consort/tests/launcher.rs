@@ -647,14 +647,13 @@ fn sigint_reaches_every_worker_as_sigint() {
 }
 
 /// The mismatch self-test that `scripts/gpu-check` runs on NCCL, here on
-/// TCP: every rank reports `Mismatch`, and each message names both calls
-/// (rank 0's five elements against the others' four).
+/// TCP and on the emulated device: every rank reports `Mismatch`, and each
+/// message names both calls (rank 0's five elements against the others'
+/// four). On the emulated device a third rank may hear a peer's abort
+/// before its own check's verdict: the abort carries the verdict.
 #[test]
 fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
-    // Not yet on the emulated backend: there a third rank can see a
-    // peer's cancellation abort before its own checker's verdict (the
-    // note of 2026-11-26 has the trace).
-    for backend in ["tcp"] {
+    for backend in ["tcp", "emulated"] {
         let child = consort(&[
             "run",
             "--standalone",

@@ -160,7 +160,7 @@ struct Job {
     /// What the call came to, for the watchdog.
     slot: Arc<Mutex<Slot>>,
     /// Closed when a host call's work is dropped before it finished.
-    cancelled: Option<tokio::sync::oneshot::Receiver<()>>,
+    cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>,
     /// The communicator the call belongs to (its rules and its errors).
     comm: Arc<Shared>,
     /// The host backend of a subgroup's call (`None`: the thread's own).
@@ -670,17 +670,29 @@ fn channel_if<T>(
 type Answer<'a> = (
     tokio::sync::oneshot::Receiver<Result<Option<Vec<u8>>>>,
     Option<HostSliceMut<'a>>,
-    Option<tokio::sync::oneshot::Sender<()>>,
+    Option<tokio::sync::oneshot::Sender<CommError>>,
 );
 
 /// Waits for a host call's result. Dropping this future before the answer
-/// cancels the call on the communication thread, which aborts the group.
+/// cancels the call on the communication thread, which aborts the group;
+/// a call that fails first (the fingerprint check's verdict, an abort)
+/// cancels it with that error as the cause.
 async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
-    let out = answer.await.map_err(|_| CommError::Aborted {
-        ctx: Default::default(),
-        cause: "the emulated watchdog stopped during the call".into(),
-    })??;
-    drop(cancel);
+    let out = answer.await.unwrap_or_else(|_| {
+        Err(CommError::Aborted {
+            ctx: Default::default(),
+            cause: "the emulated watchdog stopped during the call".into(),
+        })
+    });
+    let out = match (out, cancel) {
+        (Ok(out), _) => out,
+        (Err(e), cancel) => {
+            if let Some(c) = cancel {
+                let _ = c.send(e.clone());
+            }
+            return Err(e);
+        }
+    };
     if let (Some(h), Some(bytes)) = (host_out, out) {
         h.into_bytes_mut().copy_from_slice(&bytes);
     }
@@ -689,6 +701,11 @@ async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
 
 impl Drop for EmulatedComm {
     fn drop(&mut self) {
+        // The peers' comparisons of this rank's last calls need this
+        // rank's part: leave after them (bounded), as NCCL's backend does.
+        if let Some(c) = self.shared.checker.get() {
+            c.wait_drained();
+        }
         if let Some(w) = lock(&self.worker).take() {
             lock(&self.jobs).take();
             let _ = w.join();
@@ -712,8 +729,13 @@ fn comm_thread(
     jobs: mpsc::Receiver<Job>,
 ) {
     // Timers and sockets: the host backend may be a real mesh (TCP), whose
-    // calls arm tokio timers in the task that drives them.
-    let rt = tokio::runtime::Builder::new_current_thread()
+    // calls arm tokio timers in the task that drives them. One worker of
+    // its own: what a cancelled host call spawns (its abort, to the peers)
+    // goes out at once, not at this thread's next call, which may never
+    // come.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("consort-emulated-io-{}", inner.rank()))
         .enable_all()
         .build();
     let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
@@ -722,31 +744,33 @@ fn comm_thread(
         let timeout = job.opts.timeout_or(inner.default_timeout());
         let skip = {
             let st = job.comm.lock();
-            st.aborted || st.async_error.is_some()
+            (st.aborted || st.async_error.is_some()).then(|| {
+                st.async_error
+                    .clone()
+                    .or_else(|| st.core.poisoned().cloned())
+            })
         };
-        if !skip {
-            let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
-            if max > 0 {
-                std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
-            }
-            let result = match (&rt, waited) {
-                (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
-                (Err(e), _) => Err(CommError::Aborted {
-                    ctx: Default::default(),
-                    cause: format!("could not start the emulated communication runtime: {e}"),
-                }),
-                (_, false) => Err(CommError::Timeout {
-                    ctx: Default::default(),
-                    after: timeout,
-                    waiting_on: Vec::new(),
-                }),
-            };
-            match result {
-                Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
-                Err(e) => {
-                    job.comm.lock().async_error.get_or_insert(e.clone());
-                    lock(&job.slot).err = Some(e);
+        match (skip, &rt) {
+            (Some(cause), Ok(rt)) => rt.block_on(tell_peers(inner, device, &mut job, cause)),
+            (Some(_), Err(_)) => {}
+            (None, rt) => {
+                let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
+                if max > 0 {
+                    std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
                 }
+                let result = match (rt, waited) {
+                    (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
+                    (Err(e), _) => Err(CommError::Aborted {
+                        ctx: Default::default(),
+                        cause: format!("could not start the emulated communication runtime: {e}"),
+                    }),
+                    (_, false) => Err(CommError::Timeout {
+                        ctx: Default::default(),
+                        after: timeout,
+                        waiting_on: Vec::new(),
+                    }),
+                };
+                settle(&job, result);
             }
         }
         for &e in &job.after {
@@ -757,28 +781,64 @@ fn comm_thread(
     }
 }
 
+/// What a job that ran came to: its output for the caller, or the
+/// communicator's asynchronous error.
+fn settle(job: &Job, result: Result<()>) {
+    match result {
+        Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
+        Err(e) => {
+            job.comm.lock().async_error.get_or_insert(e.clone());
+            lock(&job.slot).err = Some(e);
+        }
+    }
+}
+
+/// A job of an aborted communicator is not run, but its host call is made
+/// and at once cancelled with the communicator's cause (when it has one),
+/// so that peers already waiting in that call hear why, instead of seeing
+/// this rank's connections close when it leaves.
+async fn tell_peers(
+    inner: &dyn Backend,
+    device: &EmulatedDevice,
+    job: &mut Job,
+    cause: Option<CommError>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if let Some(cause) = cause {
+        let _ = tx.send(cause);
+    }
+    job.cancelled = Some(rx);
+    let _ = run_or_cancel(inner, device, job).await;
+}
+
 /// Runs a job; a host job whose caller dropped its work is cancelled (the
-/// host backend's call is dropped, which aborts its group).
+/// host backend's call is dropped, which aborts its group), with the
+/// caller's cause when it gave one: a verdict of the fingerprint check
+/// then reaches the peers as that verdict, not as "cancelled", which a
+/// third rank would otherwise report before its own check's verdict.
 async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
     let group = job.group.clone();
     let inner = group.as_deref().unwrap_or(inner);
     let Some(mut cancelled) = job.cancelled.take() else {
         return run_job(inner, device, job).await;
     };
+    let mut run = Box::pin(run_job(inner, device, job));
     // `biased`: the call is made (its first poll) before the cancellation
     // is seen, so a dropped call still reaches the host backend and aborts
     // its group there, telling the peers, instead of never being made.
-    let out = tokio::select! {
+    let cause = tokio::select! {
         biased;
-        r = run_job(inner, device, job) => r,
-        _ = &mut cancelled => Err(CommError::Aborted {
-            ctx: Default::default(),
-            cause: "a call was cancelled: its work was dropped before it finished. Peers may \
-                    be part-way through it, so the group cannot continue"
-                .into(),
-        }),
+        r = &mut run => return r,
+        why = &mut cancelled => why.ok(),
     };
-    out
+    let e = cause.unwrap_or_else(|| CommError::Aborted {
+        ctx: Default::default(),
+        cause: "a call was cancelled: its work was dropped before it finished. Peers may be \
+                part-way through it, so the group cannot continue"
+            .into(),
+    });
+    consort_comm::cancel::drop_because(run, &e);
+    Err(e)
 }
 
 /// Snapshots the device arguments, runs the collective on the host

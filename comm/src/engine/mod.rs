@@ -603,11 +603,16 @@ impl<P> Engine<P> {
     }
 
     /// `call`'s future was dropped before it finished: the group is
-    /// poisoned with an error that says so, and the abort to send is
-    /// returned. Nothing happens for a call that already ended.
-    pub fn cancel(&mut self, call: CallId) -> Option<(AbortInfo, Fingerprint, Vec<usize>)> {
+    /// poisoned with `cause` (what the dropper knew, [`crate::cancel`]) or
+    /// with an error that says the call was cancelled, and the abort to
+    /// send is returned. Nothing happens for a call that already ended.
+    pub fn cancel(
+        &mut self,
+        call: CallId,
+        cause: Option<CommError>,
+    ) -> Option<(AbortInfo, Fingerprint, Vec<usize>)> {
         let c = self.calls.get(&call)?;
-        let e = CommError::Aborted {
+        let e = cause.unwrap_or_else(|| CommError::Aborted {
             ctx: ErrorContext::default(),
             cause: format!(
                 "a {} call (seq {}) was cancelled: its future was dropped before it finished. \
@@ -616,7 +621,7 @@ impl<P> Engine<P> {
                 c.fp.op.name(),
                 c.fp.seq
             ),
-        };
+        });
         self.end(call, Err(e)).abort
     }
 

@@ -79,7 +79,7 @@ fn a_cancelled_call_poisons_its_group_with_a_clear_error() {
     let mut e = Engine::<u32>::new(0, 2);
     let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
     let b = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 1).unwrap();
-    let (info, _, to) = e.cancel(a.id).expect("abort to send");
+    let (info, _, to) = e.cancel(a.id, None).expect("abort to send");
     assert_eq!(to, vec![1]);
     assert!(matches!(info, AbortInfo::Other { .. }));
     // The other call in flight fails, and so does the next one.
@@ -87,7 +87,39 @@ fn a_cancelled_call_poisons_its_group_with_a_clear_error() {
     assert!(err.to_string().contains("cancelled"), "{err}");
     let next = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap_err();
     assert!(next.to_string().contains("cancelled"), "{next}");
-    assert!(e.cancel(a.id).is_none(), "cancelling twice does nothing");
+    assert!(
+        e.cancel(a.id, None).is_none(),
+        "cancelling twice does nothing"
+    );
+}
+
+#[test]
+fn a_call_cancelled_because_of_a_mismatch_tells_the_peers_the_mismatch() {
+    let mut e = Engine::<u32>::new(1, 3);
+    let a = begin(&mut e, GroupId::WORLD, OpKind::AllReduce, 4).unwrap();
+    let ours = fp(GroupId::WORLD, 0, OpKind::AllReduce, 4);
+    let theirs = fp(GroupId::WORLD, 0, OpKind::AllReduce, 5);
+    let verdict = CommError::Mismatch {
+        ctx: Default::default(),
+        local: ours,
+        remote: theirs,
+        remote_rank: 0,
+    };
+    let (info, fp, to) = e.cancel(a.id, Some(verdict)).expect("abort to send");
+    assert_eq!(to, vec![0, 2]);
+    assert_eq!(fp, ours);
+    // Rank 2, which called what rank 0 called, reads it as rank 1's odd call.
+    let AbortInfo::Mismatch { remote, .. } = &info else {
+        panic!("{info:?}");
+    };
+    assert_eq!(*remote, theirs);
+    let on_2 = from_abort((1, fp), info, theirs, vec![1]);
+    assert!(
+        matches!(on_2, CommError::Mismatch { local, remote, remote_rank: 1, .. } if local == theirs && remote == ours),
+        "{on_2}"
+    );
+    let next = begin(&mut e, GroupId::WORLD, OpKind::Barrier, 0).unwrap_err();
+    assert!(next.to_string().contains("collective mismatch"), "{next}");
 }
 
 #[test]

@@ -104,11 +104,15 @@ impl Checker {
         self.tx.is_closed() || self.done.load(Ordering::SeqCst) >= self.sent.load(Ordering::SeqCst)
     }
 
-    /// Waits (polling every 100 µs) until [`Checker::is_drained`], at most
-    /// until `deadline`.
-    pub async fn drain(&self, deadline: Instant) {
+    /// Blocks (polling every 100 µs) until [`Checker::is_drained`], at most
+    /// the checker's timeout (one comparison's limit). A communicator calls
+    /// it as it goes: a rank that leaves with a comparison still running
+    /// would otherwise take its part of that comparison away from its
+    /// peers, which then report it lost instead of their own verdict.
+    pub fn wait_drained(&self) {
+        let deadline = crate::time::deadline(self.timeout);
         while !self.is_drained() && Instant::now() < deadline {
-            futures_timer::Delay::new(Duration::from_micros(100)).await;
+            std::thread::sleep(Duration::from_micros(100));
         }
     }
 

@@ -2,7 +2,8 @@
 //! mismatch check on a real job. Every rank makes one all_reduce, rank 0
 //! with one element more than the others, and prints what it got and how
 //! long it took. `scripts/gpu-check` runs it on NCCL (where the check
-//! travels over the host side channel); the tests run it on TCP.
+//! travels over the host side channel); the tests run it on TCP and on
+//! the emulated device.
 //!
 //! `consort run --standalone --nproc-per-node 2 -- consort mismatch-check --backend nccl`
 

@@ -546,7 +546,7 @@ impl State {
         let Some(call) = call else {
             return;
         };
-        if let Some(abort) = rank.engine.cancel(call.eid) {
+        if let Some(abort) = rank.engine.cancel(call.eid, consort_comm::cancel::cause()) {
             self.send_abort(r, abort, t);
         }
         self.activate(r, t);

@@ -388,7 +388,7 @@ impl Drop for CallGuard<'_> {
         if !self.armed {
             return;
         }
-        let abort = lock(&self.inner.engine).cancel(self.id);
+        let abort = lock(&self.inner.engine).cancel(self.id, consort_comm::cancel::cause());
         self.inner.notify.notify_waiters();
         if let (Some(abort), Ok(rt)) = (abort, tokio::runtime::Handle::try_current()) {
             let inner = self.inner.clone();

@@ -277,6 +277,11 @@ impl NcclBackend {
             let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
         }
         self.shared.turn.notify_waiters();
+        // The peers' comparisons of this rank's last calls need this
+        // rank's part of the side channel: leave after them (bounded).
+        if let Some(c) = self.shared.checker.get() {
+            c.wait_drained();
+        }
         self.stop_watchdog();
         let poisoned = lock(&self.shared.track).core.poisoned().cloned();
         let comm = {
