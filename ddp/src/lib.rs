@@ -43,7 +43,10 @@ pub use device::DeviceModel;
 pub use hook::CommHook;
 pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 pub use reducer::{Ddp, DdpError, DdpOptions, NoSync, OnPeerLost};
-pub use shard::{AdamW, Memory, Sgd, ShardOptimizer, ShardOptions, Sharded, Strategy};
+pub use shard::{
+    AdamW, DeviceStep, Memory, Sgd, ShardKernels, ShardOptimizer, ShardOptions, Sharded,
+    StagedKernels, Strategy,
+};
 
 pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};
 pub use state_dict::{StateDict, StateDictError};

@@ -92,9 +92,16 @@ impl Sharded {
         let index: Index = serde_json::from_slice(&text)
             .map_err(|e| format!("{} is not a sharded checkpoint index: {e}", at.display()))?;
         self.check_index(&index, &at)?;
+        let copy = |e: consort_comm::CommError| format!("copying the shards to load into: {e}");
         let mut fresh = Fresh {
-            params: self.flats.iter().map(|fs| (*fs.params).clone()).collect(),
-            state: self.flats.iter().map(|fs| fs.state.clone()).collect(),
+            params: (self.flats.iter())
+                .map(|fs| fs.params.try_clone())
+                .collect::<Result<_, _>>()
+                .map_err(copy)?,
+            state: (self.flats.iter())
+                .map(|fs| fs.state.iter().map(Vals::try_clone).collect())
+                .collect::<Result<_, _>>()
+                .map_err(copy)?,
         };
         let mut by_file: BTreeMap<usize, Vec<Run>> = BTreeMap::new();
         for run in self.plan(&index) {
@@ -127,7 +134,9 @@ impl Sharded {
                             r.tensor
                         )
                     })?;
-                dst.copy_from_bytes(r.to, bytes);
+                dst.copy_from_bytes(r.to, bytes).map_err(|e| {
+                    format!("tensor {} of {name} does not fit its flat: {e}", r.tensor)
+                })?;
             }
         }
         Ok((index, fresh))

@@ -29,8 +29,17 @@
 //! Checkpoints ([`save`]): a full state dict gathered to rank 0, with the
 //! same keys as DDP's, and sharded checkpoints (each rank its shard, plus
 //! an index) that resume at another world size.
+//!
+//! A device model ([`crate::DeviceModel`], or any [`ParamSet`] with a
+//! placement) keeps every flat buffer on its device: parameters,
+//! gradients, optimizer state and gathered units, all stream-ordered on
+//! its compute stream. The collectives take device buffers (NCCL, or the
+//! emulated device), gradients come in with [`Sharded::mark_ready_device`],
+//! gathered parameters go out with [`Gathered::param_device`], and the
+//! optimizer steps with the device's [`ShardKernels`] ([`kernels`]).
 
 mod flight;
+pub mod kernels;
 pub mod layout;
 mod load;
 mod memory;
@@ -41,8 +50,9 @@ pub(crate) mod vals;
 
 use std::{collections::HashMap, fmt, sync::Arc, time::Duration};
 
-use consort_comm::{Backend, CallOptions};
+use consort_comm::{Backend, CallOptions, Placement};
 
+pub use kernels::{DeviceStep, ShardKernels, StagedKernels};
 pub use layout::{Flat, Layout, Segment};
 pub use memory::Memory;
 pub use optim::{AdamW, Sgd, ShardOptimizer};
@@ -126,6 +136,10 @@ pub struct ShardOptions {
     pub prefetch: bool,
     /// Deadline of each collective (`None`: the group's default).
     pub timeout: Option<Duration>,
+    /// The optimizer kernels of a device model's device (`None`:
+    /// [`StagedKernels`], which the emulated device runs; a CUDA model
+    /// needs `consort::cuda::CudaKernels`). Unused for host models.
+    pub kernels: Option<Arc<dyn ShardKernels>>,
 }
 
 impl ShardOptions {
@@ -137,12 +151,19 @@ impl ShardOptions {
             unit_cap_bytes: None,
             prefetch: true,
             timeout: None,
+            kernels: None,
         }
     }
 
     /// Explicit wrapping units.
     pub fn units(mut self, units: Vec<Vec<usize>>) -> Self {
         self.units = Some(units);
+        self
+    }
+
+    /// The device's optimizer kernels (device models).
+    pub fn kernels(mut self, kernels: Arc<dyn ShardKernels>) -> Self {
+        self.kernels = Some(kernels);
         self
     }
 }
@@ -189,6 +210,10 @@ pub struct Sharded {
     layout: Arc<Layout>,
     flats: Vec<FlatState>,
     optimizer: Box<dyn ShardOptimizer>,
+    /// The device every flat buffer lives on (`None`: host memory).
+    place: Option<Placement>,
+    /// The optimizer's kernels there (device models only).
+    kernels: Option<Arc<dyn ShardKernels>>,
     /// Optimizer steps taken.
     steps: u64,
     call: CallOptions,
@@ -252,8 +277,9 @@ impl Sharded {
     /// are not used after this: read them back with [`Sharded::gather`]
     /// or [`Sharded::copy_params_to`].
     ///
-    /// Host models with f32 and f64 parameters; every rank calls it with
-    /// the same options.
+    /// f32 and f64 parameters, in host memory or on the model's device
+    /// (see the [module docs](self)); every rank calls it with the same
+    /// options.
     pub async fn new(
         backend: Arc<dyn Backend>,
         model: &mut (impl ParamSet + ?Sized),
@@ -262,38 +288,9 @@ impl Sharded {
     ) -> Result<Self, DdpError> {
         let rank = backend.rank();
         let usage = |reason: String| DdpError::Usage { rank, reason };
-        if model.placement().is_some() {
-            return Err(usage(
-                "the sharded strategies keep parameters in host memory; this model lives on a \
-                 device. Train it with Ddp (device buckets), or give Sharded a host model"
-                    .into(),
-            ));
-        }
+        let place = model.placement();
+        let kernels = check_model(model, &optimizer, place.as_ref(), &opts).map_err(usage)?;
         let specs = model.params();
-        if let Some(s) = specs.iter().find(|s| Vals::zeros(s.dtype, 0).is_none()) {
-            return Err(usage(format!(
-                "parameter {} is {}; the sharded strategies keep f32 and f64 parameters (keep \
-                 f32 master weights and cast for compute)",
-                s.describe(),
-                s.dtype
-            )));
-        }
-        optimizer
-            .check()
-            .map_err(|e| usage(format!("{}: {e}", optimizer.name())))?;
-        if let Some(s) = specs
-            .iter()
-            .enumerate()
-            .find(|&(p, s)| model.param_bytes_mut(p).len() != s.bytes())
-        {
-            return Err(usage(format!(
-                "the model exposes {} bytes for parameter {}, not {}: a host model's \
-                 param_bytes_mut must return the whole tensor",
-                model.param_bytes_mut(s.0).len(),
-                s.1.describe(),
-                s.1.bytes()
-            )));
-        }
         let call = CallOptions {
             timeout: opts.timeout,
             ..CallOptions::default()
@@ -302,20 +299,14 @@ impl Sharded {
         setup::check_same_model(&*backend, &specs, &buffers, &call)
             .await
             .map_err(setup_error(opts.strategy, rank))?;
-        setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call)
-            .await
-            .map_err(setup_error(opts.strategy, rank))?;
-        let world = backend.world_size();
-        let shards = match opts.strategy {
-            Strategy::Hsdp { shard_size: g } if g == 0 || world % g != 0 => {
-                return Err(usage(format!(
-                    "HSDP's shard size {g} must be at least 1 and divide the world size {world} \
-                     (torch: a device mesh of (replicas, shard size))"
-                )));
+        match place {
+            None => setup::broadcast_tensors(&*backend, model, &specs, &buffers, &call).await,
+            Some(_) => {
+                crate::device::broadcast_device(&*backend, model, &specs, &buffers, &call).await
             }
-            Strategy::Hsdp { shard_size } => shard_size,
-            _ => world,
-        };
+        }
+        .map_err(setup_error(opts.strategy, rank))?;
+        let shards = shard_count(opts.strategy, backend.world_size()).map_err(usage)?;
         let units = match &opts.units {
             Some(u) => u.clone(),
             None if opts.strategy.shards_params() => {
@@ -341,20 +332,16 @@ impl Sharded {
         agree_setup(&*backend, opts.strategy, &setup, &call).await?;
         let layout = layout.map_err(usage)?;
         let group = make_groups(&backend, opts.strategy, &call).await?;
-        let flats = layout
-            .flats
-            .iter()
-            .map(|f| {
-                flat_state(
-                    f,
-                    model,
-                    opts.strategy,
-                    group.index,
-                    shards,
-                    optimizer.slots(),
-                )
-            })
-            .collect();
+        let mut flats = Vec::with_capacity(layout.flats.len());
+        for f in &layout.flats {
+            let at = (place.as_ref(), opts.strategy, group.index, shards);
+            let fs = flat_state(f, model, at, optimizer.slots()).map_err(comm(
+                rank,
+                opts.strategy,
+                "placing the flat buffers",
+            ))?;
+            flats.push(fs);
+        }
         let ready = vec![false; specs.len()];
         let next_launch = layout.units.len();
         Ok(Sharded {
@@ -366,6 +353,8 @@ impl Sharded {
             layout: Arc::new(layout),
             flats,
             optimizer: Box::new(optimizer),
+            place,
+            kernels,
             steps: 0,
             call,
             prefetch: opts.prefetch,
@@ -556,36 +545,119 @@ async fn make_groups(
     })
 }
 
-/// One flat's storage, filled from the model's (broadcast) parameters.
+/// What [`Sharded::new`] checks before any call: the parameters' dtypes,
+/// the optimizer's settings, a host model's byte views, and a device
+/// model's kernels (returned: `None` for a host model).
+fn check_model(
+    model: &mut (impl ParamSet + ?Sized),
+    optimizer: &dyn ShardOptimizer,
+    place: Option<&Placement>,
+    opts: &ShardOptions,
+) -> Result<Option<Arc<dyn ShardKernels>>, String> {
+    let specs = model.params();
+    if let Some(s) = specs.iter().find(|s| Vals::zeros(s.dtype, 0).is_none()) {
+        return Err(format!(
+            "parameter {} is {}; the sharded strategies keep f32 and f64 parameters (keep f32 \
+             master weights and cast for compute)",
+            s.describe(),
+            s.dtype
+        ));
+    }
+    optimizer
+        .check()
+        .map_err(|e| format!("{}: {e}", optimizer.name()))?;
+    let Some(place) = place else {
+        if let Some((p, s)) = specs
+            .iter()
+            .enumerate()
+            .find(|&(p, s)| model.param_bytes_mut(p).len() != s.bytes())
+        {
+            return Err(format!(
+                "the model exposes {} bytes for parameter {}, not {}: a host model's \
+                 param_bytes_mut must return the whole tensor",
+                model.param_bytes_mut(p).len(),
+                s.describe(),
+                s.bytes()
+            ));
+        }
+        return Ok(None);
+    };
+    if let Some(s) = specs
+        .iter()
+        .enumerate()
+        .find(|&(p, _)| model.param_device(p).is_none())
+    {
+        return Err(format!(
+            "the model is on {} device {} but has no device storage for parameter {}: a \
+             device model implements param_device",
+            place.device.kind(),
+            place.device.ordinal(),
+            s.1.describe()
+        ));
+    }
+    match &opts.kernels {
+        Some(k) => Ok(Some(k.clone())),
+        None if place.device.kind() == "cuda" => {
+            Err("a CUDA model's shards step with CUDA kernels: pass \
+             ShardOptions::kernels(consort::cuda::CudaKernels::new(device)?)"
+                .into())
+        }
+        None => Ok(Some(Arc::new(StagedKernels))),
+    }
+}
+
+/// Shards per flat: the world, or HSDP's shard-group size.
+fn shard_count(strategy: Strategy, world: usize) -> Result<usize, String> {
+    match strategy {
+        Strategy::Hsdp { shard_size: g } if g == 0 || world % g != 0 => Err(format!(
+            "HSDP's shard size {g} must be at least 1 and divide the world size {world} (torch: \
+             a device mesh of (replicas, shard size))"
+        )),
+        Strategy::Hsdp { shard_size } => Ok(shard_size),
+        _ => Ok(world),
+    }
+}
+
+/// One flat's storage, filled from the model's (broadcast) parameters:
+/// in host memory, or on the model's device.
 fn flat_state(
     f: &Flat,
     model: &mut (impl ParamSet + ?Sized),
-    strategy: Strategy,
-    index: usize,
-    shards: usize,
+    (place, strategy, index, shards): (Option<&Placement>, Strategy, usize, usize),
     slots: usize,
-) -> FlatState {
-    let shards_len = f.shard_len;
+) -> Result<FlatState, consort_comm::CommError> {
     let padded = f.padded(shards);
-    let mut whole = Vals::zeros(f.dtype, padded).expect("f32 and f64 checked in new");
+    let mut whole = Vals::zeros_on(place, f.dtype, padded)?;
     for s in &f.segments {
-        whole.copy_from_bytes(s.offset, model.param_bytes_mut(s.param));
+        match whole.dev() {
+            None => whole.copy_from_bytes(s.offset, model.param_bytes_mut(s.param))?,
+            Some(d) => {
+                let src = model.param_device(s.param).ok_or_else(|| {
+                    consort_comm::CommError::invalid("a device parameter without storage")
+                })?;
+                let bytes = src.len() * src.dtype().size_bytes();
+                crate::device::copy_in(d.place(), d.addr(s.offset), &src, bytes, "a parameter")
+                    .map_err(consort_comm::CommError::invalid)?;
+            }
+        }
     }
     let params = if strategy.shards_params() {
-        whole.slice(f.shard_range(index))
+        whole.slice(f.shard_range(index))?
     } else {
         whole
     };
     let grad_len = if strategy.shards_grads() {
-        shards_len
+        f.shard_len
     } else {
         padded
     };
-    let zeros = |n| Vals::zeros(f.dtype, n).expect("f32 and f64 checked in new");
-    FlatState {
+    let zeros = |n| Vals::zeros_on(place, f.dtype, n);
+    Ok(FlatState {
         params: Arc::new(params),
-        grads: zeros(grad_len),
-        state: (0..slots).map(|_| zeros(shards_len)).collect(),
+        grads: zeros(grad_len)?,
+        state: (0..slots)
+            .map(|_| zeros(f.shard_len))
+            .collect::<Result<_, _>>()?,
         staging: None,
-    }
+    })
 }

@@ -10,6 +10,10 @@
 
 use std::fmt;
 
+use consort_comm::CommError;
+
+use super::kernels::{DeviceStep, ShardKernels, staged};
+
 /// An elementwise optimizer over flat shards.
 ///
 /// `step` counts updates from 1. `state` holds [`ShardOptimizer::slots`]
@@ -33,6 +37,16 @@ pub trait ShardOptimizer: Send + Sync + fmt::Debug {
 
     /// Updates f64 parameters in place.
     fn step_f64(&self, step: u64, params: &mut [f64], grads: &[f64], state: &mut [&mut [f64]]);
+
+    /// Updates a shard in device memory, stream-ordered (see
+    /// [`super::kernels`]). The default steps a host copy with
+    /// [`ShardOptimizer::step_f32`] or [`ShardOptimizer::step_f64`]
+    /// ([`staged`]): correct for any elementwise optimizer, and slow on a
+    /// GPU; [`Sgd`] and [`AdamW`] run `kernels`' own.
+    fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
+        let _ = kernels;
+        staged(self, s)
+    }
 }
 
 impl<O: ShardOptimizer + ?Sized> ShardOptimizer for Box<O> {
@@ -50,6 +64,9 @@ impl<O: ShardOptimizer + ?Sized> ShardOptimizer for Box<O> {
     }
     fn step_f64(&self, step: u64, params: &mut [f64], grads: &[f64], state: &mut [&mut [f64]]) {
         (**self).step_f64(step, params, grads, state);
+    }
+    fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
+        (**self).step_device(kernels, s)
     }
 }
 
@@ -195,6 +212,9 @@ impl ShardOptimizer for Sgd {
     fn step_f64(&self, step: u64, params: &mut [f64], grads: &[f64], state: &mut [&mut [f64]]) {
         self.update(step, params, grads, state);
     }
+    fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
+        kernels.sgd(s, self)
+    }
 }
 
 /// `torch.optim.AdamW`: decoupled weight decay `p *= 1 - lr * wd`, then
@@ -277,6 +297,9 @@ impl ShardOptimizer for AdamW {
     }
     fn step_f64(&self, step: u64, params: &mut [f64], grads: &[f64], state: &mut [&mut [f64]]) {
         self.update(step, params, grads, state);
+    }
+    fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
+        kernels.adamw(s, self)
     }
 }
 

@@ -18,7 +18,7 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use consort_comm::{BufferMut, CallOptions, DType, ReduceOp};
+use consort_comm::{BufferMut, CallOptions, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use super::{Sharded, Vals};
@@ -87,7 +87,7 @@ impl Sharded {
             }
             for &p in &self.layout.units[u] {
                 let spec = &self.specs[p];
-                let bytes = param_bytes(&g, p, spec.dtype)?;
+                let bytes = g.param_bytes(p)?;
                 let t = Tensor::new(spec.dtype, spec.shape.clone(), bytes).map_err(|e| {
                     DdpError::Checkpoint {
                         rank: self.rank,
@@ -246,7 +246,10 @@ impl Sharded {
                 flat.shard_range(k).start
             };
             let mut put = |name: String, v: &Vals, from: usize| {
-                let bytes = v.range_bytes(from..from + n).to_vec();
+                let bytes = v
+                    .read_bytes(from..from + n)
+                    .map_err(|e| format!("reading the shard from the device: {e}"))?
+                    .into_owned();
                 Tensor::new(flat.dtype, vec![n], bytes)
                     .map(|t| sd.insert(name, t))
                     .map_err(|e| e.to_string())
@@ -320,14 +323,6 @@ impl Sharded {
         }
         Ok(())
     }
-}
-
-/// Parameter `p`'s bytes from a gathered unit.
-fn param_bytes(g: &super::step::Gathered, p: usize, dtype: DType) -> Result<Vec<u8>, DdpError> {
-    Ok(match dtype {
-        DType::F32 => bytemuck::cast_slice(g.param::<f32>(p)?).to_vec(),
-        _ => bytemuck::cast_slice(g.param::<f64>(p)?).to_vec(),
-    })
 }
 
 /// A save id after the one `dir`'s index holds (ids name the shard

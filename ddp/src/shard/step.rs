@@ -4,7 +4,7 @@
 
 use std::{ops::Range, sync::Arc};
 
-use consort_comm::{Backend, CallOptions, Element, ReduceOp};
+use consort_comm::{Backend, CallOptions, DeviceBuffer, Element, ReduceOp};
 
 use super::{FlatState, InFlight, Layout, Phase, ShardOptimizer, Sharded, Vals, vals};
 use crate::{error::DdpError, params::ParamSet};
@@ -34,19 +34,7 @@ impl Gathered {
             rank: self.rank,
             reason,
         };
-        if p >= self.layout.place.len() {
-            return Err(usage(format!(
-                "parameter {p} does not exist: the model has {}",
-                self.layout.place.len()
-            )));
-        }
-        let (f, range) = self.layout.range_of(p);
-        let Some((_, vals)) = self.flats.iter().find(|(g, _)| *g == f) else {
-            return Err(usage(format!(
-                "parameter {p} is in wrapping unit {}, not in unit {}: gather that unit",
-                self.layout.flats[f].unit, self.unit
-            )));
-        };
+        let (vals, range) = self.find(p)?;
         if vals.dtype() != T::DTYPE {
             return Err(usage(format!(
                 "parameter {p} is {}, not {}: read it as its own dtype",
@@ -54,9 +42,59 @@ impl Gathered {
                 T::DTYPE
             )));
         }
-        vals::with_vals!(&**vals, v => bytemuck::try_cast_slice(&v[range]).map_err(|e| usage(format!(
+        vals::with_vals!(vals, v => bytemuck::try_cast_slice(&v[range]).map_err(|e| usage(format!(
             "parameter {p} cannot be viewed as {}: {e}", T::DTYPE
+        ))), _d => Err(usage(format!(
+            "parameter {p} was gathered on the device: use param_device({p}), or param_bytes({p}) \
+             for a host copy"
         ))))
+    }
+
+    /// Parameter `p`'s whole values as a view on the compute stream (a
+    /// sharded device model; ready for kernels enqueued on that stream,
+    /// and valid while this `Gathered` lives).
+    pub fn param_device(&self, p: usize) -> Result<DeviceBuffer, DdpError> {
+        let (vals, range) = self.find(p)?;
+        vals.dev()
+            .map(|d| d.view(range))
+            .ok_or_else(|| DdpError::Usage {
+                rank: self.rank,
+                reason: format!("parameter {p} was gathered in host memory: use param::<T>({p})"),
+            })
+    }
+
+    /// Parameter `p`'s values as little-endian bytes, on the host or
+    /// copied from the device once the compute stream has produced them.
+    pub fn param_bytes(&self, p: usize) -> Result<Vec<u8>, DdpError> {
+        let (vals, range) = self.find(p)?;
+        vals.read_bytes(range)
+            .map(std::borrow::Cow::into_owned)
+            .map_err(|e| DdpError::Usage {
+                rank: self.rank,
+                reason: format!("reading parameter {p} from the device: {e}"),
+            })
+    }
+
+    /// The flat holding parameter `p`, and its elements there.
+    fn find(&self, p: usize) -> Result<(&Vals, Range<usize>), DdpError> {
+        let usage = |reason| DdpError::Usage {
+            rank: self.rank,
+            reason,
+        };
+        if p >= self.layout.place.len() {
+            return Err(usage(format!(
+                "parameter {p} does not exist: the model has {}",
+                self.layout.place.len()
+            )));
+        }
+        let (f, range) = self.layout.range_of(p);
+        match self.flats.iter().find(|(g, _)| *g == f) {
+            Some((_, vals)) => Ok((vals, range)),
+            None => Err(usage(format!(
+                "parameter {p} is in wrapping unit {}, not in unit {}: gather that unit",
+                self.layout.flats[f].unit, self.unit
+            ))),
+        }
     }
 
     /// Bytes it holds (padding included).
@@ -65,11 +103,18 @@ impl Gathered {
     }
 }
 
-/// All-gathers `input` (one shard) into a new padded buffer.
-fn all_gather(pg: Arc<dyn Backend>, input: Vals, padded: usize, call: CallOptions) -> InFlight {
+/// All-gathers elements `range` of `input` (one shard) into a new padded
+/// buffer in the same place.
+fn all_gather(
+    pg: Arc<dyn Backend>,
+    input: Arc<Vals>,
+    range: Range<usize>,
+    padded: usize,
+    call: CallOptions,
+) -> InFlight {
     InFlight::launch(async move {
-        let mut out = input.zeros_like(padded);
-        pg.all_gather(out.buf_mut(), input.buf(0..input.len()), &call)
+        let mut out = input.zeros_like(padded)?;
+        pg.all_gather(out.buf_mut(), input.buf(range), &call)
             .await?;
         Ok(out)
     })
@@ -91,7 +136,7 @@ fn reduce_scatter(
     call: CallOptions,
 ) -> InFlight {
     InFlight::launch(async move {
-        let mut out = input.zeros_like(shard_len);
+        let mut out = input.zeros_like(shard_len)?;
         pg.reduce_scatter(
             out.buf_mut(),
             input.buf(0..input.len()),
@@ -166,9 +211,15 @@ impl Sharded {
             .iter()
             .map(|&f| {
                 let flat = &self.layout.flats[f];
-                let shard = (*self.flats[f].params).clone();
+                let shard = self.flats[f].params.clone();
                 let padded = flat.padded(self.layout.shards);
-                all_gather(self.group.pg.clone(), shard, padded, self.call)
+                all_gather(
+                    self.group.pg.clone(),
+                    shard,
+                    0..flat.shard_len,
+                    padded,
+                    self.call,
+                )
             })
             .collect()
     }
@@ -187,9 +238,43 @@ impl Sharded {
     /// Parameter `p`'s local gradient for this step (`grad.len()` its
     /// element count, `T` its dtype). Once every parameter of the next
     /// unit due (the last unit first) has its gradient, that unit's
-    /// gradients are averaged in the background.
+    /// gradients are averaged in the background. A device model's shards
+    /// take a host gradient too (copied up); [`Sharded::mark_ready_device`]
+    /// keeps it on the device.
     pub fn mark_ready<T: Element>(&mut self, p: usize, grad: &[T]) -> Result<(), DdpError> {
         self.check()?;
+        self.check_grad(p, T::DTYPE, grad.len())?;
+        self.stage(p, |staging, at| {
+            staging.copy_from_bytes(at, bytemuck::cast_slice(grad))
+        })
+    }
+
+    /// [`Sharded::mark_ready`] for a gradient in device memory (a device
+    /// model's `grad_device(p)`): copied into the unit's staging buffer on
+    /// the compute stream, after the stream `grad` is ready on.
+    pub fn mark_ready_device(&mut self, p: usize, grad: &DeviceBuffer) -> Result<(), DdpError> {
+        self.check()?;
+        self.check_grad(p, grad.dtype(), grad.len())?;
+        if self.place.is_none() {
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                reason: format!(
+                    "mark_ready_device({p}): this model's shards are in host memory; pass the \
+                     gradient with mark_ready"
+                ),
+            });
+        }
+        let bytes = self.specs[p].bytes();
+        let what = format!("the gradient of {}", self.specs[p].name);
+        self.stage(p, |staging, at| match staging.dev() {
+            Some(d) => crate::device::copy_in(d.place(), d.addr(at), grad, bytes, &what)
+                .map_err(consort_comm::CommError::invalid),
+            None => Err(consort_comm::CommError::invalid("a host staging buffer")),
+        })
+    }
+
+    /// Checks a gradient's dtype and length against parameter `p`.
+    fn check_grad(&self, p: usize, dtype: consort_comm::DType, len: usize) -> Result<(), DdpError> {
         let usage = |reason| DdpError::Usage {
             rank: self.rank,
             reason,
@@ -200,11 +285,9 @@ impl Sharded {
                 self.specs.len()
             )));
         };
-        if T::DTYPE != spec.dtype || grad.len() != spec.numel() {
+        if dtype != spec.dtype || len != spec.numel() {
             return Err(usage(format!(
-                "mark_ready({p}): got {} {} values for {}",
-                grad.len(),
-                T::DTYPE,
+                "mark_ready({p}): got {len} {dtype} values for {}",
                 spec.describe()
             )));
         }
@@ -214,14 +297,33 @@ impl Sharded {
                 spec.name
             )));
         }
+        Ok(())
+    }
+
+    /// Puts parameter `p`'s gradient into its flat's staging buffer with
+    /// `put(staging, offset)`, and launches what is complete.
+    fn stage(
+        &mut self,
+        p: usize,
+        put: impl FnOnce(&mut Vals, usize) -> Result<(), consort_comm::CommError>,
+    ) -> Result<(), DdpError> {
         self.phase = Phase::Backward;
         let (f, range) = self.layout.range_of(p);
         let padded = self.layout.flats[f].padded(self.layout.shards);
         let fs = &mut self.flats[f];
-        let staging = fs
-            .staging
-            .get_or_insert_with(|| fs.params.zeros_like(padded));
-        staging.copy_from_bytes(range.start, bytemuck::cast_slice(grad));
+        let staged = match &mut fs.staging {
+            Some(s) => put(s, range.start),
+            None => fs.params.zeros_like(padded).and_then(|mut s| {
+                let out = put(&mut s, range.start);
+                fs.staging = Some(s);
+                out
+            }),
+        };
+        if let Err(e) = staged {
+            let what = format!("staging the gradient of {}", self.specs[p].name);
+            let e = self.comm_error(what, e);
+            return Err(self.fail(e));
+        }
         self.ready[p] = true;
         self.launch_ready();
         Ok(())
@@ -296,14 +398,14 @@ impl Sharded {
             self.flats[f].grads = self.finish(call, what).await?;
         }
         if let Some(replicas) = self.group.replicas.clone() {
-            let calls: Vec<InFlight> = self
-                .flats
-                .iter_mut()
-                .map(|fs| {
-                    let g = std::mem::replace(&mut fs.grads, fs.params.zeros_like(0));
-                    all_reduce(replicas.clone(), g, self.call)
-                })
-                .collect();
+            let mut calls = Vec::with_capacity(self.flats.len());
+            for f in 0..self.flats.len() {
+                // An empty buffer holds nothing, on the host or the device.
+                let empty = self.flats[f].params.zeros_like(0);
+                let empty = empty.map_err(|e| self.comm_error("an empty buffer", e))?;
+                let g = std::mem::replace(&mut self.flats[f].grads, empty);
+                calls.push(all_reduce(replicas.clone(), g, self.call));
+            }
             for (f, call) in calls.into_iter().enumerate() {
                 let unit = self.layout.flats[f].unit;
                 let what = format!("all_reduce of unit {unit}'s gradient shard across replicas");
@@ -316,7 +418,10 @@ impl Sharded {
                 .await?;
         }
         self.steps += 1;
-        self.update();
+        if let Err(e) = self.update() {
+            let e = self.comm_error("the optimizer step on this rank's shard", e);
+            return Err(self.fail(e));
+        }
         if !self.strategy.shards_params() {
             self.gather_updated().await?;
         }
@@ -326,8 +431,9 @@ impl Sharded {
         Ok(())
     }
 
-    /// The optimizer, on this rank's valid part of every flat.
-    fn update(&mut self) {
+    /// The optimizer, on this rank's valid part of every flat: on the host,
+    /// or with the kernels on the device.
+    fn update(&mut self) -> Result<(), consort_comm::CommError> {
         let k = self.group.index;
         for (f, fs) in self.flats.iter_mut().enumerate() {
             let flat = &self.layout.flats[f];
@@ -335,8 +441,15 @@ impl Sharded {
             let at = flat.shard_range(k).start;
             let p = if self.strategy.shards_params() { 0 } else { at };
             let g = if self.strategy.shards_grads() { 0 } else { at };
-            update_flat(&*self.optimizer, self.steps, fs, p..p + n, g..g + n);
+            match &self.kernels {
+                Some(kernels) => {
+                    let step = (&*self.optimizer, &**kernels, self.steps);
+                    update_flat_device(step, fs, p..p + n, g..g + n)?;
+                }
+                None => update_flat(&*self.optimizer, self.steps, fs, p..p + n, g..g + n)?,
+            }
         }
+        Ok(())
     }
 
     /// ZeRO-1/2: every rank's updated shard, to every rank.
@@ -348,9 +461,15 @@ impl Sharded {
             .iter()
             .zip(&self.flats)
             .map(|(flat, fs)| {
-                let mine = fs.params.slice(flat.shard_range(k));
                 let padded = flat.padded(self.layout.shards);
-                all_gather(self.group.pg.clone(), mine, padded, self.call)
+                let mine = flat.shard_range(k);
+                all_gather(
+                    self.group.pg.clone(),
+                    fs.params.clone(),
+                    mine,
+                    padded,
+                    self.call,
+                )
             })
             .collect();
         for (f, call) in calls.into_iter().enumerate() {
@@ -362,7 +481,9 @@ impl Sharded {
     }
 
     /// Copies the whole parameters into `model` (gathering each unit under
-    /// FSDP and HSDP: every rank calls it), for evaluation or export.
+    /// FSDP and HSDP: every rank calls it), for evaluation or export: a
+    /// host model's bytes, or a device model's tensors (stream-ordered on
+    /// the compute stream).
     pub async fn copy_params_to(
         &mut self,
         model: &mut (impl ParamSet + ?Sized),
@@ -370,26 +491,42 @@ impl Sharded {
         for u in 0..self.layout.units.len() {
             let g = self.gather(u).await?;
             for &p in &self.layout.units[u] {
-                let (f, range) = self.layout.range_of(p);
-                let (_, vals) = g
-                    .flats
-                    .iter()
-                    .find(|(id, _)| *id == f)
-                    .expect("unit's flat");
-                let dst = model.param_bytes_mut(p);
-                let src = vals.range_bytes(range);
-                if dst.len() != src.len() {
-                    return Err(DdpError::Usage {
-                        rank: self.rank,
-                        reason: format!(
-                            "copy_params_to: the model's parameter {} holds {} bytes, not {}",
-                            self.specs[p].describe(),
-                            dst.len(),
-                            src.len()
+                let (vals, range) = g.find(p)?;
+                let spec = &self.specs[p];
+                let copied = match (model.placement(), vals.dev()) {
+                    (Some(_), Some(d)) => match model.param_device(p) {
+                        Some(dst) => crate::device::copy_out(
+                            d.place(),
+                            &dst,
+                            d.addr(range.start),
+                            spec.bytes(),
+                            &spec.name,
                         ),
-                    });
-                }
-                dst.copy_from_slice(src);
+                        None => Err("the device model has no device storage for it".into()),
+                    },
+                    (Some(_), None) => Err(
+                        "the model is on a device and the shards are in host memory: copy into a \
+                         host model"
+                            .into(),
+                    ),
+                    (None, _) => {
+                        let src = g.param_bytes(p)?;
+                        let dst = model.param_bytes_mut(p);
+                        if dst.len() == src.len() {
+                            dst.copy_from_slice(&src);
+                            Ok(())
+                        } else {
+                            Err(format!("it holds {} bytes, not {}", dst.len(), src.len()))
+                        }
+                    }
+                };
+                copied.map_err(|e| DdpError::Usage {
+                    rank: self.rank,
+                    reason: format!(
+                        "copy_params_to: the model's parameter {}: {e}",
+                        spec.describe()
+                    ),
+                })?;
             }
         }
         Ok(())
@@ -397,39 +534,83 @@ impl Sharded {
 }
 
 /// One flat's optimizer step on `params[p]` with `grads[g]` and the first
-/// `p.len()` elements of each state slot.
+/// `p.len()` elements of each state slot, on the host.
 fn update_flat(
     opt: &dyn ShardOptimizer,
     step: u64,
     fs: &mut FlatState,
     p: Range<usize>,
     g: Range<usize>,
-) {
+) -> Result<(), consort_comm::CommError> {
     let n = p.len();
-    let params = Arc::make_mut(&mut fs.params);
+    let mixed = || consort_comm::CommError::invalid("a flat's buffers differ in dtype or place");
+    let params = unshared(&mut fs.params)?;
     match (params, &fs.grads) {
         (Vals::F32(params), Vals::F32(grads)) => {
-            let mut state: Vec<&mut [f32]> = fs
-                .state
-                .iter_mut()
-                .map(|s| match s {
-                    Vals::F32(v) => &mut v[..n],
-                    Vals::F64(_) => unreachable!("a flat's buffers share its dtype"),
-                })
-                .collect();
+            let mut state = Vec::with_capacity(fs.state.len());
+            for s in &mut fs.state {
+                match s {
+                    Vals::F32(v) => state.push(&mut v[..n]),
+                    _ => return Err(mixed()),
+                }
+            }
             opt.step_f32(step, &mut params[p], &grads[g], &mut state);
         }
         (Vals::F64(params), Vals::F64(grads)) => {
-            let mut state: Vec<&mut [f64]> = fs
-                .state
-                .iter_mut()
-                .map(|s| match s {
-                    Vals::F64(v) => &mut v[..n],
-                    Vals::F32(_) => unreachable!("a flat's buffers share its dtype"),
-                })
-                .collect();
+            let mut state = Vec::with_capacity(fs.state.len());
+            for s in &mut fs.state {
+                match s {
+                    Vals::F64(v) => state.push(&mut v[..n]),
+                    _ => return Err(mixed()),
+                }
+            }
             opt.step_f64(step, &mut params[p], &grads[g], &mut state);
         }
-        _ => unreachable!("a flat's buffers share its dtype"),
+        _ => return Err(mixed()),
     }
+    Ok(())
+}
+
+/// The parameters, to update in place: copied first when a `Gathered`
+/// still shares them (it keeps the values it was handed).
+fn unshared(params: &mut Arc<Vals>) -> Result<&mut Vals, consort_comm::CommError> {
+    if Arc::get_mut(params).is_none() {
+        *params = Arc::new(params.try_clone()?);
+    }
+    Arc::get_mut(params).ok_or_else(|| consort_comm::CommError::invalid("shared parameters"))
+}
+
+/// [`update_flat`] on the device: the optimizer's device step (its
+/// kernels) on `params[p]`, `grads[g]` and the state slots, enqueued on the
+/// compute stream. A `Gathered` still holding the parameters keeps its
+/// values: the parameters are copied first, as on the host.
+fn update_flat_device(
+    (opt, kernels, step): (&dyn ShardOptimizer, &dyn super::ShardKernels, u64),
+    fs: &mut FlatState,
+    p: Range<usize>,
+    g: Range<usize>,
+) -> Result<(), consort_comm::CommError> {
+    let inner =
+        || consort_comm::CommError::invalid("a flat buffer of a device model is on the host");
+    let params = unshared(&mut fs.params)?;
+    let dtype = params.dtype();
+    let params = params.dev().ok_or_else(inner)?;
+    let grads = fs.grads.dev().ok_or_else(inner)?;
+    let state = fs
+        .state
+        .iter()
+        .map(|s| s.dev().map(|d| d.addr(0)).ok_or_else(inner))
+        .collect::<Result<Vec<u64>, _>>()?;
+    // The ranges are this rank's valid part of the flat, inside every
+    // buffer (the layout sized them), so the addresses hold `p.len()`
+    // elements each.
+    let s = super::kernels::DeviceStep::new(
+        params.place(),
+        dtype,
+        p.len(),
+        step,
+        (params.addr(p.start), grads.addr(g.start)),
+        &state,
+    );
+    opt.step_device(kernels, &s)
 }

@@ -1,31 +1,93 @@
 //! [`Vals`]: a flat buffer of one float type, the storage of every shard,
-//! gathered unit and optimizer slot.
+//! gathered unit and optimizer slot: host vectors, or an allocation on the
+//! model's device ([`DevVals`]), used stream-ordered on its compute stream.
+//!
+//! Host buffers never fail; a device buffer's every operation is an
+//! enqueued device op, and may (the device's sticky error, a bad size).
 
-use consort_comm::{Buffer, BufferMut, DType};
+use std::{borrow::Cow, ops::Range};
+
+use consort_comm::{Buffer, BufferMut, CommError, DType, DeviceBuffer, Placement};
 
 /// Values of one float dtype (the sharded strategies keep f32 and f64
 /// parameters; half-precision parameters need f32 master weights, which
 /// they do not keep yet).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub(crate) enum Vals {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    /// On the model's device.
+    Dev(DevVals),
 }
 
-/// Runs `$body` with `$v` bound to the typed vector inside `$vals`.
+/// `len` elements of `dtype` in one allocation of the placement's device,
+/// freed (stream-ordered, after every use the compute stream has
+/// enqueued or waits for) on drop.
+#[derive(Debug)]
+pub(crate) struct DevVals {
+    place: Placement,
+    /// 0 for an empty buffer (nothing allocated).
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+}
+
+impl Drop for DevVals {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: allocated by `Vals::zeros_on` on this device and freed
+            // once, here; the compute stream orders the free after every op
+            // it has enqueued on it, and every collective on it (the stream
+            // waits for those).
+            let _ = unsafe { self.place.device.free(self.ptr, self.place.stream) };
+        }
+    }
+}
+
+impl DevVals {
+    /// The address of element `at`.
+    pub(crate) fn addr(&self, at: usize) -> u64 {
+        self.ptr + (at * self.dtype.size_bytes()) as u64
+    }
+
+    /// Elements `range` as a view on the compute stream.
+    pub(crate) fn view(&self, range: Range<usize>) -> DeviceBuffer {
+        let len = range.len();
+        // SAFETY: `range` lies in this live allocation (callers take ranges
+        // of the layout, which sized it), and the view is used only by ops
+        // enqueued on the compute stream before the allocation's free.
+        unsafe { self.place.buffer(self.addr(range.start), len, self.dtype) }
+    }
+
+    /// The placement it lives on.
+    pub(crate) fn place(&self) -> &Placement {
+        &self.place
+    }
+}
+
+/// Runs `$body` with `$v` bound to the typed vector inside `$vals`, or
+/// `$dev` for a device buffer.
 macro_rules! with_vals {
-    ($vals:expr, $v:ident => $body:expr) => {
+    ($vals:expr, $v:ident => $body:expr, $d:ident => $dev:expr) => {
         match $vals {
             $crate::shard::vals::Vals::F32($v) => $body,
             $crate::shard::vals::Vals::F64($v) => $body,
+            $crate::shard::vals::Vals::Dev($d) => $dev,
         }
     };
 }
 pub(crate) use with_vals;
 
+/// A device op's error as this module's.
+fn outside(range: &Range<usize>, len: usize) -> CommError {
+    CommError::invalid(format!(
+        "elements {range:?} of a flat buffer of {len}: out of range"
+    ))
+}
+
 impl Vals {
-    /// `len` zeros of `dtype`, or `None` for a dtype the strategies do not
-    /// keep.
+    /// `len` zeros of `dtype` on the host, or `None` for a dtype the
+    /// strategies do not keep.
     pub(crate) fn zeros(dtype: DType, len: usize) -> Option<Self> {
         match dtype {
             DType::F32 => Some(Vals::F32(vec![0.0; len])),
@@ -34,22 +96,49 @@ impl Vals {
         }
     }
 
-    /// `len` zeros of the same dtype.
-    pub(crate) fn zeros_like(&self, len: usize) -> Self {
-        match self {
-            Vals::F32(_) => Vals::F32(vec![0.0; len]),
-            Vals::F64(_) => Vals::F64(vec![0.0; len]),
-        }
+    /// `len` zeros of `dtype` (f32 or f64) where `place` says: its device,
+    /// or the host.
+    pub(crate) fn zeros_on(
+        place: Option<&Placement>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Self, CommError> {
+        let Some(p) = place else {
+            return Vals::zeros(dtype, len)
+                .ok_or_else(|| CommError::invalid(format!("flat buffers of {dtype}")));
+        };
+        let bytes = len * dtype.size_bytes();
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            p.device.alloc_zeroed(bytes, p.stream)?
+        };
+        Ok(Vals::Dev(DevVals {
+            place: p.clone(),
+            ptr,
+            len,
+            dtype,
+        }))
+    }
+
+    /// Where it lives: `None` on the host.
+    pub(crate) fn place(&self) -> Option<&Placement> {
+        with_vals!(self, _v => None, d => Some(&d.place))
+    }
+
+    /// `len` zeros of the same dtype, in the same place.
+    pub(crate) fn zeros_like(&self, len: usize) -> Result<Self, CommError> {
+        Vals::zeros_on(self.place(), self.dtype(), len)
     }
 
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
-        with_vals!(self, v => v.len())
+        with_vals!(self, v => v.len(), d => d.len)
     }
 
     /// Bytes held.
     pub(crate) fn bytes(&self) -> usize {
-        with_vals!(self, v => size_of_val(v.as_slice()))
+        self.len() * self.dtype().size_bytes()
     }
 
     /// The dtype.
@@ -57,38 +146,94 @@ impl Vals {
         match self {
             Vals::F32(_) => DType::F32,
             Vals::F64(_) => DType::F64,
+            Vals::Dev(d) => d.dtype,
         }
     }
 
-    /// Elements `range` as a new buffer.
-    pub(crate) fn slice(&self, range: std::ops::Range<usize>) -> Self {
+    /// A copy (a device copy is enqueued on the compute stream).
+    pub(crate) fn try_clone(&self) -> Result<Self, CommError> {
+        self.slice(0..self.len())
+    }
+
+    /// Elements `range` as a new buffer in the same place.
+    pub(crate) fn slice(&self, range: Range<usize>) -> Result<Self, CommError> {
+        if range.end > self.len() || range.start > range.end {
+            return Err(outside(&range, self.len()));
+        }
         match self {
-            Vals::F32(v) => Vals::F32(v[range].to_vec()),
-            Vals::F64(v) => Vals::F64(v[range].to_vec()),
+            Vals::F32(v) => Ok(Vals::F32(v[range].to_vec())),
+            Vals::F64(v) => Ok(Vals::F64(v[range].to_vec())),
+            Vals::Dev(d) => {
+                let out = self.zeros_like(range.len())?;
+                if let Vals::Dev(o) = &out
+                    && !range.is_empty()
+                {
+                    let bytes = range.len() * d.dtype.size_bytes();
+                    // SAFETY: both ranges lie in live allocations of this
+                    // device (checked above; `out` was sized for it).
+                    unsafe {
+                        d.place
+                            .device
+                            .copy(o.ptr, d.addr(range.start), bytes, d.place.stream)
+                    }?;
+                }
+                Ok(out)
+            }
         }
     }
 
     /// Copies little-endian `bytes` (whole elements, fitting) to
     /// `self[to..]`.
-    pub(crate) fn copy_from_bytes(&mut self, to: usize, bytes: &[u8]) {
+    pub(crate) fn copy_from_bytes(&mut self, to: usize, bytes: &[u8]) -> Result<(), CommError> {
+        let size = self.dtype().size_bytes();
+        let range = to..to + bytes.len() / size;
+        if bytes.len() % size != 0 || range.end > self.len() {
+            return Err(outside(&range, self.len()));
+        }
         with_vals!(self, v => {
             let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut v[to..]);
             dst[..bytes.len()].copy_from_slice(bytes);
+            Ok(())
+        }, d => {
+            if bytes.is_empty() {
+                return Ok(());
+            }
+            // SAFETY: the range was checked to lie in this live allocation.
+            unsafe { d.place.device.copy_from_host(d.addr(to), bytes, d.place.stream) }
         })
     }
 
-    /// Elements `range` as little-endian bytes.
-    pub(crate) fn range_bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
-        with_vals!(self, v => bytemuck::cast_slice(&v[range]))
+    /// Elements `range` as little-endian bytes: borrowed on the host; a
+    /// device buffer is read after its compute stream's work so far.
+    pub(crate) fn read_bytes(&self, range: Range<usize>) -> Result<Cow<'_, [u8]>, CommError> {
+        if range.end > self.len() || range.start > range.end {
+            return Err(outside(&range, self.len()));
+        }
+        with_vals!(self, v => Ok(Cow::Borrowed(bytemuck::cast_slice(&v[range]))), d => {
+            let mut out = vec![0u8; range.len() * d.dtype.size_bytes()];
+            if !out.is_empty() {
+                // SAFETY: the range was checked to lie in this allocation.
+                unsafe { d.place.device.copy_to_host(&mut out, d.addr(range.start), d.place.stream) }?;
+            }
+            Ok(Cow::Owned(out))
+        })
     }
 
     /// The whole buffer, for a collective's output.
     pub(crate) fn buf_mut(&mut self) -> BufferMut<'_> {
-        with_vals!(self, v => BufferMut::from(v.as_mut_slice()))
+        with_vals!(self, v => BufferMut::from(v.as_mut_slice()), d => BufferMut::Device(d.view(0..d.len)))
     }
 
     /// Elements `range`, for a collective's input.
-    pub(crate) fn buf(&self, range: std::ops::Range<usize>) -> Buffer<'_> {
-        with_vals!(self, v => Buffer::from(&v[range]))
+    pub(crate) fn buf(&self, range: Range<usize>) -> Buffer<'_> {
+        with_vals!(self, v => Buffer::from(&v[range]), d => Buffer::Device(d.view(range)))
+    }
+
+    /// The device buffer, if it is one.
+    pub(crate) fn dev(&self) -> Option<&DevVals> {
+        match self {
+            Vals::Dev(d) => Some(d),
+            _ => None,
+        }
     }
 }
