@@ -11,6 +11,8 @@ use std::{
     },
 };
 
+pub mod shard;
+
 use consort_ddp::PlainModel;
 use consort_sim::{SimConfig, SimRank, SimWorld};
 use proptest::prelude::*;

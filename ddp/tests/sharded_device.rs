@@ -1,0 +1,218 @@
+//! The sharded strategies with everything on the device, on the emulated
+//! device: ZeRO-1, ZeRO-2, FSDP and HSDP keep parameters, gradients,
+//! optimizer state and gathered units in device memory, average over a
+//! stream-ordered backend whose copies complete late and out of order,
+//! and step with the device's optimizer kernels. The defining property of
+//! the host strategies must hold here too: N ranks with batch b train like
+//! one process with batch N·b. And the device holds what `memory()` says,
+//! with no buffer left behind after a step.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use common::{
+    Case,
+    shard::{Opt, cases, check, optimizer, reference, strategy_for},
+};
+use consort_comm::{Backend, Device, Placement};
+use consort_ddp::{DeviceModel, ShardOptions, Sharded, StagedKernels, Strategy};
+use consort_sim::{
+    EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
+};
+use proptest::prelude::*;
+
+/// How a distributed run goes.
+#[derive(Clone, Debug)]
+struct Run {
+    strategy: Strategy,
+    opt: Opt,
+    unit_cap: usize,
+    /// Gather every unit again, in reverse, before backward.
+    regather: bool,
+}
+
+/// What one rank ends with: its final parameters, and (after the first
+/// step, synchronized) the device bytes beyond the model's own against
+/// what `memory()` reports.
+struct Outcome {
+    params: Vec<Vec<f64>>,
+    held: (usize, usize),
+}
+
+/// Every rank on its own thread with its own emulated device and
+/// communication thread.
+fn distributed(c: &Case, run: &Run) -> Vec<Outcome> {
+    let world = SimWorld::new(SimConfig::new(c.world)).expect("sim world");
+    let threads: Vec<_> = world
+        .ranks()
+        .into_iter()
+        .map(|rank| {
+            let (c, run) = (c.clone(), run.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(rank_main(c, run, rank))
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread panicked"))
+        .collect()
+}
+
+/// Reads `n` f64 at `ptr` once the stream has produced them.
+fn read(device: &EmulatedDevice, ptr: u64, n: usize, stream: u64) -> Vec<f64> {
+    let mut out = vec![0f64; n];
+    // SAFETY: callers pass a live view of `n` f64.
+    unsafe { device.copy_to_host(consort_comm::dtype::as_bytes_mut(&mut out), ptr, stream) }
+        .unwrap();
+    out
+}
+
+async fn rank_main(c: Case, run: Run, rank: consort_sim::SimRank) -> Outcome {
+    let r = rank.rank();
+    let device = EmulatedDevice::new(EmulatedOptions {
+        seed: c.seed ^ (r as u64 + 1),
+        max_delay: Duration::from_micros(40),
+        sync_timeout: Duration::from_secs(10),
+        ..Default::default()
+    });
+    let stream = device.new_stream().unwrap();
+    let placement = Placement {
+        device: device.clone(),
+        stream,
+    };
+    let comm_opts = EmulatedCommOptions {
+        seed: c.seed ^ 0x5eed,
+        ..Default::default()
+    };
+    let comm: Arc<dyn Backend> =
+        Arc::new(EmulatedComm::new(Arc::new(rank), device.clone(), comm_opts).unwrap());
+    let mut model = DeviceModel::new(placement);
+    for (p, init) in c.init.iter().enumerate() {
+        // Ranks other than 0 start from garbage: the broadcast fixes it.
+        let v = if r == 0 {
+            init.clone()
+        } else {
+            vec![7.0 + r as f64; init.len()]
+        };
+        model.add_param(format!("p{p}"), vec![v.len()], &v).unwrap();
+    }
+    device.synchronize(stream).unwrap();
+    let model_bytes = device.allocated_bytes();
+    let mut opts = ShardOptions::new(run.strategy).kernels(Arc::new(StagedKernels));
+    opts.unit_cap_bytes = Some(run.unit_cap);
+    let mut sh = Sharded::new(comm, &mut model, optimizer(run.opt), opts)
+        .await
+        .unwrap();
+    let mut held = (0, 0);
+    for (t, step) in c.data.iter().enumerate() {
+        train_step(
+            &c,
+            &run,
+            &mut sh,
+            &mut model,
+            &step[0][r],
+            (&device, stream),
+        )
+        .await;
+        if t == 0 {
+            device.synchronize(stream).unwrap();
+            held = (device.allocated_bytes() - model_bytes, sh.memory().total());
+        }
+    }
+    sh.copy_params_to(&mut model).await.unwrap();
+    let params = (0..model.len())
+        .map(|i| model.read_param::<f64>(i).unwrap())
+        .collect();
+    Outcome { params, held }
+}
+
+/// One step: gather every unit (on the device), compute the local
+/// gradients on the host from the gathered values, write them where a
+/// backward kernel would, and mark each ready from there.
+async fn train_step(
+    c: &Case,
+    run: &Run,
+    sh: &mut Sharded,
+    model: &mut DeviceModel,
+    batch: &[(Vec<f64>, Vec<f64>)],
+    (device, stream): (&EmulatedDevice, u64),
+) {
+    let scale = if c.exact {
+        c.world as f64
+    } else {
+        1.0 / c.batch as f64
+    };
+    let units = sh.layout().units.len();
+    let mut got = Vec::new();
+    for u in 0..units {
+        got.push(sh.gather(u).await.unwrap());
+    }
+    if run.regather {
+        got.clear();
+        for u in (0..units).rev() {
+            got.push(sh.gather(u).await.unwrap());
+        }
+    }
+    let params: Vec<Vec<f64>> = (0..sh.params().len())
+        .map(|p| {
+            let g = got.iter().find(|g| g.param_device(p).is_ok()).unwrap();
+            let view = g.param_device(p).unwrap();
+            read(device, view.ptr(), view.len(), stream)
+        })
+        .collect();
+    drop(got);
+    let (xs, ys): (Vec<_>, Vec<_>) = batch.iter().cloned().unzip();
+    let mut grads = vec![Vec::new(); params.len()];
+    c.mlp
+        .backward(&params, &xs, &ys, scale, |i, g| grads[i] = g);
+    // Backward produces the last layer's gradients first.
+    for i in (0..grads.len()).rev() {
+        model.write_grad(i, &grads[i]).unwrap();
+        let buf = model.grad_buffer(i).unwrap();
+        sh.mark_ready_device(i, &buf).unwrap();
+    }
+    sh.step().await.unwrap();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn every_strategy_on_the_device_equals_one_process_with_the_global_batch(
+        c in cases(4),
+        pick in 0usize..4,
+        g in 0usize..8,
+        adamw in any::<bool>(),
+        unit_cap in 8usize..400,
+        regather in any::<bool>(),
+    ) {
+        let mut c = c;
+        let opt = match (c.exact, adamw) {
+            (true, true) => {
+                c.data.truncate(1);
+                Opt::AdamW
+            }
+            (true, false) => Opt::SgdExact,
+            (false, true) => Opt::AdamW,
+            (false, false) => Opt::Sgd,
+        };
+        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
+        let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
+        let out = distributed(&c, &run);
+        for (r, o) in out.iter().enumerate() {
+            prop_assert_eq!(
+                o.held.0, o.held.1,
+                "rank {}: the device holds {} bytes beyond the model; memory() says {}",
+                r, o.held.0, o.held.1
+            );
+        }
+        let got: Vec<_> = out.into_iter().map(|o| o.params).collect();
+        check(&c, &got, &want)?;
+    }
+}
