@@ -265,6 +265,12 @@ impl Dist {
     ///
     /// The check's side channel is a TCP mesh of its own, as on NCCL.
     pub async fn emulated_process_group(&self) -> Result<ProcessGroup, CommError> {
+        Ok(ProcessGroup::new(Arc::new(self.emulated_comm().await?)))
+    }
+
+    /// The communicator [`Dist::emulated_process_group`] wraps, for callers
+    /// that need its device (`EmulatedComm::device`) to place a model on.
+    pub async fn emulated_comm(&self) -> Result<consort_sim::EmulatedComm, CommError> {
         let (rank, world) = (self.env.rank, self.env.world_size);
         let mut tcp = self.tcp_options().await?;
         tcp.namespace = format!("consort/tcp/{}/emulated", self.env.restart_count);
@@ -288,7 +294,7 @@ impl Dist {
         if world > 1 {
             comm.check_fingerprints(Arc::new(self.check_channel("emulated-check").await?))?;
         }
-        Ok(ProcessGroup::new(Arc::new(comm)))
+        Ok(comm)
     }
 
     /// The side channel of a stream-ordered communicator's mismatch check

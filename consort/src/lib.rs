@@ -16,6 +16,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "nccl")]
+pub mod cuda;
 pub mod env;
 mod init;
 pub mod launch;

@@ -404,3 +404,57 @@ fn bench_sharded_bytes_match_the_formulas() {
         }
     }
 }
+
+/// `consort bench sharded --device emulated` in a launched job: every
+/// strategy steps with the model on the (emulated) device, and the device
+/// holds what the strategy keeps: for a model of psi bytes at world 2,
+/// ZeRO-1 3 psi (whole parameters and gradients, half of AdamW's two
+/// slots), ZeRO-2 2.5 psi, FSDP 2 psi; DDP 5 psi (the model, its unused
+/// gradient storage, the buckets and AdamW's slots).
+#[test]
+fn bench_sharded_on_the_emulated_device_holds_the_zero_formulas() {
+    let out = consort(&[
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        env!("CARGO_BIN_EXE_consort"),
+        "bench",
+        "sharded",
+        "--device",
+        "emulated",
+        "--params",
+        "64K",
+        "--layers",
+        "4",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.split_once("{").map(|(_, r)| format!("{{{r}")))
+        .map(|l| serde_json::from_str(&l).expect("a JSON row"))
+        .collect();
+    let psi = 64_000.0 * 4.0 / f64::from(1u32 << 20);
+    let want = [("ddp", 5.0), ("zero1", 3.0), ("zero2", 2.5), ("fsdp", 2.0)];
+    assert_eq!(rows.len(), want.len(), "{text}");
+    for (r, (name, times)) in rows.iter().zip(want) {
+        assert_eq!(r["strategy"], name, "{r}");
+        assert_eq!(r["device"], "emulated", "{r}");
+        let mib: f64 = r["mem_mib"].as_str().unwrap().parse().unwrap();
+        assert!(
+            (mib - times * psi).abs() < 0.06,
+            "{name}: {mib} MiB, want {times} psi: {r}"
+        );
+        let ms: f64 = r["step_ms"].as_str().unwrap().parse().unwrap();
+        assert!(ms > 0.0, "{r}");
+    }
+}

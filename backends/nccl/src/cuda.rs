@@ -76,6 +76,56 @@ impl CudaDevice {
             .bind_to_thread()
             .map_err(|e| err("context binding", e))
     }
+
+    /// The stream-ordered allocations' bytes in use now and at their peak
+    /// since [`CudaDevice::reset_peak`] (the device's default memory pool,
+    /// which `alloc_zeroed` draws from: the counterpart of torch's
+    /// `memory_allocated` and `max_memory_allocated`). NCCL's own buffers
+    /// are not in it.
+    pub fn pool_usage(&self) -> Result<(u64, u64)> {
+        let pool = self.pool()?;
+        let get = |attr| {
+            let mut v = 0u64;
+            // SAFETY: a live pool; both attributes are 64-bit counters.
+            unsafe { cusys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) }
+                .result()
+                .map(|()| v)
+                .map_err(|e| err("memory pool query", e))
+        };
+        use cusys::CUmemPool_attribute as A;
+        Ok((
+            get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        ))
+    }
+
+    /// Restarts [`CudaDevice::pool_usage`]'s peak from the bytes in use.
+    pub fn reset_peak(&self) -> Result<()> {
+        let pool = self.pool()?;
+        let mut zero = 0u64;
+        // SAFETY: a live pool; the high-water mark may only be set to zero.
+        unsafe {
+            cusys::cuMemPoolSetAttribute(
+                pool,
+                cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| err("memory pool reset", e))
+    }
+
+    /// The device's default memory pool.
+    fn pool(&self) -> Result<cusys::CUmemoryPool> {
+        self.bind()?;
+        let dev = cu::device::get(self.ordinal).map_err(|e| err("device query", e))?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `pool` receives the device's default pool handle.
+        unsafe { cusys::cuDeviceGetDefaultMemPool(&mut pool, dev) }
+            .result()
+            .map_err(|e| err("memory pool lookup", e))?;
+        Ok(pool)
+    }
 }
 
 impl Drop for CudaDevice {

@@ -81,63 +81,20 @@ extern "C" __global__ void count_correct(const float* o, const int* y, int rows,
 
 /// Checks that a CUDA library cudarc will open exists (cudarc panics
 /// otherwise), naming what was tried and what to do.
-fn probe_lib(name: &str, what: &str) -> Result<(), BoxError> {
-    let names = cudarc::get_lib_name_candidates(name);
-    let loads = |n: &String| {
-        // SAFETY: loading the vendor library cudarc is about to load anyway.
-        unsafe { libloading::Library::new(n) }.is_ok()
-    };
-    if names.iter().any(loads) {
-        return Ok(());
-    }
-    Err(format!(
-        "backend `nccl` is unavailable: {what} was not found (tried {names:?}); put the CUDA \
-         toolkit's lib64, or PyTorch's nvidia/*/lib directories, on LD_LIBRARY_PATH"
-    )
-    .into())
+/// Compiles [`KERNELS`] for this GPU (see `consort::cuda::compile`).
+fn load_kernels(dev: &Arc<CudaDevice>) -> Result<Arc<CudaModule>, BoxError> {
+    Ok(consort::cuda::compile(
+        dev,
+        KERNELS,
+        &[],
+        "the trainer's kernels",
+    )?)
 }
 
-/// Compiles [`KERNELS`] to a CUBIN for this GPU's architecture (so the
-/// driver never has to JIT PTX that may be newer than it: NVRTC from a pip
-/// wheel is often newer than the driver), falling back to PTX where this
-/// NVRTC does not know the architecture.
-fn load_kernels(dev: &Arc<CudaDevice>) -> Result<Arc<CudaModule>, BoxError> {
-    use cudarc::nvrtc::{Ptx, result as rtc, sys as rtc_sys};
-    let (major, minor) = dev.context().compute_capability()?;
-    let src = std::ffi::CString::new(KERNELS)?;
-    let prog = rtc::create_program(&src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
-    let arch = format!("--gpu-architecture=sm_{major}{minor}");
-    // SAFETY: `prog` is live until destroyed at the end of this block; the
-    // CUBIN buffer has the size NVRTC reports.
-    let cubin = unsafe {
-        let built = rtc::compile_program(prog, std::slice::from_ref(&arch)).and_then(|()| {
-            let mut n = 0usize;
-            rtc_sys::nvrtcGetCUBINSize(prog, &mut n).result()?;
-            let mut buf = vec![0 as std::ffi::c_char; n];
-            rtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr()).result()?;
-            Ok(buf.into_iter().map(|c| c as u8).collect::<Vec<u8>>())
-        });
-        let log = rtc::get_program_log(prog)
-            .map(|l| l.into_iter().map(|c| c as u8 as char).collect::<String>())
-            .unwrap_or_default();
-        let _ = rtc::destroy_program(prog);
-        built.map_err(|e| format!("NVRTC {arch}: {e:?} {log}"))
-    };
-    let image = match cubin {
-        Ok(c) if !c.is_empty() => Ptx::from_binary(c),
-        other => {
-            tracing::warn!("no CUBIN for sm_{major}{minor} ({other:?}); loading PTX instead");
-            cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e:?}"))?
-        }
-    };
-    dev.context().load_module(image).map_err(|e| {
-        format!(
-            "loading the trainer's kernels: {e:?} (CUDA_ERROR_UNSUPPORTED_PTX_VERSION means \
-             NVRTC is newer than the driver: update the driver, or put an older NVRTC first on \
-             LD_LIBRARY_PATH)"
-        )
-        .into()
-    })
+/// [`consort::cuda::probe_lib`], as the trainer's error.
+fn probe_lib(name: &str, what: &str) -> Result<(), BoxError> {
+    consort::cuda::probe_lib(name, what)
+        .map_err(|e| format!("backend `nccl` is unavailable: {e}").into())
 }
 
 /// The kernels, the cuBLAS handle and the scratch buffers of one rank.

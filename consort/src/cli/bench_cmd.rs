@@ -10,7 +10,7 @@ use super::{
         DTypeList, OpList, SizeList, parse_count, parse_dtypes, parse_iters, parse_mode,
         parse_op_list, parse_sizes,
     },
-    sharded_bench,
+    sharded_bench, sharded_device_bench,
     table::Table,
 };
 
@@ -115,8 +115,15 @@ pub(crate) enum BenchCommand {
     /// and 8 on the simulator, beside the ZeRO formulas, and each step's
     /// communication on the cost model. As one rank of a launched job
     /// (`consort run --standalone --nproc-per-node 2 -- consort bench
-    /// sharded`): each strategy's step time over the real backend.
+    /// sharded`): each strategy's step time over the real backend; with
+    /// `--device cuda` (NCCL) or `--device emulated`, the model on the
+    /// device and each rank's device memory beside it.
     Sharded {
+        /// Where the model lives in a launched job: cpu (host memory, the
+        /// job's TCP backend), cuda (NCCL, the rank's GPU) or emulated (the
+        /// emulated device, no GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         /// Parameters (f32), decimal with K/M suffixes.
         #[arg(long, default_value = "4M", value_parser = parse_count)]
         params: usize,
@@ -213,13 +220,25 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             }
         }
         Some(BenchCommand::Sharded {
+            device,
             params,
             layers,
             work,
             iters,
             json,
         }) => {
-            let t = if std::env::var_os("RANK").is_some() {
+            let launched = std::env::var_os("RANK").is_some();
+            let t = if device != "cpu" {
+                if !launched {
+                    return Err(format!(
+                        "--device {device} times a launched job: consort run --standalone \
+                         --nproc-per-node N -- consort bench sharded --device {device}"
+                    )
+                    .into());
+                }
+                let shape = (params, layers, work, iters);
+                sharded_device_bench::steps(&device, shape).await?
+            } else if launched {
                 sharded_bench::steps(params, layers, work, iters).await?
             } else {
                 Some(sharded_bench::memory(params, layers).await?)

@@ -18,6 +18,7 @@ mod parse;
 mod run;
 mod sampler_cmd;
 mod sharded_bench;
+mod sharded_device_bench;
 mod sim;
 mod store_cmd;
 mod table;

@@ -33,7 +33,7 @@ type BoxError = Box<dyn std::error::Error>;
 
 /// The strategies compared at world `world` (`None`: DDP). HSDP shards
 /// within halves of the world.
-fn strategies(world: usize) -> Vec<Option<Strategy>> {
+pub(super) fn strategies(world: usize) -> Vec<Option<Strategy>> {
     let mut s = vec![
         None,
         Some(Strategy::Zero1),
@@ -48,7 +48,8 @@ fn strategies(world: usize) -> Vec<Option<Strategy>> {
     s
 }
 
-fn name(s: Option<Strategy>) -> String {
+/// A strategy's name in the tables (`None`: DDP).
+pub(super) fn name(s: Option<Strategy>) -> String {
     s.map_or("ddp".into(), |s| s.to_string())
 }
 
@@ -197,7 +198,7 @@ pub(crate) async fn memory(params: usize, layers: usize) -> Result<Table, BoxErr
 /// One step's time as the slowest rank's (the anchors' and nccl-tests'
 /// way): every rank's milliseconds, all-reduced with Max outside the timed
 /// region.
-async fn slowest(backend: &Arc<dyn Backend>, ms: f64) -> Result<f64, BoxError> {
+pub(super) async fn slowest(backend: &Arc<dyn Backend>, ms: f64) -> Result<f64, BoxError> {
     let mut v = [ms];
     ProcessGroup::new(backend.clone())
         .all_reduce(&mut v, ReduceOp::Max)

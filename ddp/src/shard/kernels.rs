@@ -24,9 +24,9 @@ use consort_comm::{CommError, DType, Placement};
 use super::optim::{AdamW, Sgd, ShardOptimizer};
 
 /// One flat shard's update on the device: `len` elements of `dtype` at
-/// each address, stream-ordered on the placement's compute stream. Made
-/// by the sharded strategies only, so its addresses are always live
-/// allocations of at least `len` elements.
+/// each address, stream-ordered on the placement's compute stream. Its
+/// constructor is unsafe, so its addresses are always live allocations of
+/// at least `len` elements.
 #[derive(Debug)]
 pub struct DeviceStep<'a> {
     place: &'a Placement,
@@ -39,9 +39,17 @@ pub struct DeviceStep<'a> {
 }
 
 impl<'a> DeviceStep<'a> {
-    /// The strategies' constructor. Safety rests on the caller: every
-    /// address holds `len` live elements of `dtype` on `place`'s device.
-    pub(crate) fn new(
+    /// One update of `len` elements: the parameters and the gradient at
+    /// `(params, grads)`, the optimizer's slots at `state`. The sharded
+    /// strategies make their own; DDP on a device model makes one per
+    /// parameter to step it with the same kernels.
+    ///
+    /// # Safety
+    /// Every address holds `len` live elements of `dtype` on `place`'s
+    /// device, ready on its compute stream, until the work the kernels
+    /// enqueue there has run; the parameter and slot ranges are not used
+    /// by anything else meanwhile.
+    pub unsafe fn new(
         place: &'a Placement,
         dtype: DType,
         len: usize,

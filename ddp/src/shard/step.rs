@@ -601,16 +601,19 @@ fn update_flat_device(
         .iter()
         .map(|s| s.dev().map(|d| d.addr(0)).ok_or_else(inner))
         .collect::<Result<Vec<u64>, _>>()?;
-    // The ranges are this rank's valid part of the flat, inside every
-    // buffer (the layout sized them), so the addresses hold `p.len()`
-    // elements each.
-    let s = super::kernels::DeviceStep::new(
-        params.place(),
-        dtype,
-        p.len(),
-        step,
-        (params.addr(p.start), grads.addr(g.start)),
-        &state,
-    );
+    // SAFETY: the ranges are this rank's valid part of the flat, inside
+    // every buffer (the layout sized them), so the addresses hold
+    // `p.len()` live elements each, on the compute stream; the flat's
+    // buffers are this wrapper's alone (the parameters were unshared).
+    let s = unsafe {
+        super::kernels::DeviceStep::new(
+            params.place(),
+            dtype,
+            p.len(),
+            step,
+            (params.addr(p.start), grads.addr(g.start)),
+            &state,
+        )
+    };
     opt.step_device(kernels, &s)
 }

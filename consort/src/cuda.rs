@@ -1,0 +1,356 @@
+//! CUDA above the NCCL backend (feature `nccl`): consort's kernels compiled
+//! at run time with NVRTC for the GPU at hand ([`compile`]), and
+//! [`CudaKernels`], the sharded strategies' optimizer kernels on CUDA.
+//!
+//! Everything is loaded at run time, as the NCCL backend is: the build
+//! needs no CUDA toolkit. [`CudaKernels`] runs `torch.optim.SGD` and
+//! `torch.optim.AdamW` as one elementwise kernel each, per dtype, on the
+//! model's compute stream, with the host step's arithmetic (the same
+//! operations in the same order; compiled with `--fmad=false`, so no
+//! multiply-add is fused that the host does in two roundings).
+
+use std::{ffi::c_void, sync::Arc};
+
+use consort_comm::{CommError, DType, Device};
+use consort_ddp::{AdamW, DeviceStep, Sgd, ShardKernels};
+use consort_nccl::CudaDevice;
+use cudarc::driver::{CudaFunction, CudaModule, result as cu, sys as cusys};
+
+/// Checks that the CUDA library `name` (cudarc's name: `"nvrtc"`,
+/// `"cublas"`) can be loaded; the error says where to find it.
+pub fn probe_lib(name: &str, what: &str) -> Result<(), String> {
+    let names = cudarc::get_lib_name_candidates(name);
+    let loads = |n: &String| {
+        // SAFETY: loading the vendor library cudarc is about to load anyway.
+        unsafe { libloading::Library::new(n) }.is_ok()
+    };
+    if names.iter().any(loads) {
+        return Ok(());
+    }
+    Err(format!(
+        "{what} was not found (tried {names:?}); put the CUDA toolkit's lib64, or PyTorch's \
+         nvidia/*/lib directories, on LD_LIBRARY_PATH"
+    ))
+}
+
+/// Compiles CUDA C++ `src` with NVRTC to a CUBIN for `dev`'s architecture
+/// (the driver then never JITs PTX that may be newer than it: NVRTC from a
+/// pip wheel often is), falling back to PTX where this NVRTC does not know
+/// the architecture, and loads it. `options` go to NVRTC beside the
+/// architecture; `what` names the kernels in errors.
+pub fn compile(
+    dev: &Arc<CudaDevice>,
+    src: &str,
+    options: &[&str],
+    what: &str,
+) -> Result<Arc<CudaModule>, String> {
+    use cudarc::nvrtc::{Ptx, result as rtc, sys as rtc_sys};
+    probe_lib("nvrtc", "NVRTC (the CUDA run-time compiler)")?;
+    let (major, minor) = dev
+        .context()
+        .compute_capability()
+        .map_err(|e| format!("{what}: {e:?}"))?;
+    let c_src = std::ffi::CString::new(src).map_err(|e| format!("{what}: {e}"))?;
+    let prog = rtc::create_program(&c_src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let mut opts = vec![format!("--gpu-architecture=sm_{major}{minor}")];
+    opts.extend(options.iter().map(|o| o.to_string()));
+    // SAFETY: `prog` is live until destroyed at the end of this block; the
+    // CUBIN buffer has the size NVRTC reports.
+    let cubin = unsafe {
+        let built = rtc::compile_program(prog, &opts).and_then(|()| {
+            let mut n = 0usize;
+            rtc_sys::nvrtcGetCUBINSize(prog, &mut n).result()?;
+            let mut buf = vec![0 as std::ffi::c_char; n];
+            rtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr()).result()?;
+            Ok(buf.into_iter().map(|c| c as u8).collect::<Vec<u8>>())
+        });
+        let log = rtc::get_program_log(prog)
+            .map(|l| l.into_iter().map(|c| c as u8 as char).collect::<String>())
+            .unwrap_or_default();
+        let _ = rtc::destroy_program(prog);
+        built.map_err(|e| format!("NVRTC {opts:?}: {e:?} {log}"))
+    };
+    let image = match cubin {
+        Ok(c) if !c.is_empty() => Ptx::from_binary(c),
+        other => {
+            tracing::warn!("no CUBIN for sm_{major}{minor} ({other:?}); loading PTX instead");
+            let ptx_opts = cudarc::nvrtc::CompileOptions {
+                options: options.iter().map(|o| o.to_string()).collect(),
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(src, ptx_opts)
+                .map_err(|e| format!("NVRTC: {e:?}"))?
+        }
+    };
+    dev.context().load_module(image).map_err(|e| {
+        format!(
+            "loading {what}: {e:?} (CUDA_ERROR_UNSUPPORTED_PTX_VERSION means NVRTC is newer than \
+             the driver: update the driver, or put an older NVRTC first on LD_LIBRARY_PATH)"
+        )
+    })
+}
+
+/// The optimizer kernels: one grid-stride loop per optimizer and dtype,
+/// with the host step's operations in its order (see `consort_ddp`'s
+/// `Sgd` and `AdamW`).
+const OPTIM_KERNELS: &str = r#"
+template <typename T>
+__device__ void sgd_body(T* p, const T* g, T* buf, int has_buf, T lr, T mu, T keep, T wd,
+                         int has_wd, int first, int nesterov, long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        T d = g[i];
+        if (has_wd) d = d + wd * p[i];
+        if (has_buf) {
+            T b = first ? d : mu * buf[i] + keep * d;
+            buf[i] = b;
+            d = nesterov ? d + mu * b : b;
+        }
+        p[i] = p[i] - lr * d;
+    }
+}
+
+template <typename T>
+__device__ void adamw_body(T* p, const T* g, T* m, T* v, T decay, T b1, T b2, T c1, T c2,
+                           T step_size, T bc2_sqrt, T eps, long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        T gi = g[i];
+        T pi = p[i] * decay;
+        T mi = b1 * m[i] + c1 * gi;
+        T vi = b2 * v[i] + (c2 * gi) * gi;
+        T denom = sqrt(vi) / bc2_sqrt + eps;
+        p[i] = pi - step_size * (mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+#define SGD(name, T) extern "C" __global__ void name(T* p, const T* g, T* buf, int has_buf, \
+    T lr, T mu, T keep, T wd, int has_wd, int first, int nesterov, long long n) { \
+    sgd_body<T>(p, g, buf, has_buf, lr, mu, keep, wd, has_wd, first, nesterov, n); }
+#define ADAMW(name, T) extern "C" __global__ void name(T* p, const T* g, T* m, T* v, T decay, \
+    T b1, T b2, T c1, T c2, T step_size, T bc2_sqrt, T eps, long long n) { \
+    adamw_body<T>(p, g, m, v, decay, b1, b2, c1, c2, step_size, bc2_sqrt, eps, n); }
+
+SGD(sgd_f32, float)
+SGD(sgd_f64, double)
+ADAMW(adamw_f32, float)
+ADAMW(adamw_f64, double)
+"#;
+
+/// The sharded strategies' optimizer kernels on one CUDA device: pass it
+/// as `ShardOptions::kernels` for a model on that device.
+pub struct CudaKernels {
+    dev: Arc<CudaDevice>,
+    _module: Arc<CudaModule>,
+    sgd: [CudaFunction; 2],
+    adamw: [CudaFunction; 2],
+}
+
+impl std::fmt::Debug for CudaKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKernels")
+            .field("device", &self.dev.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A kernel argument: a pointer to its value.
+fn arg<T>(v: &T) -> *mut c_void {
+    v as *const T as *mut c_void
+}
+
+/// Runs `f` with the kernel's scalars converted to `T` (f32 or f64).
+trait Scalar: Copy {
+    fn of(v: f64) -> Self;
+}
+
+impl Scalar for f32 {
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Scalar for f64 {
+    fn of(v: f64) -> Self {
+        v
+    }
+}
+
+impl CudaKernels {
+    /// Compiles the kernels for `dev` (NVRTC, loaded at run time).
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<Arc<Self>, String> {
+        let module = compile(
+            dev,
+            OPTIM_KERNELS,
+            &["--fmad=false"],
+            "the optimizer kernels",
+        )?;
+        let load = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(|e| format!("the optimizer kernel {n}: {e:?}"))
+        };
+        Ok(Arc::new(CudaKernels {
+            dev: dev.clone(),
+            sgd: [load("sgd_f32")?, load("sgd_f64")?],
+            adamw: [load("adamw_f32")?, load("adamw_f64")?],
+            _module: module,
+        }))
+    }
+
+    /// Which of a pair serves `s`'s dtype, after checking its device.
+    fn pick<'k>(
+        &self,
+        pair: &'k [CudaFunction; 2],
+        s: &DeviceStep<'_>,
+    ) -> Result<&'k CudaFunction, CommError> {
+        if s.place().device.ordinal() != self.dev.ordinal() || s.place().device.kind() != "cuda" {
+            return Err(CommError::invalid(format!(
+                "CUDA kernels of device {} were given a shard on {} device {}",
+                self.dev.ordinal(),
+                s.place().device.kind(),
+                s.place().device.ordinal()
+            )));
+        }
+        match s.dtype() {
+            DType::F32 => Ok(&pair[0]),
+            DType::F64 => Ok(&pair[1]),
+            d => Err(CommError::invalid(format!(
+                "the optimizer kernels step f32 and f64 shards, not {d}"
+            ))),
+        }
+    }
+
+    /// Launches `f` over `n` elements on `s`'s compute stream.
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        s: &DeviceStep<'_>,
+        args: &mut [*mut c_void],
+    ) -> Result<(), CommError> {
+        let blocks = s.len().div_ceil(256).clamp(1, 4096) as u32;
+        let fail = |e: cudarc::driver::DriverError| {
+            CommError::invalid(format!("launching an optimizer kernel: {e:?}"))
+        };
+        self.dev.context().bind_to_thread().map_err(fail)?;
+        // SAFETY: every argument points at a value of the kernel's
+        // parameter type (device addresses as u64, flags as i32, scalars
+        // as the shard's float type, the count as i64), alive until the
+        // launch returns (arguments are copied at launch); `DeviceStep`'s
+        // addresses hold `len` live elements on this device (checked by
+        // `pick`), and its stream is this device's compute stream.
+        unsafe {
+            cu::launch_kernel(
+                f.cu_function(),
+                (blocks, 1, 1),
+                (256, 1, 1),
+                0,
+                s.place().stream as cusys::CUstream,
+                args,
+            )
+        }
+        .map_err(fail)
+    }
+
+    fn sgd_typed<T: Scalar>(
+        &self,
+        f: &CudaFunction,
+        s: &DeviceStep<'_>,
+        o: &Sgd,
+    ) -> Result<(), CommError> {
+        let (p, g, n) = (s.params(), s.grads(), s.len() as i64);
+        let buf = s.state().first().copied().unwrap_or(0);
+        let has_buf = i32::from(!s.state().is_empty());
+        let (lr, mu, keep, wd) = (
+            T::of(o.lr),
+            T::of(o.momentum),
+            T::of(1.0 - o.dampening),
+            T::of(o.weight_decay),
+        );
+        let has_wd = i32::from(o.weight_decay != 0.0);
+        let first = i32::from(s.step() <= 1);
+        let nesterov = i32::from(o.nesterov);
+        let mut args = [
+            arg(&p),
+            arg(&g),
+            arg(&buf),
+            arg(&has_buf),
+            arg(&lr),
+            arg(&mu),
+            arg(&keep),
+            arg(&wd),
+            arg(&has_wd),
+            arg(&first),
+            arg(&nesterov),
+            arg(&n),
+        ];
+        self.launch(f, s, &mut args)
+    }
+
+    fn adamw_typed<T: Scalar>(
+        &self,
+        f: &CudaFunction,
+        s: &DeviceStep<'_>,
+        o: &AdamW,
+    ) -> Result<(), CommError> {
+        let [m, v] = s.state() else {
+            return Err(CommError::invalid("AdamW keeps two state slots"));
+        };
+        let (p, g, n) = (s.params(), s.grads(), s.len() as i64);
+        let t = s.step().max(1) as i32;
+        let bc1 = 1.0 - o.beta1.powi(t);
+        let bc2 = 1.0 - o.beta2.powi(t);
+        let decay = T::of(1.0 - o.lr * o.weight_decay);
+        let (b1, b2) = (T::of(o.beta1), T::of(o.beta2));
+        let (c1, c2) = (T::of(1.0 - o.beta1), T::of(1.0 - o.beta2));
+        let step_size = T::of(o.lr / bc1);
+        let bc2_sqrt = T::of(bc2.sqrt());
+        let eps = T::of(o.eps);
+        let mut args = [
+            arg(&p),
+            arg(&g),
+            arg(m),
+            arg(v),
+            arg(&decay),
+            arg(&b1),
+            arg(&b2),
+            arg(&c1),
+            arg(&c2),
+            arg(&step_size),
+            arg(&bc2_sqrt),
+            arg(&eps),
+            arg(&n),
+        ];
+        self.launch(f, s, &mut args)
+    }
+}
+
+impl ShardKernels for CudaKernels {
+    fn name(&self) -> &str {
+        "cuda (NVRTC)"
+    }
+
+    fn sgd(&self, s: &DeviceStep<'_>, opt: &Sgd) -> Result<(), CommError> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        let f = self.pick(&self.sgd, s)?;
+        match s.dtype() {
+            DType::F32 => self.sgd_typed::<f32>(f, s, opt),
+            _ => self.sgd_typed::<f64>(f, s, opt),
+        }
+    }
+
+    fn adamw(&self, s: &DeviceStep<'_>, opt: &AdamW) -> Result<(), CommError> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        let f = self.pick(&self.adamw, s)?;
+        match s.dtype() {
+            DType::F32 => self.adamw_typed::<f32>(f, s, opt),
+            _ => self.adamw_typed::<f64>(f, s, opt),
+        }
+    }
+}
