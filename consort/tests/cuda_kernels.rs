@@ -46,6 +46,9 @@ fn values(n: usize, seed: u64) -> Vec<f64> {
         .collect()
 }
 
+/// A host step of one element type.
+type HostStep<T> = fn(&dyn ShardOptimizer, u64, &mut [T], &[T], &mut [&mut [T]]);
+
 /// Runs `opt` for 4 steps on the host and through `kernels` on the GPU,
 /// from the same values; both results, as f64.
 fn both<T: consort::Element + Copy + Default>(
@@ -54,7 +57,7 @@ fn both<T: consort::Element + Copy + Default>(
     place: &Placement,
     n: usize,
     of: fn(f64) -> T,
-    step_host: fn(&dyn ShardOptimizer, u64, &mut [T], &[T], &mut [&mut [T]]),
+    step_host: HostStep<T>,
 ) -> (Vec<T>, Vec<T>) {
     let dtype = T::DTYPE;
     let mut p: Vec<T> = values(n, 1).into_iter().map(of).collect();
