@@ -11,7 +11,7 @@ use std::{ffi::c_void, sync::Arc};
 
 use consort::{
     Placement,
-    ddp::{Ddp, DeviceModel, PlainModel},
+    ddp::{Ddp, DeviceModel, PlainModel, Sharded, shard::Gathered},
     nccl::{CudaDevice, NcclBackend},
 };
 use cudarc::{
@@ -276,10 +276,10 @@ impl Gpu {
         Ok(rows)
     }
 
-    /// Hidden activations and logits of the gathered batch.
-    fn forward(&self, m: &DeviceModel, rows: usize) -> Result<(), BoxError> {
-        let (w1, b1) = (m.param_buffer(W1)?.ptr(), m.param_buffer(B1)?.ptr());
-        let (w2, b2) = (m.param_buffer(W2)?.ptr(), m.param_buffer(B2)?.ptr());
+    /// Hidden activations and logits of the gathered batch, with the
+    /// parameters at `w` (`[w1, b1, w2, b2]` device addresses).
+    fn forward(&self, w: [u64; 4], rows: usize) -> Result<(), BoxError> {
+        let [w1, b1, w2, b2] = w;
         let (r, h) = (rows as i32, self.hidden as i32);
         self.gemm(self.s.h, self.s.xb, w1, rows, self.hidden, 64, false, true)?;
         let one = 1i32;
@@ -297,18 +297,20 @@ impl Gpu {
         )
     }
 
-    /// One training step on `idx`: forward, backward into DDP's bucket
-    /// views (layer 2 first, as autograd produces them), finish, SGD.
-    pub(crate) async fn step(
+    /// Forward and backward of one batch with the parameters at `w`: the
+    /// gradients go to `g` (`[w1, b1, w2, b2]` device addresses), and
+    /// `ready(i)` is called as each is written (layer 2 first, as autograd
+    /// produces them). Returns the batch's rows.
+    fn forward_backward(
         &self,
-        ddp: &mut Ddp<NcclBackend>,
-        m: &DeviceModel,
+        w: [u64; 4],
+        g: [u64; 4],
         set: &DeviceSet,
         idx: &[u32],
-        lr: f32,
-    ) -> Result<(), BoxError> {
+        mut ready: impl FnMut(usize) -> Result<(), BoxError>,
+    ) -> Result<usize, BoxError> {
         let rows = self.gather(set, idx)?;
-        self.forward(m, rows)?;
+        self.forward(w, rows)?;
         let (r, hid) = (rows as i32, self.hidden as i32);
         let inv_n = 1.0f32 / rows.max(1) as f32;
         self.launch(
@@ -323,9 +325,7 @@ impl Gpu {
                 arg(&inv_n),
             ],
         )?;
-        let g = |i: usize| ddp.grad_device(i).map(|b| b.ptr());
-        let (gw1, gb1, gw2, gb2) = (g(W1)?, g(B1)?, g(W2)?, g(B2)?);
-        // (These views stay valid until finish: buckets move only there.)
+        let [gw1, gb1, gw2, gb2] = g;
         // Layer 2: dW2 = dOᵀ·H, db2 = Σ rows dO.
         self.gemm(
             gw2,
@@ -343,14 +343,13 @@ impl Gpu {
             10,
             &mut [arg(&self.s.d_o), arg(&gb2), arg(&r), arg(&ten)],
         )?;
-        ddp.mark_ready_in_place(B2)?;
-        ddp.mark_ready_in_place(W2)?;
+        ready(B2)?;
+        ready(W2)?;
         // Layer 1: dH = dO·W2 masked by ReLU, dW1 = dHᵀ·X, db1 = Σ rows dH.
-        let w2 = m.param_buffer(W2)?.ptr();
         self.gemm(
             self.s.d_h,
             self.s.d_o,
-            w2,
+            w[2],
             rows,
             self.hidden,
             10,
@@ -378,8 +377,27 @@ impl Gpu {
             self.hidden,
             &mut [arg(&self.s.d_h), arg(&gb1), arg(&r), arg(&hid)],
         )?;
-        ddp.mark_ready_in_place(B1)?;
-        ddp.mark_ready_in_place(W1)?;
+        ready(B1)?;
+        ready(W1)?;
+        Ok(rows)
+    }
+
+    /// One training step on `idx`: forward, backward into DDP's bucket
+    /// views (layer 2 first, as autograd produces them), finish, SGD.
+    pub(crate) async fn step(
+        &self,
+        ddp: &mut Ddp<NcclBackend>,
+        m: &DeviceModel,
+        set: &DeviceSet,
+        idx: &[u32],
+        lr: f32,
+    ) -> Result<(), BoxError> {
+        let g = |i: usize| ddp.grad_device(i).map(|b| b.ptr());
+        // (These views stay valid until finish: buckets move only there.)
+        let grads = [g(W1)?, g(B1)?, g(W2)?, g(B2)?];
+        self.forward_backward(params_of(m)?, grads, set, idx, |i| {
+            Ok(ddp.mark_ready_in_place(i)?)
+        })?;
         ddp.finish().await?;
         // The compute stream already waits for every bucket's all-reduce.
         // The views are read again: the first finish rebuilds the buckets.
@@ -396,16 +414,42 @@ impl Gpu {
         Ok(())
     }
 
+    /// One training step under a sharded strategy: both layers gathered on
+    /// the device, backward into `m`'s gradient storage, each gradient
+    /// handed to the strategy as it is written, then the strategy's step
+    /// (SGD with momentum, CUDA kernels) on this rank's shard.
+    pub(crate) async fn step_sharded(
+        &self,
+        sh: &mut Sharded,
+        m: &DeviceModel,
+        set: &DeviceSet,
+        idx: &[u32],
+    ) -> Result<(), BoxError> {
+        let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
+        let w = gathered_params(&l1, &l2)?;
+        let g = |i: usize| m.grad_buffer(i).map(|b| b.ptr());
+        let grads = [g(W1)?, g(B1)?, g(W2)?, g(B2)?];
+        self.forward_backward(w, grads, set, idx, |i| {
+            Ok(sh.mark_ready_device(i, &m.grad_buffer(i)?)?)
+        })?;
+        // The gathered layers are freed once the stream is past backward.
+        drop((l1, l2));
+        sh.step().await?;
+        Ok(())
+    }
+
     /// Counts correct predictions on `idx` into the device counter.
+    /// `w`: the parameters' device addresses ([`params_of`],
+    /// [`gathered_params`]).
     pub(crate) fn evaluate(
         &self,
-        m: &DeviceModel,
+        w: [u64; 4],
         set: &DeviceSet,
         idx: &[u32],
     ) -> Result<(), BoxError> {
         for chunk in idx.chunks(self.cap) {
             let rows = self.gather(set, chunk)?;
-            self.forward(m, rows)?;
+            self.forward(w, rows)?;
             let r = rows as i32;
             self.launch(
                 &self.f.count_correct,
@@ -506,4 +550,21 @@ pub(crate) fn upload_model(p: &Placement, host: &PlainModel) -> Result<DeviceMod
         m.add_param(spec.name.clone(), spec.shape.clone(), &v)?;
     }
     Ok(m)
+}
+
+/// The model's parameter addresses, `[w1, b1, w2, b2]`.
+pub(crate) fn params_of(m: &DeviceModel) -> Result<[u64; 4], BoxError> {
+    let p = |i: usize| m.param_buffer(i).map(|b| b.ptr());
+    Ok([p(W1)?, p(B1)?, p(W2)?, p(B2)?])
+}
+
+/// The parameter addresses of the two gathered layers (valid while they
+/// live).
+pub(crate) fn gathered_params(l1: &Gathered, l2: &Gathered) -> Result<[u64; 4], BoxError> {
+    Ok([
+        l1.param_device(W1)?.ptr(),
+        l1.param_device(B1)?.ptr(),
+        l2.param_device(W2)?.ptr(),
+        l2.param_device(B2)?.ptr(),
+    ])
 }

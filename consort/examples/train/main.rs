@@ -119,16 +119,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The options of a CPU run that only make sense together.
-fn check_cpu_options(args: &Args, backend: &str) -> Result<(), BoxError> {
-    if args.strategy != "ddp" && args.device != "cpu" {
-        return Err(format!(
-            "--strategy {} keeps parameters in host memory: use --device cpu, or --strategy ddp \
-             on the GPU",
-            args.strategy
-        )
-        .into());
-    }
+/// The options that only make sense together (CPU and GPU runs).
+fn check_options(args: &Args, backend: &str) -> Result<(), BoxError> {
     if !matches!(args.on_peer_lost.as_str(), "fail" | "shrink") {
         return Err(format!(
             "unknown --on-peer-lost {:?}: expected fail or shrink",
@@ -158,6 +150,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .clone()
         .unwrap_or_else(|| if launched { "tcp" } else { "sim" }.into());
     let args = Arc::new(args);
+    check_options(&args, &backend)?;
     match (backend.as_str(), args.device.as_str()) {
         ("nccl", "cuda") => return nccl_cuda(args, data).await,
         (_, "cpu") => {}
@@ -171,7 +164,6 @@ async fn run(args: Args) -> Result<(), BoxError> {
             return Err(format!("unknown --device {other:?}: expected cpu or cuda").into());
         }
     }
-    check_cpu_options(&args, &backend)?;
     match backend.as_str() {
         "sim" => {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
@@ -728,26 +720,69 @@ impl Survivors {
     }
 }
 
+/// What a GPU rank trains with: the job, its GPU and compute stream, the
+/// model uploaded there, the kernels and the data sets in device memory.
+#[cfg(feature = "nccl")]
+struct GpuRun {
+    job: Job,
+    dev: Arc<consort::nccl::CudaDevice>,
+    model: consort::ddp::DeviceModel,
+    g: gpu::Gpu,
+    train: gpu::DeviceSet,
+    test: gpu::DeviceSet,
+}
+
+#[cfg(feature = "nccl")]
+impl GpuRun {
+    async fn new(
+        b: &Arc<consort::nccl::NcclBackend>,
+        args: &Args,
+        data: &Digits,
+    ) -> Result<Self, BoxError> {
+        use consort::{Device, Placement, nccl::CudaDevice};
+        let (job, host) = prepare(b.clone(), args, data).await?;
+        let dev = CudaDevice::new(b.device())?;
+        let p = Placement {
+            device: dev.clone(),
+            stream: dev.new_stream()?,
+        };
+        let model = gpu::upload_model(&p, &host)?;
+        let g = gpu::Gpu::new(&dev, p.clone(), args.hidden, job.local_batch.max(256))?;
+        let train = gpu::DeviceSet::upload(&p, &data.train)?;
+        let test = gpu::DeviceSet::upload(&p, &data.test)?;
+        Ok(GpuRun {
+            job,
+            dev,
+            model,
+            g,
+            train,
+            test,
+        })
+    }
+}
+
 /// [`train_rank`] with the model on the GPU: the same samplers, steps,
-/// metrics and checkpoints, the math in [`gpu`].
+/// metrics and checkpoints, the math in [`gpu`]; a sharded `--strategy`
+/// runs [`sharded::train_rank_gpu`].
 #[cfg(feature = "nccl")]
 async fn train_rank_gpu(
     b: Arc<consort::nccl::NcclBackend>,
     args: &Args,
     data: &Digits,
 ) -> Result<(), BoxError> {
-    use consort::{Device, Placement, nccl::CudaDevice};
-    let (mut job, host) = prepare(b.clone(), args, data).await?;
-    let dev = CudaDevice::new(b.device())?;
-    let p = Placement {
-        device: dev.clone(),
-        stream: dev.new_stream()?,
-    };
-    let mut model = gpu::upload_model(&p, &host)?;
+    let run = GpuRun::new(&b, args, data).await?;
+    if let Some(s) = sharded::strategy(args, b.world_size())? {
+        return sharded::train_rank_gpu(b, run, args, s).await;
+    }
+    let GpuRun {
+        mut job,
+        mut model,
+        g,
+        train,
+        test,
+        ..
+    } = run;
     let mut ddp = Ddp::new(b, &mut model, DdpOptions::default()).await?;
-    let g = gpu::Gpu::new(&dev, p.clone(), args.hidden, job.local_batch.max(256))?;
-    let train = gpu::DeviceSet::upload(&p, &data.train)?;
-    let test = gpu::DeviceSet::upload(&p, &data.test)?;
     for epoch in job.start..args.epochs {
         job.sampler.set_epoch(epoch as u64);
         let idx: Vec<u32> = job.sampler.indices()?.iter().map(|&i| i as u32).collect();
@@ -761,7 +796,7 @@ async fn train_rank_gpu(
             }
         }
         let eval: Vec<u32> = job.eval.indices().map(|i| i as u32).collect();
-        g.evaluate(&model, &test, &eval)?;
+        g.evaluate(gpu::params_of(&model)?, &test, &eval)?;
         let (loss_sum, correct) = g.take_counters()?;
         let state = model.state_dict()?;
         let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);

@@ -69,31 +69,7 @@ pub(crate) async fn train_rank(
     let opts = ShardOptions::new(strategy).units(vec![vec![W1, B1], vec![W2, B2]]);
     let sgd = Sgd::new(f64::from(args.lr)).momentum(args.momentum);
     let mut sh = Sharded::new(backend, &mut model, sgd, opts).await?;
-    let dir = args.out.join("sharded");
-    // Rank 0 decides, so that every rank makes the same calls.
-    let mut found = [u8::from(
-        job.pg.rank() == 0 && crate::resuming(args) && dir.join("index.json").exists(),
-    )];
-    job.pg.broadcast(&mut found, 0).await?;
-    if found[0] == 1 {
-        // The optimizer state (and the step count) from the sharded
-        // checkpoint, at whatever world size it was written; it must be of
-        // the epoch the full checkpoint is.
-        let meta = sh.load_sharded(&dir).await?;
-        let epoch = meta.get("epoch").and_then(|e| e.parse::<usize>().ok());
-        if epoch != Some(job.start) {
-            return Err(format!(
-                "rank {}: {} holds epoch {epoch:?} but checkpoint.safetensors epoch {}: a save \
-                 was interrupted between the two. Remove {} to resume from the full checkpoint \
-                 (without the optimizer state)",
-                job.pg.rank(),
-                dir.display(),
-                job.start,
-                dir.display()
-            )
-            .into());
-        }
-    }
+    resume(&mut sh, &mut job, args).await?;
     if let Some(b) = &job.bars {
         b.println(&format!("strategy {strategy}"));
     }
@@ -127,6 +103,39 @@ pub(crate) async fn train_rank(
     job.finish(args)
 }
 
+/// Rank 0 decides whether to resume (so that every rank makes the same
+/// calls); then the optimizer state and the step count come from the
+/// sharded checkpoint, at whatever world size it was written, and must be
+/// of the epoch the full checkpoint is.
+async fn resume(sh: &mut Sharded, job: &mut crate::Job, args: &Args) -> Result<(), BoxError> {
+    let dir = args.out.join("sharded");
+    // Rank 0 decides, so that every rank makes the same calls.
+    let mut found = [u8::from(
+        job.pg.rank() == 0 && crate::resuming(args) && dir.join("index.json").exists(),
+    )];
+    job.pg.broadcast(&mut found, 0).await?;
+    if found[0] == 1 {
+        // The optimizer state (and the step count) from the sharded
+        // checkpoint, at whatever world size it was written; it must be of
+        // the epoch the full checkpoint is.
+        let meta = sh.load_sharded(&dir).await?;
+        let epoch = meta.get("epoch").and_then(|e| e.parse::<usize>().ok());
+        if epoch != Some(job.start) {
+            return Err(format!(
+                "rank {}: {} holds epoch {epoch:?} but checkpoint.safetensors epoch {}: a save \
+                 was interrupted between the two. Remove {} to resume from the full checkpoint \
+                 (without the optimizer state)",
+                job.pg.rank(),
+                dir.display(),
+                job.start,
+                dir.display()
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// One optimizer step on `batch`; returns its summed loss.
 async fn step(sh: &mut Sharded, batch: &[&Sample]) -> Result<f64, BoxError> {
     let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
@@ -151,4 +160,57 @@ fn params<'a>(l1: &'a Gathered, l2: &'a Gathered) -> Result<Params<'a>, BoxError
         w2: l2.param(W2)?,
         b2: l2.param(B2)?,
     })
+}
+
+/// [`train_rank`] with the model on the GPU (`--backend nccl --device
+/// cuda`): parameters, gradients, momentum and gathered layers in device
+/// memory, the forward and backward of [`crate::gpu`], SGD with momentum as
+/// a CUDA kernel on each rank's shard.
+#[cfg(feature = "nccl")]
+pub(crate) async fn train_rank_gpu(
+    b: Arc<consort::nccl::NcclBackend>,
+    run: crate::GpuRun,
+    args: &Args,
+    strategy: Strategy,
+) -> Result<(), BoxError> {
+    let crate::GpuRun {
+        mut job,
+        dev,
+        mut model,
+        g,
+        train,
+        test,
+    } = run;
+    let kernels = consort::cuda::CudaKernels::new(&dev)?;
+    let opts = ShardOptions::new(strategy)
+        .units(vec![vec![W1, B1], vec![W2, B2]])
+        .kernels(kernels);
+    let sgd = Sgd::new(f64::from(args.lr)).momentum(args.momentum);
+    let mut sh = Sharded::new(b, &mut model, sgd, opts).await?;
+    resume(&mut sh, &mut job, args).await?;
+    if let Some(b) = &job.bars {
+        b.println(&format!("strategy {strategy} on the GPU"));
+    }
+    for epoch in job.start..args.epochs {
+        job.sampler.set_epoch(epoch as u64);
+        let idx: Vec<u32> = job.sampler.indices()?.iter().map(|&i| i as u32).collect();
+        if let Some(b) = &job.bars {
+            b.steps.reset();
+        }
+        for chunk in idx.chunks(job.local_batch) {
+            g.step_sharded(&mut sh, &model, &train, chunk).await?;
+            if let Some(b) = &job.bars {
+                b.steps.inc(1);
+            }
+        }
+        let eval: Vec<u32> = job.eval.indices().map(|i| i as u32).collect();
+        let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
+        g.evaluate(crate::gpu::gathered_params(&l1, &l2)?, &test, &eval)?;
+        let (loss_sum, correct) = g.take_counters()?;
+        drop((l1, l2));
+        let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);
+        let save = Saver::<dyn Backend>::Sharded(&mut sh);
+        job.end_epoch(args, save, epoch, sums).await?;
+    }
+    job.finish(args)
 }
