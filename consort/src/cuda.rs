@@ -11,7 +11,7 @@
 
 use std::{ffi::c_void, sync::Arc};
 
-use consort_comm::{CommError, DType, Device};
+use consort_comm::{CommError, DType, Device, Placement};
 use consort_ddp::{AdamW, DeviceStep, Sgd, ShardKernels};
 use consort_nccl::CudaDevice;
 use cudarc::driver::{CudaFunction, CudaModule, result as cu, sys as cusys};
@@ -137,6 +137,47 @@ SGD(sgd_f32, float)
 SGD(sgd_f64, double)
 ADAMW(adamw_f32, float)
 ADAMW(adamw_f64, double)
+
+// Mixed precision: f32 (0), bf16 (1) and f16 (2), rounded to nearest even.
+__device__ float bf16_to_f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ unsigned short f_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+__device__ float f16_to_f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ unsigned short f_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+extern "C" __global__ void cast(const void* src, int from, void* dst, int to, long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v;
+        if (from == 0) v = ((const float*)src)[i];
+        else if (from == 1) v = bf16_to_f(((const unsigned short*)src)[i]);
+        else v = f16_to_f(((const unsigned short*)src)[i]);
+        if (to == 0) ((float*)dst)[i] = v;
+        else if (to == 1) ((unsigned short*)dst)[i] = f_to_bf16(v);
+        else ((unsigned short*)dst)[i] = f_to_f16(v);
+    }
+}
+
+extern "C" __global__ void unscale(float* g, float inv, int* found, long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = g[i];
+        if (!isfinite(v)) *found = 1;
+        g[i] = v * inv;
+    }
+}
 "#;
 
 /// The sharded strategies' optimizer kernels on one CUDA device: pass it
@@ -146,6 +187,8 @@ pub struct CudaKernels {
     _module: Arc<CudaModule>,
     sgd: [CudaFunction; 2],
     adamw: [CudaFunction; 2],
+    cast: CudaFunction,
+    unscale: CudaFunction,
 }
 
 impl std::fmt::Debug for CudaKernels {
@@ -196,6 +239,8 @@ impl CudaKernels {
             dev: dev.clone(),
             sgd: [load("sgd_f32")?, load("sgd_f64")?],
             adamw: [load("adamw_f32")?, load("adamw_f64")?],
+            cast: load("cast")?,
+            unscale: load("unscale")?,
             _module: module,
         }))
     }
@@ -223,14 +268,14 @@ impl CudaKernels {
         }
     }
 
-    /// Launches `f` over `n` elements on `s`'s compute stream.
+    /// Launches `f` over `len` elements on `place`'s compute stream.
     fn launch(
         &self,
         f: &CudaFunction,
-        s: &DeviceStep<'_>,
+        (place, len): (&Placement, usize),
         args: &mut [*mut c_void],
     ) -> Result<(), CommError> {
-        let blocks = s.len().div_ceil(256).clamp(1, 4096) as u32;
+        let blocks = len.div_ceil(256).clamp(1, 4096) as u32;
         let fail = |e: cudarc::driver::DriverError| {
             CommError::invalid(format!("launching an optimizer kernel: {e:?}"))
         };
@@ -238,16 +283,17 @@ impl CudaKernels {
         // SAFETY: every argument points at a value of the kernel's
         // parameter type (device addresses as u64, flags as i32, scalars
         // as the shard's float type, the count as i64), alive until the
-        // launch returns (arguments are copied at launch); `DeviceStep`'s
-        // addresses hold `len` live elements on this device (checked by
-        // `pick`), and its stream is this device's compute stream.
+        // launch returns (arguments are copied at launch); the addresses
+        // hold `len` live elements on this device (`DeviceStep`'s, checked
+        // by `pick`, or the callers' of the unsafe `cast` and `unscale`),
+        // and the stream is this device's compute stream.
         unsafe {
             cu::launch_kernel(
                 f.cu_function(),
                 (blocks, 1, 1),
                 (256, 1, 1),
                 0,
-                s.place().stream as cusys::CUstream,
+                place.stream as cusys::CUstream,
                 args,
             )
         }
@@ -286,7 +332,7 @@ impl CudaKernels {
             arg(&nesterov),
             arg(&n),
         ];
-        self.launch(f, s, &mut args)
+        self.launch(f, (s.place(), s.len()), &mut args)
     }
 
     fn adamw_typed<T: Scalar>(
@@ -323,13 +369,69 @@ impl CudaKernels {
             arg(&eps),
             arg(&n),
         ];
-        self.launch(f, s, &mut args)
+        self.launch(f, (s.place(), s.len()), &mut args)
+    }
+}
+
+/// The cast kernel's code for a dtype, if it has one.
+fn cast_code(d: DType) -> Option<i32> {
+    match d {
+        DType::F32 => Some(0),
+        DType::BF16 => Some(1),
+        DType::F16 => Some(2),
+        _ => None,
     }
 }
 
 impl ShardKernels for CudaKernels {
     fn name(&self) -> &str {
         "cuda (NVRTC)"
+    }
+
+    unsafe fn cast(
+        &self,
+        place: &Placement,
+        (src, from): (u64, DType),
+        (dst, to): (u64, DType),
+        len: usize,
+    ) -> Result<(), CommError> {
+        let (Some(f), Some(t)) = (cast_code(from), cast_code(to)) else {
+            // f64 and the rest: through the host, correct and slow.
+            // SAFETY: forwarded to the caller.
+            return unsafe { consort_ddp::shard::staged_cast(place, (src, from), (dst, to), len) };
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let n = len as i64;
+        let mut args = [arg(&src), arg(&f), arg(&dst), arg(&t), arg(&n)];
+        self.launch(&self.cast, (place, len), &mut args)
+    }
+
+    unsafe fn unscale(
+        &self,
+        place: &Placement,
+        ptr: u64,
+        len: usize,
+        factor: f64,
+    ) -> Result<bool, CommError> {
+        if len == 0 {
+            return Ok(false);
+        }
+        let (dev, stream) = (&place.device, place.stream);
+        let flag = dev.alloc_zeroed(4, stream)?;
+        let (inv, n) = (factor as f32, len as i64);
+        let mut args = [arg(&ptr), arg(&inv), arg(&flag), arg(&n)];
+        let launched = self.launch(&self.unscale, (place, len), &mut args);
+        let mut found = [0i32];
+        // SAFETY: `flag` holds one i32 on this device; the copy waits for
+        // the kernel on the same stream.
+        let read = launched.and_then(|()| unsafe {
+            dev.copy_to_host(consort_comm::dtype::as_bytes_mut(&mut found), flag, stream)
+        });
+        // SAFETY: allocated above, freed once after its last use.
+        unsafe { dev.free(flag, stream) }?;
+        read.map(|()| found[0] != 0)
     }
 
     fn sgd(&self, s: &DeviceStep<'_>, opt: &Sgd) -> Result<(), CommError> {

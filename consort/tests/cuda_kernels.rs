@@ -249,3 +249,110 @@ fn every_strategy_on_the_gpu_trains_as_on_the_host() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU, libcuda and NVRTC (scripts/gpu-check)"]
+fn cuda_casts_and_unscale_match_the_host() {
+    use consort::{
+        DType,
+        ddp::ShardKernels,
+        half::{bf16, f16},
+    };
+    let (dev, place) = gpu();
+    let kernels = CudaKernels::new(&dev).expect("NVRTC kernels");
+    let n = 100_003usize;
+    // Values across f16's and bf16's ranges, ties, infinities and a NaN.
+    let mut src: Vec<f32> = values(n, 7)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| (v * 2f64.powi((i % 40) as i32 - 20)) as f32)
+        .collect();
+    src[0] = f32::INFINITY;
+    src[1] = f32::NAN;
+    src[2] = 1.0 + 2f32.powi(-8); // a bf16 tie
+    src[3] = 65520.0; // rounds to f16 infinity
+    let d = &place.device;
+    let bytes = |v: &[f32]| consort::dtype::as_bytes(v).to_vec();
+    let up = |b: &[u8]| {
+        let p = d.alloc_zeroed(b.len(), place.stream).unwrap();
+        // SAFETY: `p` holds `b.len()` bytes.
+        unsafe { d.copy_from_host(p, b, place.stream) }.unwrap();
+        p
+    };
+    let down = |p: u64, len: usize| {
+        let mut out = vec![0u8; len];
+        // SAFETY: `p` holds `len` bytes.
+        unsafe { d.copy_to_host(&mut out, p, place.stream) }.unwrap();
+        out
+    };
+    let s = up(&bytes(&src));
+    for (to, want) in [
+        (
+            DType::BF16,
+            src.iter()
+                .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect::<Vec<u8>>(),
+        ),
+        (
+            DType::F16,
+            src.iter()
+                .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+        ),
+    ] {
+        let dst = d.alloc_zeroed(n * 2, place.stream).unwrap();
+        // SAFETY: both hold `n` elements of their dtypes.
+        unsafe { kernels.cast(&place, (s, DType::F32), (dst, to), n) }.unwrap();
+        let got = down(dst, n * 2);
+        let bad = (0..n).find(|&i| {
+            let (g, w) = (&got[2 * i..2 * i + 2], &want[2 * i..2 * i + 2]);
+            // NaN payloads may differ; both must be NaN.
+            g != w && i != 1
+        });
+        assert!(
+            bad.is_none(),
+            "f32 -> {to}: element {bad:?} ({:?})",
+            bad.map(|i| src[i])
+        );
+        // And back to f32, exactly.
+        let back = d.alloc_zeroed(n * 4, place.stream).unwrap();
+        // SAFETY: as above.
+        unsafe { kernels.cast(&place, (dst, to), (back, DType::F32), n) }.unwrap();
+        let got = down(back, n * 4);
+        let host: Vec<u8> = want
+            .chunks_exact(2)
+            .flat_map(|b| {
+                let h = u16::from_le_bytes([b[0], b[1]]);
+                let v = if to == DType::BF16 {
+                    bf16::from_bits(h).to_f32()
+                } else {
+                    f16::from_bits(h).to_f32()
+                };
+                v.to_le_bytes()
+            })
+            .collect();
+        let bad = (2..n).find(|&i| got[4 * i..4 * i + 4] != host[4 * i..4 * i + 4]);
+        assert!(bad.is_none(), "{to} -> f32: element {bad:?}");
+        for p in [dst, back] {
+            // SAFETY: allocated above, freed once.
+            unsafe { d.free(p, place.stream) }.unwrap();
+        }
+    }
+    // Unscale: an inf is found, every element is multiplied.
+    // SAFETY: `s` holds `n` f32.
+    let found = unsafe { kernels.unscale(&place, s, n, 0.5) }.unwrap();
+    assert!(found, "the inf at element 0 is found");
+    let got = down(s, n * 4);
+    let bad = (2..n).find(|&i| {
+        let g = f32::from_le_bytes(got[4 * i..4 * i + 4].try_into().unwrap());
+        g.to_bits() != (src[i] * 0.5).to_bits()
+    });
+    assert!(bad.is_none(), "unscale: element {bad:?}");
+    let clean = up(&bytes(&vec![1.0f32; 1000]));
+    // SAFETY: `clean` holds 1000 f32.
+    assert!(!unsafe { kernels.unscale(&place, clean, 1000, 0.25) }.unwrap());
+    for p in [s, clean] {
+        // SAFETY: allocated above, freed once.
+        unsafe { d.free(p, place.stream) }.unwrap();
+    }
+}

@@ -71,7 +71,7 @@ impl Storage {
 }
 
 /// Makes the compute stream wait for `stream` when they differ.
-fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
+pub(crate) fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
         Event::record(&*p.device, stream)?.wait_on(p.stream)?;
     }
@@ -87,7 +87,12 @@ fn order_before(p: &Placement, stream: u64) -> Result<(), CommError> {
 }
 
 /// Checks that `b` is `bytes` of `what` on the placement's device.
-fn check_view(p: &Placement, b: &DeviceBuffer, bytes: usize, what: &str) -> Result<(), String> {
+pub(crate) fn check_view(
+    p: &Placement,
+    b: &DeviceBuffer,
+    bytes: usize,
+    what: &str,
+) -> Result<(), String> {
     if b.device() != p.device.ordinal() {
         return Err(format!(
             "{what} is on device {}, but the model is on device {}",

@@ -44,8 +44,8 @@ pub use hook::CommHook;
 pub use params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 pub use reducer::{Ddp, DdpError, DdpOptions, NoSync, OnPeerLost};
 pub use shard::{
-    AdamW, DeviceStep, Memory, Sgd, ShardKernels, ShardOptimizer, ShardOptions, Sharded,
-    StagedKernels, Strategy,
+    AdamW, DeviceStep, LossScaling, Memory, MixedPrecision, Sgd, ShardKernels, ShardOptimizer,
+    ShardOptions, Sharded, StagedKernels, Strategy,
 };
 
 pub use checkpoint::{CheckpointError, Tensor, load_safetensors, save_safetensors};

@@ -11,6 +11,10 @@
 //! steps through [`staged`]: the shard goes to the host, the optimizer's
 //! host step runs on it, and the result goes back.
 //!
+//! Mixed precision adds two more: [`ShardKernels::cast`] between f32,
+//! bf16 and f16, and [`ShardKernels::unscale`] (loss scaling's unscale and
+//! overflow check).
+//!
 //! [`StagedKernels`] runs SGD and AdamW that way too, with the very code
 //! of their host steps: on the emulated device (whose memory is host
 //! memory) that is the device's arithmetic, and it makes the device path
@@ -126,6 +130,88 @@ pub trait ShardKernels: Send + Sync + fmt::Debug {
     fn adamw(&self, s: &DeviceStep<'_>, opt: &AdamW) -> Result<(), CommError> {
         staged(opt, s)
     }
+
+    /// Converts `len` elements at `src` (of dtype `from`) to dtype `to` at
+    /// `dst`, rounding to nearest even (mixed precision's casts: f32, f64,
+    /// bf16 and f16).
+    ///
+    /// # Safety
+    /// `src` and `dst` hold `len` live elements of their dtypes on
+    /// `place`'s device, ready on its compute stream; `dst` is used by
+    /// nothing else until the cast has run.
+    unsafe fn cast(
+        &self,
+        place: &Placement,
+        (src, from): (u64, DType),
+        (dst, to): (u64, DType),
+        len: usize,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { staged_cast(place, (src, from), (dst, to), len) }
+    }
+
+    /// Multiplies `len` f32 at `ptr` by `factor` and says whether any was
+    /// not finite (torch's `_amp_foreach_non_finite_check_and_unscale_`);
+    /// waits for the device to know.
+    ///
+    /// # Safety
+    /// `ptr` holds `len` live f32 on `place`'s device, used by nothing else
+    /// meanwhile.
+    unsafe fn unscale(
+        &self,
+        place: &Placement,
+        ptr: u64,
+        len: usize,
+        factor: f64,
+    ) -> Result<bool, CommError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { staged_unscale(place, ptr, len, factor) }
+    }
+}
+
+/// [`ShardKernels::cast`] through the host.
+///
+/// # Safety
+/// As [`ShardKernels::cast`].
+pub unsafe fn staged_cast(
+    place: &Placement,
+    (src, from): (u64, DType),
+    (dst, to): (u64, DType),
+    len: usize,
+) -> Result<(), CommError> {
+    let mut bytes = vec![0u8; len * from.size_bytes()];
+    let (dev, stream) = (&place.device, place.stream);
+    // SAFETY: the caller's contract: `src` holds `len` elements of `from`.
+    unsafe { dev.copy_to_host(&mut bytes, src, stream) }?;
+    let mut host = super::vals::Vals::zeros(from, len)
+        .ok_or_else(|| CommError::invalid(format!("casting from {from}")))?;
+    host.copy_from_bytes(0, &bytes)?;
+    let out = host.cast(to, None)?;
+    let out = out.read_bytes(0..len)?;
+    // SAFETY: the caller's contract: `dst` holds `len` elements of `to`.
+    unsafe { dev.copy_from_host(dst, &out, stream) }
+}
+
+/// [`ShardKernels::unscale`] through the host.
+///
+/// # Safety
+/// As [`ShardKernels::unscale`].
+pub unsafe fn staged_unscale(
+    place: &Placement,
+    ptr: u64,
+    len: usize,
+    factor: f64,
+) -> Result<bool, CommError> {
+    let mut v = vec![0f32; len];
+    let (dev, stream) = (&place.device, place.stream);
+    // SAFETY: the caller's contract: `ptr` holds `len` f32.
+    unsafe { dev.copy_to_host(consort_comm::dtype::as_bytes_mut(&mut v), ptr, stream) }?;
+    let mut host = super::vals::Vals::F32(v);
+    let found = host.unscale(0..len, factor, None)?;
+    let out = host.read_bytes(0..len)?;
+    // SAFETY: as above.
+    unsafe { dev.copy_from_host(ptr, &out, stream) }?;
+    Ok(found)
 }
 
 /// The kernels of the emulated device: every update through [`staged`].

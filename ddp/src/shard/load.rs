@@ -76,6 +76,9 @@ impl Sharded {
             fs.state = st;
         }
         self.steps = index.steps;
+        if let (Some(s), Some(state)) = (&mut self.scaler, index.loss_scale) {
+            s.restore(state);
+        }
         Ok(index.metadata)
     }
 

@@ -43,6 +43,7 @@ pub mod kernels;
 pub mod layout;
 mod load;
 mod memory;
+pub mod mixed;
 pub mod optim;
 pub mod save;
 mod step;
@@ -50,11 +51,12 @@ pub(crate) mod vals;
 
 use std::{collections::HashMap, fmt, sync::Arc, time::Duration};
 
-use consort_comm::{Backend, CallOptions, Placement};
+use consort_comm::{Backend, CallOptions, DType, Placement};
 
-pub use kernels::{DeviceStep, ShardKernels, StagedKernels};
+pub use kernels::{DeviceStep, ShardKernels, StagedKernels, staged_cast, staged_unscale};
 pub use layout::{Flat, Layout, Segment};
 pub use memory::Memory;
+pub use mixed::{LossScaling, MixedPrecision};
 pub use optim::{AdamW, Sgd, ShardOptimizer};
 pub use step::Gathered;
 
@@ -140,6 +142,9 @@ pub struct ShardOptions {
     /// [`StagedKernels`], which the emulated device runs; a CUDA model
     /// needs `consort::cuda::CudaKernels`). Unused for host models.
     pub kernels: Option<Arc<dyn ShardKernels>>,
+    /// Mixed precision (`None`: compute in the model's dtype); see
+    /// [`mixed`].
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl ShardOptions {
@@ -152,12 +157,19 @@ impl ShardOptions {
             prefetch: true,
             timeout: None,
             kernels: None,
+            mixed_precision: None,
         }
     }
 
     /// Explicit wrapping units.
     pub fn units(mut self, units: Vec<Vec<usize>>) -> Self {
         self.units = Some(units);
+        self
+    }
+
+    /// Mixed precision (torch's `MixedPrecisionPolicy`).
+    pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
+        self.mixed_precision = Some(policy);
         self
     }
 
@@ -214,6 +226,11 @@ pub struct Sharded {
     place: Option<Placement>,
     /// The optimizer's kernels there (device models only).
     kernels: Option<Arc<dyn ShardKernels>>,
+    /// Mixed precision's policy, and its loss scale.
+    mixed: Option<MixedPrecision>,
+    scaler: Option<mixed::Scaler>,
+    /// The last step found an inf or a NaN and did not update.
+    skipped: bool,
     /// Optimizer steps taken.
     steps: u64,
     call: CallOptions,
@@ -320,12 +337,14 @@ impl Sharded {
         // that depends on it.
         let setup = match &layout {
             Ok(l) => format!(
-                "strategy {}, units {:?}, prefetch {}, optimizer {} ({} slots)",
+                "strategy {}, units {:?}, prefetch {}, optimizer {} ({} slots), mixed precision \
+                 {:?}",
                 opts.strategy,
                 l.units,
                 opts.prefetch,
                 optimizer.name(),
-                optimizer.slots()
+                optimizer.slots(),
+                opts.mixed_precision
             ),
             Err(e) => format!("invalid units ({e})"),
         };
@@ -355,6 +374,11 @@ impl Sharded {
             optimizer: Box::new(optimizer),
             place,
             kernels,
+            mixed: opts.mixed_precision,
+            scaler: (opts.mixed_precision)
+                .and_then(|m| m.loss_scaling)
+                .map(mixed::Scaler::new),
+            skipped: false,
             steps: 0,
             call,
             prefetch: opts.prefetch,
@@ -396,6 +420,26 @@ impl Sharded {
     /// The shard this rank owns, and how many there are.
     pub fn shard(&self) -> (usize, usize) {
         (self.group.index, self.layout.shards)
+    }
+
+    /// The factor to multiply the loss by before backward: mixed
+    /// precision's loss scale, or 1 without loss scaling (torch's
+    /// `GradScaler.scale(loss)`).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, mixed::Scaler::scale)
+    }
+
+    /// Whether the last [`Sharded::step`] found an inf or a NaN in the
+    /// gradients (on any rank) and skipped the update, as torch's
+    /// `GradScaler.step` does.
+    pub fn step_skipped(&self) -> bool {
+        self.skipped
+    }
+
+    /// The dtype gathered parameters and gradients are in: mixed
+    /// precision's `param_dtype`, or `None` (each parameter's own).
+    pub fn compute_dtype(&self) -> Option<DType> {
+        self.mixed.map(|m| m.param_dtype)
     }
 
     /// A collective's error, with this rank and strategy.
@@ -555,13 +599,26 @@ fn check_model(
     opts: &ShardOptions,
 ) -> Result<Option<Arc<dyn ShardKernels>>, String> {
     let specs = model.params();
-    if let Some(s) = specs.iter().find(|s| Vals::zeros(s.dtype, 0).is_none()) {
+    if let Some(s) = specs
+        .iter()
+        .find(|s| !matches!(s.dtype, DType::F32 | DType::F64))
+    {
         return Err(format!(
             "parameter {} is {}; the sharded strategies keep f32 and f64 parameters (keep f32 \
-             master weights and cast for compute)",
+             master weights and compute in bf16 or f16 with ShardOptions::mixed_precision)",
             s.describe(),
             s.dtype
         ));
+    }
+    if let Some(m) = &opts.mixed_precision {
+        m.check()?;
+        if let Some(s) = specs.iter().find(|s| s.dtype != DType::F32) {
+            return Err(format!(
+                "mixed precision keeps f32 master weights; parameter {} is {}",
+                s.describe(),
+                s.dtype
+            ));
+        }
     }
     optimizer
         .check()

@@ -40,6 +40,10 @@ pub(super) struct Index {
     pub(super) shards: usize,
     pub(super) id: String,
     pub(super) steps: u64,
+    /// Mixed precision's loss scale and its good steps in a row (absent
+    /// without loss scaling, and in checkpoints from before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) loss_scale: Option<(f64, u64)>,
     pub(super) optimizer: String,
     pub(super) slots: usize,
     pub(super) files: Vec<String>,
@@ -81,7 +85,7 @@ impl Sharded {
     async fn full_state_dict_inner(&mut self) -> Result<Option<StateDict>, DdpError> {
         let mut sd = StateDict::new();
         for u in 0..self.layout.units.len() {
-            let g = self.gather_unit(u).await?;
+            let g = self.gather_master(u).await?;
             if self.rank != 0 {
                 continue;
             }
@@ -278,6 +282,7 @@ impl Sharded {
             shards: self.layout.shards,
             id: id.into(),
             steps: self.steps,
+            loss_scale: self.scaler.as_ref().map(super::mixed::Scaler::state),
             optimizer: self.optimizer.name().into(),
             slots: self.optimizer.slots(),
             files: files.to_vec(),

@@ -4,7 +4,7 @@
 
 use std::{ops::Range, sync::Arc};
 
-use consort_comm::{Backend, CallOptions, DeviceBuffer, Element, ReduceOp};
+use consort_comm::{Backend, CallOptions, DType, DeviceBuffer, Element, ReduceOp};
 
 use super::{FlatState, InFlight, Layout, Phase, ShardOptimizer, Sharded, Vals, vals};
 use crate::{error::DdpError, params::ParamSet};
@@ -165,6 +165,21 @@ impl Sharded {
 
     /// [`Sharded::gather`], inside another call.
     pub(crate) async fn gather_unit(&mut self, unit: usize) -> Result<Gathered, DdpError> {
+        self.gather_as(unit, self.compute_dtype()).await
+    }
+
+    /// Unit `unit`'s whole f32 master parameters (checkpoints, state dicts
+    /// and `copy_params_to`): the compute gather without mixed precision.
+    pub(crate) async fn gather_master(&mut self, unit: usize) -> Result<Gathered, DdpError> {
+        if self.mixed.is_none() {
+            return self.gather_unit(unit).await;
+        }
+        self.gather_as(unit, None).await
+    }
+
+    /// Unit `unit` in dtype `cast` (`None`: the shards' own). The compute
+    /// dtype's gathers prefetch and use prefetches; the others neither.
+    async fn gather_as(&mut self, unit: usize, cast: Option<DType>) -> Result<Gathered, DdpError> {
         let units = self.layout.units.len();
         if unit >= units {
             return Err(DdpError::Usage {
@@ -172,22 +187,38 @@ impl Sharded {
                 reason: format!("wrapping unit {unit} does not exist: there are {units}"),
             });
         }
+        let compute = cast == self.compute_dtype();
         let ids = self.layout.unit_flats[unit].clone();
         let mut flats = Vec::with_capacity(ids.len());
         if !self.strategy.shards_params() {
-            flats.extend(ids.iter().map(|&f| (f, self.flats[f].params.clone())));
+            for &f in &ids {
+                let params = &self.flats[f].params;
+                let v = match cast {
+                    None => params.clone(),
+                    Some(d) => match params.cast(d, self.kernels.as_deref()) {
+                        Ok(v) => Arc::new(v),
+                        Err(e) => return Err(self.comm_error("casting the parameters", e)),
+                    },
+                };
+                flats.push((f, v));
+            }
         } else {
-            let calls = match self.prefetched.remove(&unit) {
+            let prefetched = if compute {
+                self.prefetched.remove(&unit)
+            } else {
+                None
+            };
+            let calls = match prefetched {
                 Some(calls) => calls,
-                None => self.launch_gather(unit),
+                None => self.launch_gather(unit, cast),
             };
             let next = match self.phase {
                 Phase::Forward => unit.checked_add(1),
                 Phase::Backward => unit.checked_sub(1),
             };
-            if let Some(n) = next.filter(|&n| self.prefetch && n < units) {
+            if let Some(n) = next.filter(|&n| compute && self.prefetch && n < units) {
                 if !self.prefetched.contains_key(&n) {
-                    let calls = self.launch_gather(n);
+                    let calls = self.launch_gather(n, cast);
                     self.prefetched.insert(n, calls);
                 }
             }
@@ -205,21 +236,30 @@ impl Sharded {
         })
     }
 
-    /// Makes the all-gathers of one unit's flats.
-    fn launch_gather(&self, unit: usize) -> Vec<InFlight> {
+    /// Makes the all-gathers of one unit's flats, each shard cast to
+    /// `cast` first (mixed precision gathers half the bytes).
+    fn launch_gather(&self, unit: usize, cast: Option<DType>) -> Vec<InFlight> {
         self.layout.unit_flats[unit]
             .iter()
             .map(|&f| {
                 let flat = &self.layout.flats[f];
-                let shard = self.flats[f].params.clone();
+                let shard = match cast {
+                    None => Ok(self.flats[f].params.clone()),
+                    Some(d) => (self.flats[f].params)
+                        .cast(d, self.kernels.as_deref())
+                        .map(Arc::new),
+                };
                 let padded = flat.padded(self.layout.shards);
-                all_gather(
-                    self.group.pg.clone(),
-                    shard,
-                    0..flat.shard_len,
-                    padded,
-                    self.call,
-                )
+                match shard {
+                    Ok(shard) => all_gather(
+                        self.group.pg.clone(),
+                        shard,
+                        0..flat.shard_len,
+                        padded,
+                        self.call,
+                    ),
+                    Err(e) => InFlight::Done(Err(e)),
+                }
             })
             .collect()
     }
@@ -244,14 +284,25 @@ impl Sharded {
     pub fn mark_ready<T: Element>(&mut self, p: usize, grad: &[T]) -> Result<(), DdpError> {
         self.check()?;
         self.check_grad(p, T::DTYPE, grad.len())?;
+        let kernels = self.kernels.clone();
         self.stage(p, |staging, at| {
-            staging.copy_from_bytes(at, bytemuck::cast_slice(grad))
+            let bytes = consort_comm::dtype::as_bytes(grad);
+            if T::DTYPE == staging.dtype() {
+                return staging.copy_from_bytes(at, bytes);
+            }
+            // Mixed precision: a param-dtype gradient, reduced in another.
+            let mut host = Vals::zeros(T::DTYPE, grad.len())
+                .ok_or_else(|| consort_comm::CommError::invalid("a gradient that is no float"))?;
+            host.copy_from_bytes(0, bytes)?;
+            let cast = host.cast(staging.dtype(), kernels.as_deref())?;
+            staging.copy_from_bytes(at, &cast.read_bytes(0..grad.len())?)
         })
     }
 
     /// [`Sharded::mark_ready`] for a gradient in device memory (a device
-    /// model's `grad_device(p)`): copied into the unit's staging buffer on
-    /// the compute stream, after the stream `grad` is ready on.
+    /// model's `grad_device(p)`): copied (or, with mixed precision, cast)
+    /// into the unit's staging buffer on the compute stream, after the
+    /// stream `grad` is ready on.
     pub fn mark_ready_device(&mut self, p: usize, grad: &DeviceBuffer) -> Result<(), DdpError> {
         self.check()?;
         self.check_grad(p, grad.dtype(), grad.len())?;
@@ -264,12 +315,32 @@ impl Sharded {
                 ),
             });
         }
-        let bytes = self.specs[p].bytes();
+        let bytes = grad.len() * grad.dtype().size_bytes();
         let what = format!("the gradient of {}", self.specs[p].name);
-        self.stage(p, |staging, at| match staging.dev() {
-            Some(d) => crate::device::copy_in(d.place(), d.addr(at), grad, bytes, &what)
-                .map_err(consort_comm::CommError::invalid),
-            None => Err(consort_comm::CommError::invalid("a host staging buffer")),
+        let kernels = self.kernels.clone();
+        self.stage(p, |staging, at| {
+            let to = staging.dtype();
+            let (Some(d), Some(k)) = (staging.dev(), kernels.as_deref()) else {
+                return Err(consort_comm::CommError::invalid("a host staging buffer"));
+            };
+            if grad.dtype() == to {
+                return crate::device::copy_in(d.place(), d.addr(at), grad, bytes, &what)
+                    .map_err(consort_comm::CommError::invalid);
+            }
+            crate::device::check_view(d.place(), grad, bytes, &what)
+                .map_err(consort_comm::CommError::invalid)?;
+            crate::device::order_after(d.place(), grad.stream())?;
+            // SAFETY: `grad` was checked to hold `len` elements of its dtype
+            // on this device; the staging range lies in its live buffer (the
+            // layout sized it), written by nothing else this step.
+            unsafe {
+                k.cast(
+                    d.place(),
+                    (grad.ptr(), grad.dtype()),
+                    (d.addr(at), to),
+                    grad.len(),
+                )
+            }
         })
     }
 
@@ -285,9 +356,15 @@ impl Sharded {
                 self.specs.len()
             )));
         };
-        if dtype != spec.dtype || len != spec.numel() {
+        // Mixed precision's gradients are in the compute dtype.
+        let want = self.compute_dtype().unwrap_or(spec.dtype);
+        if dtype != want || len != spec.numel() {
+            let mixed = match self.compute_dtype() {
+                Some(d) => format!(" (mixed precision: gradients in {d})"),
+                None => String::new(),
+            };
             return Err(usage(format!(
-                "mark_ready({p}): got {len} {dtype} values for {}",
+                "mark_ready({p}): got {len} {dtype} values for {}{mixed}",
                 spec.describe()
             )));
         }
@@ -311,13 +388,18 @@ impl Sharded {
         let (f, range) = self.layout.range_of(p);
         let padded = self.layout.flats[f].padded(self.layout.shards);
         let fs = &mut self.flats[f];
+        // Gradients are reduced in mixed precision's reduce dtype.
+        let reduce = self.mixed.map_or(fs.params.dtype(), |m| m.reduce());
         let staged = match &mut fs.staging {
             Some(s) => put(s, range.start),
-            None => fs.params.zeros_like(padded).and_then(|mut s| {
-                let out = put(&mut s, range.start);
-                fs.staging = Some(s);
-                out
-            }),
+            None => fs
+                .params
+                .zeros_like_dtype(reduce, padded)
+                .and_then(|mut s| {
+                    let out = put(&mut s, range.start);
+                    fs.staging = Some(s);
+                    out
+                }),
         };
         if let Err(e) = staged {
             let what = format!("staging the gradient of {}", self.specs[p].name);
@@ -417,6 +499,15 @@ impl Sharded {
             self.finish(call, "an unused prefetch all_gather".into())
                 .await?;
         }
+        self.master_grads()?;
+        self.skipped = self.unscale_grads().await?;
+        if self.skipped {
+            // An inf or a NaN on some rank: no rank updates (GradScaler).
+            self.ready.iter_mut().for_each(|r| *r = false);
+            self.next_launch = self.layout.units.len();
+            self.phase = Phase::Forward;
+            return Ok(());
+        }
         self.steps += 1;
         if let Err(e) = self.update() {
             let e = self.comm_error("the optimizer step on this rank's shard", e);
@@ -429,6 +520,82 @@ impl Sharded {
         self.next_launch = self.layout.units.len();
         self.phase = Phase::Forward;
         Ok(())
+    }
+
+    /// Mixed precision: the reduced gradients (in the reduce dtype) cast to
+    /// the f32 master dtype for the optimizer.
+    fn master_grads(&mut self) -> Result<(), DdpError> {
+        let Some(m) = self.mixed else {
+            return Ok(());
+        };
+        if m.reduce() == DType::F32 {
+            return Ok(());
+        }
+        for f in 0..self.flats.len() {
+            match self.flats[f]
+                .grads
+                .cast(DType::F32, self.kernels.as_deref())
+            {
+                Ok(v) => self.flats[f].grads = v,
+                Err(e) => {
+                    let e = self.comm_error("casting the averaged gradients to f32", e);
+                    return Err(self.fail(e));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loss scaling: unscales this rank's part of the gradients and says
+    /// whether any rank found an inf or a NaN (one all_reduce, so that
+    /// every rank skips alike), after updating the scale. `false` without
+    /// loss scaling.
+    async fn unscale_grads(&mut self) -> Result<bool, DdpError> {
+        let Some(scale) = self.scaler.as_ref().map(super::mixed::Scaler::scale) else {
+            return Ok(false);
+        };
+        // torch's GradScaler takes the reciprocal in f32.
+        let inv = f64::from((1.0 / scale) as f32);
+        let k = self.group.index;
+        let mut found = false;
+        for f in 0..self.flats.len() {
+            let flat = &self.layout.flats[f];
+            let n = flat.valid_range(k).len();
+            let at = if self.strategy.shards_grads() {
+                0
+            } else {
+                flat.shard_range(k).start
+            };
+            let kernels = self.kernels.clone();
+            match self.flats[f]
+                .grads
+                .unscale(at..at + n, inv, kernels.as_deref())
+            {
+                Ok(x) => found |= x,
+                Err(e) => {
+                    let e = self.comm_error("unscaling the gradients", e);
+                    return Err(self.fail(e));
+                }
+            }
+        }
+        let mut flag = [f32::from(u8::from(found))];
+        let agreed = self
+            .backend
+            .all_reduce(
+                consort_comm::BufferMut::from(&mut flag[..]),
+                ReduceOp::Max,
+                &self.call,
+            )
+            .await;
+        if let Err(e) = agreed {
+            let e = self.comm_error("all_reduce of the loss scaler's inf/NaN flag", e);
+            return Err(self.fail(e));
+        }
+        let found = flag[0] > 0.0;
+        if let Some(s) = &mut self.scaler {
+            s.update(found);
+        }
+        Ok(found)
     }
 
     /// The optimizer, on this rank's valid part of every flat: on the host,
@@ -489,7 +656,10 @@ impl Sharded {
         model: &mut (impl ParamSet + ?Sized),
     ) -> Result<(), DdpError> {
         for u in 0..self.layout.units.len() {
-            let g = self.gather(u).await?;
+            self.enter("copy_params_to")?;
+            let g = self.gather_master(u).await;
+            self.leave();
+            let g = g?;
             for &p in &self.layout.units[u] {
                 let (vals, range) = g.find(p)?;
                 let spec = &self.specs[p];

@@ -7,18 +7,52 @@
 
 use std::{borrow::Cow, ops::Range};
 
-use consort_comm::{Buffer, BufferMut, CommError, DType, DeviceBuffer, Placement};
+use consort_comm::{
+    Buffer, BufferMut, CommError, DType, DeviceBuffer, Element, Placement,
+    half::{bf16, f16},
+};
 
-/// Values of one float dtype (the sharded strategies keep f32 and f64
-/// parameters; half-precision parameters need f32 master weights, which
-/// they do not keep yet).
+use super::kernels::ShardKernels;
+
+/// Values of one float dtype: f32 or f64 master parameters, gradients and
+/// optimizer state; bf16 or f16 for mixed precision's compute copies and
+/// reductions.
 #[derive(Debug)]
 pub(crate) enum Vals {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
     /// On the model's device.
     Dev(DevVals),
 }
+
+/// The float types a host [`Vals`] holds.
+pub(crate) trait Float: Element + Copy {
+    fn wrap(v: Vec<Self>) -> Vals;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! float {
+    ($t:ty, $variant:ident, $to:expr, $from:expr) => {
+        impl Float for $t {
+            fn wrap(v: Vec<Self>) -> Vals {
+                Vals::$variant(v)
+            }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+        }
+    };
+}
+float!(f32, F32, f64::from, |v| v as f32);
+float!(f64, F64, |v| v, |v| v);
+float!(bf16, BF16, bf16::to_f64, bf16::from_f64);
+float!(f16, F16, f16::to_f64, f16::from_f64);
 
 /// `len` elements of `dtype` in one allocation of the placement's device,
 /// freed (stream-ordered, after every use the compute stream has
@@ -72,6 +106,8 @@ macro_rules! with_vals {
         match $vals {
             $crate::shard::vals::Vals::F32($v) => $body,
             $crate::shard::vals::Vals::F64($v) => $body,
+            $crate::shard::vals::Vals::BF16($v) => $body,
+            $crate::shard::vals::Vals::F16($v) => $body,
             $crate::shard::vals::Vals::Dev($d) => $dev,
         }
     };
@@ -87,11 +123,13 @@ fn outside(range: &Range<usize>, len: usize) -> CommError {
 
 impl Vals {
     /// `len` zeros of `dtype` on the host, or `None` for a dtype the
-    /// strategies do not keep.
+    /// strategies do not keep (not a float).
     pub(crate) fn zeros(dtype: DType, len: usize) -> Option<Self> {
         match dtype {
             DType::F32 => Some(Vals::F32(vec![0.0; len])),
             DType::F64 => Some(Vals::F64(vec![0.0; len])),
+            DType::BF16 => Some(Vals::BF16(vec![bf16::ZERO; len])),
+            DType::F16 => Some(Vals::F16(vec![f16::ZERO; len])),
             _ => None,
         }
     }
@@ -146,6 +184,8 @@ impl Vals {
         match self {
             Vals::F32(_) => DType::F32,
             Vals::F64(_) => DType::F64,
+            Vals::BF16(_) => DType::BF16,
+            Vals::F16(_) => DType::F16,
             Vals::Dev(d) => d.dtype,
         }
     }
@@ -161,8 +201,10 @@ impl Vals {
             return Err(outside(&range, self.len()));
         }
         match self {
-            Vals::F32(v) => Ok(Vals::F32(v[range].to_vec())),
-            Vals::F64(v) => Ok(Vals::F64(v[range].to_vec())),
+            Vals::F32(v) => Ok(Float::wrap(v[range].to_vec())),
+            Vals::F64(v) => Ok(Float::wrap(v[range].to_vec())),
+            Vals::BF16(v) => Ok(Float::wrap(v[range].to_vec())),
+            Vals::F16(v) => Ok(Float::wrap(v[range].to_vec())),
             Vals::Dev(d) => {
                 let out = self.zeros_like(range.len())?;
                 if let Vals::Dev(o) = &out
@@ -227,6 +269,90 @@ impl Vals {
     /// Elements `range`, for a collective's input.
     pub(crate) fn buf(&self, range: Range<usize>) -> Buffer<'_> {
         with_vals!(self, v => Buffer::from(&v[range]), d => Buffer::Device(d.view(range)))
+    }
+
+    /// A copy in dtype `to` (rounded to nearest even), in the same place;
+    /// a device copy runs `kernels`' cast on the compute stream.
+    pub(crate) fn cast(
+        &self,
+        to: DType,
+        kernels: Option<&dyn ShardKernels>,
+    ) -> Result<Self, CommError> {
+        if to == self.dtype() {
+            return self.try_clone();
+        }
+        if let Vals::Dev(d) = self {
+            let out = self.zeros_like_dtype(to, d.len)?;
+            let (Some(k), Some(o)) = (kernels, out.dev()) else {
+                return Err(CommError::invalid(
+                    "a device cast without the device's kernels",
+                ));
+            };
+            if d.len > 0 {
+                // SAFETY: both buffers hold `len` live elements of their
+                // dtypes on this device; `out` is new, used by nothing else.
+                unsafe { k.cast(&d.place, (d.ptr, d.dtype), (o.ptr, to), d.len) }?;
+            }
+            return Ok(out);
+        }
+        fn to_f64<T: Float>(v: &[T]) -> Vec<f64> {
+            v.iter().map(|x| x.to_f64()).collect()
+        }
+        let wide: Vec<f64> = with_vals!(self, v => to_f64(v), _d => unreachable!("handled above"));
+        fn narrow<T: Float>(w: &[f64]) -> Vals {
+            T::wrap(w.iter().map(|&x| T::from_f64(x)).collect())
+        }
+        match to {
+            DType::F32 => Ok(narrow::<f32>(&wide)),
+            DType::F64 => Ok(narrow::<f64>(&wide)),
+            DType::BF16 => Ok(narrow::<bf16>(&wide)),
+            DType::F16 => Ok(narrow::<f16>(&wide)),
+            d => Err(CommError::invalid(format!("flat buffers of {d}"))),
+        }
+    }
+
+    /// `len` zeros of `dtype`, in the same place.
+    pub(crate) fn zeros_like_dtype(&self, dtype: DType, len: usize) -> Result<Self, CommError> {
+        Vals::zeros_on(self.place(), dtype, len)
+    }
+
+    /// Multiplies elements `range` by `factor`; whether any was not finite
+    /// before (mixed precision's unscale and overflow check, as torch's
+    /// `GradScaler`). f32 only.
+    pub(crate) fn unscale(
+        &mut self,
+        range: Range<usize>,
+        factor: f64,
+        kernels: Option<&dyn ShardKernels>,
+    ) -> Result<bool, CommError> {
+        if range.end > self.len() || range.start > range.end {
+            return Err(outside(&range, self.len()));
+        }
+        match self {
+            Vals::F32(v) => {
+                let f = factor as f32;
+                let mut found = false;
+                for x in &mut v[range] {
+                    found |= !x.is_finite();
+                    *x *= f;
+                }
+                Ok(found)
+            }
+            Vals::Dev(d) if d.dtype == DType::F32 => {
+                let k = kernels
+                    .ok_or_else(|| CommError::invalid("a device unscale without the kernels"))?;
+                if range.is_empty() {
+                    return Ok(false);
+                }
+                // SAFETY: the range was checked to lie in this live f32
+                // allocation.
+                unsafe { k.unscale(&d.place, d.addr(range.start), range.len(), factor) }
+            }
+            _ => Err(CommError::invalid(format!(
+                "loss scaling unscales f32 gradients, not {}",
+                self.dtype()
+            ))),
+        }
     }
 
     /// The device buffer, if it is one.
