@@ -35,15 +35,15 @@
 //! It owns no algorithm (the wrapped backend runs them) and no call rule.
 
 use std::{
-    sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, mpsc},
+    sync::{Arc, Condvar, Mutex, OnceLock, mpsc},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, DeviceBuffer, EventId, Fingerprint,
-    GroupId, HostSlice, HostSliceMut, Op, OpKind, ReduceOp, Result, Work,
+    Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId, Fingerprint,
+    GroupId, HostSliceMut, Op, OpKind, Result, Work,
     device::{Device, StreamId},
     ordered::{
         Ordered,
@@ -52,9 +52,13 @@ use consort_comm::{
     validate,
 };
 
-use consort_comm::fault::Rng;
-
 use crate::device::EmulatedDevice;
+
+mod job;
+mod watch;
+
+use job::{Job, Kind, Mem, Slot, comm_thread};
+use watch::{Shared, State, Tracked, lock, watchdog};
 
 /// How an [`EmulatedComm`] behaves.
 #[derive(Clone, Debug)]
@@ -78,212 +82,6 @@ impl Default for EmulatedCommOptions {
             max_delay: Duration::from_micros(300),
             skip_input_wait: false,
             skip_output_wait: false,
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-enum Kind {
-    AllReduce(ReduceOp),
-    Broadcast,
-    Reduce(ReduceOp),
-    AllGather,
-    Gather,
-    Scatter,
-    ReduceScatter(ReduceOp),
-    AllToAll {
-        output_splits: Option<Vec<usize>>,
-        input_splits: Option<Vec<usize>>,
-    },
-    Barrier,
-    Send(usize),
-    Recv(usize),
-}
-
-/// One buffer argument, as the communication thread holds it: aligned
-/// host storage, filled from the device (device calls) or from the
-/// caller's slice (host calls).
-struct Mem {
-    dtype: DType,
-    bytes: usize,
-    words: Vec<u64>,
-    /// Where it lives on the device; `None` for a host argument.
-    ptr: Option<u64>,
-}
-
-impl Mem {
-    fn new(dtype: DType, bytes: usize, ptr: Option<u64>) -> Self {
-        Mem {
-            dtype,
-            bytes,
-            words: vec![0; bytes.div_ceil(8)],
-            ptr,
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &consort_comm::dtype::as_bytes(&self.words)[..self.bytes]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut consort_comm::dtype::as_bytes_mut(&mut self.words)[..self.bytes]
-    }
-
-    fn view(&self) -> Result<Buffer<'_>> {
-        Ok(Buffer::Host(HostSlice::from_bytes(
-            self.dtype,
-            self.bytes(),
-        )?))
-    }
-
-    fn view_mut(&mut self) -> Result<BufferMut<'_>> {
-        let dtype = self.dtype;
-        Ok(BufferMut::Host(HostSliceMut::from_bytes(
-            dtype,
-            self.bytes_mut(),
-        )?))
-    }
-}
-
-/// What a host call gets back: its output bytes.
-type Reply = tokio::sync::oneshot::Sender<Result<Option<Vec<u8>>>>;
-
-struct Job {
-    kind: Kind,
-    opts: CallOptions,
-    input: Option<Mem>,
-    output: Option<Mem>,
-    /// Events on the buffers' streams that the collective waits for.
-    after: Vec<EventId>,
-    /// Opened when the collective is done (its completion event).
-    gate: EventId,
-    /// What the call came to, for the watchdog.
-    slot: Arc<Mutex<Slot>>,
-    /// Closed when a host call's work is dropped before it finished.
-    cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>,
-    /// The communicator the call belongs to (its rules and its errors).
-    comm: Arc<Shared>,
-    /// The host backend of a subgroup's call (`None`: the thread's own).
-    group: Option<Arc<dyn Backend>>,
-}
-
-/// What one call came to on the communication thread: its error (the
-/// emulated GPU's asynchronous error, for this call), or a host call's
-/// output bytes.
-#[derive(Default)]
-struct Slot {
-    err: Option<CommError>,
-    out: Option<Vec<u8>>,
-}
-
-/// The driver's handle on one enqueued call.
-struct Tracked {
-    gate: EventId,
-    reply: Option<Reply>,
-    slot: Arc<Mutex<Slot>>,
-}
-
-/// One communicator's call rules and its asynchronous error.
-struct State {
-    core: Ordered<Tracked>,
-    /// What the communication thread found (`ncclCommGetAsyncError`).
-    async_error: Option<CommError>,
-    /// Aborted: the communication thread skips its calls.
-    aborted: bool,
-    stop: bool,
-}
-
-struct Shared {
-    state: Mutex<State>,
-    cv: Condvar,
-    device: Arc<EmulatedDevice>,
-    checker: OnceLock<Checker>,
-    /// The launcher's heartbeat, as NCCL keeps it.
-    beat: OnceLock<Arc<consort_comm::heartbeat::Heartbeat>>,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn finish(&self, w: Tracked, r: Result<()>) {
-        self.device.release_event(w.gate);
-        if let Some(reply) = w.reply {
-            let out = r.map(|()| lock(&w.slot).out.take());
-            let _ = reply.send(out);
-        }
-        self.ended();
-    }
-
-    /// The heartbeat: a call was made.
-    fn made(&self, fp: &Fingerprint) {
-        if let Some(b) = self.beat.get() {
-            b.made(fp, consort_comm::heartbeat::now_us());
-        }
-    }
-
-    /// The heartbeat: a call ended (done or failed).
-    fn ended(&self) {
-        if let Some(b) = self.beat.get() {
-            b.ended(consort_comm::heartbeat::now_us());
-        }
-    }
-
-    /// Fails the calls in flight and aborts (the emulated `ncclCommAbort`).
-    fn abort(&self, finished: Vec<(Tracked, Result<()>)>) {
-        self.lock().aborted = true;
-        for (w, r) in finished {
-            self.finish(w, r);
-        }
-        self.cv.notify_all();
-    }
-
-    /// The fingerprint check found a mismatch.
-    fn mismatch(&self, e: CommError) {
-        let failed = self.lock().core.mismatch(e);
-        self.abort(failed);
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The watchdog of one communicator: [`Ordered::watch`] on the gates.
-fn watchdog(shared: &Shared) {
-    loop {
-        let mut st = shared.lock();
-        let seen = st.core.watch(
-            Instant::now(),
-            |w| match &lock(&w.slot).err {
-                Some(e) => Err(e.clone()),
-                None => Ok(shared.device.event_done(w.gate)),
-            },
-            |_| None,
-        );
-        if st.stop && st.core.in_flight() == 0 && seen.finished.is_empty() {
-            return;
-        }
-        let idle = seen.finished.is_empty() && !seen.abort;
-        if idle {
-            let wait = st
-                .core
-                .poll_timeout()
-                .map_or(Duration::from_millis(50), |d| {
-                    d.saturating_duration_since(Instant::now())
-                        .min(Duration::from_micros(200))
-                });
-            let _ = shared.cv.wait_timeout(st, wait);
-            continue;
-        }
-        drop(st);
-        if seen.abort {
-            shared.abort(seen.finished);
-        } else {
-            for (w, r) in seen.finished {
-                shared.finish(w, r);
-            }
         }
     }
 }
@@ -716,176 +514,6 @@ impl Drop for EmulatedComm {
             let _ = w.join();
         }
     }
-}
-
-/// This rank's communication thread, the emulated GPU: one call at a time,
-/// in issue order. A call that fails sets its communicator's asynchronous
-/// error; an aborted communicator's calls are skipped. Every call's gate
-/// opens at the end, so no stream waits for ever.
-fn comm_thread(
-    inner: &dyn Backend,
-    device: &EmulatedDevice,
-    opts: &EmulatedCommOptions,
-    jobs: mpsc::Receiver<Job>,
-) {
-    // Timers and sockets: the host backend may be a real mesh (TCP), whose
-    // calls arm tokio timers in the task that drives them. One worker of
-    // its own: what a cancelled host call spawns (its abort, to the peers)
-    // goes out at once, not at this thread's next call, which may never
-    // come.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name(format!("consort-emulated-io-{}", inner.rank()))
-        .enable_all()
-        .build();
-    let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
-    let max = opts.max_delay.as_nanos() as u64;
-    while let Ok(mut job) = jobs.recv() {
-        let timeout = job.opts.timeout_or(inner.default_timeout());
-        let skip = {
-            let st = job.comm.lock();
-            (st.aborted || st.async_error.is_some()).then(|| {
-                st.async_error
-                    .clone()
-                    .or_else(|| st.core.poisoned().cloned())
-            })
-        };
-        match (skip, &rt) {
-            (Some(cause), Ok(rt)) => rt.block_on(tell_peers(inner, device, &mut job, cause)),
-            (Some(_), Err(_)) => {}
-            (None, rt) => {
-                let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
-                if max > 0 {
-                    std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
-                }
-                let result = match (rt, waited) {
-                    (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
-                    (Err(e), _) => Err(CommError::Aborted {
-                        ctx: Default::default(),
-                        cause: format!("could not start the emulated communication runtime: {e}"),
-                    }),
-                    (_, false) => Err(CommError::Timeout {
-                        ctx: Default::default(),
-                        after: timeout,
-                        waiting_on: Vec::new(),
-                    }),
-                };
-                settle(&job, result);
-            }
-        }
-        for &e in &job.after {
-            device.release_event(e);
-        }
-        device.complete_event(job.gate);
-        job.comm.cv.notify_all();
-    }
-}
-
-/// What a job that ran came to: its output for the caller, or the
-/// communicator's asynchronous error.
-fn settle(job: &Job, result: Result<()>) {
-    match result {
-        Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
-        Err(e) => {
-            job.comm.lock().async_error.get_or_insert(e.clone());
-            lock(&job.slot).err = Some(e);
-        }
-    }
-}
-
-/// A job of an aborted communicator is not run, but its host call is made
-/// and at once cancelled with the communicator's cause (when it has one),
-/// so that peers already waiting in that call hear why, instead of seeing
-/// this rank's connections close when it leaves.
-async fn tell_peers(
-    inner: &dyn Backend,
-    device: &EmulatedDevice,
-    job: &mut Job,
-    cause: Option<CommError>,
-) {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    if let Some(cause) = cause {
-        let _ = tx.send(cause);
-    }
-    job.cancelled = Some(rx);
-    let _ = run_or_cancel(inner, device, job).await;
-}
-
-/// Runs a job; a host job whose caller dropped its work is cancelled (the
-/// host backend's call is dropped, which aborts its group), with the
-/// caller's cause when it gave one: a verdict of the fingerprint check
-/// then reaches the peers as that verdict, not as "cancelled", which a
-/// third rank would otherwise report before its own check's verdict.
-async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
-    let group = job.group.clone();
-    let inner = group.as_deref().unwrap_or(inner);
-    let Some(mut cancelled) = job.cancelled.take() else {
-        return run_job(inner, device, job).await;
-    };
-    let mut run = Box::pin(run_job(inner, device, job));
-    // `biased`: the call is made (its first poll) before the cancellation
-    // is seen, so a dropped call still reaches the host backend and aborts
-    // its group there, telling the peers, instead of never being made.
-    let cause = tokio::select! {
-        biased;
-        r = &mut run => return r,
-        why = &mut cancelled => why.ok(),
-    };
-    let e = cause.unwrap_or_else(|| CommError::Aborted {
-        ctx: Default::default(),
-        cause: "a call was cancelled: its work was dropped before it finished. Peers may be \
-                part-way through it, so the group cannot continue"
-            .into(),
-    });
-    consort_comm::cancel::drop_because(run, &e);
-    Err(e)
-}
-
-/// Snapshots the device arguments, runs the collective on the host
-/// backend, and writes the output back to the device.
-async fn run_job(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
-    for m in job.input.iter_mut().chain(job.output.iter_mut()) {
-        if let Some(p) = m.ptr {
-            let data = device.read_now(p, m.bytes)?;
-            m.bytes_mut().copy_from_slice(&data);
-        }
-    }
-    let o = &job.opts;
-    let input = job.input.as_ref().map(Mem::view).transpose()?;
-    let output = job.output.as_mut().map(Mem::view_mut).transpose()?;
-    let missing = || CommError::invalid("emulated call without its buffer");
-    match job.kind.clone() {
-        Kind::AllReduce(op) => inner.all_reduce(output.ok_or_else(missing)?, op, o).await,
-        Kind::Broadcast => inner.broadcast(output.ok_or_else(missing)?, o).await,
-        Kind::Reduce(op) => inner.reduce(output.ok_or_else(missing)?, op, o).await,
-        Kind::AllGather => {
-            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
-            inner.all_gather(out, inp, o).await
-        }
-        Kind::Gather => inner.gather(output, input.ok_or_else(missing)?, o).await,
-        Kind::Scatter => inner.scatter(output.ok_or_else(missing)?, input, o).await,
-        Kind::ReduceScatter(op) => {
-            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
-            inner.reduce_scatter(out, inp, op, o).await
-        }
-        Kind::AllToAll {
-            output_splits,
-            input_splits,
-        } => {
-            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
-            let (os, is) = (output_splits.as_deref(), input_splits.as_deref());
-            inner.all_to_all_single(out, inp, os, is, o).await
-        }
-        Kind::Barrier => inner.barrier(o).await,
-        Kind::Send(dst) => inner.send(input.ok_or_else(missing)?, dst, o).await,
-        Kind::Recv(src) => inner.recv(output.ok_or_else(missing)?, src, o).await,
-    }?;
-    if let Some(m) = &job.output
-        && let Some(p) = m.ptr
-    {
-        device.write_now(p, m.bytes())?;
-    }
-    Ok(())
 }
 
 #[async_trait]

@@ -1,0 +1,282 @@
+//! What the communication thread runs: one call's kind and buffers
+//! ([`Job`]), and the thread itself, the emulated GPU ([`comm_thread`]).
+
+use std::{
+    sync::{Arc, Mutex, mpsc},
+    time::Duration,
+};
+
+use consort_comm::{
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, EventId, HostSlice, HostSliceMut,
+    ReduceOp, Result, fault::Rng,
+};
+
+use super::{
+    EmulatedCommOptions,
+    watch::{Shared, lock},
+};
+use crate::device::EmulatedDevice;
+
+#[derive(Clone, Debug)]
+pub(super) enum Kind {
+    AllReduce(ReduceOp),
+    Broadcast,
+    Reduce(ReduceOp),
+    AllGather,
+    Gather,
+    Scatter,
+    ReduceScatter(ReduceOp),
+    AllToAll {
+        output_splits: Option<Vec<usize>>,
+        input_splits: Option<Vec<usize>>,
+    },
+    Barrier,
+    Send(usize),
+    Recv(usize),
+}
+
+/// One buffer argument, as the communication thread holds it: aligned
+/// host storage, filled from the device (device calls) or from the
+/// caller's slice (host calls).
+pub(super) struct Mem {
+    pub(super) dtype: DType,
+    pub(super) bytes: usize,
+    pub(super) words: Vec<u64>,
+    /// Where it lives on the device; `None` for a host argument.
+    pub(super) ptr: Option<u64>,
+}
+
+impl Mem {
+    pub(super) fn new(dtype: DType, bytes: usize, ptr: Option<u64>) -> Self {
+        Mem {
+            dtype,
+            bytes,
+            words: vec![0; bytes.div_ceil(8)],
+            ptr,
+        }
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        &consort_comm::dtype::as_bytes(&self.words)[..self.bytes]
+    }
+
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut consort_comm::dtype::as_bytes_mut(&mut self.words)[..self.bytes]
+    }
+
+    pub(super) fn view(&self) -> Result<Buffer<'_>> {
+        Ok(Buffer::Host(HostSlice::from_bytes(
+            self.dtype,
+            self.bytes(),
+        )?))
+    }
+
+    pub(super) fn view_mut(&mut self) -> Result<BufferMut<'_>> {
+        let dtype = self.dtype;
+        Ok(BufferMut::Host(HostSliceMut::from_bytes(
+            dtype,
+            self.bytes_mut(),
+        )?))
+    }
+}
+
+/// What a host call gets back: its output bytes.
+pub(super) type Reply = tokio::sync::oneshot::Sender<Result<Option<Vec<u8>>>>;
+
+pub(super) struct Job {
+    pub(super) kind: Kind,
+    pub(super) opts: CallOptions,
+    pub(super) input: Option<Mem>,
+    pub(super) output: Option<Mem>,
+    /// Events on the buffers' streams that the collective waits for.
+    pub(super) after: Vec<EventId>,
+    /// Opened when the collective is done (its completion event).
+    pub(super) gate: EventId,
+    /// What the call came to, for the watchdog.
+    pub(super) slot: Arc<Mutex<Slot>>,
+    /// Closed when a host call's work is dropped before it finished.
+    pub(super) cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>,
+    /// The communicator the call belongs to (its rules and its errors).
+    pub(super) comm: Arc<Shared>,
+    /// The host backend of a subgroup's call (`None`: the thread's own).
+    pub(super) group: Option<Arc<dyn Backend>>,
+}
+
+/// What one call came to on the communication thread: its error (the
+/// emulated GPU's asynchronous error, for this call), or a host call's
+/// output bytes.
+#[derive(Default)]
+pub(super) struct Slot {
+    pub(super) err: Option<CommError>,
+    pub(super) out: Option<Vec<u8>>,
+}
+
+/// This rank's communication thread, the emulated GPU: one call at a time,
+/// in issue order. A call that fails sets its communicator's asynchronous
+/// error; an aborted communicator's calls are skipped. Every call's gate
+/// opens at the end, so no stream waits for ever.
+pub(super) fn comm_thread(
+    inner: &dyn Backend,
+    device: &EmulatedDevice,
+    opts: &EmulatedCommOptions,
+    jobs: mpsc::Receiver<Job>,
+) {
+    // Timers and sockets: the host backend may be a real mesh (TCP), whose
+    // calls arm tokio timers in the task that drives them. One worker of
+    // its own: what a cancelled host call spawns (its abort, to the peers)
+    // goes out at once, not at this thread's next call, which may never
+    // come.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("consort-emulated-io-{}", inner.rank()))
+        .enable_all()
+        .build();
+    let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
+    let max = opts.max_delay.as_nanos() as u64;
+    while let Ok(mut job) = jobs.recv() {
+        let timeout = job.opts.timeout_or(inner.default_timeout());
+        let skip = {
+            let st = job.comm.lock();
+            (st.aborted || st.async_error.is_some()).then(|| {
+                st.async_error
+                    .clone()
+                    .or_else(|| st.core.poisoned().cloned())
+            })
+        };
+        match (skip, &rt) {
+            (Some(cause), Ok(rt)) => rt.block_on(tell_peers(inner, device, &mut job, cause)),
+            (Some(_), Err(_)) => {}
+            (None, rt) => {
+                let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
+                if max > 0 {
+                    std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
+                }
+                let result = match (rt, waited) {
+                    (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
+                    (Err(e), _) => Err(CommError::Aborted {
+                        ctx: Default::default(),
+                        cause: format!("could not start the emulated communication runtime: {e}"),
+                    }),
+                    (_, false) => Err(CommError::Timeout {
+                        ctx: Default::default(),
+                        after: timeout,
+                        waiting_on: Vec::new(),
+                    }),
+                };
+                settle(&job, result);
+            }
+        }
+        for &e in &job.after {
+            device.release_event(e);
+        }
+        device.complete_event(job.gate);
+        job.comm.cv.notify_all();
+    }
+}
+
+/// What a job that ran came to: its output for the caller, or the
+/// communicator's asynchronous error.
+pub(super) fn settle(job: &Job, result: Result<()>) {
+    match result {
+        Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
+        Err(e) => {
+            job.comm.lock().async_error.get_or_insert(e.clone());
+            lock(&job.slot).err = Some(e);
+        }
+    }
+}
+
+/// A job of an aborted communicator is not run, but its host call is made
+/// and at once cancelled with the communicator's cause (when it has one),
+/// so that peers already waiting in that call hear why, instead of seeing
+/// this rank's connections close when it leaves.
+async fn tell_peers(
+    inner: &dyn Backend,
+    device: &EmulatedDevice,
+    job: &mut Job,
+    cause: Option<CommError>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if let Some(cause) = cause {
+        let _ = tx.send(cause);
+    }
+    job.cancelled = Some(rx);
+    let _ = run_or_cancel(inner, device, job).await;
+}
+
+/// Runs a job; a host job whose caller dropped its work is cancelled (the
+/// host backend's call is dropped, which aborts its group), with the
+/// caller's cause when it gave one: a verdict of the fingerprint check
+/// then reaches the peers as that verdict, not as "cancelled", which a
+/// third rank would otherwise report before its own check's verdict.
+async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
+    let group = job.group.clone();
+    let inner = group.as_deref().unwrap_or(inner);
+    let Some(mut cancelled) = job.cancelled.take() else {
+        return run_job(inner, device, job).await;
+    };
+    let mut run = Box::pin(run_job(inner, device, job));
+    // `biased`: the call is made (its first poll) before the cancellation
+    // is seen, so a dropped call still reaches the host backend and aborts
+    // its group there, telling the peers, instead of never being made.
+    let cause = tokio::select! {
+        biased;
+        r = &mut run => return r,
+        why = &mut cancelled => why.ok(),
+    };
+    let e = cause.unwrap_or_else(|| CommError::Aborted {
+        ctx: Default::default(),
+        cause: "a call was cancelled: its work was dropped before it finished. Peers may be \
+                part-way through it, so the group cannot continue"
+            .into(),
+    });
+    consort_comm::cancel::drop_because(run, &e);
+    Err(e)
+}
+
+/// Snapshots the device arguments, runs the collective on the host
+/// backend, and writes the output back to the device.
+async fn run_job(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
+    for m in job.input.iter_mut().chain(job.output.iter_mut()) {
+        if let Some(p) = m.ptr {
+            let data = device.read_now(p, m.bytes)?;
+            m.bytes_mut().copy_from_slice(&data);
+        }
+    }
+    let o = &job.opts;
+    let input = job.input.as_ref().map(Mem::view).transpose()?;
+    let output = job.output.as_mut().map(Mem::view_mut).transpose()?;
+    let missing = || CommError::invalid("emulated call without its buffer");
+    match job.kind.clone() {
+        Kind::AllReduce(op) => inner.all_reduce(output.ok_or_else(missing)?, op, o).await,
+        Kind::Broadcast => inner.broadcast(output.ok_or_else(missing)?, o).await,
+        Kind::Reduce(op) => inner.reduce(output.ok_or_else(missing)?, op, o).await,
+        Kind::AllGather => {
+            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
+            inner.all_gather(out, inp, o).await
+        }
+        Kind::Gather => inner.gather(output, input.ok_or_else(missing)?, o).await,
+        Kind::Scatter => inner.scatter(output.ok_or_else(missing)?, input, o).await,
+        Kind::ReduceScatter(op) => {
+            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
+            inner.reduce_scatter(out, inp, op, o).await
+        }
+        Kind::AllToAll {
+            output_splits,
+            input_splits,
+        } => {
+            let (out, inp) = (output.ok_or_else(missing)?, input.ok_or_else(missing)?);
+            let (os, is) = (output_splits.as_deref(), input_splits.as_deref());
+            inner.all_to_all_single(out, inp, os, is, o).await
+        }
+        Kind::Barrier => inner.barrier(o).await,
+        Kind::Send(dst) => inner.send(input.ok_or_else(missing)?, dst, o).await,
+        Kind::Recv(src) => inner.recv(output.ok_or_else(missing)?, src, o).await,
+    }?;
+    if let Some(m) = &job.output
+        && let Some(p) = m.ptr
+    {
+        device.write_now(p, m.bytes())?;
+    }
+    Ok(())
+}
