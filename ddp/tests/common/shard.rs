@@ -1,10 +1,17 @@
 //! What the sharded strategies' tests share (host and device): the
-//! optimizers, the one-process reference, the cases and the comparison.
+//! optimizers, the one-process reference, the cases and the comparison,
+//! and a host run on the simulator.
 
-use consort_ddp::{AdamW, Sgd, ShardOptimizer, Strategy};
+use std::sync::Arc;
+
+use consort_comm::Backend;
+use consort_ddp::{
+    AdamW, DdpError, PlainModel, Sgd, ShardOptimizer, ShardOptions, Sharded, Strategy,
+};
+use consort_sim::SimConfig;
 use proptest::{prelude::*, strategy::Strategy as _};
 
-use super::{Case, Shape, make_case};
+use super::{Case, Shape, make_case, run_sim};
 
 /// Which optimizer a case uses.
 #[derive(Clone, Copy, Debug)]
@@ -133,4 +140,123 @@ pub fn check(c: &Case, got: &[Vec<Vec<f64>>], want: &[Vec<f64>]) -> Result<(), T
         }
     }
     Ok(())
+}
+
+/// How a distributed run goes.
+#[derive(Clone, Debug)]
+pub struct Run {
+    pub strategy: Strategy,
+    pub opt: Opt,
+    pub unit_cap: usize,
+    /// Gather every unit again, in reverse, before backward (FSDP's
+    /// reshard after forward), instead of keeping the forward's copies.
+    pub regather: bool,
+}
+
+/// One rank's training steps `steps` of `c`; returns its final parameters.
+pub async fn train(
+    rank: Arc<dyn Backend>,
+    c: &Case,
+    run: &Run,
+    sh: &mut Sharded,
+    steps: std::ops::Range<usize>,
+) -> Result<(), DdpError> {
+    let r = rank.rank();
+    let scale = if c.exact {
+        c.world as f64
+    } else {
+        1.0 / c.batch as f64
+    };
+    let units = sh.layout().units.len();
+    for step in &c.data[steps] {
+        let mut got = Vec::new();
+        for u in 0..units {
+            got.push(sh.gather(u).await?);
+        }
+        if run.regather {
+            got.clear();
+            for u in (0..units).rev() {
+                got.push(sh.gather(u).await?);
+            }
+        }
+        let params: Vec<Vec<f64>> = (0..sh.params().len())
+            .map(|p| {
+                let g = got.iter().find(|g| g.param::<f64>(p).is_ok()).unwrap();
+                g.param::<f64>(p).unwrap().to_vec()
+            })
+            .collect();
+        drop(got);
+        let (xs, ys): (Vec<_>, Vec<_>) = step[0][r].iter().cloned().unzip();
+        let mut err = Ok(());
+        c.mlp.backward(&params, &xs, &ys, scale, |i, g| {
+            if err.is_ok() {
+                err = sh.mark_ready(i, &g);
+            }
+        });
+        err?;
+        sh.step().await?;
+    }
+    Ok(())
+}
+
+/// The initial model on rank `r` (garbage off rank 0: Sharded::new's
+/// broadcast fixes it).
+pub fn model_for(c: &Case, r: usize) -> PlainModel {
+    let init: Vec<Vec<f64>> = if r == 0 {
+        c.init.clone()
+    } else {
+        c.init
+            .iter()
+            .map(|p| vec![7.0 + r as f64; p.len()])
+            .collect()
+    };
+    c.mlp.model(&init)
+}
+
+pub fn options(run: &Run) -> ShardOptions {
+    let mut o = ShardOptions::new(run.strategy);
+    o.unit_cap_bytes = Some(run.unit_cap);
+    o
+}
+
+pub fn read(model: &PlainModel) -> Vec<Vec<f64>> {
+    (0..model.len())
+        .map(|i| model.param::<f64>(i).unwrap().to_vec())
+        .collect()
+}
+
+/// Every rank, every step; each rank's final parameters.
+pub fn distributed(c: &Case, run: &Run) -> Vec<Vec<Vec<f64>>> {
+    let (c, run) = (Arc::new(c.clone()), Arc::new(run.clone()));
+    let (out, _) = run_sim(SimConfig::new(c.world), move |rank| {
+        let (c, run) = (c.clone(), run.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, rank.rank());
+            let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
+                .await
+                .unwrap();
+            train(rank, &c, &run, &mut sh, 0..c.data.len())
+                .await
+                .unwrap();
+            sh.copy_params_to(&mut model).await.unwrap();
+            read(&model)
+        }
+    });
+    out
+}
+
+/// A fixed case: an MLP 5 → 7 → 3 (uneven for every world), 4 steps.
+pub fn fixed(world: usize) -> Case {
+    make_case(Shape {
+        dims: vec![5, 7, 3],
+        world,
+        batch: 2,
+        micro: 1,
+        steps: 4,
+        cap: None,
+        view: false,
+        exact: false,
+        seed: 11,
+    })
 }
