@@ -250,9 +250,26 @@ fn every_strategy_on_the_gpu_trains_as_on_the_host() {
     }
 }
 
+/// `bytes` in a new device allocation.
+fn upload(place: &Placement, bytes: &[u8]) -> u64 {
+    let d = &place.device;
+    let p = d.alloc_zeroed(bytes.len(), place.stream).unwrap();
+    // SAFETY: `p` holds `bytes.len()` bytes.
+    unsafe { d.copy_from_host(p, bytes, place.stream) }.unwrap();
+    p
+}
+
+/// `len` bytes at `p`, once the stream has produced them.
+fn download(place: &Placement, p: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    // SAFETY: callers pass a live allocation of at least `len` bytes.
+    unsafe { place.device.copy_to_host(&mut out, p, place.stream) }.unwrap();
+    out
+}
+
 #[test]
 #[ignore = "needs a GPU, libcuda and NVRTC (scripts/gpu-check)"]
-fn cuda_casts_and_unscale_match_the_host() {
+fn cuda_casts_round_as_the_host() {
     use consort::{
         DType,
         ddp::ShardKernels,
@@ -272,20 +289,8 @@ fn cuda_casts_and_unscale_match_the_host() {
     src[2] = 1.0 + 2f32.powi(-8); // a bf16 tie
     src[3] = 65520.0; // rounds to f16 infinity
     let d = &place.device;
-    let bytes = |v: &[f32]| consort::dtype::as_bytes(v).to_vec();
-    let up = |b: &[u8]| {
-        let p = d.alloc_zeroed(b.len(), place.stream).unwrap();
-        // SAFETY: `p` holds `b.len()` bytes.
-        unsafe { d.copy_from_host(p, b, place.stream) }.unwrap();
-        p
-    };
-    let down = |p: u64, len: usize| {
-        let mut out = vec![0u8; len];
-        // SAFETY: `p` holds `len` bytes.
-        unsafe { d.copy_to_host(&mut out, p, place.stream) }.unwrap();
-        out
-    };
-    let s = up(&bytes(&src));
+    let down = |p: u64, len: usize| download(&place, p, len);
+    let s = upload(&place, consort::dtype::as_bytes(&src));
     for (to, want) in [
         (
             DType::BF16,
@@ -338,17 +343,32 @@ fn cuda_casts_and_unscale_match_the_host() {
             unsafe { d.free(p, place.stream) }.unwrap();
         }
     }
+    // SAFETY: allocated above, freed once.
+    unsafe { d.free(s, place.stream) }.unwrap();
+}
+
+#[test]
+#[ignore = "needs a GPU, libcuda and NVRTC (scripts/gpu-check)"]
+fn cuda_unscale_finds_an_inf_and_scales_as_the_host() {
+    use consort::ddp::ShardKernels;
+    let (dev, place) = gpu();
+    let kernels = CudaKernels::new(&dev).expect("NVRTC kernels");
+    let n = 100_003usize;
+    let mut src: Vec<f32> = values(n, 9).into_iter().map(|v| v as f32).collect();
+    src[0] = f32::INFINITY;
+    let d = &place.device;
+    let up = |v: &[f32]| upload(&place, consort::dtype::as_bytes(v));
+    let s = up(&src);
     // Unscale: an inf is found, every element is multiplied.
     // SAFETY: `s` holds `n` f32.
     let found = unsafe { kernels.unscale(&place, s, n, 0.5) }.unwrap();
     assert!(found, "the inf at element 0 is found");
-    let got = down(s, n * 4);
-    let bad = (2..n).find(|&i| {
-        let g = f32::from_le_bytes(got[4 * i..4 * i + 4].try_into().unwrap());
-        g.to_bits() != (src[i] * 0.5).to_bits()
-    });
+    let mut got = vec![0f32; n];
+    // SAFETY: `s` holds `n` f32.
+    unsafe { d.copy_to_host(consort::dtype::as_bytes_mut(&mut got), s, place.stream) }.unwrap();
+    let bad = (1..n).find(|&i| got[i].to_bits() != (src[i] * 0.5).to_bits());
     assert!(bad.is_none(), "unscale: element {bad:?}");
-    let clean = up(&bytes(&vec![1.0f32; 1000]));
+    let clean = up(&vec![1.0f32; 1000]);
     // SAFETY: `clean` holds 1000 f32.
     assert!(!unsafe { kernels.unscale(&place, clean, 1000, 0.25) }.unwrap());
     for p in [s, clean] {

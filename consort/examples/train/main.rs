@@ -18,6 +18,8 @@
 mod data;
 #[cfg(feature = "nccl")]
 mod gpu;
+#[cfg(feature = "nccl")]
+mod gpu_loop;
 mod mlp;
 mod plot;
 mod sharded;
@@ -229,7 +231,7 @@ async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
 async fn nccl_cuda(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
     let b = Arc::new(dist.nccl_backend(None).await?);
-    let res = train_rank_gpu(b.clone(), &args, &data).await;
+    let res = gpu_loop::train_rank_gpu(b.clone(), &args, &data).await;
     let done = consort::Backend::synchronize(&*b).await;
     let closed = b.shutdown();
     dist.shutdown().await?;
@@ -614,12 +616,7 @@ async fn train_rank(
                 }
                 Err(e) => return Err(e.into()),
             }
-            for i in [W1, B1, W2, B2] {
-                let grad = ddp.grad::<f32>(i)?;
-                for (p, d) in model.param_mut::<f32>(i)?.iter_mut().zip(grad) {
-                    *p -= args.lr * d;
-                }
-            }
+            sgd(&mut model, &mut ddp, args.lr)?;
             loss[0] += g.loss_sum;
             loss[1] += batch.len() as f64;
             if let Some(b) = &job.bars {
@@ -627,13 +624,7 @@ async fn train_rank(
             }
             k += 1;
         }
-        let params = Params::of(&model)?;
-        let mut acc = [0f64, 0f64]; // [correct, seen]
-        for i in job.eval.indices() {
-            let s = &data.test[i as usize];
-            acc[0] += f64::from(u8::from(params.predict(&s.x) == s.y));
-            acc[1] += 1.0;
-        }
+        let acc = accuracy(&Params::of(&model)?, &job, &data);
         let state = model.state_dict();
         let steps = idx.len().div_ceil(job.local_batch);
         let sums = (loss, acc);
@@ -651,6 +642,28 @@ async fn train_rank(
     }
     job.finish(&args)?;
     Ok(who.lost)
+}
+
+/// Plain SGD with DDP's averaged gradients.
+fn sgd(model: &mut PlainModel, ddp: &mut Ddp<dyn Backend>, lr: f32) -> Result<(), BoxError> {
+    for i in [W1, B1, W2, B2] {
+        let grad = ddp.grad::<f32>(i)?;
+        for (p, d) in model.param_mut::<f32>(i)?.iter_mut().zip(grad) {
+            *p -= lr * d;
+        }
+    }
+    Ok(())
+}
+
+/// `[correct, seen]` on this rank's part of the test set.
+fn accuracy(params: &Params<'_>, job: &Job, data: &Digits) -> [f64; 2] {
+    let mut acc = [0f64, 0f64];
+    for i in job.eval.indices() {
+        let s = &data.test[i as usize];
+        acc[0] += f64::from(u8::from(params.predict(&s.x) == s.y));
+        acc[1] += 1.0;
+    }
+    acc
 }
 
 /// The epoch's metrics and checkpoint. A rank lost there makes the
@@ -718,90 +731,4 @@ impl Survivors {
             !lost.contains(&(i - 1))
         });
     }
-}
-
-/// What a GPU rank trains with: the job, its GPU and compute stream, the
-/// model uploaded there, the kernels and the data sets in device memory.
-#[cfg(feature = "nccl")]
-struct GpuRun {
-    job: Job,
-    dev: Arc<consort::nccl::CudaDevice>,
-    model: consort::ddp::DeviceModel,
-    g: gpu::Gpu,
-    train: gpu::DeviceSet,
-    test: gpu::DeviceSet,
-}
-
-#[cfg(feature = "nccl")]
-impl GpuRun {
-    async fn new(
-        b: &Arc<consort::nccl::NcclBackend>,
-        args: &Args,
-        data: &Digits,
-    ) -> Result<Self, BoxError> {
-        use consort::{Device, Placement, nccl::CudaDevice};
-        let (job, host) = prepare(b.clone(), args, data).await?;
-        let dev = CudaDevice::new(b.device())?;
-        let p = Placement {
-            device: dev.clone(),
-            stream: dev.new_stream()?,
-        };
-        let model = gpu::upload_model(&p, &host)?;
-        let g = gpu::Gpu::new(&dev, p.clone(), args.hidden, job.local_batch.max(256))?;
-        let train = gpu::DeviceSet::upload(&p, &data.train)?;
-        let test = gpu::DeviceSet::upload(&p, &data.test)?;
-        Ok(GpuRun {
-            job,
-            dev,
-            model,
-            g,
-            train,
-            test,
-        })
-    }
-}
-
-/// [`train_rank`] with the model on the GPU: the same samplers, steps,
-/// metrics and checkpoints, the math in [`gpu`]; a sharded `--strategy`
-/// runs [`sharded::train_rank_gpu`].
-#[cfg(feature = "nccl")]
-async fn train_rank_gpu(
-    b: Arc<consort::nccl::NcclBackend>,
-    args: &Args,
-    data: &Digits,
-) -> Result<(), BoxError> {
-    let run = GpuRun::new(&b, args, data).await?;
-    if let Some(s) = sharded::strategy(args, b.world_size())? {
-        return sharded::train_rank_gpu(b, run, args, s).await;
-    }
-    let GpuRun {
-        mut job,
-        mut model,
-        g,
-        train,
-        test,
-        ..
-    } = run;
-    let mut ddp = Ddp::new(b, &mut model, DdpOptions::default()).await?;
-    for epoch in job.start..args.epochs {
-        job.sampler.set_epoch(epoch as u64);
-        let idx: Vec<u32> = job.sampler.indices()?.iter().map(|&i| i as u32).collect();
-        if let Some(b) = &job.bars {
-            b.steps.reset();
-        }
-        for chunk in idx.chunks(job.local_batch) {
-            g.step(&mut ddp, &model, &train, chunk, args.lr).await?;
-            if let Some(b) = &job.bars {
-                b.steps.inc(1);
-            }
-        }
-        let eval: Vec<u32> = job.eval.indices().map(|i| i as u32).collect();
-        g.evaluate(gpu::params_of(&model)?, &test, &eval)?;
-        let (loss_sum, correct) = g.take_counters()?;
-        let state = model.state_dict()?;
-        let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);
-        job.end_epoch(args, Saver::Ddp(&mut ddp, &state), epoch, sums)
-            .await?;
-    }
-    job.finish(args)
 }

@@ -89,13 +89,7 @@ pub(crate) async fn train_rank(
             }
         }
         let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
-        let params = params(&l1, &l2)?;
-        let mut acc = [0f64, 0f64];
-        for i in job.eval.indices() {
-            let s = &data.test[i as usize];
-            acc[0] += f64::from(u8::from(params.predict(&s.x) == s.y));
-            acc[1] += 1.0;
-        }
+        let acc = crate::accuracy(&params(&l1, &l2)?, &job, data);
         drop((l1, l2));
         let save = Saver::<dyn Backend>::Sharded(&mut sh);
         job.end_epoch(args, save, epoch, (loss, acc)).await?;
@@ -169,11 +163,11 @@ fn params<'a>(l1: &'a Gathered, l2: &'a Gathered) -> Result<Params<'a>, BoxError
 #[cfg(feature = "nccl")]
 pub(crate) async fn train_rank_gpu(
     b: Arc<consort::nccl::NcclBackend>,
-    run: crate::GpuRun,
+    run: crate::gpu_loop::GpuRun,
     args: &Args,
     strategy: Strategy,
 ) -> Result<(), BoxError> {
-    let crate::GpuRun {
+    let crate::gpu_loop::GpuRun {
         mut job,
         dev,
         mut model,

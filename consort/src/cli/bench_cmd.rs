@@ -227,23 +227,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
-            let launched = std::env::var_os("RANK").is_some();
-            let t = if device != "cpu" {
-                if !launched {
-                    return Err(format!(
-                        "--device {device} times a launched job: consort run --standalone \
-                         --nproc-per-node N -- consort bench sharded --device {device}"
-                    )
-                    .into());
-                }
-                let shape = (params, layers, work, iters);
-                sharded_device_bench::steps(&device, shape).await?
-            } else if launched {
-                sharded_bench::steps(params, layers, work, iters).await?
-            } else {
-                Some(sharded_bench::memory(params, layers).await?)
-            };
-            if let Some(t) = t {
+            if let Some(t) = sharded(&device, (params, layers, work, iters)).await? {
                 print!("{}", t.render(json));
             }
         }
@@ -289,4 +273,27 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
         print!("{}", collective::run(spec).await?.render(a.json));
     }
     Ok(())
+}
+
+/// `consort bench sharded`: alone, the memory table; in a launched job,
+/// the step times, on the host or (`--device`) on the device.
+async fn sharded(
+    device: &str,
+    (params, layers, work, iters): (usize, usize, usize, usize),
+) -> Result<Option<super::table::Table>, BoxError> {
+    let launched = std::env::var_os("RANK").is_some();
+    if device != "cpu" {
+        if !launched {
+            return Err(format!(
+                "--device {device} times a launched job: consort run --standalone \
+                 --nproc-per-node N -- consort bench sharded --device {device}"
+            )
+            .into());
+        }
+        return sharded_device_bench::steps(device, (params, layers, work, iters)).await;
+    }
+    if launched {
+        return sharded_bench::steps(params, layers, work, iters).await;
+    }
+    Ok(Some(sharded_bench::memory(params, layers).await?))
 }

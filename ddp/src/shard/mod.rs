@@ -324,30 +324,11 @@ impl Sharded {
         }
         .map_err(setup_error(opts.strategy, rank))?;
         let shards = shard_count(opts.strategy, backend.world_size()).map_err(usage)?;
-        let units = match &opts.units {
-            Some(u) => u.clone(),
-            None if opts.strategy.shards_params() => {
-                let cap = opts.unit_cap_bytes.unwrap_or(buckets::DEFAULT_BUCKET_CAP);
-                layout::units_by_cap(&specs, cap.max(1))
-            }
-            None => ddp_buckets(&specs, opts.unit_cap_bytes).map_err(usage)?,
-        };
+        let units = units_for(&opts, &specs).map_err(usage)?;
         let layout = Layout::new(&specs, &units, shards);
         // Every rank must wrap the model the same way, before any call
         // that depends on it.
-        let setup = match &layout {
-            Ok(l) => format!(
-                "strategy {}, units {:?}, prefetch {}, optimizer {} ({} slots), mixed precision \
-                 {:?}",
-                opts.strategy,
-                l.units,
-                opts.prefetch,
-                optimizer.name(),
-                optimizer.slots(),
-                opts.mixed_precision
-            ),
-            Err(e) => format!("invalid units ({e})"),
-        };
+        let setup = describe_setup(&opts, layout.as_ref(), &optimizer);
         agree_setup(&*backend, opts.strategy, &setup, &call).await?;
         let layout = layout.map_err(usage)?;
         let group = make_groups(&backend, opts.strategy, &call).await?;
@@ -660,6 +641,40 @@ fn check_model(
                 .into())
         }
         None => Ok(Some(Arc::new(StagedKernels))),
+    }
+}
+
+/// The wrapping units: the options' own, else consecutive parameters up
+/// to the cap (FSDP, HSDP), else DDP's buckets (ZeRO-1/2).
+fn units_for(opts: &ShardOptions, specs: &[ParamSpec]) -> Result<Vec<Vec<usize>>, String> {
+    Ok(match &opts.units {
+        Some(u) => u.clone(),
+        None if opts.strategy.shards_params() => {
+            let cap = opts.unit_cap_bytes.unwrap_or(buckets::DEFAULT_BUCKET_CAP);
+            layout::units_by_cap(specs, cap.max(1))
+        }
+        None => ddp_buckets(specs, opts.unit_cap_bytes)?,
+    })
+}
+
+/// What every rank must agree on before any call: the strategy, the
+/// units, prefetch, the optimizer and mixed precision.
+fn describe_setup(
+    opts: &ShardOptions,
+    layout: Result<&Layout, &String>,
+    optimizer: &dyn ShardOptimizer,
+) -> String {
+    match layout {
+        Ok(l) => format!(
+            "strategy {}, units {:?}, prefetch {}, optimizer {} ({} slots), mixed precision {:?}",
+            opts.strategy,
+            l.units,
+            opts.prefetch,
+            optimizer.name(),
+            optimizer.slots(),
+            opts.mixed_precision
+        ),
+        Err(e) => format!("invalid units ({e})"),
     }
 }
 

@@ -1,0 +1,95 @@
+//! The GPU run of the trainer (`--backend nccl --device cuda`): what a
+//! rank trains with, and DDP's loop on it; the sharded strategies' loop is
+//! `sharded::train_rank_gpu`.
+
+use std::sync::Arc;
+
+use consort::{
+    Backend,
+    ddp::{Ddp, DdpOptions},
+};
+
+use crate::{Args, BoxError, Job, Saver, data::Digits, gpu, prepare, sharded};
+
+/// What a GPU rank trains with: the job, its GPU and compute stream, the
+/// model uploaded there, the kernels and the data sets in device memory.
+pub(crate) struct GpuRun {
+    pub(crate) job: Job,
+    pub(crate) dev: Arc<consort::nccl::CudaDevice>,
+    pub(crate) model: consort::ddp::DeviceModel,
+    pub(crate) g: gpu::Gpu,
+    pub(crate) train: gpu::DeviceSet,
+    pub(crate) test: gpu::DeviceSet,
+}
+
+impl GpuRun {
+    async fn new(
+        b: &Arc<consort::nccl::NcclBackend>,
+        args: &Args,
+        data: &Digits,
+    ) -> Result<Self, BoxError> {
+        use consort::{Device, Placement, nccl::CudaDevice};
+        let (job, host) = prepare(b.clone(), args, data).await?;
+        let dev = CudaDevice::new(b.device())?;
+        let p = Placement {
+            device: dev.clone(),
+            stream: dev.new_stream()?,
+        };
+        let model = gpu::upload_model(&p, &host)?;
+        let g = gpu::Gpu::new(&dev, p.clone(), args.hidden, job.local_batch.max(256))?;
+        let train = gpu::DeviceSet::upload(&p, &data.train)?;
+        let test = gpu::DeviceSet::upload(&p, &data.test)?;
+        Ok(GpuRun {
+            job,
+            dev,
+            model,
+            g,
+            train,
+            test,
+        })
+    }
+}
+
+/// [`train_rank`] with the model on the GPU: the same samplers, steps,
+/// metrics and checkpoints, the math in [`gpu`]; a sharded `--strategy`
+/// runs [`sharded::train_rank_gpu`].
+pub(crate) async fn train_rank_gpu(
+    b: Arc<consort::nccl::NcclBackend>,
+    args: &Args,
+    data: &Digits,
+) -> Result<(), BoxError> {
+    let run = GpuRun::new(&b, args, data).await?;
+    if let Some(s) = sharded::strategy(args, b.world_size())? {
+        return sharded::train_rank_gpu(b, run, args, s).await;
+    }
+    let GpuRun {
+        mut job,
+        mut model,
+        g,
+        train,
+        test,
+        ..
+    } = run;
+    let mut ddp = Ddp::new(b, &mut model, DdpOptions::default()).await?;
+    for epoch in job.start..args.epochs {
+        job.sampler.set_epoch(epoch as u64);
+        let idx: Vec<u32> = job.sampler.indices()?.iter().map(|&i| i as u32).collect();
+        if let Some(b) = &job.bars {
+            b.steps.reset();
+        }
+        for chunk in idx.chunks(job.local_batch) {
+            g.step(&mut ddp, &model, &train, chunk, args.lr).await?;
+            if let Some(b) = &job.bars {
+                b.steps.inc(1);
+            }
+        }
+        let eval: Vec<u32> = job.eval.indices().map(|i| i as u32).collect();
+        g.evaluate(gpu::params_of(&model)?, &test, &eval)?;
+        let (loss_sum, correct) = g.take_counters()?;
+        let state = model.state_dict()?;
+        let sums = ([loss_sum, idx.len() as f64], [correct, eval.len() as f64]);
+        job.end_epoch(args, Saver::Ddp(&mut ddp, &state), epoch, sums)
+            .await?;
+    }
+    job.finish(args)
+}
