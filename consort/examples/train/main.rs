@@ -98,6 +98,12 @@ struct Args {
     /// sharded and in OUT/sharded/; DDP supports only 0.
     #[arg(long, default_value_t = 0.0)]
     momentum: f64,
+    /// Mixed precision for a sharded --strategy (torch's FSDP2
+    /// MixedPrecisionPolicy): none, bf16, or f16 (with dynamic loss
+    /// scaling). The shards stay f32 master weights; each layer is gathered
+    /// and its gradients reduced in that dtype. CPU only.
+    #[arg(long, default_value = "none")]
+    mixed_precision: String,
 }
 
 fn main() -> ExitCode {
@@ -134,6 +140,7 @@ fn check_options(args: &Args, backend: &str) -> Result<(), BoxError> {
     if backend == "sim" || args.strategy != "hsdp" {
         sharded::strategy(args, if backend == "sim" { args.world_size } else { 1 })?;
     }
+    sharded::mixed_precision(args)?;
     if args.strategy == "ddp" && args.momentum != 0.0 {
         return Err(
             "--momentum needs a sharded --strategy (zero1, zero2, fsdp, hsdp): DDP's \

@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use consort::{
-    Backend,
-    ddp::{Sgd, ShardOptions, Sharded, Strategy, shard::Gathered},
+    Backend, DType,
+    ddp::{MixedPrecision, Sgd, ShardOptions, Sharded, Strategy, shard::Gathered},
+    half::{bf16, f16},
 };
 
 use crate::{
@@ -34,6 +35,33 @@ pub(crate) fn strategy(args: &Args, world: usize) -> Result<Option<Strategy>, Bo
             .into());
         }
     }))
+}
+
+/// The policy `--mixed-precision` names (`None`: none); refused with DDP
+/// and on the GPU (its kernels compute in f32).
+pub(crate) fn mixed_precision(args: &Args) -> Result<Option<MixedPrecision>, BoxError> {
+    let policy = match args.mixed_precision.as_str() {
+        "none" => return Ok(None),
+        "bf16" => MixedPrecision::bf16(),
+        "f16" => MixedPrecision::f16(),
+        other => {
+            return Err(
+                format!("unknown --mixed-precision {other:?}: expected none, bf16 or f16").into(),
+            );
+        }
+    };
+    if args.strategy == "ddp" {
+        return Err(
+            "--mixed-precision needs a sharded --strategy (zero1, zero2, fsdp, hsdp)".into(),
+        );
+    }
+    if args.device != "cpu" {
+        return Err(
+            "--mixed-precision runs on --device cpu: the GPU trainer's kernels compute in f32"
+                .into(),
+        );
+    }
+    Ok(Some(policy))
 }
 
 /// HSDP's shard-group size: `--shard-size`, or one node's ranks when the
@@ -66,12 +94,19 @@ pub(crate) async fn train_rank(
     strategy: Strategy,
 ) -> Result<(), BoxError> {
     let (mut job, mut model) = prepare(backend.clone(), args, data).await?;
-    let opts = ShardOptions::new(strategy).units(vec![vec![W1, B1], vec![W2, B2]]);
+    let mut opts = ShardOptions::new(strategy).units(vec![vec![W1, B1], vec![W2, B2]]);
+    let mixed = mixed_precision(args)?;
+    if let Some(m) = mixed {
+        opts = opts.mixed_precision(m);
+    }
     let sgd = Sgd::new(f64::from(args.lr)).momentum(args.momentum);
     let mut sh = Sharded::new(backend, &mut model, sgd, opts).await?;
     resume(&mut sh, &mut job, args).await?;
     if let Some(b) = &job.bars {
-        b.println(&format!("strategy {strategy}"));
+        let mp = mixed.map_or(String::new(), |m| {
+            format!(", {} mixed precision", m.param_dtype)
+        });
+        b.println(&format!("strategy {strategy}{mp}"));
     }
     for epoch in job.start..args.epochs {
         job.sampler.set_epoch(epoch as u64);
@@ -89,7 +124,8 @@ pub(crate) async fn train_rank(
             }
         }
         let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
-        let acc = crate::accuracy(&params(&l1, &l2)?, &job, data);
+        let vals = f32_params(&l1, &l2)?;
+        let acc = crate::accuracy(&as_params(&vals), &job, data);
         drop((l1, l2));
         let save = Saver::<dyn Backend>::Sharded(&mut sh);
         job.end_epoch(args, save, epoch, (loss, acc)).await?;
@@ -133,27 +169,61 @@ async fn resume(sh: &mut Sharded, job: &mut crate::Job, args: &Args) -> Result<(
 /// One optimizer step on `batch`; returns its summed loss.
 async fn step(sh: &mut Sharded, batch: &[&Sample]) -> Result<f64, BoxError> {
     let (l1, l2) = (sh.gather(0).await?, sh.gather(1).await?);
-    let params = params(&l1, &l2)?;
+    let vals = f32_params(&l1, &l2)?;
+    let params = as_params(&vals);
     let mut early = Ok(());
     let g = mlp::backward(&params, batch, |w2, b2| {
-        early = sh.mark_ready(B2, b2).and_then(|()| sh.mark_ready(W2, w2));
+        early = mark(sh, B2, b2).and_then(|()| mark(sh, W2, w2));
     });
     early?;
     drop((l1, l2));
-    sh.mark_ready(B1, &g.b1)?;
-    sh.mark_ready(W1, &g.w1)?;
+    mark(sh, B1, &g.b1)?;
+    mark(sh, W1, &g.w1)?;
     sh.step().await?;
     Ok(g.loss_sum)
 }
 
-/// The MLP's parameters from its two gathered layers.
-fn params<'a>(l1: &'a Gathered, l2: &'a Gathered) -> Result<Params<'a>, BoxError> {
-    Ok(Params {
-        w1: l1.param(W1)?,
-        b1: l1.param(B1)?,
-        w2: l2.param(W2)?,
-        b2: l2.param(B2)?,
-    })
+/// Parameter `p`'s f32 gradient to the strategy: as it is, or (mixed
+/// precision) times the loss scale, rounded to the compute dtype, as a
+/// backward in that dtype would produce it.
+fn mark(sh: &mut Sharded, p: usize, g: &[f32]) -> Result<(), consort::ddp::DdpError> {
+    let scale = sh.loss_scale() as f32;
+    match sh.compute_dtype() {
+        Some(DType::BF16) => {
+            let v: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x * scale)).collect();
+            sh.mark_ready(p, &v)
+        }
+        Some(DType::F16) => {
+            let v: Vec<f16> = g.iter().map(|&x| f16::from_f32(x * scale)).collect();
+            sh.mark_ready(p, &v)
+        }
+        _ => sh.mark_ready(p, g),
+    }
+}
+
+/// The two gathered layers' parameters as f32 (`[w1, b1, w2, b2]`),
+/// widened from mixed precision's compute dtype.
+fn f32_params(l1: &Gathered, l2: &Gathered) -> Result<[Vec<f32>; 4], BoxError> {
+    let get = |g: &Gathered, p: usize| -> Result<Vec<f32>, BoxError> {
+        if let Ok(v) = g.param::<f32>(p) {
+            return Ok(v.to_vec());
+        }
+        if let Ok(v) = g.param::<bf16>(p) {
+            return Ok(v.iter().map(|x| x.to_f32()).collect());
+        }
+        Ok(g.param::<f16>(p)?.iter().map(|x| x.to_f32()).collect())
+    };
+    Ok([get(l1, W1)?, get(l1, B1)?, get(l2, W2)?, get(l2, B2)?])
+}
+
+/// The MLP's parameters, from [`f32_params`].
+fn as_params(v: &[Vec<f32>; 4]) -> Params<'_> {
+    Params {
+        w1: &v[0],
+        b1: &v[1],
+        w2: &v[2],
+        b2: &v[3],
+    }
 }
 
 /// [`train_rank`] with the model on the GPU (`--backend nccl --device
