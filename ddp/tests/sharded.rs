@@ -12,8 +12,8 @@ use std::sync::Arc;
 use common::{
     run_sim,
     shard::{
-        Opt, Run, cases, check, distributed, fixed, model_for, optimizer, options, reference,
-        strategy_for, train,
+        Opt, Run, cases, check, distributed, fixed, model_for, opt_for, optimizer, options,
+        reference, strategy_for, train,
     },
 };
 use consort_comm::Backend;
@@ -34,18 +34,7 @@ proptest! {
         regather in any::<bool>(),
     ) {
         let mut c = c;
-        let opt = match (c.exact, adamw) {
-            // Integer data: SGD keeps every value a short binary fraction
-            // for its steps; AdamW's square root does so only for its
-            // first (the gradients are exact integer sums there).
-            (true, true) => {
-                c.data.truncate(1);
-                Opt::AdamW
-            }
-            (true, false) => Opt::SgdExact,
-            (false, true) => Opt::AdamW,
-            (false, false) => Opt::Sgd,
-        };
+        let opt = opt_for(&mut c, adamw);
         let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
         let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
         let got = distributed(&c, &run);

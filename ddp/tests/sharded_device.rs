@@ -9,17 +9,18 @@
 
 mod common;
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use common::{
     Case,
-    shard::{Opt, cases, check, optimizer, reference, strategy_for},
+    shard::{
+        EmulatedRank, Opt, cases, check, on_emulated_ranks, opt_for, optimizer, reference,
+        strategy_for,
+    },
 };
-use consort_comm::{Backend, Device, Placement};
+use consort_comm::Device;
 use consort_ddp::{DeviceModel, ShardOptions, Sharded, StagedKernels, Strategy};
-use consort_sim::{
-    EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
-};
+use consort_sim::EmulatedDevice;
 use proptest::prelude::*;
 
 /// How a distributed run goes.
@@ -43,25 +44,10 @@ struct Outcome {
 /// Every rank on its own thread with its own emulated device and
 /// communication thread.
 fn distributed(c: &Case, run: &Run) -> Vec<Outcome> {
-    let world = SimWorld::new(SimConfig::new(c.world)).expect("sim world");
-    let threads: Vec<_> = world
-        .ranks()
-        .into_iter()
-        .map(|rank| {
-            let (c, run) = (c.clone(), run.clone());
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(rank_main(c, run, rank))
-            })
-        })
-        .collect();
-    threads
-        .into_iter()
-        .map(|t| t.join().expect("rank thread panicked"))
-        .collect()
+    let (cc, run) = (c.clone(), run.clone());
+    on_emulated_ranks(c.world, c.seed, move |er| {
+        rank_main(cc.clone(), run.clone(), er)
+    })
 }
 
 /// Reads `n` f64 at `ptr` once the stream has produced them.
@@ -73,25 +59,14 @@ fn read(device: &EmulatedDevice, ptr: u64, n: usize, stream: u64) -> Vec<f64> {
     out
 }
 
-async fn rank_main(c: Case, run: Run, rank: consort_sim::SimRank) -> Outcome {
-    let r = rank.rank();
-    let device = EmulatedDevice::new(EmulatedOptions {
-        seed: c.seed ^ (r as u64 + 1),
-        max_delay: Duration::from_micros(40),
-        sync_timeout: Duration::from_secs(10),
-        ..Default::default()
-    });
-    let stream = device.new_stream().unwrap();
-    let placement = Placement {
-        device: device.clone(),
-        stream,
-    };
-    let comm_opts = EmulatedCommOptions {
-        seed: c.seed ^ 0x5eed,
-        ..Default::default()
-    };
-    let comm: Arc<dyn Backend> =
-        Arc::new(EmulatedComm::new(Arc::new(rank), device.clone(), comm_opts).unwrap());
+async fn rank_main(c: Case, run: Run, er: EmulatedRank) -> Outcome {
+    let EmulatedRank {
+        rank: r,
+        device,
+        place: placement,
+        comm,
+    } = er;
+    let stream = placement.stream;
     let mut model = DeviceModel::new(placement);
     for (p, init) in c.init.iter().enumerate() {
         // Ranks other than 0 start from garbage: the broadcast fixes it.
@@ -193,15 +168,7 @@ proptest! {
         regather in any::<bool>(),
     ) {
         let mut c = c;
-        let opt = match (c.exact, adamw) {
-            (true, true) => {
-                c.data.truncate(1);
-                Opt::AdamW
-            }
-            (true, false) => Opt::SgdExact,
-            (false, true) => Opt::AdamW,
-            (false, false) => Opt::Sgd,
-        };
+        let opt = opt_for(&mut c, adamw);
         let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
         let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
         let out = distributed(&c, &run);

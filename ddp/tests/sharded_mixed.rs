@@ -9,23 +9,21 @@
 
 mod common;
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use common::{
     Case,
-    shard::{cases, strategy_for},
+    shard::{cases, on_emulated_ranks, strategy_for},
 };
 use consort_comm::{
-    Backend, DType, Device, Placement,
+    Backend, DType,
     half::{bf16, f16},
 };
 use consort_ddp::{
     DeviceModel, LossScaling, MixedPrecision, PlainModel, Sgd, ShardOptimizer, ShardOptions,
     Sharded, Strategy,
 };
-use consort_sim::{
-    EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions, SimConfig, SimWorld,
-};
+use consort_sim::SimConfig;
 use proptest::prelude::*;
 
 fn round(v: f64, d: DType) -> f64 {
@@ -199,64 +197,31 @@ fn on_host(c: &Case, s: Strategy, mp: MixedPrecision, cap: usize) -> Vec<Vec<Vec
 
 /// Every rank on its own thread with an emulated device; final masters.
 fn on_device(c: &Case, s: Strategy, mp: MixedPrecision, cap: usize) -> Vec<Vec<Vec<f64>>> {
-    let world = SimWorld::new(SimConfig::new(c.world)).expect("sim world");
-    let threads: Vec<_> = world
-        .ranks()
-        .into_iter()
-        .map(|rank| {
-            let c = c.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(async move {
-                    let r = rank.rank();
-                    let device = EmulatedDevice::new(EmulatedOptions {
-                        seed: c.seed ^ (r as u64 + 1),
-                        max_delay: Duration::from_micros(20),
-                        sync_timeout: Duration::from_secs(10),
-                        ..Default::default()
-                    });
-                    let stream = device.new_stream().unwrap();
-                    let place = Placement {
-                        device: device.clone(),
-                        stream,
-                    };
-                    let comm: Arc<dyn Backend> = Arc::new(
-                        EmulatedComm::new(Arc::new(rank), device, EmulatedCommOptions::default())
-                            .unwrap(),
-                    );
-                    let host = model_for(&c, r);
-                    let mut m = DeviceModel::new(place);
-                    for p in 0..host.len() {
-                        let v = host.param::<f32>(p).unwrap();
-                        m.add_param(format!("p{p}"), vec![v.len()], v).unwrap();
-                    }
-                    let mut sh = Sharded::new(comm, &mut m, sgd(), options(s, mp, cap))
-                        .await
-                        .unwrap();
-                    for step in &c.data {
-                        train_step(&c, &mut sh, &step[0][r]).await;
-                    }
-                    sh.copy_params_to(&mut m).await.unwrap();
-                    (0..m.len())
-                        .map(|i| {
-                            m.read_param::<f32>(i)
-                                .unwrap()
-                                .iter()
-                                .map(|&v| f64::from(v))
-                                .collect()
-                        })
-                        .collect()
+    let cc = c.clone();
+    on_emulated_ranks(c.world, c.seed, move |er| {
+        let c = cc.clone();
+        async move {
+            let host = model_for(&c, er.rank);
+            let mut m = DeviceModel::new(er.place);
+            for p in 0..host.len() {
+                let v = host.param::<f32>(p).unwrap();
+                m.add_param(format!("p{p}"), vec![v.len()], v).unwrap();
+            }
+            let mut sh = Sharded::new(er.comm, &mut m, sgd(), options(s, mp, cap))
+                .await
+                .unwrap();
+            for step in &c.data {
+                train_step(&c, &mut sh, &step[0][er.rank]).await;
+            }
+            sh.copy_params_to(&mut m).await.unwrap();
+            (0..m.len())
+                .map(|i| {
+                    let v = m.read_param::<f32>(i).unwrap();
+                    v.iter().map(|&x| f64::from(x)).collect()
                 })
-            })
-        })
-        .collect();
-    threads
-        .into_iter()
-        .map(|t| t.join().expect("rank thread panicked"))
-        .collect()
+                .collect()
+        }
+    })
 }
 
 fn check(got: &[Vec<Vec<f64>>], (want, tol): &(Vec<Vec<f64>>, f64)) -> Result<(), TestCaseError> {

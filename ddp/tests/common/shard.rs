@@ -260,3 +260,83 @@ pub fn fixed(world: usize) -> Case {
         seed: 11,
     })
 }
+
+/// One rank of an emulated-device world: its rank, device, compute stream
+/// (in `place`) and stream-ordered communicator.
+pub struct EmulatedRank {
+    pub rank: usize,
+    pub device: Arc<consort_sim::EmulatedDevice>,
+    pub place: consort_comm::Placement,
+    pub comm: Arc<dyn Backend>,
+}
+
+/// Runs `f` for every rank of a world of `world`, each on a thread of its
+/// own (device synchronization blocks the host, as on a GPU) with its own
+/// emulated device (seeded from `seed`, copies completing up to 40 µs late
+/// and out of order) and communicator over the simulator; each rank's
+/// result, in rank order.
+pub fn on_emulated_ranks<T, F, Fut>(world: usize, seed: u64, f: F) -> Vec<T>
+where
+    F: Fn(EmulatedRank) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+    T: Send + 'static,
+{
+    use consort_comm::Device;
+    use consort_sim::{EmulatedComm, EmulatedCommOptions, EmulatedDevice, EmulatedOptions};
+    let sim = consort_sim::SimWorld::new(SimConfig::new(world)).expect("sim world");
+    let threads: Vec<_> = sim
+        .ranks()
+        .into_iter()
+        .map(|rank| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let r = rank.rank();
+                let device = EmulatedDevice::new(EmulatedOptions {
+                    seed: seed ^ (r as u64 + 1),
+                    max_delay: std::time::Duration::from_micros(40),
+                    sync_timeout: std::time::Duration::from_secs(10),
+                    ..Default::default()
+                });
+                let stream = device.new_stream().unwrap();
+                let place = consort_comm::Placement {
+                    device: device.clone(),
+                    stream,
+                };
+                let opts = EmulatedCommOptions {
+                    seed: seed ^ 0x5eed,
+                    ..Default::default()
+                };
+                let comm = EmulatedComm::new(Arc::new(rank), device.clone(), opts).unwrap();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(f(EmulatedRank {
+                    rank: r,
+                    device,
+                    place,
+                    comm: Arc::new(comm),
+                }))
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread panicked"))
+        .collect()
+}
+
+/// The optimizer of a case (integer data: SGD keeps every value a short
+/// binary fraction for its steps; AdamW's square root does so only for
+/// its first, so such a case keeps one step).
+pub fn opt_for(c: &mut Case, adamw: bool) -> Opt {
+    match (c.exact, adamw) {
+        (true, true) => {
+            c.data.truncate(1);
+            Opt::AdamW
+        }
+        (true, false) => Opt::SgdExact,
+        (false, true) => Opt::AdamW,
+        (false, false) => Opt::Sgd,
+    }
+}
