@@ -14,6 +14,7 @@ variables):
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py              # gloo, CPU
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py --device cuda  # nccl
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py --device cuda --share-gpu
+    torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py --device cuda --mixed bf16
 
 Prints one row per strategy on rank 0 (step ms and the peak memory of the
 device, on CUDA); --json prints JSON objects instead.
@@ -103,6 +104,12 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
+        "--mixed",
+        default="none",
+        choices=["none", "bf16", "f16"],
+        help="FSDP2's MixedPrecisionPolicy (param and reduce dtype); DDP stays f32",
+    )
+    ap.add_argument(
         "--share-gpu",
         action="store_true",
         help="every rank on GPU 0 (NCCL < 2.30 then needs a host id per rank over sockets)",
@@ -128,12 +135,14 @@ def main():
         if strategy == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = torch.distributed.device_mesh.init_device_mesh(a.device, (world,))
+            dt = {"bf16": torch.bfloat16, "f16": torch.float16}.get(a.mixed)
+            mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)
             for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-            wrapped = fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            wrapped = fully_shard(model, mesh=mesh, mp_policy=mp)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         ms = time_steps(wrapped, device, a.iters)
@@ -144,7 +153,7 @@ def main():
                 "backend": "torch-nccl" if cuda else "torch-gloo",
                 "world": world,
                 "params": a.params,
-                "strategy": strategy,
+                "strategy": strategy if a.mixed == "none" or strategy == "ddp" else f"{strategy}+{a.mixed}",
                 "step_ms": round(ms, 2),
                 "vs_ddp": round(ms / base, 2),
                 "peak_mib": round(peak, 1),
@@ -156,10 +165,10 @@ def main():
             for r in rows:
                 print(json.dumps(r))
         else:
-            print(f"{'backend':>10} {'world':>5} {'params':>8} {'strategy':>8} {'step_ms':>8} {'vs_ddp':>6} {'peak_mib':>8}")
+            print(f"{'backend':>10} {'world':>5} {'params':>8} {'strategy':>10} {'step_ms':>8} {'vs_ddp':>6} {'peak_mib':>8}")
             for r in rows:
                 print(
-                    f"{r['backend']:>10} {r['world']:>5} {r['params']:>8} {r['strategy']:>8} "
+                    f"{r['backend']:>10} {r['world']:>5} {r['params']:>8} {r['strategy']:>10} "
                     f"{r['step_ms']:>8} {r['vs_ddp']:>6} {r['peak_mib']:>8}"
                 )
     dist.destroy_process_group()

@@ -410,9 +410,36 @@ fn bench_sharded_bytes_match_the_formulas() {
 /// holds what the strategy keeps: for a model of psi bytes at world 2,
 /// ZeRO-1 3 psi (whole parameters and gradients, half of AdamW's two
 /// slots), ZeRO-2 2.5 psi, FSDP 2 psi; DDP 5 psi (the model, its unused
-/// gradient storage, the buckets and AdamW's slots).
+/// gradient storage, the buckets and AdamW's slots). With `--mixed bf16`
+/// the same (f32 masters between steps), the rows named `zero1+bf16`...
 #[test]
 fn bench_sharded_on_the_emulated_device_holds_the_zero_formulas() {
+    let psi = 64_000.0 * 4.0 / f64::from(1u32 << 20);
+    let want = [("ddp", 5.0), ("zero1", 3.0), ("zero2", 2.5), ("fsdp", 2.0)];
+    // Mixed precision keeps f32 masters: the same bytes between steps.
+    for mixed in ["none", "bf16"] {
+        let rows = emulated_bench(mixed);
+        assert_eq!(rows.len(), want.len(), "{rows:?}");
+        for (r, (name, times)) in rows.iter().zip(want) {
+            let name = match (mixed, name) {
+                ("none", n) | (_, n @ "ddp") => n.to_string(),
+                (m, n) => format!("{n}+{m}"),
+            };
+            assert_eq!(r["strategy"], name.as_str(), "{r}");
+            assert_eq!(r["device"], "emulated", "{r}");
+            let mib: f64 = r["mem_mib"].as_str().unwrap().parse().unwrap();
+            assert!(
+                (mib - times * psi).abs() < 0.06,
+                "{name}: {mib} MiB, want {times} psi: {r}"
+            );
+            let ms: f64 = r["step_ms"].as_str().unwrap().parse().unwrap();
+            assert!(ms > 0.0, "{r}");
+        }
+    }
+}
+
+/// Rank 0's rows of `consort bench sharded --device emulated` on 2 ranks.
+fn emulated_bench(mixed: &str) -> Vec<serde_json::Value> {
     let out = consort(&[
         "run",
         "--standalone",
@@ -424,6 +451,8 @@ fn bench_sharded_on_the_emulated_device_holds_the_zero_formulas() {
         "sharded",
         "--device",
         "emulated",
+        "--mixed",
+        mixed,
         "--params",
         "64K",
         "--layers",
@@ -438,23 +467,8 @@ fn bench_sharded_on_the_emulated_device_holds_the_zero_formulas() {
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| l.split_once("{").map(|(_, r)| format!("{{{r}")))
+    text.lines()
+        .filter_map(|l| l.split_once('{').map(|(_, r)| format!("{{{r}")))
         .map(|l| serde_json::from_str(&l).expect("a JSON row"))
-        .collect();
-    let psi = 64_000.0 * 4.0 / f64::from(1u32 << 20);
-    let want = [("ddp", 5.0), ("zero1", 3.0), ("zero2", 2.5), ("fsdp", 2.0)];
-    assert_eq!(rows.len(), want.len(), "{text}");
-    for (r, (name, times)) in rows.iter().zip(want) {
-        assert_eq!(r["strategy"], name, "{r}");
-        assert_eq!(r["device"], "emulated", "{r}");
-        let mib: f64 = r["mem_mib"].as_str().unwrap().parse().unwrap();
-        assert!(
-            (mib - times * psi).abs() < 0.06,
-            "{name}: {mib} MiB, want {times} psi: {r}"
-        );
-        let ms: f64 = r["step_ms"].as_str().unwrap().parse().unwrap();
-        assert!(ms > 0.0, "{r}");
-    }
+        .collect()
 }

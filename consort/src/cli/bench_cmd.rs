@@ -124,6 +124,10 @@ pub(crate) enum BenchCommand {
         /// emulated device, no GPU).
         #[arg(long, default_value = "cpu")]
         device: String,
+        /// Mixed precision for the sharded strategies on a device: none,
+        /// bf16 or f16 (f32 master shards; DDP stays f32).
+        #[arg(long, default_value = "none")]
+        mixed: String,
         /// Parameters (f32), decimal with K/M suffixes.
         #[arg(long, default_value = "4M", value_parser = parse_count)]
         params: usize,
@@ -221,13 +225,14 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
         }
         Some(BenchCommand::Sharded {
             device,
+            mixed,
             params,
             layers,
             work,
             iters,
             json,
         }) => {
-            if let Some(t) = sharded(&device, (params, layers, work, iters)).await? {
+            if let Some(t) = sharded(&device, &mixed, (params, layers, work, iters)).await? {
                 print!("{}", t.render(json));
             }
         }
@@ -279,9 +284,21 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
 /// the step times, on the host or (`--device`) on the device.
 async fn sharded(
     device: &str,
+    mixed: &str,
     (params, layers, work, iters): (usize, usize, usize, usize),
 ) -> Result<Option<super::table::Table>, BoxError> {
     let launched = std::env::var_os("RANK").is_some();
+    let mixed = match mixed {
+        "none" => None,
+        "bf16" => Some(consort::ddp::MixedPrecision::bf16()),
+        "f16" => Some(consort::ddp::MixedPrecision::f16()),
+        other => {
+            return Err(format!("unknown --mixed {other:?}: expected none, bf16 or f16").into());
+        }
+    };
+    if mixed.is_some() && device == "cpu" {
+        return Err("--mixed times the device strategies: add --device cuda or emulated".into());
+    }
     if device != "cpu" {
         if !launched {
             return Err(format!(
@@ -290,7 +307,7 @@ async fn sharded(
             )
             .into());
         }
-        return sharded_device_bench::steps(device, (params, layers, work, iters)).await;
+        return sharded_device_bench::steps(device, (params, layers, work, iters), mixed).await;
     }
     if launched {
         return sharded_bench::steps(params, layers, work, iters).await;

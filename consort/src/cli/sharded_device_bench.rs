@@ -10,15 +10,17 @@
 //! DDP and FSDP2. On CUDA (NCCL, feature `nccl`) the peak of each rank's
 //! stream-ordered allocations is reported beside it, as torch's
 //! `max_memory_allocated`; on the emulated device (for tests, no GPU) the
-//! bytes held after a step.
+//! bytes held after a step. `--mixed bf16|f16` runs the sharded
+//! strategies with mixed precision (DDP stays f32), as the anchor's
+//! `--mixed` runs FSDP2 with a `MixedPrecisionPolicy`.
 
 use std::{sync::Arc, time::Instant};
 
 use consort::{
     Backend, DType, DeviceBuffer, Placement,
     ddp::{
-        AdamW, Ddp, DdpOptions, DeviceModel, DeviceStep, ShardKernels, ShardOptimizer,
-        ShardOptions, Sharded, StagedKernels, Strategy,
+        AdamW, Ddp, DdpOptions, DeviceModel, DeviceStep, MixedPrecision, ShardKernels,
+        ShardOptimizer, ShardOptions, Sharded, StagedKernels, Strategy,
     },
 };
 use serde_json::json;
@@ -195,13 +197,17 @@ async fn sharded_steps(
     rig: &Rig,
     s: Strategy,
     (params, layers, work, iters): (usize, usize, usize, usize),
+    mixed: Option<MixedPrecision>,
 ) -> Result<(f64, Reading), BoxError> {
     let bias = rig.backend.rank() as f32 * 1e-3;
     let mut m = model(rig, params, layers)?;
     let units = (0..m.len()).map(|l| vec![l]).collect();
-    let opts = ShardOptions::new(s)
+    let mut opts = ShardOptions::new(s)
         .units(units)
         .kernels(rig.kernels.clone());
+    if let Some(mp) = mixed {
+        opts = opts.mixed_precision(mp);
+    }
     let mut sh = Sharded::new(rig.backend.clone(), &mut m, AdamW::new(1e-3), opts).await?;
     // The shards are the parameters now (torch's FSDP2 replaces them with
     // its DTensors): the model's own storage goes.
@@ -224,12 +230,13 @@ async fn sharded_steps(
                 gathered[l].clone()
             };
             // Each gradient lives from its backward to its mark_ready, as
-            // autograd's does under FSDP2.
+            // autograd's does under FSDP2; in the compute dtype.
             let (dev, stream) = (&rig.place.device, rig.place.stream);
-            let ptr = dev.alloc_zeroed(sizes[l] * 4, stream)?;
-            // SAFETY: `ptr` was just allocated with `sizes[l]` f32.
-            let grad = unsafe { rig.place.buffer(ptr, sizes[l], DType::F32) };
-            let made = (rig.backward)(&p.param_device(l)?, &grad, work, bias);
+            let d = sh.compute_dtype().unwrap_or(DType::F32);
+            let ptr = dev.alloc_zeroed(sizes[l] * d.size_bytes(), stream)?;
+            // SAFETY: `ptr` was just allocated with `sizes[l]` elements of `d`.
+            let grad = unsafe { rig.place.buffer(ptr, sizes[l], d) };
+            let made = backward_in(rig, &p.param_device(l)?, &grad, (work, bias));
             let marked = made.and_then(|()| Ok(sh.mark_ready_device(l, &grad)?));
             // SAFETY: freed once, on the compute stream, after the backward
             // and the copy into the staging buffer enqueued there.
@@ -245,6 +252,52 @@ async fn sharded_steps(
         }
     }
     Ok((median(times), (rig.memory)()?))
+}
+
+/// The synthetic backward in the parameter's dtype: as it is for f32; for
+/// mixed precision's half types the parameter is widened into f32 scratch,
+/// the f32 backward runs there, and the gradient is rounded back (the
+/// device's cast kernels).
+fn backward_in(
+    rig: &Rig,
+    param: &DeviceBuffer,
+    grad: &DeviceBuffer,
+    (work, bias): (usize, f32),
+) -> Result<(), BoxError> {
+    let d = param.dtype();
+    if d == DType::F32 {
+        return (rig.backward)(param, grad, work, bias);
+    }
+    let (dev, stream, n) = (&rig.place.device, rig.place.stream, param.len());
+    let (tp, tg) = (
+        dev.alloc_zeroed(n * 4, stream)?,
+        dev.alloc_zeroed(n * 4, stream)?,
+    );
+    // `tp` and `tg` were just allocated with `n` f32; `param` and `grad` are
+    // live views of `n` elements of `d` on this device.
+    let run = || -> Result<(), BoxError> {
+        let k = &rig.kernels;
+        // SAFETY: as above: `param` holds `n` of `d`, `tp` `n` f32.
+        unsafe { k.cast(&rig.place, (param.ptr(), d), (tp, DType::F32), n) }?;
+        // SAFETY: as above: both scratch buffers hold `n` f32.
+        let (p32, g32) = unsafe {
+            (
+                rig.place.buffer(tp, n, DType::F32),
+                rig.place.buffer(tg, n, DType::F32),
+            )
+        };
+        (rig.backward)(&p32, &g32, work, bias)?;
+        // SAFETY: as above: `tg` holds `n` f32, `grad` `n` of `d`.
+        unsafe { k.cast(&rig.place, (tg, DType::F32), (grad.ptr(), d), n) }?;
+        Ok(())
+    };
+    let out = run();
+    for t in [tp, tg] {
+        // SAFETY: allocated above, freed once after the casts enqueued on
+        // the same stream.
+        unsafe { dev.free(t, stream) }?;
+    }
+    out
 }
 
 /// The median step under DDP (gradients as bucket views, then AdamW with
@@ -303,6 +356,11 @@ async fn ddp_steps(
     Ok((median(times), (rig.memory)()?))
 }
 
+/// `bf16` or `f16`, as `--mixed` and torch's anchor name them.
+pub(super) fn half_name(d: DType) -> &'static str {
+    if d == DType::F16 { "f16" } else { "bf16" }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -313,6 +371,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub(crate) async fn steps(
     device: &str,
     (params, layers, work, iters): (usize, usize, usize, usize),
+    mixed: Option<MixedPrecision>,
 ) -> Result<Option<Table>, BoxError> {
     let dist = consort::init_from_env().await?;
     let rig = match device {
@@ -334,7 +393,7 @@ pub(crate) async fn steps(
     for s in strategies(world) {
         let (ms, (now, peak)) = match s {
             None => ddp_steps(&rig, shape).await?,
-            Some(s) => sharded_steps(&rig, s, shape).await?,
+            Some(s) => sharded_steps(&rig, s, shape, mixed).await?,
         };
         let b = *base.get_or_insert(ms);
         let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
@@ -343,7 +402,10 @@ pub(crate) async fn steps(
             json!(rig.device_name),
             json!(world),
             json!(params),
-            json!(name(s)),
+            json!(match (s, mixed) {
+                (Some(_), Some(mp)) => format!("{}+{}", name(s), half_name(mp.param_dtype)),
+                _ => name(s),
+            }),
             json!(format!("{ms:.2}")),
             json!(format!("{:.2}", ms / b)),
             json!(mib(now)),
