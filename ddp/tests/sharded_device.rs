@@ -18,8 +18,8 @@ use common::{
         strategy_for,
     },
 };
-use consort_comm::Device;
-use consort_ddp::{DeviceModel, ShardOptions, Sharded, StagedKernels, Strategy};
+use consort_comm::{DType, Device};
+use consort_ddp::{DeviceModel, PlainModel, Sgd, ShardOptions, Sharded, StagedKernels, Strategy};
 use consort_sim::EmulatedDevice;
 use proptest::prelude::*;
 
@@ -182,4 +182,68 @@ proptest! {
         let got: Vec<_> = out.into_iter().map(|o| o.params).collect();
         check(&c, &got, &want)?;
     }
+}
+
+/// What a device user gets wrong is named: a gradient of another dtype, a
+/// device gradient for host shards; and a gradient whose memory is gone
+/// fails the step on this rank, naming the parameter, and every later
+/// call (the ranks no longer agree on their collectives).
+#[test]
+fn device_mistakes_are_named_and_a_dead_gradient_is_sticky() {
+    let out = on_emulated_ranks(1, 7, |er| async move {
+        let mut m = DeviceModel::new(er.place.clone());
+        m.add_param("w", vec![4], &[1.0f32; 4]).unwrap();
+        let opts = ShardOptions::new(Strategy::Fsdp);
+        let mut sh = Sharded::new(er.comm.clone(), &mut m, Sgd::new(0.1), opts)
+            .await
+            .unwrap();
+        let d = &er.place.device;
+        let wide = d.alloc_zeroed(32, er.place.stream).unwrap();
+        // SAFETY: `wide` holds 4 f64.
+        let f64_view = unsafe { er.place.buffer(wide, 4, DType::F64) };
+        let e1 = sh.mark_ready_device(0, &f64_view).unwrap_err().to_string();
+        let dead = d.alloc_zeroed(16, er.place.stream).unwrap();
+        // SAFETY: `dead` is freed here and never used again by this test
+        // except through the view below, which the device must refuse.
+        unsafe { d.free(dead, er.place.stream) }.unwrap();
+        // SAFETY: the view is of freed memory on purpose: the emulated device
+        // checks every address.
+        let dead_view = unsafe { er.place.buffer(dead, 4, DType::F32) };
+        let staged = sh.mark_ready_device(0, &dead_view);
+        let stepped = match staged {
+            Ok(()) => sh.step().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let later = sh.gather(0).await.unwrap_err().to_string();
+        let mut host = PlainModel::new();
+        host.add_param("w", vec![4], &[1.0f32; 4]).unwrap();
+        let world = consort_sim::SimWorld::new(consort_sim::SimConfig::new(1)).unwrap();
+        let rank: Arc<dyn consort_comm::Backend> = Arc::new(world.ranks().remove(0));
+        let mut hs = Sharded::new(
+            rank,
+            &mut host,
+            Sgd::new(0.1),
+            ShardOptions::new(Strategy::Fsdp),
+        )
+        .await
+        .unwrap();
+        let g = m.grad_buffer(0).unwrap();
+        let e4 = hs.mark_ready_device(0, &g).unwrap_err().to_string();
+        // The device's error is sticky, as a CUDA context's: the free fails.
+        // SAFETY: allocated above, freed once.
+        let sticky = unsafe { d.free(wide, er.place.stream) }.is_err();
+        (e1, stepped, later, e4, sticky)
+    });
+    let (e1, stepped, later, e4, sticky) = &out[0];
+    assert!(sticky, "the device keeps its error");
+    assert!(e1.contains("got 4 float64 values for w"), "{e1}");
+    let e2 = stepped
+        .as_ref()
+        .expect_err("a freed gradient must fail the step");
+    assert!(e2.contains("rank 0") && e2.contains("fsdp"), "{e2}");
+    assert!(
+        later.contains("failed earlier") || later.contains("cannot continue"),
+        "{later}"
+    );
+    assert!(e4.contains("shards are in host memory"), "{e4}");
 }
