@@ -294,3 +294,45 @@ fn bad_fault_plans_and_worlds_are_rejected() {
     .unwrap_err();
     assert!(e.to_string().contains("outside a world of 2"), "{e}");
 }
+
+/// A call queued behind one that never ends times out at its own deadline
+/// and names the rank holding the group up (here rank 1, which stays out
+/// of every call), as a running call's timeout does.
+#[test]
+fn a_queued_call_times_out_naming_the_rank_that_holds_it_up() {
+    use consort_comm::{Backend, BufferMut, CallOptions};
+    let world = SimWorld::new(SimConfig::new(2).timeout(Duration::from_secs(60))).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut ranks = world.ranks();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    let (done, wait) = tokio::sync::oneshot::channel::<()>();
+    let err = rt.block_on(async move {
+        // Rank 1 stays out of every call until rank 0 is done.
+        let idle = tokio::spawn(async move {
+            let _ = wait.await;
+            drop(one);
+        });
+        let mut a = [1.0f32; 4];
+        let mut b = [1.0f32; 4];
+        let long = CallOptions::default().with_timeout(Duration::from_secs(30));
+        let short = CallOptions::default().with_timeout(Duration::from_millis(200));
+        let first = zero.all_reduce(BufferMut::from(&mut a[..]), ReduceOp::Sum, &long);
+        let queued = zero.all_reduce(BufferMut::from(&mut b[..]), ReduceOp::Sum, &short);
+        let (_, e) = tokio::join!(
+            async { tokio::time::timeout(Duration::from_millis(600), first).await },
+            queued
+        );
+        let _ = done.send(());
+        let _ = idle.await;
+        e.unwrap_err()
+    });
+    match &err {
+        CommError::Timeout { waiting_on, .. } => assert_eq!(waiting_on, &vec![1], "{err}"),
+        other => panic!("want a Timeout naming rank 1, got {other}"),
+    }
+}

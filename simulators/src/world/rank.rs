@@ -12,7 +12,7 @@ use consort_comm::{
     },
 };
 
-use super::{Call, Owned, Shared, Status, dur_ns, lock, wake};
+use super::{Call, Owned, Shared, State, Status, dur_ns, lock, wake};
 
 /// One rank of a [`super::SimWorld`], on the world group or a subgroup.
 /// Dropping the world handle is the rank's process exiting: peers that
@@ -82,6 +82,47 @@ impl Drop for CallGuard<'_> {
 }
 
 impl SimRank {
+    /// The group ranks that hold up this rank's call `id` (running, or
+    /// queued behind the call that is): the members that never made it;
+    /// failing that (p2p, or every member made it), the members out of
+    /// every call, since virtual time stands still while a rank stays out
+    /// of every call (the ranks a schedule waits on may only be stuck
+    /// behind them); failing that, the ranks the running call's schedule
+    /// still waits for, when it is of the same group.
+    fn holding_up(&self, s: &State, id: u64) -> Vec<usize> {
+        let r = self.rank;
+        let rank = &s.ranks[r];
+        let call = rank
+            .call
+            .iter()
+            .chain(rank.queue.iter())
+            .find(|c| c.id == id);
+        let at = call.filter(|c| !c.p2p).map(|c| (c.group, c.fp.seq));
+        let pick = |f: &dyn Fn(usize) -> bool| -> Vec<usize> {
+            let alive = |w: usize| w != r && s.ranks[w].status == Status::Alive;
+            let m = self.members.iter().enumerate();
+            m.filter(|&(_, &w)| alive(w) && f(w))
+                .map(|(g, _)| g)
+                .collect()
+        };
+        let absent = match at {
+            Some((g, seq)) => pick(&|w| !s.ranks[w].engine.made(g, seq)),
+            None => Vec::new(),
+        };
+        if !absent.is_empty() {
+            return absent;
+        }
+        let idle = pick(&|w| !s.ranks[w].busy());
+        if !idle.is_empty() {
+            return idle;
+        }
+        let group = call.map(|c| c.group);
+        (rank.call.as_ref())
+            .filter(|c| Some(c.group) == group)
+            .map(|c| c.schedule.waiting_on())
+            .unwrap_or_default()
+    }
+
     /// Models `d` of host computation (a layer's backward, say) on this
     /// rank's virtual clock, concurrently with whatever call its
     /// communication stream has in flight: calls issued later start no
@@ -234,41 +275,16 @@ impl SimRank {
                 let mut s = lock(&self.shared);
                 let running = s.ranks[r].call.as_ref().filter(|c| c.id == guard.id);
                 if let Some(eid) = running.map(|c| c.eid) {
-                    // The members that never made this call hold it up.
-                    // Failing that (p2p, or every member made it): the
-                    // members out of every call, since virtual time stands
-                    // still while a rank stays out of every call (the ranks
-                    // the schedule waits on may only be stuck behind them).
-                    // Failing that, the ranks the schedule still waits for.
-                    let call = s.ranks[r].call.as_ref();
-                    let at = call.filter(|c| !c.p2p).map(|c| (c.group, c.fp.seq));
-                    let pick = |f: &dyn Fn(usize) -> bool| -> Vec<usize> {
-                        let alive = |w: usize| w != r && s.ranks[w].status == Status::Alive;
-                        let m = self.members.iter().enumerate();
-                        m.filter(|&(_, &w)| alive(w) && f(w))
-                            .map(|(g, _)| g)
-                            .collect()
-                    };
-                    let absent = match at {
-                        Some((g, seq)) => pick(&|w| !s.ranks[w].engine.made(g, seq)),
-                        None => Vec::new(),
-                    };
-                    let idle = pick(&|w| !s.ranks[w].busy());
-                    let waiting_on = if !absent.is_empty() {
-                        absent
-                    } else if !idle.is_empty() {
-                        idle
-                    } else {
-                        call.map(|c| c.schedule.waiting_on()).unwrap_or_default()
-                    };
+                    let waiting_on = self.holding_up(&s, guard.id);
                     let e = s.ranks[r].engine.timed_out(eid, &waiting_on);
                     let t = s.ranks[r].clock;
                     s.fail(r, e, t);
                     s.progress();
                     wake(&self.shared, &mut s);
                 } else {
+                    let waiting_on = self.holding_up(&s, guard.id);
                     let t = s.ranks[r].clock;
-                    s.time_out_queued(r, guard.id, timeout, t);
+                    s.time_out_queued(r, guard.id, (timeout, waiting_on), t);
                     s.progress();
                     wake(&self.shared, &mut s);
                 }

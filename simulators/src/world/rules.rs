@@ -291,7 +291,13 @@ impl State {
     /// stopped polling it, or leaked it). It times out like a running call
     /// (the group is poisoned and the peers told), instead of waiting for
     /// a stream that never frees.
-    pub(super) fn time_out_queued(&mut self, r: usize, id: u64, after: Duration, t: u64) {
+    pub(super) fn time_out_queued(
+        &mut self,
+        r: usize,
+        id: u64,
+        (after, waiting_on): (Duration, Vec<usize>),
+        t: u64,
+    ) {
         let rank = &mut self.ranks[r];
         let Some(call) = rank
             .queue
@@ -307,7 +313,7 @@ impl State {
                 ..Default::default()
             },
             after,
-            waiting_on: Vec::new(),
+            waiting_on,
         };
         let ended = rank.engine.end(call.eid, Err(e));
         rank.outcomes
