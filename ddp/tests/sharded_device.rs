@@ -12,26 +12,16 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    Case,
+    Case, run_sim,
     shard::{
-        EmulatedRank, Opt, cases, check, on_emulated_ranks, opt_for, optimizer, reference,
-        strategy_for,
+        EmulatedRank, Opt, Run, cases, check, fixed, model_for, on_emulated_ranks, opt_for,
+        optimizer, options, reference, strategy_for, train,
     },
 };
 use consort_comm::{DType, Device};
 use consort_ddp::{DeviceModel, PlainModel, Sgd, ShardOptions, Sharded, StagedKernels, Strategy};
 use consort_sim::EmulatedDevice;
 use proptest::prelude::*;
-
-/// How a distributed run goes.
-#[derive(Clone, Debug)]
-struct Run {
-    strategy: Strategy,
-    opt: Opt,
-    unit_cap: usize,
-    /// Gather every unit again, in reverse, before backward.
-    regather: bool,
-}
 
 /// What one rank ends with: its final parameters, and (after the first
 /// step, synchronized) the device bytes beyond the model's own against
@@ -246,4 +236,115 @@ fn device_mistakes_are_named_and_a_dead_gradient_is_sticky() {
         "{later}"
     );
     assert!(e4.contains("shards are in host memory"), "{e4}");
+}
+
+/// A device's checkpoints are the host's: after the same steps, FSDP on
+/// the emulated device and on the simulator give the same full state dict,
+/// bit for bit (the device runs the host's arithmetic); the sharded
+/// checkpoint written from the device (its shards read back from device
+/// memory) loads into a device ZeRO-2 at world 1 (written into device
+/// memory), with those parameters and the step count.
+#[test]
+fn device_checkpoints_equal_the_hosts_and_load_on_the_device() {
+    let c = fixed(2);
+    let run = Run {
+        strategy: Strategy::Fsdp,
+        opt: Opt::AdamW,
+        unit_cap: 64,
+        regather: false,
+    };
+    let dir = std::env::temp_dir().join(format!("consort-device-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (cc, rr, d) = (c.clone(), run.clone(), dir.clone());
+    let on_device = on_emulated_ranks(2, c.seed, move |er| {
+        let (c, run, dir) = (cc.clone(), rr.clone(), d.clone());
+        async move {
+            let mut m = device_twin(&model_for(&c, er.rank), &er.place);
+            let opts = options(&run).kernels(Arc::new(StagedKernels));
+            let mut sh = Sharded::new(er.comm, &mut m, optimizer(run.opt), opts)
+                .await
+                .unwrap();
+            let stream = er.place.stream;
+            for step in &c.data[0..2] {
+                let batch = &step[0][er.rank];
+                train_step(&c, &run, &mut sh, &mut m, batch, (&er.device, stream)).await;
+            }
+            let meta = std::collections::BTreeMap::new();
+            sh.save_sharded(&dir, &meta).await.unwrap();
+            sh.full_state_dict().await.unwrap()
+        }
+    });
+    let (cc, rr) = (Arc::new(c.clone()), run.clone());
+    let (on_host, _) = run_sim(consort_sim::SimConfig::new(2), move |rank| {
+        let (c, run) = (cc.clone(), rr.clone());
+        async move {
+            let rank: Arc<dyn consort_comm::Backend> = rank;
+            let mut m = model_for(&c, rank.rank());
+            let mut sh = Sharded::new(rank.clone(), &mut m, optimizer(run.opt), options(&run))
+                .await
+                .unwrap();
+            train(rank, &c, &run, &mut sh, 0..2).await.unwrap();
+            sh.full_state_dict().await.unwrap()
+        }
+    });
+    let want = on_host[0].clone().expect("rank 0's state dict");
+    assert_eq!(
+        on_device[0].as_ref(),
+        Some(&want),
+        "device vs host, bit for bit"
+    );
+    let (steps, params) = load_on_device(&c, &dir);
+    assert_eq!(steps, 2);
+    let names: Vec<String> = want.tensors.keys().cloned().collect();
+    let specs = consort_ddp::ParamSet::params(&c.mlp.model(&c.init));
+    assert_eq!(specs.len(), names.len());
+    for (got, spec) in params.iter().zip(&specs) {
+        let t = &want.tensors[&spec.name];
+        let bytes: &[u8] = bytemuck::cast_slice(got);
+        assert_eq!(
+            bytes,
+            t.data.as_slice(),
+            "{} loaded on the device",
+            spec.name
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A device model with `host`'s parameters: names, shapes and values.
+fn device_twin(host: &PlainModel, place: &consort_comm::Placement) -> DeviceModel {
+    let mut m = DeviceModel::new(place.clone());
+    for (p, spec) in consort_ddp::ParamSet::params(host).iter().enumerate() {
+        let v = host.param::<f64>(p).unwrap();
+        m.add_param(spec.name.clone(), spec.shape.clone(), v)
+            .unwrap();
+    }
+    m
+}
+
+/// Loads the sharded checkpoint in `dir` into a device ZeRO-2 at world 1;
+/// its step count and whole parameters.
+fn load_on_device(c: &Case, dir: &std::path::Path) -> (u64, Vec<Vec<f64>>) {
+    let (cc, d) = (c.clone(), dir.to_path_buf());
+    on_emulated_ranks(1, 3, move |er| {
+        let (c, dir) = (cc.clone(), d.clone());
+        async move {
+            let mut m = device_twin(&c.mlp.model(&c.init), &er.place);
+            for p in 0..m.len() {
+                let n = m.param_buffer(p).unwrap().len();
+                m.write_param(p, &vec![0.0f64; n]).unwrap();
+            }
+            let opts = ShardOptions::new(Strategy::Zero2).kernels(Arc::new(StagedKernels));
+            let mut sh = Sharded::new(er.comm, &mut m, optimizer(Opt::AdamW), opts)
+                .await
+                .unwrap();
+            sh.load_sharded(&dir).await.unwrap();
+            sh.copy_params_to(&mut m).await.unwrap();
+            let params: Vec<Vec<f64>> = (0..m.len())
+                .map(|i| m.read_param::<f64>(i).unwrap())
+                .collect();
+            (sh.steps(), params)
+        }
+    })
+    .remove(0)
 }
