@@ -472,3 +472,48 @@ fn emulated_bench(mixed: &str) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(&l).expect("a JSON row"))
         .collect()
 }
+
+/// `consort bench ddp --device emulated` in a launched job: the three
+/// device modes, and DDP's device buckets beside the model (params and
+/// gradients 2 psi, buckets 1 psi).
+#[test]
+fn bench_ddp_on_the_emulated_device_times_each_mode() {
+    let out = consort(&[
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        env!("CARGO_BIN_EXE_consort"),
+        "bench",
+        "ddp",
+        "--device",
+        "emulated",
+        "--params",
+        "64K",
+        "--layers",
+        "4",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.split_once('{').map(|(_, r)| format!("{{{r}")))
+        .map(|l| serde_json::from_str(&l).expect("a JSON row"))
+        .collect();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["local", "comm_only", "ddp_bucket_view"], "{text}");
+    let psi = 64_000.0 * 4.0 / f64::from(1u32 << 20);
+    let mib: f64 = rows[2]["mem_mib"].as_str().unwrap().parse().unwrap();
+    assert!(
+        (mib - 3.0 * psi).abs() < 0.06,
+        "ddp holds {mib} MiB: {text}"
+    );
+}

@@ -5,7 +5,7 @@
 use clap::Subcommand;
 
 use super::{
-    bench, collective, ddp_bench,
+    bench, collective, ddp_bench, ddp_device_bench,
     parse::{
         DTypeList, OpList, SizeList, parse_count, parse_dtypes, parse_iters, parse_mode,
         parse_op_list, parse_sizes,
@@ -94,6 +94,10 @@ pub(crate) enum BenchCommand {
     /// Rank 0 prints the step time without DDP, with DDP, and with one
     /// all_reduce after backward.
     Ddp {
+        /// Where the model lives: cpu (host memory, the job's TCP backend),
+        /// cuda (NCCL, the rank's GPU) or emulated (the emulated device).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         /// Parameters (f32), decimal with K/M suffixes.
         #[arg(long, default_value = "25M", value_parser = parse_count)]
         params: usize,
@@ -213,13 +217,19 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             print!("{}", t.render(json));
         }
         Some(BenchCommand::Ddp {
+            device,
             params,
             layers,
             work,
             iters,
             json,
         }) => {
-            if let Some(t) = ddp_bench::run(params, layers, work, iters).await? {
+            let t = if device == "cpu" {
+                ddp_bench::run(params, layers, work, iters).await?
+            } else {
+                ddp_device_bench::run(&device, (params, layers, work, iters)).await?
+            };
+            if let Some(t) = t {
                 print!("{}", t.render(json));
             }
         }

@@ -7,6 +7,7 @@ mod bench;
 mod bench_cmd;
 mod collective;
 mod ddp_bench;
+mod ddp_device_bench;
 mod debug;
 mod gpus;
 mod helper;

@@ -34,24 +34,34 @@ type BoxError = Box<dyn std::error::Error>;
 
 /// The synthetic backward: `grad = f(param)` elementwise on the compute
 /// stream (`x = p + bias`, then `work` times `x = x * 0.999 + 0.001`).
-type Backward = Box<dyn Fn(&DeviceBuffer, &DeviceBuffer, usize, f32) -> Result<(), BoxError>>;
+pub(super) type Backward =
+    Box<dyn Fn(&DeviceBuffer, &DeviceBuffer, usize, f32) -> Result<(), BoxError>>;
 
 /// A memory reading: bytes now, and the peak since the last reset where
 /// the device keeps one.
-type Reading = (u64, Option<u64>);
+pub(super) type Reading = (u64, Option<u64>);
 
 /// Where the bench runs: the backend, the model's device and stream, the
 /// optimizer kernels, the synthetic backward, and the memory reading
 /// (bytes now, and the peak since the last reset where the device keeps
 /// one).
-struct Rig {
-    device_name: &'static str,
-    backend: Arc<dyn Backend>,
-    place: Placement,
-    kernels: Arc<dyn ShardKernels>,
-    backward: Backward,
-    memory: Box<dyn Fn() -> Result<Reading, BoxError>>,
-    reset_peak: Box<dyn Fn() -> Result<(), BoxError>>,
+pub(super) struct Rig {
+    pub(super) device_name: &'static str,
+    pub(super) backend: Arc<dyn Backend>,
+    pub(super) place: Placement,
+    pub(super) kernels: Arc<dyn ShardKernels>,
+    pub(super) backward: Backward,
+    pub(super) memory: Box<dyn Fn() -> Result<Reading, BoxError>>,
+    pub(super) reset_peak: Box<dyn Fn() -> Result<(), BoxError>>,
+}
+
+/// The rig of `--device cuda` or `--device emulated`.
+pub(super) async fn rig(dist: &consort::Dist, device: &str) -> Result<Rig, BoxError> {
+    match device {
+        "cuda" => cuda(dist).await,
+        "emulated" => emulated(dist).await,
+        other => Err(format!("unknown --device {other:?}: expected cpu, cuda or emulated").into()),
+    }
 }
 
 /// The emulated device's rig: host arithmetic on its memory.
@@ -170,7 +180,7 @@ async fn cuda(_: &consort::Dist) -> Result<Rig, BoxError> {
 
 /// A device model of `params` f32 in `layers` layers (zeros, as torch's
 /// anchor starts).
-fn model(rig: &Rig, params: usize, layers: usize) -> Result<DeviceModel, BoxError> {
+pub(super) fn model(rig: &Rig, params: usize, layers: usize) -> Result<DeviceModel, BoxError> {
     let layers = layers.max(1);
     let per = params / layers;
     let mut m = DeviceModel::new(rig.place.clone());
@@ -187,7 +197,7 @@ fn model(rig: &Rig, params: usize, layers: usize) -> Result<DeviceModel, BoxErro
 
 /// One timed step's wall time: the device synchronized, the slowest
 /// rank's.
-async fn timed(rig: &Rig, t: Instant) -> Result<f64, BoxError> {
+pub(super) async fn timed(rig: &Rig, t: Instant) -> Result<f64, BoxError> {
     consort::Device::synchronize(&*rig.place.device, rig.place.stream)?;
     slowest(&rig.backend, t.elapsed().as_secs_f64() * 1e3).await
 }
@@ -361,7 +371,7 @@ pub(super) fn half_name(d: DType) -> &'static str {
     if d == DType::F16 { "f16" } else { "bf16" }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
@@ -374,15 +384,7 @@ pub(crate) async fn steps(
     mixed: Option<MixedPrecision>,
 ) -> Result<Option<Table>, BoxError> {
     let dist = consort::init_from_env().await?;
-    let rig = match device {
-        "cuda" => cuda(&dist).await?,
-        "emulated" => emulated(&dist).await?,
-        other => {
-            return Err(
-                format!("unknown --device {other:?}: expected cpu, cuda or emulated").into(),
-            );
-        }
-    };
+    let rig = rig(&dist, device).await?;
     let world = rig.backend.world_size();
     let mut t = Table::new(&[
         "backend", "device", "world", "params", "strategy", "step_ms", "vs_ddp", "mem_mib",
