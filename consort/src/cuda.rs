@@ -251,14 +251,7 @@ impl CudaKernels {
         pair: &'k [CudaFunction; 2],
         s: &DeviceStep<'_>,
     ) -> Result<&'k CudaFunction, CommError> {
-        if s.place().device.ordinal() != self.dev.ordinal() || s.place().device.kind() != "cuda" {
-            return Err(CommError::invalid(format!(
-                "CUDA kernels of device {} were given a shard on {} device {}",
-                self.dev.ordinal(),
-                s.place().device.kind(),
-                s.place().device.ordinal()
-            )));
-        }
+        self.ours(s.place())?;
         match s.dtype() {
             DType::F32 => Ok(&pair[0]),
             DType::F64 => Ok(&pair[1]),
@@ -266,6 +259,21 @@ impl CudaKernels {
                 "the optimizer kernels step f32 and f64 shards, not {d}"
             ))),
         }
+    }
+
+    /// Refuses a placement on another device: its addresses and stream
+    /// mean nothing to this context.
+    fn ours(&self, place: &Placement) -> Result<(), CommError> {
+        if place.device.ordinal() != self.dev.ordinal() || place.device.kind() != "cuda" {
+            return Err(CommError::invalid(format!(
+                "CUDA kernels of device {} were given memory of {} device {}: make the kernels \
+                 on the model's device (CudaKernels::new(&that_device))",
+                self.dev.ordinal(),
+                place.device.kind(),
+                place.device.ordinal()
+            )));
+        }
+        Ok(())
     }
 
     /// Launches `f` over `len` elements on `place`'s compute stream.
@@ -388,6 +396,10 @@ impl ShardKernels for CudaKernels {
         "cuda (NVRTC)"
     }
 
+    fn check_place(&self, place: &Placement) -> Result<(), CommError> {
+        self.ours(place)
+    }
+
     unsafe fn cast(
         &self,
         place: &Placement,
@@ -395,6 +407,7 @@ impl ShardKernels for CudaKernels {
         (dst, to): (u64, DType),
         len: usize,
     ) -> Result<(), CommError> {
+        self.ours(place)?;
         let (Some(f), Some(t)) = (cast_code(from), cast_code(to)) else {
             // f64 and the rest: through the host, correct and slow.
             // SAFETY: forwarded to the caller.
@@ -415,6 +428,7 @@ impl ShardKernels for CudaKernels {
         len: usize,
         factor: f64,
     ) -> Result<bool, CommError> {
+        self.ours(place)?;
         if len == 0 {
             return Ok(false);
         }

@@ -79,7 +79,7 @@ pub(crate) fn order_after(p: &Placement, stream: u64) -> Result<(), CommError> {
 }
 
 /// Makes `stream` wait for the compute stream when they differ.
-fn order_before(p: &Placement, stream: u64) -> Result<(), CommError> {
+pub(crate) fn order_before(p: &Placement, stream: u64) -> Result<(), CommError> {
     if stream != p.stream {
         Event::record(&*p.device, p.stream)?.wait_on(stream)?;
     }

@@ -41,6 +41,15 @@ impl InFlight {
         }
     }
 
+    /// The error of a call that failed before it was made (its buffers
+    /// could not be allocated), if it did.
+    pub(crate) fn failed(&self) -> Option<&CommError> {
+        match self {
+            InFlight::Done(Err(e)) => Some(e),
+            _ => None,
+        }
+    }
+
     /// Its result.
     pub(crate) async fn wait(self) -> Outcome {
         match self {

@@ -121,6 +121,14 @@ pub trait ShardKernels: Send + Sync + fmt::Debug {
     /// Its name, for errors and logs.
     fn name(&self) -> &str;
 
+    /// Why these kernels cannot run on `place` (another device), if they
+    /// cannot; checked by [`crate::Sharded::new`]. The staged defaults run
+    /// anywhere.
+    fn check_place(&self, place: &Placement) -> Result<(), CommError> {
+        let _ = place;
+        Ok(())
+    }
+
     /// `torch.optim.SGD`'s update (see [`Sgd`]).
     fn sgd(&self, s: &DeviceStep<'_>, opt: &Sgd) -> Result<(), CommError> {
         staged(opt, s)

@@ -47,6 +47,7 @@ pub mod mixed;
 pub mod optim;
 pub mod save;
 mod step;
+mod update;
 pub(crate) mod vals;
 
 use std::{collections::HashMap, fmt, sync::Arc, time::Duration};
@@ -332,16 +333,13 @@ impl Sharded {
         agree_setup(&*backend, opts.strategy, &setup, &call).await?;
         let layout = layout.map_err(usage)?;
         let group = make_groups(&backend, opts.strategy, &call).await?;
-        let mut flats = Vec::with_capacity(layout.flats.len());
-        for f in &layout.flats {
-            let at = (place.as_ref(), opts.strategy, group.index, shards);
-            let fs = flat_state(f, model, at, optimizer.slots()).map_err(comm(
-                rank,
-                opts.strategy,
-                "placing the flat buffers",
-            ))?;
-            flats.push(fs);
-        }
+        let at = (place.as_ref(), opts.strategy, group.index, shards);
+        let flats: Result<Vec<_>, _> = (layout.flats.iter())
+            .map(|f| flat_state(f, model, at, optimizer.slots()))
+            .collect();
+        // A rank that cannot place its buffers (out of device memory) makes
+        // every rank fail here, not hang at the first gather.
+        let flats = agree_placed(&*backend, opts.strategy, flats, &call).await?;
         let ready = vec![false; specs.len()];
         let next_launch = layout.units.len();
         Ok(Sharded {
@@ -522,6 +520,40 @@ async fn agree_setup(
     })
 }
 
+/// Every rank's flat buffers placed, or every rank fails: one all_reduce
+/// of a flag, this rank's own error where it failed.
+async fn agree_placed(
+    backend: &dyn Backend,
+    strategy: Strategy,
+    flats: Result<Vec<FlatState>, consort_comm::CommError>,
+    call: &CallOptions,
+) -> Result<Vec<FlatState>, DdpError> {
+    let rank = backend.rank();
+    let mut flag = [f32::from(u8::from(flats.is_err()))];
+    backend
+        .all_reduce(
+            consort_comm::BufferMut::from(&mut flag[..]),
+            consort_comm::ReduceOp::Max,
+            call,
+        )
+        .await
+        .map_err(comm(
+            rank,
+            strategy,
+            "all_reduce of the placement's outcome",
+        ))?;
+    match flats {
+        Err(e) => Err(comm(rank, strategy, "placing the flat buffers")(e)),
+        Ok(_) if flag[0] != 0.0 => Err(DdpError::Usage {
+            rank,
+            reason: "another rank could not place its flat buffers (its error names why, out \
+                     of device memory, say); no rank goes on"
+                .into(),
+        }),
+        Ok(f) => Ok(f),
+    }
+}
+
 /// The group the shards live on: the world, or (HSDP) this rank's group of
 /// `shard_size` consecutive ranks, with its replica group beside it.
 async fn make_groups(
@@ -634,7 +666,11 @@ fn check_model(
         ));
     }
     match &opts.kernels {
-        Some(k) => Ok(Some(k.clone())),
+        Some(k) => {
+            k.check_place(place)
+                .map_err(|e| format!("{}: {e}", k.name()))?;
+            Ok(Some(k.clone()))
+        }
         None if place.device.kind() == "cuda" => {
             Err("a CUDA model's shards step with CUDA kernels: pass \
              ShardOptions::kernels(consort::cuda::CudaKernels::new(device)?)"
@@ -707,9 +743,18 @@ fn flat_state(
                 let src = model.param_device(s.param).ok_or_else(|| {
                     consort_comm::CommError::invalid("a device parameter without storage")
                 })?;
-                let bytes = src.len() * src.dtype().size_bytes();
+                if src.dtype() != f.dtype {
+                    return Err(consort_comm::CommError::invalid(format!(
+                        "a parameter's device storage is {}, its flat {}",
+                        src.dtype(),
+                        f.dtype
+                    )));
+                }
+                // The layout's size: copy_in checks the view holds it.
+                let bytes = s.numel * f.dtype.size_bytes();
                 crate::device::copy_in(d.place(), d.addr(s.offset), &src, bytes, "a parameter")
                     .map_err(consort_comm::CommError::invalid)?;
+                crate::device::order_before(d.place(), src.stream())?;
             }
         }
     }

@@ -84,22 +84,37 @@ impl Sharded {
 
     async fn full_state_dict_inner(&mut self) -> Result<Option<StateDict>, DdpError> {
         let mut sd = StateDict::new();
+        // Rank 0 gathers every unit even after a failed read, so that the
+        // others' gathers find it; the first error is returned at the end.
+        let mut first = None;
         for u in 0..self.layout.units.len() {
             let g = self.gather_master(u).await?;
-            if self.rank != 0 {
+            if self.rank != 0 || first.is_some() {
                 continue;
             }
             for &p in &self.layout.units[u] {
                 let spec = &self.specs[p];
-                let bytes = g.param_bytes(p)?;
-                let t = Tensor::new(spec.dtype, spec.shape.clone(), bytes).map_err(|e| {
-                    DdpError::Checkpoint {
-                        rank: self.rank,
-                        reason: e.to_string(),
+                let t = g.param_bytes(p).and_then(|bytes| {
+                    Tensor::new(spec.dtype, spec.shape.clone(), bytes).map_err(|e| {
+                        DdpError::Checkpoint {
+                            rank: self.rank,
+                            reason: e.to_string(),
+                        }
+                    })
+                });
+                match t {
+                    Ok(t) => {
+                        sd.insert(spec.name.clone(), t);
                     }
-                })?;
-                sd.insert(spec.name.clone(), t);
+                    Err(e) => {
+                        first = Some(e);
+                        break;
+                    }
+                }
             }
+        }
+        if let Some(e) = first {
+            return Err(e);
         }
         Ok((self.rank == 0).then_some(sd))
     }

@@ -6,7 +6,7 @@ use std::{ops::Range, sync::Arc};
 
 use consort_comm::{Backend, CallOptions, DType, DeviceBuffer, Element, ReduceOp};
 
-use super::{FlatState, InFlight, Layout, Phase, ShardOptimizer, Sharded, Vals, vals};
+use super::{InFlight, Layout, Phase, Sharded, Vals, vals};
 use crate::{error::DdpError, params::ParamSet};
 
 /// One wrapping unit's whole parameters, from [`Sharded::gather`]. Under
@@ -112,8 +112,13 @@ fn all_gather(
     padded: usize,
     call: CallOptions,
 ) -> InFlight {
+    // The output is made now: a rank that cannot allocate it knows before
+    // it launches anything more (see `InFlight::failed`).
+    let mut out = match input.zeros_like(padded) {
+        Ok(out) => out,
+        Err(e) => return InFlight::Done(Err(e)),
+    };
     InFlight::launch(async move {
-        let mut out = input.zeros_like(padded)?;
         pg.all_gather(out.buf_mut(), input.buf(range), &call)
             .await?;
         Ok(out)
@@ -135,8 +140,11 @@ fn reduce_scatter(
     shard_len: usize,
     call: CallOptions,
 ) -> InFlight {
+    let mut out = match input.zeros_like(shard_len) {
+        Ok(out) => out,
+        Err(e) => return InFlight::Done(Err(e)),
+    };
     InFlight::launch(async move {
-        let mut out = input.zeros_like(shard_len)?;
         pg.reduce_scatter(
             out.buf_mut(),
             input.buf(0..input.len()),
@@ -216,7 +224,8 @@ impl Sharded {
                 Phase::Forward => unit.checked_add(1),
                 Phase::Backward => unit.checked_sub(1),
             };
-            if let Some(n) = next.filter(|&n| compute && self.prefetch && n < units) {
+            let launched = calls.iter().all(|c| c.failed().is_none());
+            if let Some(n) = next.filter(|&n| launched && compute && self.prefetch && n < units) {
                 if !self.prefetched.contains_key(&n) {
                     let calls = self.launch_gather(n, cast);
                     self.prefetched.insert(n, calls);
@@ -324,23 +333,22 @@ impl Sharded {
                 return Err(consort_comm::CommError::invalid("a host staging buffer"));
             };
             if grad.dtype() == to {
-                return crate::device::copy_in(d.place(), d.addr(at), grad, bytes, &what)
-                    .map_err(consort_comm::CommError::invalid);
+                crate::device::copy_in(d.place(), d.addr(at), grad, bytes, &what)
+                    .map_err(consort_comm::CommError::invalid)?;
+            } else {
+                crate::device::check_view(d.place(), grad, bytes, &what)
+                    .map_err(consort_comm::CommError::invalid)?;
+                crate::device::order_after(d.place(), grad.stream())?;
+                let (src, n) = ((grad.ptr(), grad.dtype()), grad.len());
+                // SAFETY: `grad` was checked to hold `n` elements of its
+                // dtype on this device; the staging range lies in its live
+                // buffer (the layout sized it), written by nothing else this
+                // step.
+                unsafe { k.cast(d.place(), src, (d.addr(at), to), n) }?;
             }
-            crate::device::check_view(d.place(), grad, bytes, &what)
-                .map_err(consort_comm::CommError::invalid)?;
-            crate::device::order_after(d.place(), grad.stream())?;
-            // SAFETY: `grad` was checked to hold `len` elements of its dtype
-            // on this device; the staging range lies in its live buffer (the
-            // layout sized it), written by nothing else this step.
-            unsafe {
-                k.cast(
-                    d.place(),
-                    (grad.ptr(), grad.dtype()),
-                    (d.addr(at), to),
-                    grad.len(),
-                )
-            }
+            // Whatever the gradient's stream does next (zero it, reuse it,
+            // free it) waits for the copy.
+            crate::device::order_before(d.place(), grad.stream())
         })
     }
 
@@ -407,17 +415,16 @@ impl Sharded {
             return Err(self.fail(e));
         }
         self.ready[p] = true;
-        self.launch_ready();
-        Ok(())
+        self.launch_ready()
     }
 
     /// Launches, from the last unit down, every unit whose gradients are
     /// all in.
-    fn launch_ready(&mut self) {
+    fn launch_ready(&mut self) -> Result<(), DdpError> {
         while self.next_launch > 0 {
             let u = self.next_launch - 1;
             if !self.layout.units[u].iter().all(|&p| self.ready[p]) {
-                return;
+                return Ok(());
             }
             for f in self.layout.unit_flats[u].clone() {
                 let staging = self.flats[f]
@@ -430,10 +437,18 @@ impl Sharded {
                 } else {
                     all_reduce(pg, staging, self.call)
                 };
+                // A reduction that could not be made fails this rank now,
+                // before it launches the next unit's out of step.
+                if let Some(e) = call.failed() {
+                    let what = format!("launching unit {u}'s gradient reduction");
+                    let e = self.comm_error(what, e.clone());
+                    return Err(self.fail(e));
+                }
                 self.pending.push((f, call));
             }
             self.next_launch = u;
         }
+        Ok(())
     }
 
     /// Finishes the step: waits for the gradient reductions (and, under
@@ -499,8 +514,8 @@ impl Sharded {
             self.finish(call, "an unused prefetch all_gather".into())
                 .await?;
         }
-        self.master_grads()?;
-        self.skipped = self.unscale_grads().await?;
+        let cast = self.master_grads();
+        self.skipped = self.unscale_grads(cast).await?;
         if self.skipped {
             // An inf or a NaN on some rank: no rank updates (GradScaler).
             self.ready.iter_mut().for_each(|r| *r = false);
@@ -519,103 +534,6 @@ impl Sharded {
         self.ready.iter_mut().for_each(|r| *r = false);
         self.next_launch = self.layout.units.len();
         self.phase = Phase::Forward;
-        Ok(())
-    }
-
-    /// Mixed precision: the reduced gradients (in the reduce dtype) cast to
-    /// the f32 master dtype for the optimizer.
-    fn master_grads(&mut self) -> Result<(), DdpError> {
-        let Some(m) = self.mixed else {
-            return Ok(());
-        };
-        if m.reduce() == DType::F32 {
-            return Ok(());
-        }
-        for f in 0..self.flats.len() {
-            match self.flats[f]
-                .grads
-                .cast(DType::F32, self.kernels.as_deref())
-            {
-                Ok(v) => self.flats[f].grads = v,
-                Err(e) => {
-                    let e = self.comm_error("casting the averaged gradients to f32", e);
-                    return Err(self.fail(e));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Loss scaling: unscales this rank's part of the gradients and says
-    /// whether any rank found an inf or a NaN (one all_reduce, so that
-    /// every rank skips alike), after updating the scale. `false` without
-    /// loss scaling.
-    async fn unscale_grads(&mut self) -> Result<bool, DdpError> {
-        let Some(scale) = self.scaler.as_ref().map(super::mixed::Scaler::scale) else {
-            return Ok(false);
-        };
-        // torch's GradScaler takes the reciprocal in f32.
-        let inv = f64::from((1.0 / scale) as f32);
-        let k = self.group.index;
-        let mut found = false;
-        for f in 0..self.flats.len() {
-            let flat = &self.layout.flats[f];
-            let n = flat.valid_range(k).len();
-            let at = if self.strategy.shards_grads() {
-                0
-            } else {
-                flat.shard_range(k).start
-            };
-            let kernels = self.kernels.clone();
-            match self.flats[f]
-                .grads
-                .unscale(at..at + n, inv, kernels.as_deref())
-            {
-                Ok(x) => found |= x,
-                Err(e) => {
-                    let e = self.comm_error("unscaling the gradients", e);
-                    return Err(self.fail(e));
-                }
-            }
-        }
-        let mut flag = [f32::from(u8::from(found))];
-        let agreed = self
-            .backend
-            .all_reduce(
-                consort_comm::BufferMut::from(&mut flag[..]),
-                ReduceOp::Max,
-                &self.call,
-            )
-            .await;
-        if let Err(e) = agreed {
-            let e = self.comm_error("all_reduce of the loss scaler's inf/NaN flag", e);
-            return Err(self.fail(e));
-        }
-        let found = flag[0] > 0.0;
-        if let Some(s) = &mut self.scaler {
-            s.update(found);
-        }
-        Ok(found)
-    }
-
-    /// The optimizer, on this rank's valid part of every flat: on the host,
-    /// or with the kernels on the device.
-    fn update(&mut self) -> Result<(), consort_comm::CommError> {
-        let k = self.group.index;
-        for (f, fs) in self.flats.iter_mut().enumerate() {
-            let flat = &self.layout.flats[f];
-            let n = flat.valid_range(k).len();
-            let at = flat.shard_range(k).start;
-            let p = if self.strategy.shards_params() { 0 } else { at };
-            let g = if self.strategy.shards_grads() { 0 } else { at };
-            match &self.kernels {
-                Some(kernels) => {
-                    let step = (&*self.optimizer, &**kernels, self.steps);
-                    update_flat_device(step, fs, p..p + n, g..g + n)?;
-                }
-                None => update_flat(&*self.optimizer, self.steps, fs, p..p + n, g..g + n)?,
-            }
-        }
         Ok(())
     }
 
@@ -655,135 +573,65 @@ impl Sharded {
         &mut self,
         model: &mut (impl ParamSet + ?Sized),
     ) -> Result<(), DdpError> {
+        // Every unit is gathered even after a failed copy, so that the
+        // peers' gathers find this rank; the first error comes at the end.
+        let mut first = None;
         for u in 0..self.layout.units.len() {
             self.enter("copy_params_to")?;
             let g = self.gather_master(u).await;
             self.leave();
             let g = g?;
-            for &p in &self.layout.units[u] {
-                let (vals, range) = g.find(p)?;
-                let spec = &self.specs[p];
-                let copied = match (model.placement(), vals.dev()) {
-                    (Some(_), Some(d)) => match model.param_device(p) {
-                        Some(dst) => crate::device::copy_out(
-                            d.place(),
-                            &dst,
-                            d.addr(range.start),
-                            spec.bytes(),
-                            &spec.name,
-                        ),
-                        None => Err("the device model has no device storage for it".into()),
-                    },
-                    (Some(_), None) => Err(
-                        "the model is on a device and the shards are in host memory: copy into a \
-                         host model"
-                            .into(),
-                    ),
-                    (None, _) => {
-                        let src = g.param_bytes(p)?;
-                        let dst = model.param_bytes_mut(p);
-                        if dst.len() == src.len() {
-                            dst.copy_from_slice(&src);
-                            Ok(())
-                        } else {
-                            Err(format!("it holds {} bytes, not {}", dst.len(), src.len()))
-                        }
-                    }
-                };
-                copied.map_err(|e| DdpError::Usage {
-                    rank: self.rank,
-                    reason: format!(
-                        "copy_params_to: the model's parameter {}: {e}",
-                        spec.describe()
-                    ),
-                })?;
+            if first.is_none() {
+                first = self.copy_unit(&g, model).err();
             }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// [`Sharded::copy_params_to`] of one gathered unit.
+    fn copy_unit(
+        &self,
+        g: &Gathered,
+        model: &mut (impl ParamSet + ?Sized),
+    ) -> Result<(), DdpError> {
+        for &p in &self.layout.units[g.unit] {
+            let (vals, range) = g.find(p)?;
+            let spec = &self.specs[p];
+            let copied = match (model.placement(), vals.dev()) {
+                (Some(_), Some(d)) => match model.param_device(p) {
+                    Some(dst) => crate::device::copy_out(
+                        d.place(),
+                        &dst,
+                        d.addr(range.start),
+                        spec.bytes(),
+                        &spec.name,
+                    ),
+                    None => Err("the device model has no device storage for it".into()),
+                },
+                (Some(_), None) => Err(
+                    "the model is on a device and the shards are in host memory: copy into a host \
+                     model"
+                        .into(),
+                ),
+                (None, _) => {
+                    let src = g.param_bytes(p)?;
+                    let dst = model.param_bytes_mut(p);
+                    if dst.len() == src.len() {
+                        dst.copy_from_slice(&src);
+                        Ok(())
+                    } else {
+                        Err(format!("it holds {} bytes, not {}", dst.len(), src.len()))
+                    }
+                }
+            };
+            copied.map_err(|e| DdpError::Usage {
+                rank: self.rank,
+                reason: format!(
+                    "copy_params_to: the model's parameter {}: {e}",
+                    spec.describe()
+                ),
+            })?;
         }
         Ok(())
     }
-}
-
-/// One flat's optimizer step on `params[p]` with `grads[g]` and the first
-/// `p.len()` elements of each state slot, on the host.
-fn update_flat(
-    opt: &dyn ShardOptimizer,
-    step: u64,
-    fs: &mut FlatState,
-    p: Range<usize>,
-    g: Range<usize>,
-) -> Result<(), consort_comm::CommError> {
-    let n = p.len();
-    let mixed = || consort_comm::CommError::invalid("a flat's buffers differ in dtype or place");
-    let params = unshared(&mut fs.params)?;
-    match (params, &fs.grads) {
-        (Vals::F32(params), Vals::F32(grads)) => {
-            let mut state = Vec::with_capacity(fs.state.len());
-            for s in &mut fs.state {
-                match s {
-                    Vals::F32(v) => state.push(&mut v[..n]),
-                    _ => return Err(mixed()),
-                }
-            }
-            opt.step_f32(step, &mut params[p], &grads[g], &mut state);
-        }
-        (Vals::F64(params), Vals::F64(grads)) => {
-            let mut state = Vec::with_capacity(fs.state.len());
-            for s in &mut fs.state {
-                match s {
-                    Vals::F64(v) => state.push(&mut v[..n]),
-                    _ => return Err(mixed()),
-                }
-            }
-            opt.step_f64(step, &mut params[p], &grads[g], &mut state);
-        }
-        _ => return Err(mixed()),
-    }
-    Ok(())
-}
-
-/// The parameters, to update in place: copied first when a `Gathered`
-/// still shares them (it keeps the values it was handed).
-fn unshared(params: &mut Arc<Vals>) -> Result<&mut Vals, consort_comm::CommError> {
-    if Arc::get_mut(params).is_none() {
-        *params = Arc::new(params.try_clone()?);
-    }
-    Arc::get_mut(params).ok_or_else(|| consort_comm::CommError::invalid("shared parameters"))
-}
-
-/// [`update_flat`] on the device: the optimizer's device step (its
-/// kernels) on `params[p]`, `grads[g]` and the state slots, enqueued on the
-/// compute stream. A `Gathered` still holding the parameters keeps its
-/// values: the parameters are copied first, as on the host.
-fn update_flat_device(
-    (opt, kernels, step): (&dyn ShardOptimizer, &dyn super::ShardKernels, u64),
-    fs: &mut FlatState,
-    p: Range<usize>,
-    g: Range<usize>,
-) -> Result<(), consort_comm::CommError> {
-    let inner =
-        || consort_comm::CommError::invalid("a flat buffer of a device model is on the host");
-    let params = unshared(&mut fs.params)?;
-    let dtype = params.dtype();
-    let params = params.dev().ok_or_else(inner)?;
-    let grads = fs.grads.dev().ok_or_else(inner)?;
-    let state = fs
-        .state
-        .iter()
-        .map(|s| s.dev().map(|d| d.addr(0)).ok_or_else(inner))
-        .collect::<Result<Vec<u64>, _>>()?;
-    // SAFETY: the ranges are this rank's valid part of the flat, inside
-    // every buffer (the layout sized them), so the addresses hold
-    // `p.len()` live elements each, on the compute stream; the flat's
-    // buffers are this wrapper's alone (the parameters were unshared).
-    let s = unsafe {
-        super::kernels::DeviceStep::new(
-            params.place(),
-            dtype,
-            p.len(),
-            step,
-            (params.addr(p.start), grads.addr(g.start)),
-            &state,
-        )
-    };
-    opt.step_device(kernels, &s)
 }

@@ -86,6 +86,12 @@ impl DevVals {
 
     /// Elements `range` as a view on the compute stream.
     pub(crate) fn view(&self, range: Range<usize>) -> DeviceBuffer {
+        // Callers pass the layout's ranges; a wrong one is a bug here.
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "a device view {range:?} of a flat buffer of {}",
+            self.len
+        );
         let len = range.len();
         // SAFETY: `range` lies in this live allocation (callers take ranges
         // of the layout, which sized it), and the view is used only by ops

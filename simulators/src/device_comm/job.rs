@@ -201,6 +201,11 @@ async fn tell_peers(
         let _ = tx.send(cause);
     }
     job.cancelled = Some(rx);
+    // The call is made on the host copies alone: device memory is neither
+    // read (its stream may not have produced it) nor written.
+    for m in job.input.iter_mut().chain(job.output.iter_mut()) {
+        m.ptr = None;
+    }
     let _ = run_or_cancel(inner, device, job).await;
 }
 
