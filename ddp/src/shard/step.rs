@@ -524,12 +524,16 @@ impl Sharded {
             return Ok(());
         }
         self.steps += 1;
-        if let Err(e) = self.update() {
-            let e = self.comm_error("the optimizer step on this rank's shard", e);
-            return Err(self.fail(e));
-        }
+        let updated = self.update();
+        // ZeRO-1/2 all-gather the shards even after a failed update, so
+        // that the peers' all_gather finds this rank; the failure sticks
+        // after it.
         if !self.strategy.shards_params() {
             self.gather_updated().await?;
+        }
+        if let Err(e) = updated {
+            let e = self.comm_error("the optimizer step on this rank's shard", e);
+            return Err(self.fail(e));
         }
         self.ready.iter_mut().for_each(|r| *r = false);
         self.next_launch = self.layout.units.len();
