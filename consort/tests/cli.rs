@@ -440,27 +440,18 @@ fn bench_sharded_on_the_emulated_device_holds_the_zero_formulas() {
 
 /// Rank 0's rows of `consort bench sharded --device emulated` on 2 ranks.
 fn emulated_bench(mixed: &str) -> Vec<serde_json::Value> {
-    let out = consort(&[
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--",
-        env!("CARGO_BIN_EXE_consort"),
-        "bench",
-        "sharded",
-        "--device",
-        "emulated",
-        "--mixed",
-        mixed,
-        "--params",
-        "64K",
-        "--layers",
-        "4",
-        "--iters",
-        "2",
-        "--json",
-    ]);
+    emulated_rows(&["sharded", "--mixed", mixed])
+}
+
+/// Rank 0's JSON rows of `consort bench BENCH... --device emulated` (64K
+/// parameters in 4 layers, 2 timed steps) on 2 launched ranks.
+fn emulated_rows(bench: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec!["run", "--standalone", "--nproc-per-node", "2", "--"];
+    args.extend([env!("CARGO_BIN_EXE_consort"), "bench"]);
+    args.extend(bench);
+    args.extend(["--device", "emulated", "--params", "64K", "--layers", "4"]);
+    args.extend(["--iters", "2", "--json"]);
+    let out = consort(&args);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -478,36 +469,8 @@ fn emulated_bench(mixed: &str) -> Vec<serde_json::Value> {
 /// gradients 2 psi, buckets 1 psi).
 #[test]
 fn bench_ddp_on_the_emulated_device_times_each_mode() {
-    let out = consort(&[
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--",
-        env!("CARGO_BIN_EXE_consort"),
-        "bench",
-        "ddp",
-        "--device",
-        "emulated",
-        "--params",
-        "64K",
-        "--layers",
-        "4",
-        "--iters",
-        "2",
-        "--json",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| l.split_once('{').map(|(_, r)| format!("{{{r}")))
-        .map(|l| serde_json::from_str(&l).expect("a JSON row"))
-        .collect();
+    let rows = emulated_rows(&["ddp"]);
+    let text = format!("{rows:?}");
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["local", "comm_only", "ddp_bucket_view"], "{text}");
     let psi = 64_000.0 * 4.0 / f64::from(1u32 << 20);

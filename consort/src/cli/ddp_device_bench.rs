@@ -13,8 +13,6 @@
 //!   each averaged on the device as soon as it is full, then SGD;
 //! - `comm_only`: one all_reduce of every gradient alone (the floor).
 
-use std::time::Instant;
-
 use consort::{
     BufferMut, CallOptions, DType, ReduceOp,
     ddp::{Ddp, DdpOptions, DeviceModel, DeviceStep, Sgd, ShardOptimizer},
@@ -22,7 +20,7 @@ use consort::{
 use serde_json::json;
 
 use super::{
-    sharded_device_bench::{Reading, Rig, median, model, rig, timed},
+    sharded_device_bench::{Reading, Rig, mem_cells, model, rig, time_steps},
     table::Table,
 };
 
@@ -39,27 +37,6 @@ fn sgd(rig: &Rig, m: &DeviceModel, p: usize, grad: u64) -> Result<(), BoxError> 
     Ok(())
 }
 
-/// Times `step` `iters` times after one warm-up; the median and the
-/// memory reading.
-async fn time<F>(rig: &Rig, iters: usize, mut step: F) -> Result<(f64, Reading), BoxError>
-where
-    F: AsyncFnMut() -> Result<(), BoxError>,
-{
-    let mut times = Vec::new();
-    for it in 0..=iters {
-        if it == 1 {
-            (rig.reset_peak)()?;
-        }
-        let t = Instant::now();
-        step().await?;
-        let ms = timed(rig, t).await?;
-        if it > 0 {
-            times.push(ms);
-        }
-    }
-    Ok((median(times), (rig.memory)()?))
-}
-
 /// Every mode's median step and memory.
 async fn modes(
     rig: &Rig,
@@ -68,7 +45,7 @@ async fn modes(
     let bias = rig.backend.rank() as f32 * 1e-3;
     let m = model(rig, params, layers)?;
     let n = m.len();
-    let (local, local_mem) = time(rig, iters, async || {
+    let (local, local_mem) = time_steps(rig, iters, async || {
         for l in (0..n).rev() {
             let g = m.grad_buffer(l)?;
             (rig.backward)(&m.param_buffer(l)?, &g, work, bias)?;
@@ -84,7 +61,7 @@ async fn modes(
         .map(|l| m.param_buffer(l).map(|b| b.len()))
         .sum::<Result<_, _>>()?;
     let flat = rig.place.device.alloc_zeroed(total * 4, rig.place.stream)?;
-    let comm = time(rig, iters, async || {
+    let comm = time_steps(rig, iters, async || {
         // SAFETY: `flat` holds `total` f32 until it is freed below.
         let buf = unsafe { rig.place.buffer(flat, total, DType::F32) };
         let call = CallOptions::default();
@@ -101,7 +78,7 @@ async fn modes(
     drop(m);
     let mut m = model(rig, params, layers)?;
     let mut ddp = Ddp::new(rig.backend.clone(), &mut m, DdpOptions::default()).await?;
-    let (view, view_mem) = time(rig, iters, async || {
+    let (view, view_mem) = time_steps(rig, iters, async || {
         for l in (0..n).rev() {
             let g = ddp.grad_device(l)?;
             (rig.backward)(&m.param_buffer(l)?, &g, work, bias)?;
@@ -134,8 +111,8 @@ pub(crate) async fn run(
         "mode", "device", "world", "params", "step_ms", "vs_local", "mem_mib", "peak_mib",
     ]);
     let local = rows[0].1;
-    let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
-    for (mode, ms, (now, peak)) in rows {
+    for (mode, ms, reading) in rows {
+        let [mem, peak] = mem_cells(reading);
         t.push(vec![
             json!(mode),
             json!(rig.device_name),
@@ -143,8 +120,8 @@ pub(crate) async fn run(
             json!(shape.0),
             json!(format!("{ms:.2}")),
             json!(format!("{:.2}", ms / local)),
-            json!(mib(now)),
-            json!(peak.map_or("-".into(), mib)),
+            mem,
+            peak,
         ]);
     }
     let rank = rig.backend.rank();

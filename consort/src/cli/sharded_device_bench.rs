@@ -197,7 +197,7 @@ pub(super) fn model(rig: &Rig, params: usize, layers: usize) -> Result<DeviceMod
 
 /// One timed step's wall time: the device synchronized, the slowest
 /// rank's.
-pub(super) async fn timed(rig: &Rig, t: Instant) -> Result<f64, BoxError> {
+async fn timed(rig: &Rig, t: Instant) -> Result<f64, BoxError> {
     consort::Device::synchronize(&*rig.place.device, rig.place.stream)?;
     slowest(&rig.backend, t.elapsed().as_secs_f64() * 1e3).await
 }
@@ -223,12 +223,7 @@ async fn sharded_steps(
     // its DTensors): the model's own storage goes.
     let sizes: Vec<usize> = sh.params().iter().map(|p| p.numel()).collect();
     drop(m);
-    let mut times = Vec::new();
-    for it in 0..=iters {
-        if it == 1 {
-            (rig.reset_peak)()?;
-        }
-        let t = Instant::now();
+    time_steps(rig, iters, async || {
         let mut gathered = Vec::new();
         for l in 0..sizes.len() {
             gathered.push(sh.gather(l).await?);
@@ -239,23 +234,54 @@ async fn sharded_steps(
             } else {
                 gathered[l].clone()
             };
-            // Each gradient lives from its backward to its mark_ready, as
-            // autograd's does under FSDP2; in the compute dtype.
-            let (dev, stream) = (&rig.place.device, rig.place.stream);
-            let d = sh.compute_dtype().unwrap_or(DType::F32);
-            let ptr = dev.alloc_zeroed(sizes[l] * d.size_bytes(), stream)?;
-            // SAFETY: `ptr` was just allocated with `sizes[l]` elements of `d`.
-            let grad = unsafe { rig.place.buffer(ptr, sizes[l], d) };
-            let made = backward_in(rig, &p.param_device(l)?, &grad, (work, bias));
-            let marked = made.and_then(|()| Ok(sh.mark_ready_device(l, &grad)?));
-            // SAFETY: freed once, on the compute stream, after the backward
-            // and the copy into the staging buffer enqueued there.
-            unsafe { dev.free(ptr, stream) }?;
-            marked?;
-            drop(p);
+            backward_into(rig, &mut sh, (&p, l, sizes[l]), (work, bias))?;
         }
         drop(gathered);
-        sh.step().await?;
+        Ok(sh.step().await?)
+    })
+    .await
+}
+
+/// Layer `l`'s synthetic backward from its gathered parameters `p`, into a
+/// gradient that lives from its backward to its mark_ready (as autograd's
+/// does under FSDP2), in the compute dtype.
+fn backward_into(
+    rig: &Rig,
+    sh: &mut Sharded,
+    (p, l, n): (&consort::ddp::shard::Gathered, usize, usize),
+    work: (usize, f32),
+) -> Result<(), BoxError> {
+    let (dev, stream) = (&rig.place.device, rig.place.stream);
+    let d = sh.compute_dtype().unwrap_or(DType::F32);
+    let ptr = dev.alloc_zeroed(n * d.size_bytes(), stream)?;
+    // SAFETY: `ptr` was just allocated with `n` elements of `d`.
+    let grad = unsafe { rig.place.buffer(ptr, n, d) };
+    let made = backward_in(rig, &p.param_device(l)?, &grad, work);
+    let marked = made.and_then(|()| Ok(sh.mark_ready_device(l, &grad)?));
+    // SAFETY: freed once, on the compute stream, after the backward and
+    // the copy into the staging buffer enqueued there.
+    unsafe { dev.free(ptr, stream) }?;
+    marked
+}
+
+/// Times `step` `iters` times after one warm-up (the device synchronized,
+/// the slowest rank's), the peak reset after the warm-up; the median and
+/// the memory reading.
+pub(super) async fn time_steps<F>(
+    rig: &Rig,
+    iters: usize,
+    mut step: F,
+) -> Result<(f64, Reading), BoxError>
+where
+    F: AsyncFnMut() -> Result<(), BoxError>,
+{
+    let mut times = Vec::new();
+    for it in 0..=iters {
+        if it == 1 {
+            (rig.reset_peak)()?;
+        }
+        let t = Instant::now();
+        step().await?;
         let ms = timed(rig, t).await?;
         if it > 0 {
             times.push(ms);
@@ -327,12 +353,9 @@ async fn ddp_steps(
         let len = m.param_buffer(l)?.len();
         slots.add_param(format!("m{l}"), vec![len], &vec![0f32; len])?;
     }
-    let mut times = Vec::new();
-    for it in 0..=iters {
-        if it == 1 {
-            (rig.reset_peak)()?;
-        }
-        let t = Instant::now();
+    let mut step = 0u64;
+    time_steps(rig, iters, async || {
+        step += 1;
         for l in (0..n).rev() {
             let grad = ddp.grad_device(l)?;
             (rig.backward)(&m.param_buffer(l)?, &grad, work, bias)?;
@@ -351,19 +374,23 @@ async fn ddp_steps(
                     &rig.place,
                     DType::F32,
                     p.len(),
-                    it as u64 + 1,
+                    step,
                     (p.ptr(), g.ptr()),
                     &state,
                 )
             };
             opt.step_device(&*rig.kernels, &s)?;
         }
-        let ms = timed(rig, t).await?;
-        if it > 0 {
-            times.push(ms);
-        }
-    }
-    Ok((median(times), (rig.memory)()?))
+        Ok(())
+    })
+    .await
+}
+
+/// A memory reading's two table cells, in MiB: bytes held, and the peak
+/// (`-` where the device keeps none).
+pub(super) fn mem_cells((now, peak): Reading) -> [serde_json::Value; 2] {
+    let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+    [json!(mib(now)), json!(peak.map_or("-".into(), mib))]
 }
 
 /// `bf16` or `f16`, as `--mixed` and torch's anchor name them.
@@ -371,7 +398,7 @@ pub(super) fn half_name(d: DType) -> &'static str {
     if d == DType::F16 { "f16" } else { "bf16" }
 }
 
-pub(super) fn median(mut v: Vec<f64>) -> f64 {
+fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
@@ -398,7 +425,7 @@ pub(crate) async fn steps(
             Some(s) => sharded_steps(&rig, s, shape, mixed).await?,
         };
         let b = *base.get_or_insert(ms);
-        let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+        let [mem, peak] = mem_cells((now, peak));
         t.push(vec![
             json!(rig.backend.name()),
             json!(rig.device_name),
@@ -410,8 +437,8 @@ pub(crate) async fn steps(
             }),
             json!(format!("{ms:.2}")),
             json!(format!("{:.2}", ms / b)),
-            json!(mib(now)),
-            json!(peak.map_or("-".into(), mib)),
+            mem,
+            peak,
         ]);
     }
     let rank = rig.backend.rank();
