@@ -19,7 +19,7 @@ use cudarc::driver::{CudaFunction, CudaModule, result as cu, sys as cusys};
 /// Checks that the CUDA library `name` (cudarc's name: `"nvrtc"`,
 /// `"cublas"`) can be loaded; the error says where to find it.
 pub fn probe_lib(name: &str, what: &str) -> Result<(), String> {
-    let names = cudarc::get_lib_name_candidates(name);
+    let names = consort_nccl::probe::lib_candidates(name);
     let loads = |n: &String| {
         // SAFETY: loading the vendor library cudarc is about to load anyway.
         unsafe { libloading::Library::new(n) }.is_ok()

@@ -16,6 +16,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "candle-cuda")]
+pub mod candle;
 #[cfg(feature = "nccl")]
 pub mod cuda;
 pub mod env;

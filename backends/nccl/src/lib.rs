@@ -21,7 +21,9 @@
 //!   device buckets.
 //!
 //! cudarc (the CUDA driver only) is built with dynamic loading: the crate
-//! compiles, and its non-GPU tests run, on machines without CUDA. NCCL's
+//! compiles, and its non-GPU tests run, on machines without CUDA. (Its
+//! feature is `fallback-dynamic-loading`, so that a build with candle's
+//! CUDA, which links the CUDA libraries, can hold both.) NCCL's
 //! environment variables (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) pass
 //! through untouched.
 

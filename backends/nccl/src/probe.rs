@@ -39,12 +39,22 @@ fn loads(names: &[String]) -> bool {
     })
 }
 
-/// The CUDA driver's candidate names, as cudarc will try them.
-fn cuda_names() -> Vec<String> {
-    let mut seen = std::collections::HashSet::new();
-    let mut v = cudarc::get_lib_name_candidates("cuda");
-    v.retain(|n| seen.insert(n.clone()));
+/// The file names a CUDA library `name` (`"cuda"`, `"nvrtc"`, `"cublas"`)
+/// goes by on this platform: the unversioned name, then the sonames of the
+/// releases cudarc knows (the ones its loader tries, which with cudarc's
+/// `dynamic-linking`, as candle builds it, are not listed by cudarc).
+pub fn lib_candidates(name: &str) -> Vec<String> {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    let mut v = vec![format!("{DLL_PREFIX}{name}{DLL_SUFFIX}")];
+    for version in ["1", "13", "12", "11", "10", "9"] {
+        v.push(format!("{DLL_PREFIX}{name}{DLL_SUFFIX}.{version}"));
+    }
     v
+}
+
+/// The CUDA driver's candidate names.
+fn cuda_names() -> Vec<String> {
+    lib_candidates("cuda")
 }
 
 /// Opens NCCL (once per process), or says why it cannot.

@@ -21,6 +21,13 @@
 //!
 //! Parameters are ordered by name (a `VarMap` is a hash map), so every rank
 //! lists them alike. f32, f64, f16 and bf16 are supported.
+//!
+//! With feature `candle-cuda`, a model on a GPU skips the host copy:
+//! [`CandleModel::from_varmap_on`] takes a [`Placement`] (in consort,
+//! `consort::candle::placement(&cuda_device)`), DDP broadcasts into the
+//! variables and averages the `GradStore`'s gradients in their device
+//! memory (stream-ordered after candle's stream), and the same loop runs:
+//! `push_values` and `push_grads` then have nothing to copy.
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor, Var, backprop::GradStore};
 use consort_comm::{
@@ -29,6 +36,18 @@ use consort_comm::{
 };
 
 use crate::params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
+
+#[cfg(feature = "candle-cuda")]
+mod cuda;
+
+/// The candle this adapter is built against (its `Tensor`, `Var` and
+/// `GradStore` are the ones [`CandleModel`] takes).
+pub use candle_core;
+/// candle's `nn` crate, of the same release.
+pub use candle_nn;
+
+#[cfg(feature = "candle-cuda")]
+use consort_comm::{DeviceBuffer, Placement};
 
 /// Why the candle adapter failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,14 +70,20 @@ pub enum CandleError {
     /// The host copy refused the tensor.
     #[error(transparent)]
     Model(#[from] PlainModelError),
+    /// A tensor cannot be used on the model's device (feature
+    /// `candle-cuda`): which one and why.
+    #[error("candle on CUDA: {0}")]
+    Device(String),
 }
 
 /// A candle model as a [`ParamSet`]: the variables, and a host copy of
-/// their values and gradients.
+/// their values and gradients (or, on CUDA, their device memory).
 #[derive(Debug)]
 pub struct CandleModel {
     vars: Vec<(String, Var)>,
     host: PlainModel,
+    #[cfg(feature = "candle-cuda")]
+    dev: Option<cuda::OnDevice>,
 }
 
 fn our_dtype(name: &str, d: CDType) -> Result<DType, CandleError> {
@@ -136,7 +161,56 @@ impl CandleModel {
             let bytes = to_bytes(t)?;
             host.add_param_bytes(name.clone(), dtype, t.dims().to_vec(), bytes)?;
         }
-        Ok(CandleModel { vars, host })
+        Ok(CandleModel {
+            vars,
+            host,
+            #[cfg(feature = "candle-cuda")]
+            dev: None,
+        })
+    }
+
+    /// Every variable of `varmap`, ordered by name, on the GPU of
+    /// `placement` (feature `candle-cuda`): DDP works in the variables' and
+    /// the gradients' device memory, with no host copy. In consort,
+    /// `consort::candle::placement(&cuda_device)` makes the placement (the
+    /// NCCL backend's view of candle's GPU). Every variable must be a
+    /// contiguous CUDA tensor on that GPU.
+    #[cfg(feature = "candle-cuda")]
+    pub fn from_varmap_on(
+        varmap: &candle_nn::VarMap,
+        placement: Placement,
+    ) -> Result<Self, CandleError> {
+        let vars: Vec<(String, Var)> = {
+            let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+            data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        Self::from_vars_on(vars, placement)
+    }
+
+    /// The given named variables, ordered by name, on the GPU of
+    /// `placement` (see [`CandleModel::from_varmap_on`]).
+    #[cfg(feature = "candle-cuda")]
+    pub fn from_vars_on(
+        mut vars: Vec<(String, Var)>,
+        placement: Placement,
+    ) -> Result<Self, CandleError> {
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let dev = cuda::OnDevice::new(&vars, placement)?;
+        Ok(CandleModel {
+            vars,
+            host: PlainModel::new(),
+            dev: Some(dev),
+        })
+    }
+
+    /// Whether DDP works in the variables' device memory (a model made by
+    /// `from_varmap_on`).
+    pub fn on_device(&self) -> bool {
+        #[cfg(feature = "candle-cuda")]
+        if self.dev.is_some() {
+            return true;
+        }
+        false
     }
 
     /// The variables, in DDP's order.
@@ -144,14 +218,19 @@ impl CandleModel {
         &self.vars
     }
 
-    /// The host copy (values and gradients).
+    /// The host copy (values and gradients); empty for a model on a
+    /// device.
     pub fn host(&self) -> &PlainModel {
         &self.host
     }
 
     /// Writes the host values into the variables (after `Ddp::new`
-    /// replaced them with rank 0's).
+    /// replaced them with rank 0's). On a device there is nothing to
+    /// write: DDP broadcast into the variables' memory.
     pub fn push_values(&mut self) -> Result<(), CandleError> {
+        if self.on_device() {
+            return Ok(());
+        }
         for (i, (_, var)) in self.vars.iter().enumerate() {
             let t = var.as_tensor();
             let dtype = our_dtype("", t.dtype())?;
@@ -163,7 +242,19 @@ impl CandleModel {
 
     /// Copies this step's gradients from `grads` to the host copy; a
     /// variable with no gradient has none there either.
+    ///
+    /// On a device nothing is copied: the model keeps this step's gradient
+    /// tensors for DDP, which writes the averages into them in place (as
+    /// torch's DDP writes `param.grad`). A variable with no gradient gets
+    /// a zero one (it is reduced as a zero gradient, as torch reduces an
+    /// unused parameter's slot), and a strided or shared gradient gets a
+    /// contiguous copy of its own; [`CandleModel::push_grads`] puts those
+    /// into `grads`.
     pub fn pull_grads(&mut self, grads: &GradStore) -> Result<(), CandleError> {
+        #[cfg(feature = "candle-cuda")]
+        if let Some(dev) = &mut self.dev {
+            return dev.take_grads(&self.vars, grads);
+        }
         self.host.zero_grad();
         for (i, (_, var)) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(var.as_tensor()) {
@@ -178,8 +269,13 @@ impl CandleModel {
     }
 
     /// Writes the (averaged) host gradients into `grads`, for the
-    /// optimizer.
-    pub fn push_grads(&self, grads: &mut GradStore) -> Result<(), CandleError> {
+    /// optimizer. On a device the averages are already in `grads`' tensors;
+    /// only the gradients `pull_grads` had to make are inserted.
+    pub fn push_grads(&mut self, grads: &mut GradStore) -> Result<(), CandleError> {
+        #[cfg(feature = "candle-cuda")]
+        if let Some(dev) = &mut self.dev {
+            return dev.give_grads(&self.vars, grads);
+        }
         for (i, (_, var)) in self.vars.iter().enumerate() {
             let t = var.as_tensor();
             if let Some(g) = self.host.grad_bytes(i) {
@@ -193,7 +289,26 @@ impl CandleModel {
 
 impl ParamSet for CandleModel {
     fn params(&self) -> Vec<ParamSpec> {
+        #[cfg(feature = "candle-cuda")]
+        if let Some(dev) = &self.dev {
+            return dev.specs.clone();
+        }
         self.host.params()
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn placement(&self) -> Option<Placement> {
+        self.dev.as_ref().map(|d| d.placement.clone())
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn param_device(&mut self, i: usize) -> Option<DeviceBuffer> {
+        self.dev.as_ref()?.param(&self.vars, i)
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn grad_device(&mut self, i: usize) -> Option<DeviceBuffer> {
+        self.dev.as_ref()?.grad(i)
     }
 
     fn param_bytes_mut(&mut self, i: usize) -> &mut [u8] {

@@ -1,0 +1,146 @@
+//! The candle adapter on a real GPU (feature `candle-cuda`): DDP over NCCL
+//! reads and writes candle's device memory. Ignored by default (CI has no
+//! GPU, and a candle CUDA binary needs the driver to start);
+//! `scripts/gpu-check` runs them:
+//!
+//! ```sh
+//! cargo test -p consort --features candle-cuda --test candle_cuda -- --ignored --test-threads 1
+//! ```
+//!
+//! World 1 over NCCL, so the average of a gradient is the gradient: each
+//! test checks that the values DDP writes back are the ones candle
+//! computed, and that the adapter's own rules hold (a missing gradient
+//! becomes zeros in the `GradStore`, a strided or shared one gets memory
+//! of its own, a variable on another device is refused by name).
+#![cfg(feature = "candle-cuda")]
+
+use std::{sync::Arc, time::Duration};
+
+use consort::{
+    ddp::{
+        Ddp, DdpOptions,
+        candle::{
+            CandleError, CandleModel,
+            candle_core::{CudaDevice, Device, Tensor, Var, backend::BackendDevice},
+        },
+    },
+    nccl::{NcclBackend, NcclOptions},
+};
+
+async fn nccl() -> Arc<NcclBackend> {
+    let store = consort::store::MemStore::new(Duration::from_secs(30));
+    Arc::new(
+        NcclBackend::new(&store, 0, 1, NcclOptions::default())
+            .await
+            .expect("NCCL at world 1"),
+    )
+}
+
+fn gpu() -> CudaDevice {
+    CudaDevice::new_with_stream(0).expect("candle on GPU 0")
+}
+
+fn var(gpu: &CudaDevice, values: &[f32], shape: &[usize]) -> Var {
+    let t = Tensor::from_slice(values, shape, &Device::Cuda(gpu.clone())).unwrap();
+    Var::from_tensor(&t).unwrap()
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn gradients_come_back_in_place_and_missing_ones_as_zeros() {
+    let gpu = gpu();
+    let w = var(&gpu, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let unused = var(&gpu, &[7.0, 8.0], &[2]);
+    let vars = vec![
+        ("a.w".to_string(), w.clone()),
+        ("b.unused".to_string(), unused.clone()),
+    ];
+    let place = consort::candle::placement(&gpu).unwrap();
+    let mut model = CandleModel::from_vars_on(vars, place).unwrap();
+    assert!(model.on_device());
+    let mut ddp = Ddp::new(nccl().await, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    model.push_values().unwrap();
+    assert_eq!(host(w.as_tensor()), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+
+    let x = Tensor::from_slice(&[1.0f32, -2.0, 0.5], (3, 1), &Device::Cuda(gpu.clone())).unwrap();
+    // loss = sum(w @ x): d/dw = x^T in every row.
+    let loss = w.as_tensor().matmul(&x).unwrap().sum_all().unwrap();
+    let mut grads = loss.backward().unwrap();
+    let before = grads.get(w.as_tensor()).map(host);
+    model.pull_grads(&grads).unwrap();
+    ddp.sync_grads(&mut model).await.unwrap();
+    model.push_grads(&mut grads).unwrap();
+    let gw = host(grads.get(w.as_tensor()).unwrap());
+    assert_eq!(Some(gw.clone()), before);
+    assert_eq!(gw, vec![1.0, -2.0, 0.5, 1.0, -2.0, 0.5]);
+    let gu = host(
+        grads
+            .get(unused.as_tensor())
+            .expect("a zero gradient was inserted"),
+    );
+    assert_eq!(gu, vec![0.0, 0.0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn shared_and_strided_gradients_get_memory_of_their_own() {
+    let gpu = gpu();
+    let dev = Device::Cuda(gpu.clone());
+    let a = var(&gpu, &[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let b = var(&gpu, &[5.0, 6.0, 7.0, 8.0], &[2, 2]);
+    let c = var(&gpu, &[0.0; 4], &[2, 2]);
+    let vars = vec![
+        ("a".to_string(), a.clone()),
+        ("b".to_string(), b.clone()),
+        ("c".to_string(), c.clone()),
+    ];
+    let place = consort::candle::placement(&gpu).unwrap();
+    let mut model = CandleModel::from_vars_on(vars, place).unwrap();
+    let mut ddp = Ddp::new(nccl().await, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    let loss = (a.as_tensor() * 3.0).unwrap().sum_all().unwrap();
+    let mut grads = loss.backward().unwrap();
+    // The same tensor as two variables' gradient (DDP must not write two
+    // averages into one memory), and a transposed view as the third's.
+    let g = grads.get(a.as_tensor()).unwrap().clone();
+    grads.insert(b.as_tensor(), g);
+    let m = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], (2, 2), &dev).unwrap();
+    grads.insert(c.as_tensor(), m.t().unwrap());
+    model.pull_grads(&grads).unwrap();
+    ddp.sync_grads(&mut model).await.unwrap();
+    model.push_grads(&mut grads).unwrap();
+    assert_eq!(host(grads.get(a.as_tensor()).unwrap()), vec![3.0; 4]);
+    assert_eq!(host(grads.get(b.as_tensor()).unwrap()), vec![3.0; 4]);
+    let gc = grads.get(c.as_tensor()).unwrap();
+    assert!(gc.is_contiguous());
+    assert_eq!(host(gc), vec![1.0, 3.0, 2.0, 4.0]);
+}
+
+#[test]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+fn a_variable_in_host_memory_is_refused_by_name() {
+    let gpu = gpu();
+    let on_gpu = var(&gpu, &[1.0], &[1]);
+    let on_cpu =
+        Var::from_tensor(&Tensor::from_slice(&[1.0f32], 1, &Device::Cpu).unwrap()).unwrap();
+    let place = consort::candle::placement(&gpu).unwrap();
+    let vars = vec![("gpu.w".to_string(), on_gpu), ("cpu.w".to_string(), on_cpu)];
+    let err = CandleModel::from_vars_on(vars, place).unwrap_err();
+    assert!(matches!(err, CandleError::Device(_)), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("cpu.w") && msg.contains("not on CUDA"),
+        "{msg}"
+    );
+    assert_eq!(
+        gpu.location(),
+        consort::ddp::candle::candle_core::DeviceLocation::Cuda { gpu_id: 0 }
+    );
+}
