@@ -25,8 +25,9 @@ use consort_comm::{CommError, Placement};
 use consort_ddp::candle::candle_core::{self, backend::BackendDevice};
 
 /// The placement of a model on candle's GPU `gpu`: the NCCL backend's view
-/// of that GPU, and candle's stream (where candle's kernels write the
-/// gradients, and which DDP's copies are ordered against).
+/// of that GPU (the same primary context candle uses), and candle's stream
+/// (where candle's kernels write the gradients, and which DDP's copies are
+/// ordered against), kept alive by the placement.
 /// `BackendUnavailable` without a CUDA driver or that GPU.
 pub fn placement(gpu: &candle_core::CudaDevice) -> Result<Placement, CommError> {
     let ordinal = match gpu.location() {
@@ -38,8 +39,11 @@ pub fn placement(gpu: &candle_core::CudaDevice) -> Result<Placement, CommError> 
         }
     };
     let device = consort_nccl::CudaDevice::new(ordinal)?;
-    Ok(Placement {
-        device,
-        stream: gpu.cuda_stream().cu_stream() as u64,
-    })
+    let stream = gpu.cuda_stream();
+    let id = stream.cu_stream() as u64;
+    // Candle destroys a stream of its own (`CudaDevice::new_with_stream`)
+    // with its last tensor; DDP may still free its buckets on it after
+    // that, so the placement's device holds it too.
+    device.keep_alive(stream);
+    Ok(Placement { device, stream: id })
 }

@@ -10,8 +10,10 @@
 //! World 1 over NCCL, so the average of a gradient is the gradient: each
 //! test checks that the values DDP writes back are the ones candle
 //! computed, and that the adapter's own rules hold (a missing gradient
-//! becomes zeros in the `GradStore`, a strided or shared one gets memory
-//! of its own, a variable on another device is refused by name).
+//! is unused, as on the host, and gets zeros in the `GradStore`; a strided
+//! or shared one gets memory of its own; a variable on another device is
+//! refused by name; candle's default stream works as a stream of its own
+//! does).
 #![cfg(feature = "candle-cuda")]
 
 use std::{sync::Arc, time::Duration};
@@ -51,7 +53,7 @@ fn host(t: &Tensor) -> Vec<f32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a GPU; scripts/gpu-check runs it"]
-async fn gradients_come_back_in_place_and_missing_ones_as_zeros() {
+async fn gradients_come_back_in_place_and_unused_ones_as_zeros() {
     let gpu = gpu();
     let w = var(&gpu, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
     let unused = var(&gpu, &[7.0, 8.0], &[2]);
@@ -62,9 +64,8 @@ async fn gradients_come_back_in_place_and_missing_ones_as_zeros() {
     let place = consort::candle::placement(&gpu).unwrap();
     let mut model = CandleModel::from_vars_on(vars, place).unwrap();
     assert!(model.on_device());
-    let mut ddp = Ddp::new(nccl().await, &mut model, DdpOptions::default())
-        .await
-        .unwrap();
+    let opts = DdpOptions::default().find_unused_parameters(true);
+    let mut ddp = Ddp::new(nccl().await, &mut model, opts).await.unwrap();
     model.push_values().unwrap();
     assert_eq!(host(w.as_tensor()), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
 
@@ -85,6 +86,59 @@ async fn gradients_come_back_in_place_and_missing_ones_as_zeros() {
             .expect("a zero gradient was inserted"),
     );
     assert_eq!(gu, vec![0.0, 0.0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn an_unused_variable_is_an_error_without_find_unused_parameters() {
+    // As on the host (and in torch): DDP names the parameter.
+    let gpu = gpu();
+    let w = var(&gpu, &[1.0, 2.0], &[2]);
+    let unused = var(&gpu, &[3.0], &[1]);
+    let vars = vec![("w".to_string(), w.clone()), ("unused".to_string(), unused)];
+    let place = consort::candle::placement(&gpu).unwrap();
+    let mut model = CandleModel::from_vars_on(vars, place).unwrap();
+    let mut ddp = Ddp::new(nccl().await, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    let loss = w.as_tensor().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    model.pull_grads(&grads).unwrap();
+    let err = ddp.sync_grads(&mut model).await.unwrap_err().to_string();
+    assert!(err.contains("no gradient this step: unused"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn the_default_stream_of_device_new_cuda_works_too() {
+    // Device::new_cuda (what most candle code calls) runs on the legacy
+    // default stream, stream id 0 for DDP.
+    let Device::Cuda(gpu) = Device::new_cuda(0).unwrap() else {
+        unreachable!("new_cuda gives a CUDA device")
+    };
+    let w = var(&gpu, &[1.0, 2.0, 3.0], &[3]);
+    let place = consort::candle::placement(&gpu).unwrap();
+    assert_eq!(place.stream, 0);
+    let vars = vec![("w".to_string(), w.clone())];
+    let mut model = CandleModel::from_vars_on(vars, place).unwrap();
+    let mut ddp = Ddp::new(nccl().await, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    for step in 1..=3 {
+        let loss = (w.as_tensor() * step as f64).unwrap().sum_all().unwrap();
+        let mut grads = loss.backward().unwrap();
+        model.pull_grads(&grads).unwrap();
+        ddp.sync_grads(&mut model).await.unwrap();
+        model.push_grads(&mut grads).unwrap();
+        assert_eq!(
+            host(grads.get(w.as_tensor()).unwrap()),
+            vec![step as f32; 3]
+        );
+    }
+    // The model (and candle's memory) goes first; DDP then frees its
+    // buckets on candle's stream.
+    drop(model);
+    drop(ddp);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

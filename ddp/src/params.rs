@@ -93,6 +93,16 @@ pub trait ParamSet {
         None
     }
 
+    /// Whether parameter `i` has a gradient this step (device models):
+    /// [`crate::Ddp::sync_grads`] hands DDP only those, so a parameter
+    /// without one is unused (an error unless `find_unused_parameters` is
+    /// on, as in torch). `grad_device(i)` must still give storage for the
+    /// average. Every parameter has one by default.
+    fn has_grad_device(&self, i: usize) -> bool {
+        let _ = i;
+        true
+    }
+
     /// Buffer `i`'s values on the device (device models).
     fn buffer_device(&mut self, i: usize) -> Option<DeviceBuffer> {
         let _ = i;

@@ -24,6 +24,10 @@ pub struct CudaDevice {
     streams: Mutex<Vec<usize>>,
     /// How long `synchronize` (and so `copy_to_host`) waits for a stream.
     sync_timeout: Duration,
+    /// What another library's streams need kept alive while work on them
+    /// may still be enqueued through this device (see
+    /// [`CudaDevice::keep_alive`]); dropped after this device's streams.
+    kept: Mutex<Vec<Arc<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// [`CudaDevice`]'s default limit on one stream synchronization: NCCL's
@@ -63,7 +67,19 @@ impl CudaDevice {
             ctx,
             streams: Mutex::new(Vec::new()),
             sync_timeout: timeout,
+            kept: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Keeps `owner` alive as long as this device: for a stream of another
+    /// library's (candle's, say) that placements on this device name, so
+    /// that a free or copy enqueued on it through this device (DDP's, when
+    /// it drops) never meets a destroyed stream.
+    pub fn keep_alive(&self, owner: Arc<dyn std::any::Any + Send + Sync>) {
+        self.kept
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(owner);
     }
 
     /// The cudarc context (for kernels and cuBLAS on the same GPU).

@@ -39,14 +39,17 @@ fn loads(names: &[String]) -> bool {
     })
 }
 
-/// The file names a CUDA library `name` (`"cuda"`, `"nvrtc"`, `"cublas"`)
-/// goes by on this platform: the unversioned name, then the sonames of the
-/// releases cudarc knows (the ones its loader tries, which with cudarc's
-/// `dynamic-linking`, as candle builds it, are not listed by cudarc).
+/// The file names cudarc's loader tries for CUDA library `name` (`"cuda"`,
+/// `"nvrtc"`, `"cublas"`) on Linux, in its order, for the CUDA 12.8
+/// bindings consort builds cudarc with (feature `cuda-12080`): a probe that
+/// found a name cudarc never tries (`libnvrtc.so.13`, say) would pass and
+/// cudarc would then panic. (cudarc lists them itself only when it loads
+/// at run time; with candle's CUDA it links instead, and the loader finds
+/// the libraries before `main`.)
 pub fn lib_candidates(name: &str) -> Vec<String> {
     use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
     let mut v = vec![format!("{DLL_PREFIX}{name}{DLL_SUFFIX}")];
-    for version in ["1", "13", "12", "11", "10", "9"] {
+    for version in ["12", "11", "10", "9", "1"] {
         v.push(format!("{DLL_PREFIX}{name}{DLL_SUFFIX}.{version}"));
     }
     v

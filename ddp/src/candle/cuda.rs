@@ -26,9 +26,11 @@ pub(super) struct OnDevice {
     pub(super) specs: Vec<ParamSpec>,
     /// This step's gradient of each variable, as `pull_grads` found it, or
     /// a tensor made for it (zeros for a missing gradient, a contiguous or
-    /// unaliased copy); `made` says which, for `push_grads`.
+    /// unaliased copy); `made` says which, for `push_grads`, and `had`
+    /// whether the variable had a gradient at all.
     grads: Vec<Option<CTensor>>,
     made: Vec<bool>,
+    had: Vec<bool>,
 }
 
 /// A contiguous CUDA tensor's memory: its address and bytes, and the
@@ -43,6 +45,15 @@ fn not_on(name: &str, what: &str, why: String) -> CandleError {
     CandleError::Device(format!("{what} of {name}: {why}"))
 }
 
+/// A device as torch names it: `cpu`, `cuda:1`.
+fn device_name(loc: candle_core::DeviceLocation) -> String {
+    match loc {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
 /// The memory of `t` (named `name` in errors): a contiguous tensor on GPU
 /// `ordinal`.
 fn memory(t: &CTensor, name: &str, what: &str, ordinal: i32) -> Result<Memory, CandleError> {
@@ -55,21 +66,24 @@ fn memory(t: &CTensor, name: &str, what: &str, ordinal: i32) -> Result<Memory, C
             name,
             what,
             format!(
-                "it is on {:?}, not on CUDA; put every variable on the GPU (or use \
+                "it is on {}, not on CUDA; put every variable on the GPU (or use \
                  CandleModel::from_varmap for a model in host memory)",
-                t.device().location()
+                device_name(t.device().location())
             ),
         ));
     };
     let on = match t.device().location() {
         candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id as i32,
-        other => return Err(not_on(name, what, format!("it is on {other:?}"))),
+        other => {
+            let on = device_name(other);
+            return Err(not_on(name, what, format!("it is on {on}")));
+        }
     };
     if on != ordinal {
         return Err(not_on(
             name,
             what,
-            format!("it is on GPU {on}, but DDP's placement is GPU {ordinal}"),
+            format!("it is on cuda:{on}, but DDP's placement is cuda:{ordinal}"),
         ));
     }
     let stream = cs.device.cuda_stream();
@@ -162,6 +176,7 @@ impl OnDevice {
             specs,
             grads: vec![None; n],
             made: vec![false; n],
+            had: vec![false; n],
         })
     }
 
@@ -175,6 +190,11 @@ impl OnDevice {
         view(var.as_tensor(), spec, "the values", self.ordinal()).ok()
     }
 
+    /// Whether variable `i` had a gradient in this step's `GradStore`.
+    pub(super) fn had_grad(&self, i: usize) -> bool {
+        self.had.get(i).copied().unwrap_or(false)
+    }
+
     /// Parameter `i`'s gradient for this step (after `take_grads`).
     pub(super) fn grad(&self, i: usize) -> Option<DeviceBuffer> {
         let (spec, g) = (self.specs.get(i)?, self.grads.get(i)?.as_ref()?);
@@ -183,10 +203,10 @@ impl OnDevice {
 
     /// Takes this step's gradients from `grads`: each variable's gradient,
     /// checked, or a tensor made for it: zeros where the variable has no
-    /// gradient (it counts as a zero gradient, as torch's DDP reduces an
-    /// unused parameter's slot), and a contiguous copy where the gradient
-    /// is a strided view or shares memory with another gradient or a
-    /// variable (DDP writes each average in place).
+    /// gradient (DDP treats it as unused, as torch does, and writes the
+    /// average there), and a contiguous copy where the gradient is a
+    /// strided view or shares memory with another gradient or a variable
+    /// (DDP writes each average in place).
     pub(super) fn take_grads(
         &mut self,
         vars: &[(String, Var)],
@@ -195,19 +215,21 @@ impl OnDevice {
         let ordinal = self.ordinal();
         let mut taken = Vec::with_capacity(vars.len());
         let mut made = Vec::with_capacity(vars.len());
+        let mut had = Vec::with_capacity(vars.len());
         for (spec, (name, var)) in self.specs.iter().zip(vars) {
             let v = var.as_tensor();
             let (g, new) = match grads.get(v) {
-                None => (v.zeros_like()?, true),
-                Some(g) if !g.is_contiguous() => (g.contiguous()?, true),
+                None => (v.zeros_like()?.detach(), true),
+                Some(g) if !g.is_contiguous() => (g.force_contiguous()?.detach(), true),
                 Some(g) => (g.clone(), false),
             };
+            had.push(grads.get(v).is_some());
             if g.dtype() != v.dtype() || g.dims() != v.dims() {
                 return Err(not_on(
                     name,
                     "the gradient",
                     format!(
-                        "it is {:?} {:?}; {} needs its own",
+                        "it is {:?} {:?}; a gradient has its variable's dtype and shape ({})",
                         g.dtype(),
                         g.dims(),
                         spec.describe()
@@ -229,7 +251,7 @@ impl OnDevice {
             let m = memory(g, name, "the gradient", ordinal)?;
             let range = (m.ptr, m.ptr + m.bytes as u64);
             if m.bytes > 0 && seen.iter().any(|&(a, b)| range.0 < b && a < range.1) {
-                *g = g.copy()?;
+                *g = g.force_contiguous()?.detach();
                 made[i] = true;
                 let m = memory(g, name, "the gradient", ordinal)?;
                 seen.push((m.ptr, m.ptr + m.bytes as u64));
@@ -239,6 +261,7 @@ impl OnDevice {
         }
         self.grads = taken.into_iter().map(Some).collect();
         self.made = made;
+        self.had = had;
         Ok(())
     }
 
@@ -252,6 +275,7 @@ impl OnDevice {
         grads: &mut GradStore,
     ) -> Result<(), CandleError> {
         let taken = std::mem::replace(&mut self.grads, vec![None; vars.len()]);
+        self.had = vec![false; vars.len()];
         for ((made, g), (_, var)) in self.made.iter().zip(taken).zip(vars) {
             if let (true, Some(g)) = (made, g) {
                 grads.insert(var.as_tensor(), g);

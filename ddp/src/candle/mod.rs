@@ -245,11 +245,12 @@ impl CandleModel {
     ///
     /// On a device nothing is copied: the model keeps this step's gradient
     /// tensors for DDP, which writes the averages into them in place (as
-    /// torch's DDP writes `param.grad`). A variable with no gradient gets
-    /// a zero one (it is reduced as a zero gradient, as torch reduces an
-    /// unused parameter's slot), and a strided or shared gradient gets a
-    /// contiguous copy of its own; [`CandleModel::push_grads`] puts those
-    /// into `grads`.
+    /// torch's DDP writes `param.grad`). A variable with no gradient is
+    /// unused this step, as on the host (an error unless
+    /// `find_unused_parameters` is on); it gets a zero gradient for DDP to
+    /// write the average into. A strided or shared gradient gets a
+    /// contiguous copy of its own. [`CandleModel::push_grads`] puts the
+    /// gradients made here into `grads`.
     pub fn pull_grads(&mut self, grads: &GradStore) -> Result<(), CandleError> {
         #[cfg(feature = "candle-cuda")]
         if let Some(dev) = &mut self.dev {
@@ -309,6 +310,11 @@ impl ParamSet for CandleModel {
     #[cfg(feature = "candle-cuda")]
     fn grad_device(&mut self, i: usize) -> Option<DeviceBuffer> {
         self.dev.as_ref()?.grad(i)
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn has_grad_device(&self, i: usize) -> bool {
+        self.dev.as_ref().is_some_and(|d| d.had_grad(i))
     }
 
     fn param_bytes_mut(&mut self, i: usize) -> &mut [u8] {

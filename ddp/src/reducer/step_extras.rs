@@ -96,6 +96,9 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
             .collect();
         for i in order {
             if self.placement.is_some() {
+                if !model.has_grad_device(i) {
+                    continue;
+                }
                 if let Some(g) = model.grad_device(i) {
                     self.mark_ready_device(i, g)?;
                 }
