@@ -97,15 +97,7 @@ fn main() -> Result<(), BoxError> {
         match (args.backend.as_str(), args.device.as_str()) {
             ("sim", "cpu") => {
                 let world = SimWorld::new(SimConfig::new(args.world_size))?;
-                let tasks: Vec<_> = world
-                    .ranks()
-                    .into_iter()
-                    .map(|r| {
-                        let b: Arc<dyn Backend> = Arc::new(r);
-                        tokio::spawn(train(b, Device::Cpu, None, args.clone()))
-                    })
-                    .collect();
-                for t in tasks {
+                for t in world.spawn_each(|r| train(Arc::new(r), Device::Cpu, None, args.clone())) {
                     t.await??;
                 }
                 Ok(())

@@ -31,11 +31,7 @@ async fn step(pg: ProcessGroup) -> Result<(f32, f32, Vec<f32>), CommError> {
 }
 
 async fn run(world: SimWorld) -> Vec<Result<(f32, f32, Vec<f32>), CommError>> {
-    let tasks: Vec<_> = world
-        .ranks()
-        .into_iter()
-        .map(|rank| tokio::spawn(step(ProcessGroup::new(Arc::new(rank)))))
-        .collect();
+    let tasks = world.spawn_each(|rank| step(ProcessGroup::new(Arc::new(rank))));
     let mut out = Vec::new();
     for t in tasks {
         out.push(t.await.expect("rank task"));

@@ -116,15 +116,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         match backend.as_str() {
             "sim" => {
                 let world = SimWorld::new(SimConfig::new(args.world_size))?;
-                let tasks: Vec<_> = world
-                    .ranks()
-                    .into_iter()
-                    .map(|r| {
-                        let b: Arc<dyn Backend> = Arc::new(r);
-                        tokio::spawn(train(b, args.clone()))
-                    })
-                    .collect();
-                for t in tasks {
+                for t in world.spawn_each(|r| train(Arc::new(r), args.clone())) {
                     t.await??;
                 }
                 Ok(())

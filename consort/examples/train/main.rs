@@ -178,15 +178,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
             let world = SimWorld::new(SimConfig::new(args.world_size))?;
             let store: Arc<dyn Store> =
                 Arc::new(MemStore::new(std::time::Duration::from_secs(300)));
-            let tasks: Vec<_> = world
-                .ranks()
-                .into_iter()
-                .map(|r| {
-                    let b: Arc<dyn Backend> = Arc::new(r);
-                    let store = Some(store.clone());
-                    tokio::spawn(train_any(b, args.clone(), data.clone(), store))
-                })
-                .collect();
+            let tasks = world.spawn_each(|r| {
+                let store = Some(store.clone());
+                train_any(Arc::new(r), args.clone(), data.clone(), store)
+            });
             let mut first = None;
             for t in tasks {
                 if let Err(e) = t.await.map_err(BoxError::from).and_then(|r| r.map(drop)) {

@@ -551,6 +551,21 @@ impl SimWorld {
             .collect()
     }
 
+    /// Spawns `f(rank)` for every rank as a tokio task (on the current
+    /// runtime), in rank order: a program's SPMD body on each simulated
+    /// rank. Await the handles for each rank's output.
+    pub fn spawn_each<F, Fut>(&self, mut f: F) -> Vec<tokio::task::JoinHandle<Fut::Output>>
+    where
+        F: FnMut(SimRank) -> Fut,
+        Fut: std::future::Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        self.ranks()
+            .into_iter()
+            .map(|r| tokio::spawn(f(r)))
+            .collect()
+    }
+
     /// The message trace so far (empty when recording is off).
     pub fn trace(&self) -> Vec<TraceEvent> {
         lock(&self.shared).trace.clone().unwrap_or_default()
