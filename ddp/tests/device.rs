@@ -327,3 +327,101 @@ fn device_models_refuse_host_only_hooks_and_host_views() {
         assert!(e.to_string().contains("marked ready twice"), "{e}");
     });
 }
+
+/// A device model whose parameter `unused` has no gradient this step (on
+/// the ranks that say so): what `ParamSet::has_grad_device` reports for
+/// candle's variables that backward did not reach.
+struct Unused {
+    inner: DeviceModel,
+    unused: Option<usize>,
+}
+
+impl consort_ddp::ParamSet for Unused {
+    fn params(&self) -> Vec<consort_ddp::ParamSpec> {
+        self.inner.params()
+    }
+    fn placement(&self) -> Option<Placement> {
+        self.inner.placement().clone().into()
+    }
+    fn param_device(&mut self, i: usize) -> Option<consort_comm::DeviceBuffer> {
+        self.inner.param_buffer(i).ok()
+    }
+    fn grad_device(&mut self, i: usize) -> Option<consort_comm::DeviceBuffer> {
+        self.inner.grad_buffer(i).ok()
+    }
+    fn has_grad_device(&self, i: usize) -> bool {
+        self.unused != Some(i)
+    }
+}
+
+/// Rank `r` of `world` with parameters `p0` and `p1` (both `[r+1, r+1]`
+/// as gradients), `p1` unused on the last rank; the averaged gradients,
+/// or the step's error.
+async fn unused_rank(
+    rank: consort_sim::SimRank,
+    world: usize,
+    find_unused: bool,
+) -> Result<Vec<Vec<f32>>, String> {
+    let r = rank.rank();
+    let device = EmulatedDevice::new(EmulatedOptions::default());
+    let stream = device.new_stream().unwrap();
+    let placement = Placement {
+        device: device.clone(),
+        stream,
+    };
+    let comm = Arc::new(
+        EmulatedComm::new(Arc::new(rank), device, EmulatedCommOptions::default()).unwrap(),
+    );
+    let mut inner = DeviceModel::new(placement);
+    inner.add_param("p0", vec![2], &[0f32; 2]).unwrap();
+    inner.add_param("p1", vec![2], &[0f32; 2]).unwrap();
+    let unused = (r + 1 == world).then_some(1);
+    let mut model = Unused { inner, unused };
+    let opts = DdpOptions::default().find_unused_parameters(find_unused);
+    let mut ddp = Ddp::new(comm, &mut model, opts).await.unwrap();
+    let g = [r as f32 + 1.0; 2];
+    model.inner.write_grad(0, &g).unwrap();
+    // The unused parameter's storage holds garbage: DDP must not read it.
+    model
+        .inner
+        .write_grad(1, &[if unused.is_some() { 99.0 } else { g[0] }; 2])
+        .unwrap();
+    ddp.sync_grads(&mut model)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((0..2).map(|i| model.inner.read_grad(i).unwrap()).collect())
+}
+
+#[test]
+fn a_device_parameter_without_a_gradient_is_unused_as_on_the_host() {
+    // Two ranks, p1 unused on rank 1: with find_unused_parameters its slot
+    // is rank 0's gradient and rank 1's zero, averaged, on both ranks.
+    let world = SimWorld::new(SimConfig::new(2)).unwrap();
+    let threads: Vec<_> = world
+        .ranks()
+        .into_iter()
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(unused_rank(rank, 2, true))
+            })
+        })
+        .collect();
+    for t in threads {
+        let grads = t.join().unwrap().unwrap();
+        assert_eq!(grads, vec![vec![1.5f32; 2], vec![0.5f32; 2]]);
+    }
+    // Without it, the step fails and names the parameter (torch's error).
+    let world = SimWorld::new(SimConfig::new(1)).unwrap();
+    let rank = world.ranks().pop().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let e = rt.block_on(unused_rank(rank, 1, false)).unwrap_err();
+    assert!(e.contains("no gradient this step: p1"), "{e}");
+    assert!(e.contains("find_unused_parameters(true)"), "{e}");
+}
