@@ -426,10 +426,18 @@ impl NcclBackend {
             waiter,
             staging,
         };
-        lock(&sh.track)
-            .core
-            .enqueued(id, work, Instant::now(), call.timeout);
-        sh.cv.notify_all();
+        let was_idle = {
+            let mut t = lock(&sh.track);
+            let idle = t.core.in_flight() == 0;
+            t.core.enqueued(id, work, Instant::now(), call.timeout);
+            idle
+        };
+        // The watchdog polls while calls are in flight and sleeps long only
+        // when none is: only the first call after a lull has to wake it
+        // (a condvar notify is a syscall, on the host path of every call).
+        if was_idle {
+            sh.cv.notify_all();
+        }
         sh.turn.notify_waiters();
         Ok(())
     }
