@@ -110,27 +110,7 @@ async fn rank_main(
                 micro_step(&mut g, &mut model, &s, &mut acc).await;
             }
         }
-        let grads: Vec<Vec<f64>> = if c.view {
-            (0..n)
-                .map(|i| {
-                    let slot = ddp.grad_device(i).unwrap();
-                    let mut out = vec![0f64; slot.len()];
-                    // SAFETY: the slot holds `out`'s bytes.
-                    unsafe {
-                        device.copy_to_host(
-                            consort_comm::dtype::as_bytes_mut(&mut out),
-                            slot.ptr(),
-                            stream,
-                        )
-                    }
-                    .unwrap();
-                    out
-                })
-                .collect()
-        } else {
-            ddp.copy_grads_to(&mut model).unwrap();
-            (0..n).map(|i| model.read_grad(i).unwrap()).collect()
-        };
+        let grads = averaged(&mut ddp, &mut model, c.view, &device, stream);
         for (i, g) in grads.iter().enumerate() {
             let p: Vec<f64> = params[i]
                 .iter()
@@ -144,6 +124,38 @@ async fn rank_main(
     let out = (0..n).map(|i| model.read_param(i).unwrap()).collect();
     drop(ddp);
     out
+}
+
+/// The step's averaged gradients: read from DDP's bucket views (`view`),
+/// or copied into the model's gradients and read there.
+fn averaged(
+    ddp: &mut Ddp<EmulatedComm>,
+    model: &mut DeviceModel,
+    view: bool,
+    device: &Arc<EmulatedDevice>,
+    stream: u64,
+) -> Vec<Vec<f64>> {
+    let n = model.len();
+    if !view {
+        ddp.copy_grads_to(model).unwrap();
+        return (0..n).map(|i| model.read_grad(i).unwrap()).collect();
+    }
+    (0..n)
+        .map(|i| {
+            let slot = ddp.grad_device(i).unwrap();
+            let mut out = vec![0f64; slot.len()];
+            // SAFETY: the slot holds `out`'s bytes.
+            unsafe {
+                device.copy_to_host(
+                    consort_comm::dtype::as_bytes_mut(&mut out),
+                    slot.ptr(),
+                    stream,
+                )
+            }
+            .unwrap();
+            out
+        })
+        .collect()
 }
 
 /// What one micro-batch's backward needs.
