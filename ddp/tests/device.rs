@@ -298,6 +298,17 @@ fn the_property_catches_a_stream_that_does_not_wait_for_the_collective() {
     );
 }
 
+/// `f` on the one rank of a world of 1, on a runtime of its own.
+fn alone<Fut: std::future::Future>(f: impl FnOnce(consort_sim::SimRank) -> Fut) -> Fut::Output {
+    let world = SimWorld::new(SimConfig::new(1)).unwrap();
+    let rank = world.ranks().pop().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(f(rank))
+}
+
 #[test]
 fn the_fixed_cases_pass_with_both_waits() {
     assert_eq!(wrong_runs(&EmulatedCommOptions::default(), false, 3), 0);
@@ -306,13 +317,7 @@ fn the_fixed_cases_pass_with_both_waits() {
 
 #[test]
 fn device_models_refuse_host_only_hooks_and_host_views() {
-    let world = SimWorld::new(SimConfig::new(1)).unwrap();
-    let rank = world.ranks().pop().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
+    alone(|rank| async move {
         let device = EmulatedDevice::new(EmulatedOptions::default());
         let placement = Placement {
             device: device.clone(),
@@ -427,13 +432,7 @@ fn a_device_parameter_without_a_gradient_is_unused_as_on_the_host() {
         assert_eq!(grads, vec![vec![1.5f32; 2], vec![0.5f32; 2]]);
     }
     // Without it, the step fails and names the parameter (torch's error).
-    let world = SimWorld::new(SimConfig::new(1)).unwrap();
-    let rank = world.ranks().pop().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let e = rt.block_on(unused_rank(rank, 1, false)).unwrap_err();
+    let e = alone(|rank| unused_rank(rank, 1, false)).unwrap_err();
     assert!(e.contains("no gradient this step: p1"), "{e}");
     assert!(e.contains("find_unused_parameters(true)"), "{e}");
 }
