@@ -409,6 +409,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = d;
     }
 
+    /// The ranks of this group that this rank's transport has seen go
+    /// (a connection closed or reset; the simulator's rank exited), with
+    /// what was seen, known without making a call. A stream-ordered
+    /// communicator's data path can fail without naming the rank (NCCL's
+    /// `ncclRemoteError`); its fingerprint side channel names it through
+    /// this ([`crate::ordered::check::LostPeer`]). Default: none known.
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        Vec::new()
+    }
+
     /// Makes a subgroup of this group. `ranks` is already checked (distinct,
     /// inside this group) and in group-rank order; every rank of this group
     /// calls it with the same list, making its subgroups in the same order.

@@ -176,7 +176,12 @@ fn three_survivors_finish_like_one_process_with_the_global_batch() {
 /// runs NCCL's call rules), each rank on its own thread: host buffers are
 /// staged through each rank's device, the lost rank fails the survivors'
 /// calls, and their group is a new communicator made on the failed one, as
-/// on NCCL. It hung twice before: the emulated communicator did not pass
+/// on NCCL. The data path reports the loss as NCCL does, without the rank
+/// (`ncclRemoteError`); the fingerprint check's side channel (a second
+/// simulated world, as the TCP group beside NCCL) names it, so that DDP
+/// can shrink. Measured on an H100: before the side channel named it, the
+/// survivor of a killed rank failed with the bare remote error, which DDP
+/// could not shrink past. It hung twice before: the emulated communicator did not pass
 /// DDP's idle waits (during the survivors' agreement) to its simulated
 /// rank, whose clock then held back its peers' aborts; and dropping a
 /// communicator waited for its subgroups (DDP's worker holds the
@@ -188,10 +193,12 @@ fn three_survivors_shrink_on_emulated_communicators() {
     let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
     let want = reference(&s);
     let world = SimWorld::new(SimConfig::new(4)).expect("sim world");
+    let side = SimWorld::new(SimConfig::new(4)).expect("side channel world");
     let threads: Vec<_> = world
         .ranks()
         .into_iter()
-        .map(|rank| {
+        .zip(side.ranks())
+        .map(|(rank, side)| {
             let (s, store) = (s.clone(), store.clone());
             std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
@@ -207,6 +214,7 @@ fn three_survivors_shrink_on_emulated_communicators() {
                     });
                     let opts = EmulatedCommOptions::default();
                     let comm = EmulatedComm::new(Arc::new(rank), device, opts).unwrap();
+                    comm.check_fingerprints(Arc::new(side)).unwrap();
                     train(s, store, Arc::new(comm)).await
                 })
             })

@@ -133,7 +133,9 @@ fn dropping_the_parent_while_a_subgroup_lives_does_not_hang() {
 /// every survivor each call either ran or fails naming the lost rank, the
 /// first failure is sticky, `synchronize` reports it, and every launch
 /// after that fails at once naming it too; nothing hangs (the world's
-/// thread ends within its bound).
+/// thread ends within its bound). The data path reports the loss as NCCL
+/// does, without the rank; the fingerprint check's side channel names it
+/// (a second world, which sees the rank go when its process does).
 #[test]
 fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
     const BURST: usize = 30;
@@ -142,12 +144,18 @@ fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
         rank: 2,
         at: consort_comm::fault::Trigger::AfterMessages(12),
     }];
+    let side = SimWorld::new(SimConfig::new(3)).unwrap();
+    let sides = Arc::new(std::sync::Mutex::new(
+        side.ranks().into_iter().map(Some).collect::<Vec<_>>(),
+    ));
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let out = per_thread_in(cfg, |rank| {
+        let out = per_thread_in(cfg, move |rank| {
+            let side = sides.lock().unwrap()[rank.rank()].take().unwrap();
             block_on(async move {
                 let r = rank.rank();
                 let (dev, comm) = setup(rank, 11);
+                comm.check_fingerprints(Arc::new(side)).unwrap();
                 let s = dev.new_stream().unwrap();
                 let x = dev.alloc_zeroed(4096, s).unwrap();
                 // SAFETY: x holds 4096 bytes, live until the thread ends.
@@ -157,6 +165,11 @@ fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
                 let mut burst = Vec::new();
                 for _ in 0..BURST {
                     burst.push(launch().await.map_err(|e| e.to_string()));
+                    if r == 2 && burst.last().is_some_and(Result::is_err) {
+                        // Crashed: its process, side channel included, is gone.
+                        drop(comm);
+                        return (r, burst, Err("crashed".into()), Vec::new());
+                    }
                     // Host work between launches (a layer's backward): the
                     // stream runs meanwhile, so the loss lands mid-burst.
                     tokio::time::sleep(Duration::from_millis(2)).await;

@@ -336,3 +336,50 @@ fn a_queued_call_times_out_naming_the_rank_that_holds_it_up() {
         other => panic!("want a Timeout naming rank 1, got {other}"),
     }
 }
+
+/// A rank whose handle is dropped (its process exited) is known lost to
+/// its peers without a call, in their group's numbering: the side channel
+/// of a stream-ordered communicator names a lost peer this way.
+#[test]
+fn an_exited_rank_is_among_its_peers_lost_peers_in_group_ranks() {
+    use consort_comm::{Backend, CallOptions};
+    let world = SimWorld::new(SimConfig::new(3)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut ranks = world.ranks().into_iter();
+    let (r0, r1, r2) = (
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+    );
+    let opts = CallOptions::default();
+    let subs = rt.block_on(async {
+        let (a, b, c) = tokio::join!(
+            r0.new_group(&[0, 2], &opts),
+            r1.new_group(&[0, 2], &opts),
+            r2.new_group(&[0, 2], &opts),
+        );
+        let _ = b.unwrap();
+        (a.unwrap().unwrap(), c.unwrap().unwrap())
+    });
+    assert!(r0.lost_peers().is_empty());
+    drop(subs.1);
+    drop(r2);
+    let lost = r0.lost_peers();
+    assert_eq!(
+        lost.iter().map(|l| l.0).collect::<Vec<_>>(),
+        [2],
+        "{lost:?}"
+    );
+    assert!(lost[0].1.contains("exited"), "{lost:?}");
+    // In the subgroup of world ranks [0, 2], world rank 2 is group rank 1.
+    let in_sub = subs.0.lost_peers();
+    assert_eq!(
+        in_sub.iter().map(|l| l.0).collect::<Vec<_>>(),
+        [1],
+        "{in_sub:?}"
+    );
+    assert!(r1.lost_peers().iter().any(|l| l.0 == 2));
+}

@@ -19,7 +19,10 @@ use std::{
 use consort_comm::{
     CommError, ErrorContext,
     heartbeat::Heartbeat,
-    ordered::{Ordered, check::Checker},
+    ordered::{
+        Ordered,
+        check::{Checker, LostPeer},
+    },
 };
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
 
@@ -63,6 +66,8 @@ pub(crate) struct Track {
     pub(crate) staged: u64,
     /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
     beat: Option<Arc<Heartbeat>>,
+    /// Names the rank behind an `ncclRemoteError` (the side channel's).
+    lost: LostPeer,
 }
 
 impl Track {
@@ -73,6 +78,7 @@ impl Track {
             free_events: Vec::new(),
             staged: 0,
             beat,
+            lost: LostPeer::default(),
         }
     }
 
@@ -172,11 +178,24 @@ impl Shared {
     /// with it, and the communicator is aborted (a mismatched kernel may
     /// never finish).
     pub(crate) fn mismatch(&self, e: CommError) {
+        tracing::debug!(rank = self.rank, cause = %e, "NCCL: the fingerprint check failed the calls");
         let mut t = lock(&self.track);
         let failed = t.core.mismatch(e.clone());
         t.finish_all(failed);
         drop(t);
         self.abort(e);
+    }
+
+    /// `e`, a failure an NCCL call returned, with the rank named when it
+    /// may be a peer's death that the fingerprint check's side channel saw
+    /// (waiting at most the grace: [`LostPeer::name_blocking`]).
+    pub(crate) fn named(&self, e: CommError) -> CommError {
+        match &e {
+            CommError::Backend { code, .. } if crate::map::may_be_lost_peer(*code) => {
+                LostPeer::name_blocking(self.checker.get(), e)
+            }
+            _ => e,
+        }
     }
 
     /// An event from the pool, or a new one.
@@ -213,6 +232,7 @@ impl Shared {
     /// launch, and says so in the log.
     pub(crate) fn abort(&self, e: CommError) {
         use std::sync::atomic::Ordering::SeqCst;
+        tracing::debug!(rank = self.rank, cause = %e, "NCCL: aborting the communicator");
         if self.aborting.swap(true, SeqCst) {
             // Another thread is aborting (ncclCommAbort can take a second
             // while NCCL's threads wind down): this one's calls fail now.
@@ -316,7 +336,8 @@ pub(crate) fn abort_in_background(nccl: &Arc<Nccl>, comm: usize, rank: usize) {
     let abort = move || {
         // SAFETY: `comm` was live and is aborted once: its only holder
         // handed it over and cleared its own copy.
-        let _ = unsafe { (n.comm_abort)(comm as Comm) };
+        let r = unsafe { (n.comm_abort)(comm as Comm) };
+        tracing::debug!(rank, result = r, "NCCL: ncclCommAbort returned");
     };
     let spawned = std::thread::Builder::new()
         .name(format!("consort-nccl-abort-{rank}"))
@@ -359,10 +380,11 @@ fn fired(e: Event) -> Result<bool, CommError> {
 fn watchdog(shared: &Shared) {
     loop {
         let mut t = lock(&shared.track);
-        let seen = t.core.watch(
+        let Track { core, lost, .. } = &mut *t;
+        let seen = core.watch(
             Instant::now(),
             |w| fired(w.done),
-            |ctx| async_error(shared, ctx),
+            |ctx| async_error(shared, ctx, lost),
         );
         let progressed = !seen.finished.is_empty();
         t.finish_all(seen.finished);
@@ -392,8 +414,11 @@ fn watchdog(shared: &Shared) {
 }
 
 /// `ncclCommGetAsyncError` as an error, if there is one. Skipped while a
-/// launch holds the launch lock (it polls the same state itself).
-fn async_error(shared: &Shared, ctx: ErrorContext) -> Option<CommError> {
+/// launch holds the launch lock (it polls the same state itself). A
+/// remote or system error (a peer's socket closed: NCCL names no rank) is
+/// named by the fingerprint check's side channel when it can
+/// ([`LostPeer`]).
+fn async_error(shared: &Shared, ctx: ErrorContext, lost: &mut LostPeer) -> Option<CommError> {
     let _slot = shared.slot.try_lock().ok()?;
     let comm = shared.comm()?;
     // The communicator is live and cannot be freed meanwhile: an abort or
@@ -402,5 +427,10 @@ fn async_error(shared: &Shared, ctx: ErrorContext) -> Option<CommError> {
     if code == result::SUCCESS || code == result::IN_PROGRESS {
         return None;
     }
-    Some(nccl_error(ctx, code, &shared.last_error(comm)))
+    let e = nccl_error(ctx, code, &shared.last_error(comm));
+    if crate::map::may_be_lost_peer(code) {
+        lost.name(shared.checker.get(), e, Instant::now())
+    } else {
+        Some(e)
+    }
 }

@@ -202,6 +202,10 @@ impl Backend for QuicBackend {
         self.inner.submit(op, opts)
     }
 
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.inner.lost_peers()
+    }
+
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -150,6 +150,10 @@ impl Backend for TcpBackend {
         self.mesh.submit(op, opts)
     }
 
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.mesh.lost_peers()
+    }
+
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -485,6 +485,11 @@ impl<P> Engine<P> {
         }
     }
 
+    /// The mesh ranks that are gone, with what was seen.
+    pub fn lost(&self) -> &[(usize, String)] {
+        &self.lost
+    }
+
     /// Whether mesh rank `peer` is gone.
     pub fn is_lost(&self, peer: usize) -> bool {
         self.lost.iter().any(|(p, _)| *p == peer)

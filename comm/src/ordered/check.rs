@@ -60,6 +60,8 @@ pub struct Checker {
     done: Arc<AtomicU64>,
     /// Each comparison's limit, and so the limit on waiting for the task.
     timeout: Duration,
+    /// The side channel, asked which ranks it has lost.
+    host: Arc<dyn Backend>,
 }
 
 impl std::fmt::Debug for Msg {
@@ -78,16 +80,23 @@ impl Checker {
     pub fn new(host: Arc<dyn Backend>, timeout: Duration, report: Report) -> (Checker, CheckTask) {
         let (tx, rx) = mpsc::unbounded_channel();
         let (sent, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let task = Box::pin(run(host, timeout, rx, report, done.clone()));
+        let task = Box::pin(run(host.clone(), timeout, rx, report, done.clone()));
         (
             Checker {
                 tx,
                 sent,
                 done,
                 timeout,
+                host,
             },
             task,
         )
+    }
+
+    /// The first rank the side channel has seen go, and what it saw
+    /// ([`Backend::lost_peers`]).
+    pub fn lost_peer(&self) -> Option<(usize, String)> {
+        self.host.lost_peers().into_iter().next()
     }
 
     /// Sends a collective's fingerprint to be compared; never blocks.
@@ -148,6 +157,74 @@ impl Checker {
                 after: limit,
                 waiting_on: Vec::new(),
             }),
+        }
+    }
+}
+
+/// How long a data-path failure that names no rank waits for the side
+/// channel to name one: both see the same process go, within
+/// milliseconds of each other; a failure with no rank lost is held back
+/// this long.
+pub const LOST_PEER_GRACE: Duration = Duration::from_secs(1);
+
+/// The rule that names the rank behind a data-path failure that names none.
+///
+/// NCCL reports a peer's death as `ncclRemoteError` ("connection closed by
+/// remote peer"), with an address but no rank, and the emulated device
+/// reports its data path's losses the same way. Callers such as DDP's
+/// `OnPeerLost::Shrink` need `PeerLost` naming the rank. The fingerprint
+/// check's side channel connects the same ranks and sees the same process
+/// go: the failure is held back (the calls stay in flight) until the side
+/// channel names the rank, at most [`LOST_PEER_GRACE`], and then fails
+/// them with `PeerLost` naming it. Without a side channel, or when no rank
+/// is lost within the grace, the failure stands as it came. Each
+/// communicator's driver keeps one and asks it on every poll.
+#[derive(Debug, Default)]
+pub struct LostPeer {
+    /// When the anonymous failure was first seen.
+    since: Option<Instant>,
+}
+
+impl LostPeer {
+    /// What the calls fail with for `e`, an anonymous data-path failure
+    /// seen at `now`: `PeerLost` naming the rank `checker`'s side channel
+    /// lost, `e` itself once the grace has passed or without a checker, or
+    /// `None` while the side channel may still name one (poll again).
+    pub fn name(
+        &mut self,
+        checker: Option<&Checker>,
+        e: CommError,
+        now: Instant,
+    ) -> Option<CommError> {
+        let Some(checker) = checker else {
+            return Some(e);
+        };
+        if let Some((peer, why)) = checker.lost_peer() {
+            let ctx = e.context().copied().unwrap_or_default();
+            return Some(CommError::PeerLost {
+                ctx,
+                peer,
+                reason: format!(
+                    "{why} (seen by the fingerprint check's side channel; the communicator \
+                     itself reported: {e})"
+                ),
+            });
+        }
+        let since = *self.since.get_or_insert(now);
+        (now.duration_since(since) >= LOST_PEER_GRACE).then_some(e)
+    }
+
+    /// [`LostPeer::name`] for a failure a call itself returned (an
+    /// enqueue that failed): polls the side channel every millisecond
+    /// until it names the rank or the grace passes, blocking the calling
+    /// thread at most [`LOST_PEER_GRACE`], and only when a checker exists.
+    pub fn name_blocking(checker: Option<&Checker>, e: CommError) -> CommError {
+        let mut rule = LostPeer::default();
+        loop {
+            match rule.name(checker, e.clone(), Instant::now()) {
+                Some(named) => return named,
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
         }
     }
 }

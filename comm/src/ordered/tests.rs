@@ -182,3 +182,105 @@ fn the_comparison_names_both_sides_and_refuses_garbage() {
         Some(CommError::Protocol { .. })
     ));
 }
+
+/// A side channel whose transport has lost the ranks in `lost` (and makes
+/// no calls: the rule only asks it who is gone).
+#[derive(Debug, Default)]
+struct Side {
+    lost: std::sync::Mutex<Vec<(usize, String)>>,
+}
+
+#[async_trait::async_trait]
+impl crate::Backend for Side {
+    fn name(&self) -> &'static str {
+        "side"
+    }
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        3
+    }
+    fn default_timeout(&self) -> Duration {
+        SEC
+    }
+    fn submit<'a>(&'a self, _: crate::Op<'a>, _: &crate::CallOptions) -> crate::Work<'a> {
+        crate::Work::ready(Err(CommError::unsupported(
+            "the test's side channel makes no calls",
+        )))
+    }
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.lost.lock().unwrap().clone()
+    }
+}
+
+fn remote() -> CommError {
+    CommError::Backend {
+        ctx: crate::ErrorContext {
+            rank: Some(0),
+            ..Default::default()
+        },
+        backend: "NCCL",
+        code: 6,
+        detail: "ncclRemoteError (socketProgress: Connection closed by remote peer)".into(),
+    }
+}
+
+#[test]
+fn an_anonymous_failure_is_named_by_the_side_channel_that_lost_the_rank() {
+    use super::check::{Checker, LostPeer};
+    let side = std::sync::Arc::new(Side::default());
+    let (checker, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
+    let mut rule = LostPeer::default();
+    let t0 = Instant::now();
+    // Nobody lost yet: the failure is held back (the calls stay in flight).
+    assert!(rule.name(Some(&checker), remote(), t0).is_none());
+    side.lost
+        .lock()
+        .unwrap()
+        .push((2, "connection reset".into()));
+    let named = rule.name(Some(&checker), remote(), t0 + SEC / 10).unwrap();
+    match &named {
+        CommError::PeerLost { peer, reason, ctx } => {
+            assert_eq!((*peer, ctx.rank), (2, Some(0)));
+            assert!(reason.contains("connection reset"), "{reason}");
+            assert!(reason.contains("ncclRemoteError"), "{reason}");
+        }
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn an_anonymous_failure_stands_after_the_grace_or_without_a_side_channel() {
+    use super::check::{Checker, LOST_PEER_GRACE, LostPeer};
+    let side = std::sync::Arc::new(Side::default());
+    let (checker, _task) = Checker::new(side, SEC, std::sync::Arc::new(|_| {}));
+    let mut rule = LostPeer::default();
+    let t0 = Instant::now();
+    assert!(rule.name(Some(&checker), remote(), t0).is_none());
+    assert!(
+        rule.name(Some(&checker), remote(), t0 + LOST_PEER_GRACE / 2)
+            .is_none()
+    );
+    let late = rule.name(Some(&checker), remote(), t0 + LOST_PEER_GRACE);
+    assert!(
+        matches!(late, Some(CommError::Backend { code: 6, .. })),
+        "{late:?}"
+    );
+    let alone = LostPeer::default().name(None, remote(), t0);
+    assert!(
+        matches!(alone, Some(CommError::Backend { code: 6, .. })),
+        "{alone:?}"
+    );
+    // A failure a call returned: with no rank lost it stands after the
+    // grace, on the calling thread.
+    let start = Instant::now();
+    let (checker, _task) = Checker::new(
+        std::sync::Arc::new(Side::default()),
+        SEC,
+        std::sync::Arc::new(|_| {}),
+    );
+    let blocked = LostPeer::name_blocking(Some(&checker), remote());
+    assert!(matches!(blocked, CommError::Backend { code: 6, .. }));
+    assert!(start.elapsed() >= LOST_PEER_GRACE);
+}

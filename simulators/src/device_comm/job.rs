@@ -175,15 +175,42 @@ pub(super) fn comm_thread(
 }
 
 /// What a job that ran came to: its output for the caller, or the
-/// communicator's asynchronous error.
+/// communicator's asynchronous error. A peer lost on the data path is
+/// reported as NCCL reports it, without the rank ([`remote_error`]).
 pub(super) fn settle(job: &Job, result: Result<()>) {
-    match result {
+    match result.map_err(remote_error) {
         Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
         Err(e) => {
             job.comm.lock().async_error.get_or_insert(e.clone());
             lock(&job.slot).err = Some(e);
         }
     }
+}
+
+/// NCCL's `ncclRemoteError`, with which the emulated data path reports a
+/// lost peer: NCCL's socket transport says "connection closed by remote
+/// peer" and an address, never the rank, so the rank is named the way it
+/// is on NCCL, by the fingerprint check's side channel
+/// (`consort_comm::ordered::check::LostPeer`). Other failures stand.
+pub(super) fn remote_error(e: CommError) -> CommError {
+    match e {
+        CommError::PeerLost { ctx, reason, .. } => CommError::Backend {
+            ctx,
+            backend: REMOTE_BACKEND,
+            code: REMOTE_ERROR,
+            detail: format!("ncclRemoteError (the data path lost a peer: {reason})"),
+        },
+        other => other,
+    }
+}
+
+/// The backend name and NCCL code of [`remote_error`].
+const REMOTE_BACKEND: &str = "NCCL (emulated)";
+const REMOTE_ERROR: i32 = 6;
+
+/// Whether `e` is [`remote_error`]'s, a failure that names no rank.
+pub(super) fn is_remote_error(e: &CommError) -> bool {
+    matches!(e, CommError::Backend { backend, code, .. } if *backend == REMOTE_BACKEND && *code == REMOTE_ERROR)
 }
 
 /// A job of an aborted communicator is not run, but its host call is made

@@ -135,6 +135,7 @@ fn communicator(
             core: Ordered::new(inner.rank(), inner.world_size(), inner.group_id()),
             async_error: None,
             aborted: false,
+            lost: Default::default(),
             stop: false,
         }),
         cv: Condvar::new(),

@@ -9,10 +9,13 @@ use std::{
 
 use consort_comm::{
     CommError, EventId, Fingerprint, Result,
-    ordered::{Ordered, check::Checker},
+    ordered::{
+        Ordered,
+        check::{Checker, LostPeer},
+    },
 };
 
-use super::job::{Reply, Slot};
+use super::job::{Reply, Slot, is_remote_error};
 use crate::device::EmulatedDevice;
 
 /// The driver's handle on one enqueued call.
@@ -30,6 +33,8 @@ pub(super) struct State {
     /// Aborted: the communication thread skips its calls.
     pub(super) aborted: bool,
     pub(super) stop: bool,
+    /// Names the rank behind the data path's remote error.
+    pub(super) lost: LostPeer,
 }
 
 pub(super) struct Shared {
@@ -93,9 +98,19 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(super) fn watchdog(shared: &Shared) {
     loop {
         let mut st = shared.lock();
-        let seen = st.core.watch(
-            Instant::now(),
+        let State { core, lost, .. } = &mut *st;
+        let now = Instant::now();
+        let seen = core.watch(
+            now,
             |w| match &lock(&w.slot).err {
+                // A lost peer, as NCCL reports it: held until the side
+                // channel names the rank (NCCL's watchdog does the same).
+                Some(e) if is_remote_error(e) => {
+                    match lost.name(shared.checker.get(), e.clone(), now) {
+                        Some(e) => Err(e),
+                        None => Ok(false),
+                    }
+                }
                 Some(e) => Err(e.clone()),
                 None => Ok(shared.device.event_done(w.gate)),
             },

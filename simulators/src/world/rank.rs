@@ -317,6 +317,21 @@ impl Backend for SimRank {
             .unwrap_or_else(|| lock(&self.shared).ranks[self.rank].timeout)
     }
 
+    /// Members whose process exited or crashed: the world knows at once
+    /// (a real transport learns it from a closed connection as quickly).
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        let s = lock(&self.shared);
+        self.members
+            .iter()
+            .enumerate()
+            .filter_map(|(r, &w)| match s.ranks[w].status {
+                Status::Alive => None,
+                Status::Crashed => Some((r, "its process crashed (the fault plan)".to_string())),
+                Status::Exited => Some((r, "its process exited".to_string())),
+            })
+            .collect()
+    }
+
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let kind = op.kind();
         let req = match CallReq::from_op("sim", self.me, self.members.len(), op, opts) {

@@ -423,6 +423,18 @@ impl Backend for MeshBackend {
         self.start(op, opts)
     }
 
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        let engine = lock(&self.inner.engine);
+        engine
+            .lost()
+            .iter()
+            .filter_map(|(p, why)| {
+                let r = self.members.iter().position(|m| m == p)?;
+                Some((r, why.clone()))
+            })
+            .collect()
+    }
+
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -108,6 +108,7 @@ impl NcclBackend {
             ))
         })?;
         let key = format!("consort/nccl/survivors/{:08x}/{:08x}", parent.0, id.0);
+        tracing::debug!(rank = self.rank, ?ranks, %key, "NCCL: a communicator of the survivors");
         let store_err = |source| CommError::Store { ctx: ctx0, source };
         let bytes: [u8; UNIQUE_ID_BYTES] = if me == 0 {
             let u = self
@@ -134,7 +135,18 @@ impl NcclBackend {
             ..self.opts.clone()
         };
         let (nccl, cctx) = (&self.shared.nccl, &self.ctx);
-        init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await
+        tracing::debug!(
+            rank = self.rank,
+            me,
+            "NCCL: the survivors' unique id is here; init"
+        );
+        let made = init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await;
+        tracing::debug!(
+            rank = self.rank,
+            ok = made.is_ok(),
+            "NCCL: the survivors' init ended"
+        );
+        made
     }
 
     /// A subgroup's communicator where NCCL has no `ncclCommSplit`: its
