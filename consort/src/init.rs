@@ -460,6 +460,46 @@ impl Dist {
     /// `Ddp` that shrank past them, `DdpError::Shrunk`): nobody waits for
     /// them to leave.
     pub async fn shutdown_without(self, lost: &[usize]) -> Result<(), InitError> {
+        let timeout = self.timeout;
+        let rank = self.env.rank;
+        self.leave(lost, timeout)
+            .await?
+            .map_err(|source| InitError::Store { rank, source })
+    }
+
+    /// Leaves the job after this rank failed (with the error its caller is
+    /// about to report): as [`Dist::shutdown_without`], but the rank that
+    /// hosts the store waits for the others' goodbyes at most the op
+    /// timeout (`CONSORT_TIMEOUT`) when that is shorter than the store's
+    /// (300 s): a failure often means a peer died, and a dead peer never
+    /// says goodbye. The ranks that did not are named in a warning; one
+    /// still running loses the store and fails on its own. Only setting
+    /// this rank's own goodbye can fail.
+    pub async fn shutdown_failed(self, lost: &[usize]) -> Result<(), InitError> {
+        let wait = match seconds_var("CONSORT_TIMEOUT") {
+            Ok(Some(t)) => t.min(self.timeout),
+            _ => self.timeout,
+        };
+        let rank = self.env.rank;
+        if let Err(e) = self.leave(lost, wait).await? {
+            tracing::warn!(
+                rank,
+                "left the store after this rank's failure without every rank's goodbye ({e}); \
+                 the ranks that did not say it are probably gone"
+            );
+        }
+        Ok(())
+    }
+
+    /// Says this rank's goodbye (and the lost ranks'), and on the rank that
+    /// hosts the store waits up to `wait` for everyone's before stopping
+    /// the server. The outer error is setting a goodbye; the inner, the
+    /// wait.
+    async fn leave(
+        self,
+        lost: &[usize],
+        wait: Duration,
+    ) -> Result<Result<(), StoreError>, InitError> {
         let rank = self.env.rank;
         let rdzv = rendezvous_store(&self.store, &self.env);
         let err = |source| InitError::Store { rank, source };
@@ -467,18 +507,18 @@ impl Dist {
         for r in lost {
             rdzv.set(&format!("exit/{r}"), b"1").await.map_err(err)?;
         }
-        if let Some(server) = self.server {
-            let keys: Vec<String> = (0..self.env.world_size)
-                .map(|r| format!("exit/{r}"))
-                .collect();
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let waited = rdzv.wait(&keys, self.timeout).await;
-            drop(rdzv);
-            drop(self.store);
-            server.shutdown().await;
-            waited.map_err(err)?;
-        }
-        Ok(())
+        let Some(server) = self.server else {
+            return Ok(Ok(()));
+        };
+        let keys: Vec<String> = (0..self.env.world_size)
+            .map(|r| format!("exit/{r}"))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let waited = rdzv.wait(&keys, wait).await;
+        drop(rdzv);
+        drop(self.store);
+        server.shutdown().await;
+        Ok(waited)
     }
 }
 

@@ -342,11 +342,26 @@ fn elastic_a_late_node_joins_at_the_next_round() {
 /// global batch), and finish.
 #[test]
 fn shrink_over_tcp_the_survivors_finish_without_a_killed_rank() {
-    let (port, out) = (free_port(), scratch("shrink"));
+    shrink_past_a_killed_rank("tcp");
+}
+
+/// The same through NCCL's model on the emulated device (gpu-check's step
+/// 10 on CPU): the data path reports the loss without the rank, as NCCL's
+/// `ncclRemoteError` does, and the fingerprint check's TCP side channel
+/// names it. On an H100 the survivor instead failed with the bare remote
+/// error, which DDP could not shrink past, and then waited out the store's
+/// 300 s for the dead rank's goodbye.
+#[test]
+fn shrink_on_the_emulated_device_the_side_channel_names_the_killed_rank() {
+    shrink_past_a_killed_rank("emulated");
+}
+
+fn shrink_past_a_killed_rank(backend: &str) {
+    let (port, out) = (free_port(), scratch(&format!("shrink-{backend}")));
     let mut ranks: Vec<std::process::Child> = (0..3)
         .map(|r| {
             Command::new(train_bin())
-                .args(["--backend", "tcp", "--epochs", "6", "--batch-size", "30"])
+                .args(["--backend", backend, "--epochs", "6", "--batch-size", "30"])
                 .args(["--on-peer-lost", "shrink", "--out"])
                 .arg(&out)
                 .env("RANK", r.to_string())
@@ -403,4 +418,55 @@ fn shrink_over_tcp_the_survivors_finish_without_a_killed_rank() {
     assert!(text.contains("epoch   6/6"), "{text}");
     assert_accuracy(&out, 3, "after a shrink");
     std::fs::remove_dir_all(out).unwrap();
+}
+
+/// Without `--on-peer-lost shrink`, the survivor of a killed rank fails,
+/// names the rank, and leaves: the rank that hosts the store waits for the
+/// dead rank's goodbye only the op timeout (`CONSORT_TIMEOUT=5`), not the
+/// store's 300 s. On an H100 (gpu-check step 10) the survivor sat out those
+/// 300 s silently. The bound below only catches that wait; it times nothing.
+#[test]
+fn a_failed_survivor_leaves_without_waiting_out_the_store_for_the_dead() {
+    let (port, out) = (free_port(), scratch("fail-leave"));
+    let mut ranks: Vec<std::process::Child> = (0..2)
+        .map(|r| {
+            Command::new(train_bin())
+                .args(["--backend", "tcp", "--epochs", "60", "--batch-size", "30"])
+                .arg("--out")
+                .arg(&out)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("CONSORT_TIMEOUT", "5")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("train")
+        })
+        .collect();
+    let rx = lines(&mut ranks[0]);
+    let mut text = String::new();
+    assert!(read_until(&rx, &mut text, "epoch   2/60"), "{text}");
+    ranks[1].kill().unwrap();
+    let _ = ranks[1].wait();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = ranks[0].try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(150) {
+            let _ = ranks[0].kill();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    text.extend(rx.iter().map(|l| l + "\n"));
+    let status = status.unwrap_or_else(|| panic!("rank 0 did not leave in 150 s:\n{text}"));
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("lost rank 1"), "{text}");
+    assert!(text.contains("without every rank's goodbye"), "{text}");
+    let _ = std::fs::remove_dir_all(out);
 }

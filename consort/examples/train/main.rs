@@ -108,6 +108,15 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // consort's warnings (an abort that waited, a stream that did not
+    // drain) and, with CONSORT_LOG=debug, its progress, on stderr.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CONSORT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -203,9 +212,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             let store = Some(dist.store().clone());
             let res = train_any(pg.backend().clone(), args, data, store).await;
             drop(pg);
-            // Ranks DDP shrank past are gone: nobody waits for them.
-            let lost = res.as_ref().map(Vec::clone).unwrap_or_default();
-            dist.shutdown_without(&lost).await?;
+            leave(dist, &res).await?;
             res.map(drop)
         }
         "nccl" => nccl(args, data).await,
@@ -223,9 +230,18 @@ async fn nccl(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     let store = Some(dist.store().clone());
     let res = train_any(pg.backend().clone(), args, data, store).await;
     drop(pg);
-    let lost = res.as_ref().map(Vec::clone).unwrap_or_default();
-    dist.shutdown_without(&lost).await?;
+    leave(dist, &res).await?;
     res.map(drop)
+}
+
+/// Leaves the job: ranks DDP shrank past are gone, and nobody waits for
+/// them; after a failure, dead peers are waited for only the op timeout.
+async fn leave(dist: consort::Dist, res: &Result<Vec<usize>, BoxError>) -> Result<(), BoxError> {
+    match res {
+        Ok(lost) => dist.shutdown_without(lost).await?,
+        Err(_) => dist.shutdown_failed(&[]).await?,
+    }
+    Ok(())
 }
 
 /// One process per GPU, the model on the GPU.
@@ -236,7 +252,11 @@ async fn nccl_cuda(args: Arc<Args>, data: Arc<Digits>) -> Result<(), BoxError> {
     let res = gpu_loop::train_rank_gpu(b.clone(), &args, &data).await;
     let done = consort::Backend::synchronize(&*b).await;
     let closed = b.shutdown();
-    dist.shutdown().await?;
+    if res.is_ok() && done.is_ok() {
+        dist.shutdown().await?;
+    } else {
+        dist.shutdown_failed(&[]).await?;
+    }
     res.and(done.map_err(BoxError::from))
         .and(closed.map_err(BoxError::from))
 }
@@ -609,7 +629,8 @@ async fn train_rank(
             ddp.mark_ready(W1, &g.w1)?;
             match ddp.finish().await {
                 Ok(()) => {}
-                Err(DdpError::Shrunk { lost, .. }) => {
+                Err(DdpError::Shrunk { lost, cause, .. }) => {
+                    tracing::warn!("lost rank(s) {lost:?}: {cause}");
                     // The step did not happen: redo it on the survivors,
                     // this epoch re-sharded over them.
                     job.regroup(&ddp, &mut who, &lost, &args, &data, (epoch, k))?;
