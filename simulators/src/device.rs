@@ -69,6 +69,10 @@ struct EventState {
 struct State {
     allocs: HashMap<u64, Vec<u8>>,
     next_alloc: u64,
+    /// Bytes allocated and not yet freed, and their peak since the last
+    /// reset (as CUDA's pool keeps them).
+    held: usize,
+    peak: usize,
     streams: HashMap<StreamId, VecDeque<Op>>,
     next_stream: StreamId,
     /// The stream whose operation the worker is running now.
@@ -135,7 +139,9 @@ impl State {
             Op::Write { dst, data } => self.write(dst, &data),
             Op::Zero { dst, n } => self.write(dst, &vec![0; n]),
             Op::Free { alloc } => {
-                self.allocs.remove(&alloc);
+                if let Some(a) = self.allocs.remove(&alloc) {
+                    self.held -= a.len();
+                }
                 Ok(())
             }
             Op::Record(e) => {
@@ -204,6 +210,8 @@ impl EmulatedDevice {
             state: Mutex::new(State {
                 allocs: HashMap::new(),
                 next_alloc: 0,
+                held: 0,
+                peak: 0,
                 streams,
                 next_stream: 1,
                 busy: None,
@@ -313,7 +321,32 @@ impl EmulatedDevice {
 
     /// Bytes allocated and not yet freed (what a memory test compares).
     pub fn allocated_bytes(&self) -> usize {
-        self.shared.lock().allocs.values().map(Vec::len).sum()
+        self.shared.lock().held
+    }
+
+    /// The most bytes held at once since the device was made or
+    /// [`EmulatedDevice::reset_peak`] (torch's `max_memory_allocated`). A
+    /// free counts when it runs in its stream's order, as on CUDA's
+    /// stream-ordered pool.
+    pub fn peak_allocated_bytes(&self) -> usize {
+        self.shared.lock().peak
+    }
+
+    /// Starts the peak again from the bytes held once every stream's work
+    /// queued so far has run (frees included; waiting at most the
+    /// device's sync timeout), as a peak read across a synchronized device.
+    pub fn reset_peak(&self) {
+        let deadline = Instant::now() + self.shared.opts.sync_timeout;
+        loop {
+            let mut st = self.shared.lock();
+            let idle = st.busy.is_none() && st.streams.values().all(VecDeque::is_empty);
+            if idle || Instant::now() >= deadline {
+                st.peak = st.held;
+                return;
+            }
+            drop(st);
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 }
 
@@ -407,6 +440,8 @@ impl Device for EmulatedDevice {
         st.next_alloc += 1;
         // Allocation is immediate here; the memory is zero either way.
         st.allocs.insert(a, vec![0; bytes]);
+        st.held += bytes;
+        st.peak = st.peak.max(st.held);
         Ok((a + 1) << OFFSET_BITS)
     }
 

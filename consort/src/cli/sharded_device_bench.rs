@@ -7,10 +7,11 @@
 //! `--layers` layers, one wrapping unit each), AdamW, and a synthetic
 //! backward on the device (`--work` multiply-adds per element, last layer
 //! first), as `scripts/torch_sharded_bench.py --device cuda` runs torch's
-//! DDP and FSDP2. On CUDA (NCCL, feature `nccl`) the peak of each rank's
-//! stream-ordered allocations is reported beside it, as torch's
-//! `max_memory_allocated`; on the emulated device (for tests, no GPU) the
-//! bytes held after a step. `--mixed bf16|f16` runs the sharded
+//! DDP and FSDP2. The bytes each rank holds after a step, and the peak of
+//! its stream-ordered allocations during the timed steps (torch's
+//! `max_memory_allocated`), are reported beside it: from CUDA's pool (NCCL,
+//! feature `nccl`), or from the emulated device's count (no GPU), which
+//! frees in stream order as CUDA's pool does. `--mixed bf16|f16` runs the sharded
 //! strategies with mixed precision (DDP stays f32), as the anchor's
 //! `--mixed` runs FSDP2 with a `MixedPrecisionPolicy`.
 
@@ -88,15 +89,21 @@ async fn emulated(dist: &consort::Dist) -> Result<Rig, BoxError> {
         unsafe { d.copy_from_host(grad.ptr(), consort::dtype::as_bytes(&g), p.stream) }?;
         Ok(())
     });
-    let dev = device.clone();
+    let (dev, dev2) = (device.clone(), device.clone());
     Ok(Rig {
         device_name: "emulated",
         backend: Arc::new(comm),
         place,
         kernels: Arc::new(StagedKernels),
         backward,
-        memory: Box::new(move || Ok((dev.allocated_bytes() as u64, None))),
-        reset_peak: Box::new(|| Ok(())),
+        memory: Box::new(move || {
+            let peak = dev.peak_allocated_bytes() as u64;
+            Ok((dev.allocated_bytes() as u64, Some(peak)))
+        }),
+        reset_peak: Box::new(move || {
+            dev2.reset_peak();
+            Ok(())
+        }),
     })
 }
 
@@ -224,9 +231,16 @@ async fn sharded_steps(
     let sizes: Vec<usize> = sh.params().iter().map(|p| p.numel()).collect();
     drop(m);
     time_steps(rig, iters, async || {
+        // The forward: each unit's whole parameters while it runs. FSDP
+        // and HSDP free them after it (FSDP2's reshard_after_forward) and
+        // gather them again for the backward; ZeRO's are views of the
+        // parameters it keeps.
         let mut gathered = Vec::new();
         for l in 0..sizes.len() {
-            gathered.push(sh.gather(l).await?);
+            let p = sh.gather(l).await?;
+            if !s.shards_params() {
+                gathered.push(p);
+            }
         }
         for l in (0..sizes.len()).rev() {
             let p = if s.shards_params() {
