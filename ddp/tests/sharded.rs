@@ -32,10 +32,11 @@ proptest! {
         adamw in any::<bool>(),
         unit_cap in 8usize..400,
         regather in any::<bool>(),
+        hold in any::<bool>(),
     ) {
         let mut c = c;
         let opt = opt_for(&mut c, adamw);
-        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
+        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather, hold };
         let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
         let got = distributed(&c, &run);
         check(&c, &got, &want)?;
@@ -224,6 +225,7 @@ fn a_crashed_rank_fails_every_survivor_clearly() {
                     opt: Opt::AdamW,
                     unit_cap: 64,
                     regather: true,
+                    hold: false,
                 };
                 let mut model = model_for(&c, r);
                 let res = async {

@@ -40,6 +40,7 @@ fn save_then_resume(
                     // a few larger ones when saving.
                     unit_cap: if resume { 8 } else { 400 },
                     regather: false,
+                    hold: false,
                 };
                 let mut model = model_for(&c, rank.rank());
                 let mut sh = Sharded::new(
@@ -151,6 +152,7 @@ fn full_checkpoint_has_the_model_keys_and_loads() {
                 opt: Opt::Sgd,
                 unit_cap: 64,
                 regather: true,
+                hold: false,
             };
             let mut model = model_for(&c, rank.rank());
             let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))
@@ -225,6 +227,7 @@ fn a_failed_load_changes_nothing_and_a_good_one_drops_old_prefetches() {
                 opt: Opt::AdamW,
                 unit_cap: 64,
                 regather: false,
+                hold: false,
             };
             let mut model = model_for(&c, r);
             let mut sh = Sharded::new(rank.clone(), &mut model, optimizer(run.opt), options(&run))

@@ -159,7 +159,7 @@ proptest! {
     ) {
         let mut c = c;
         let opt = opt_for(&mut c, adamw);
-        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather };
+        let run = Run { strategy: strategy_for(c.world, pick, g), opt, unit_cap, regather, hold: false };
         let want = reference(&c, opt, 0..c.data.len(), c.init.clone());
         let out = distributed(&c, &run);
         for (r, o) in out.iter().enumerate() {
@@ -252,6 +252,7 @@ fn device_checkpoints_equal_the_hosts_and_load_on_the_device() {
         opt: Opt::AdamW,
         unit_cap: 64,
         regather: false,
+        hold: false,
     };
     let dir = std::env::temp_dir().join(format!("consort-device-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -41,6 +41,7 @@
 mod flight;
 pub mod kernels;
 pub mod layout;
+mod limit;
 mod load;
 mod memory;
 pub mod mixed;
@@ -239,6 +240,8 @@ pub struct Sharded {
     phase: Phase,
     /// FSDP/HSDP gathers made ahead of use, by unit.
     prefetched: HashMap<usize, Vec<InFlight>>,
+    /// The cap on gathers unfinished on the device.
+    limit: limit::GatherLimit,
     /// Which parameters have their gradient this step.
     ready: Vec<bool>,
     /// Units `next_launch..` have been launched this step.
@@ -342,6 +345,7 @@ impl Sharded {
         let flats = agree_placed(&*backend, opts.strategy, flats, &call).await?;
         let ready = vec![false; specs.len()];
         let next_launch = layout.units.len();
+        let limit_place = place.clone();
         Ok(Sharded {
             backend,
             group,
@@ -363,6 +367,7 @@ impl Sharded {
             prefetch: opts.prefetch,
             phase: Phase::Forward,
             prefetched: HashMap::new(),
+            limit: limit::GatherLimit::new(limit_place),
             ready,
             next_launch,
             pending: Vec::new(),

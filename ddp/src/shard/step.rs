@@ -125,6 +125,26 @@ fn all_gather(
     })
 }
 
+/// All-gathers into `whole` itself: this rank's part (elements `range`)
+/// is copied out and sent from the copy, so the gather holds one shard
+/// more, not a second whole buffer.
+fn all_gather_in_place(
+    pg: Arc<dyn Backend>,
+    mut whole: Vals,
+    range: Range<usize>,
+    call: CallOptions,
+) -> InFlight {
+    let mine = match whole.slice(range) {
+        Ok(v) => v,
+        Err(e) => return InFlight::Done(Err(e)),
+    };
+    InFlight::launch(async move {
+        pg.all_gather(whole.buf_mut(), mine.buf(0..mine.len()), &call)
+            .await?;
+        Ok(whole)
+    })
+}
+
 /// Averages `buf` whole over `pg`.
 fn all_reduce(pg: Arc<dyn Backend>, mut buf: Vals, call: CallOptions) -> InFlight {
     InFlight::launch(async move {
@@ -133,14 +153,26 @@ fn all_reduce(pg: Arc<dyn Backend>, mut buf: Vals, call: CallOptions) -> InFligh
     })
 }
 
-/// Averages `input` over `pg` and keeps this rank's `shard_len` part.
+/// Averages `input` over `pg` and keeps this rank's `shard_len` part, in
+/// `reuse` when it fits (the flat's gradients from the last step, which
+/// this result replaces), else in a new buffer.
 fn reduce_scatter(
     pg: Arc<dyn Backend>,
     input: Vals,
+    reuse: Vals,
     shard_len: usize,
     call: CallOptions,
 ) -> InFlight {
-    let mut out = match input.zeros_like(shard_len) {
+    let fits = reuse.len() == shard_len
+        && reuse.dtype() == input.dtype()
+        && reuse.dev().is_some() == input.dev().is_some();
+    let made = if fits {
+        Ok(reuse)
+    } else {
+        drop(reuse);
+        input.zeros_like(shard_len)
+    };
+    let mut out = match made {
         Ok(out) => out,
         Err(e) => return InFlight::Done(Err(e)),
     };
@@ -218,7 +250,7 @@ impl Sharded {
             };
             let calls = match prefetched {
                 Some(calls) => calls,
-                None => self.launch_gather(unit, cast),
+                None => self.limited_gather(unit, cast).await?,
             };
             let next = match self.phase {
                 Phase::Forward => unit.checked_add(1),
@@ -227,7 +259,7 @@ impl Sharded {
             let launched = calls.iter().all(|c| c.failed().is_none());
             if let Some(n) = next.filter(|&n| launched && compute && self.prefetch && n < units) {
                 if !self.prefetched.contains_key(&n) {
-                    let calls = self.launch_gather(n, cast);
+                    let calls = self.limited_gather(n, cast).await?;
                     self.prefetched.insert(n, calls);
                 }
             }
@@ -243,6 +275,28 @@ impl Sharded {
             layout: self.layout.clone(),
             flats,
         })
+    }
+
+    /// [`Sharded::launch_gather`] once fewer than two gathers are
+    /// unfinished on the device (see [`super::limit`]).
+    async fn limited_gather(
+        &mut self,
+        unit: usize,
+        cast: Option<DType>,
+    ) -> Result<Vec<InFlight>, DdpError> {
+        let timeout = self.call.timeout_or(self.backend.default_timeout());
+        if let Err(e) = self.limit.room(timeout).await {
+            let what = format!("waiting for the device to finish gathers before unit {unit}'s");
+            let e = self.comm_error(what, e);
+            return Err(self.fail(e));
+        }
+        let calls = self.launch_gather(unit, cast);
+        if let Err(e) = self.limit.launched() {
+            let what = format!("recording the end of unit {unit}'s gather");
+            let e = self.comm_error(what, e);
+            return Err(self.fail(e));
+        }
+        Ok(calls)
     }
 
     /// Makes the all-gathers of one unit's flats, each shard cast to
@@ -431,10 +485,23 @@ impl Sharded {
                     .staging
                     .take()
                     .expect("every parameter was marked");
+                // This reduction's result replaces the flat's gradients
+                // from the last step: they go now (or take the result),
+                // not when it is waited for, so that two steps' gradients
+                // never live at once.
+                let old = match self.flats[f].params.zeros_like(0) {
+                    Ok(empty) => std::mem::replace(&mut self.flats[f].grads, empty),
+                    Err(e) => {
+                        let e = self.comm_error("an empty buffer", e);
+                        return Err(self.fail(e));
+                    }
+                };
                 let pg = self.group.pg.clone();
                 let call = if self.strategy.shards_grads() {
-                    reduce_scatter(pg, staging, self.layout.flats[f].shard_len, self.call)
+                    let shard_len = self.layout.flats[f].shard_len;
+                    reduce_scatter(pg, staging, old, shard_len, self.call)
                 } else {
+                    drop(old);
                     all_reduce(pg, staging, self.call)
                 };
                 // A reduction that could not be made fails this rank now,
@@ -542,25 +609,36 @@ impl Sharded {
     }
 
     /// ZeRO-1/2: every rank's updated shard, to every rank.
+    /// Each flat is gathered in place when nothing else holds it (no
+    /// [`Gathered`] of the forward is still alive), else into a new buffer.
     async fn gather_updated(&mut self) -> Result<(), DdpError> {
+        if self.layout.shards == 1 {
+            // The one shard is the whole, updated in place.
+            return Ok(());
+        }
         let k = self.group.index;
-        let calls: Vec<InFlight> = self
-            .layout
-            .flats
-            .iter()
-            .zip(&self.flats)
-            .map(|(flat, fs)| {
-                let padded = flat.padded(self.layout.shards);
-                let mine = flat.shard_range(k);
-                all_gather(
-                    self.group.pg.clone(),
-                    fs.params.clone(),
-                    mine,
-                    padded,
-                    self.call,
-                )
-            })
-            .collect();
+        let mut calls = Vec::with_capacity(self.flats.len());
+        for (flat, fs) in self.layout.flats.iter().zip(&mut self.flats) {
+            let padded = flat.padded(self.layout.shards);
+            let mine = flat.shard_range(k);
+            let pg = self.group.pg.clone();
+            let empty = match fs.params.zeros_like(0) {
+                Ok(e) => Arc::new(e),
+                Err(e) => {
+                    calls.push(InFlight::Done(Err(e)));
+                    continue;
+                }
+            };
+            let call = match Arc::try_unwrap(std::mem::replace(&mut fs.params, empty)) {
+                Ok(whole) => all_gather_in_place(pg, whole, mine, self.call),
+                Err(shared) => {
+                    let call = all_gather(pg, shared.clone(), mine, padded, self.call);
+                    fs.params = shared;
+                    call
+                }
+            };
+            calls.push(call);
+        }
         for (f, call) in calls.into_iter().enumerate() {
             let unit = self.layout.flats[f].unit;
             let what = format!("all_gather of unit {unit}'s updated parameters");

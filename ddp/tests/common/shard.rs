@@ -151,6 +151,10 @@ pub struct Run {
     /// Gather every unit again, in reverse, before backward (FSDP's
     /// reshard after forward), instead of keeping the forward's copies.
     pub regather: bool,
+    /// Keep the forward's gathers alive across `step()` (a caller that
+    /// still holds them): they must keep the values they had, and the step
+    /// must be the same.
+    pub hold: bool,
 }
 
 /// One rank's training steps `steps` of `c`; returns its final parameters.
@@ -185,7 +189,7 @@ pub async fn train(
                 g.param::<f64>(p).unwrap().to_vec()
             })
             .collect();
-        drop(got);
+        let held = if run.hold { got } else { Vec::new() };
         let (xs, ys): (Vec<_>, Vec<_>) = step[0][r].iter().cloned().unzip();
         let mut err = Ok(());
         c.mlp.backward(&params, &xs, &ys, scale, |i, g| {
@@ -195,6 +199,15 @@ pub async fn train(
         });
         err?;
         sh.step().await?;
+        for (p, before) in params.iter().enumerate() {
+            if let Some(g) = held.iter().find(|g| g.param::<f64>(p).is_ok()) {
+                assert_eq!(
+                    g.param::<f64>(p).unwrap(),
+                    &before[..],
+                    "a held gather changed"
+                );
+            }
+        }
     }
     Ok(())
 }
