@@ -125,7 +125,7 @@ pub(crate) async fn run(
         ]);
     }
     let rank = rig.backend.rank();
-    drop(rig);
+    rig.finish()?;
     dist.shutdown().await?;
     Ok((rank == 0).then_some(t))
 }

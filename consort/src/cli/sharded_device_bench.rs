@@ -54,6 +54,16 @@ pub(super) struct Rig {
     pub(super) backward: Backward,
     pub(super) memory: Box<dyn Fn() -> Result<Reading, BoxError>>,
     pub(super) reset_peak: Box<dyn Fn() -> Result<(), BoxError>>,
+    /// Shuts the backend down (NCCL's communicator is finalized, not
+    /// aborted as a dropped one is).
+    pub(super) close: Box<dyn Fn() -> Result<(), BoxError>>,
+}
+
+impl Rig {
+    /// Shuts the backend down, then lets everything go.
+    pub(super) fn finish(self) -> Result<(), BoxError> {
+        (self.close)()
+    }
 }
 
 /// The rig of `--device cuda` or `--device emulated`.
@@ -104,6 +114,7 @@ async fn emulated(dist: &consort::Dist) -> Result<Rig, BoxError> {
             dev2.reset_peak();
             Ok(())
         }),
+        close: Box::new(|| Ok(())),
     })
 }
 
@@ -166,9 +177,11 @@ extern "C" __global__ void synthetic_backward(const float* p, float* g, int work
     });
     let kernels = consort::cuda::CudaKernels::new(&dev)?;
     let (m, r) = (dev.clone(), dev.clone());
+    let b = Arc::new(b);
+    let nccl = b.clone();
     Ok(Rig {
         device_name: "cuda",
-        backend: Arc::new(b),
+        backend: b,
         place,
         kernels,
         backward,
@@ -177,6 +190,7 @@ extern "C" __global__ void synthetic_backward(const float* p, float* g, int work
             Ok((now, Some(peak)))
         }),
         reset_peak: Box::new(move || Ok(r.reset_peak()?)),
+        close: Box::new(move || Ok(nccl.shutdown()?)),
     })
 }
 
@@ -456,7 +470,7 @@ pub(crate) async fn steps(
         ]);
     }
     let rank = rig.backend.rank();
-    drop(rig);
+    rig.finish()?;
     dist.shutdown().await?;
     Ok((rank == 0).then_some(t))
 }
