@@ -8,7 +8,10 @@ The model: --params f32 parameters in --layers equal layers, one wrapping
 unit each; each layer's backward computes its gradient elementwise with
 --work multiply-adds per element (`x = p + bias; x = x * 0.999 + 0.001`
 repeated), last layer first, as consort's synthetic backward does; then
-AdamW (lr 1e-3). Run under torchrun (or `consort run`, which sets the same
+AdamW (lr 1e-3). On CUDA that backward is one elementwise kernel per
+layer, as consort's NVRTC kernel is (torch's jiterator, checked against
+the plain loop first); where jiterator is missing or disagrees, the loop of
+2·work+1 kernels runs instead and the `kernel` column says so. Run under torchrun (or `consort run`, which sets the same
 variables):
 
     torchrun --nproc-per-node 2 scripts/torch_sharded_bench.py              # gloo, CPU
@@ -31,39 +34,71 @@ import torch.distributed as dist
 from torch import nn
 
 
+def loop_backward(p, work, bias):
+    """The synthetic gradient as torch ops: 2·work+1 elementwise kernels."""
+    g = p + bias
+    for _ in range(work):
+        g = g * 0.999 + 0.001
+    return g
+
+
+def fused_backward(work, bias):
+    """The synthetic gradient as one CUDA kernel (jiterator), computed in f32
+    as consort's kernel is; None where jiterator is missing or disagrees
+    with the loop."""
+    try:
+        from torch.cuda.jiterator import _create_jit_fn
+
+        code = (
+            "template <typename T> T synthetic_backward(T p) {"
+            f" float x = static_cast<float>(p) + {float(bias)!r}f;"
+            f" for (int k = 0; k < {int(work)}; k++) x = x * 0.999f + 0.001f;"
+            " return static_cast<T>(x); }"
+        )
+        fn = _create_jit_fn(code)
+        p = torch.linspace(-1, 1, 4099, device="cuda")
+        if torch.allclose(fn(p), loop_backward(p, work, bias), rtol=1e-5, atol=1e-6):
+            return fn
+        print("jiterator's synthetic backward disagrees with the loop: using the loop")
+    except Exception as e:  # an old torch, or no NVRTC
+        print(f"no jiterator ({e}): the synthetic backward runs as a loop of kernels")
+    return None
+
+
 class Synthetic(torch.autograd.Function):
     """Forward passes `x` on; backward gives `p` its synthetic gradient."""
 
     @staticmethod
-    def forward(ctx, p, x, work, bias):
+    def forward(ctx, p, x, work, bias, fused):
         ctx.save_for_backward(p)
-        ctx.work, ctx.bias = work, bias
+        ctx.work, ctx.bias, ctx.fused = work, bias, fused
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         (p,) = ctx.saved_tensors
-        g = p + ctx.bias
-        for _ in range(ctx.work):
-            g = g * 0.999 + 0.001
-        return g, grad, None, None
+        if ctx.fused is not None and p.is_cuda:
+            g = ctx.fused(p)
+        else:
+            g = loop_backward(p, ctx.work, ctx.bias)
+        return g, grad, None, None, None
 
 
 class Layer(nn.Module):
-    def __init__(self, n, work, bias):
+    def __init__(self, n, work, bias, fused):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n))
-        self.work, self.bias = work, bias
+        self.work, self.bias, self.fused = work, bias, fused
 
     def forward(self, x):
-        return Synthetic.apply(self.weight, x, self.work, self.bias)
+        return Synthetic.apply(self.weight, x, self.work, self.bias, self.fused)
 
 
 class Model(nn.Module):
-    def __init__(self, params, layers, work, bias):
+    def __init__(self, params, layers, work, bias, fused=None):
         super().__init__()
         self.layers = nn.ModuleList(
-            Layer(params // layers, work, bias) for _ in range(layers)
+            Layer(params // layers, work, bias, fused) for _ in range(layers)
         )
 
     def forward(self, x):
@@ -128,10 +163,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     bias = rank * 1e-3
+    fused = fused_backward(a.work, bias) if cuda else None
     rows = []
     base = None
     for strategy in ("ddp", "fsdp"):
-        model = Model(a.params, a.layers, a.work, bias).to(device)
+        model = Model(a.params, a.layers, a.work, bias, fused).to(device)
         if strategy == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
@@ -157,6 +193,7 @@ def main():
                 "step_ms": round(ms, 2),
                 "vs_ddp": round(ms / base, 2),
                 "peak_mib": round(peak, 1),
+                "kernel": "fused" if fused is not None else "loop",
             }
         )
         del wrapped, model
@@ -165,11 +202,11 @@ def main():
             for r in rows:
                 print(json.dumps(r))
         else:
-            print(f"{'backend':>10} {'world':>5} {'params':>8} {'strategy':>10} {'step_ms':>8} {'vs_ddp':>6} {'peak_mib':>8}")
+            print(f"{'backend':>10} {'world':>5} {'params':>8} {'strategy':>10} {'step_ms':>8} {'vs_ddp':>6} {'peak_mib':>8} {'kernel':>6}")
             for r in rows:
                 print(
                     f"{r['backend']:>10} {r['world']:>5} {r['params']:>8} {r['strategy']:>10} "
-                    f"{r['step_ms']:>8} {r['vs_ddp']:>6} {r['peak_mib']:>8}"
+                    f"{r['step_ms']:>8} {r['vs_ddp']:>6} {r['peak_mib']:>8} {r['kernel']:>6}"
                 )
     dist.destroy_process_group()
 
