@@ -360,20 +360,11 @@ fn shrink_past_a_killed_rank(backend: &str) {
     let (port, out) = (free_port(), scratch(&format!("shrink-{backend}")));
     let mut ranks: Vec<std::process::Child> = (0..3)
         .map(|r| {
-            Command::new(train_bin())
+            // A hang fails the test in seconds, not in torch's 30 min.
+            bare_rank((r, 3), port, "30")
                 .args(["--backend", backend, "--epochs", "6", "--batch-size", "30"])
                 .args(["--on-peer-lost", "shrink", "--out"])
                 .arg(&out)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", "3")
-                .env("LOCAL_WORLD_SIZE", "3")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                // A hang fails the test in seconds, not in torch's 30 min.
-                .env("CONSORT_TIMEOUT", "30")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .expect("train")
         })
@@ -430,19 +421,10 @@ fn a_failed_survivor_leaves_without_waiting_out_the_store_for_the_dead() {
     let (port, out) = (free_port(), scratch("fail-leave"));
     let mut ranks: Vec<std::process::Child> = (0..2)
         .map(|r| {
-            Command::new(train_bin())
+            bare_rank((r, 2), port, "5")
                 .args(["--backend", "tcp", "--epochs", "60", "--batch-size", "30"])
                 .arg("--out")
                 .arg(&out)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("CONSORT_TIMEOUT", "5")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .expect("train")
         })
@@ -469,4 +451,21 @@ fn a_failed_survivor_leaves_without_waiting_out_the_store_for_the_dead() {
     assert!(text.contains("lost rank 1"), "{text}");
     assert!(text.contains("without every rank's goodbye"), "{text}");
     let _ = std::fs::remove_dir_all(out);
+}
+
+/// The trainer as rank `r` of `world` without a launcher (torchrun's
+/// variables set by hand, the store on rank 0 at `port`), with
+/// `CONSORT_TIMEOUT` seconds and its output piped.
+fn bare_rank((r, world): (usize, usize), port: u16, timeout: &str) -> Command {
+    let mut c = Command::new(train_bin());
+    c.env("RANK", r.to_string())
+        .env("LOCAL_RANK", r.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("CONSORT_TIMEOUT", timeout)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
 }
