@@ -468,27 +468,27 @@ impl Dist {
     }
 
     /// Leaves the job after this rank failed (with the error its caller is
-    /// about to report): as [`Dist::shutdown_without`], but the rank that
-    /// hosts the store waits for the others' goodbyes at most the op
-    /// timeout (`CONSORT_TIMEOUT`) when that is shorter than the store's
-    /// (300 s): a failure often means a peer died, and a dead peer never
-    /// says goodbye. The ranks that did not are named in a warning; one
-    /// still running loses the store and fails on its own. Only setting
-    /// this rank's own goodbye can fail.
-    pub async fn shutdown_failed(self, lost: &[usize]) -> Result<(), InitError> {
+    /// about to report, which this never replaces): as
+    /// [`Dist::shutdown_without`], but the rank that hosts the store waits
+    /// for the others' goodbyes at most [`FAILED_EXIT_WAIT`], or the op
+    /// timeout (`CONSORT_TIMEOUT`) when that is shorter: a failure often
+    /// means a peer died, and a dead peer never says goodbye. A rank still
+    /// running then loses the store and fails on its own. What goes wrong
+    /// here (no goodbye from some ranks, or a store that is gone, its host
+    /// having died) is a warning.
+    pub async fn shutdown_failed(self, lost: &[usize]) {
         let wait = match seconds_var("CONSORT_TIMEOUT") {
-            Ok(Some(t)) => t.min(self.timeout),
-            _ => self.timeout,
-        };
-        let rank = self.env.rank;
-        if let Err(e) = self.leave(lost, wait).await? {
-            tracing::warn!(
-                rank,
-                "left the store after this rank's failure without every rank's goodbye ({e}); \
-                 the ranks that did not say it are probably gone"
-            );
+            Ok(Some(t)) => t.min(FAILED_EXIT_WAIT),
+            _ => FAILED_EXIT_WAIT,
         }
-        Ok(())
+        .min(self.timeout);
+        let rank = self.env.rank;
+        let why = match self.leave(lost, wait).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => format!("some ranks never said goodbye ({e}); they are probably gone"),
+            Err(e) => format!("this rank could not say goodbye ({e}); the store is probably gone"),
+        };
+        tracing::warn!(rank, "leaving after this rank's failure: {why}");
     }
 
     /// Says this rank's goodbye (and the lost ranks'), and on the rank that
@@ -521,6 +521,10 @@ impl Dist {
         Ok(waited)
     }
 }
+
+/// How long the rank that hosts the store waits for the others' goodbyes
+/// after its own failure ([`Dist::shutdown_failed`]), at most.
+pub const FAILED_EXIT_WAIT: Duration = Duration::from_secs(60);
 
 /// The store namespace of one rendezvous round (torchelastic restarts get
 /// fresh keys).

@@ -54,4 +54,6 @@ pub use consort_comm::algo;
 /// The flight recorder's records and their analysis.
 pub use consort_comm::flight;
 pub use env::{DistEnv, EnvError, Launcher, MAX_LOCAL_WORLD_SIZE, MAX_WORLD_SIZE};
-pub use init::{Dist, InitError, InitOptions, init, init_from_env, store_bind_addr};
+pub use init::{
+    Dist, FAILED_EXIT_WAIT, InitError, InitOptions, init, init_from_env, store_bind_addr,
+};

@@ -188,13 +188,27 @@ impl Shared {
 
     /// `e`, a failure an NCCL call returned, with the rank named when it
     /// may be a peer's death that the fingerprint check's side channel saw
-    /// (waiting at most the grace: [`LostPeer::name_blocking`]).
-    pub(crate) fn named(&self, e: CommError) -> CommError {
-        match &e {
-            CommError::Backend { code, .. } if crate::map::may_be_lost_peer(*code) => {
-                LostPeer::name_blocking(self.checker.get(), e)
+    /// (waiting at most the grace, and at most `limit`, the call's time
+    /// left: [`LostPeer::name_blocking`]).
+    /// The wait blocks the calling thread: on a multi-threaded tokio
+    /// runtime it is moved off the workers (`block_in_place`); on a
+    /// current-thread one, whose tasks include the side channel's readers,
+    /// it only looks once.
+    pub(crate) fn named(&self, e: CommError, limit: Duration) -> CommError {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let CommError::Backend { code, .. } = &e else {
+            return e;
+        };
+        if !crate::map::may_be_lost_peer(*code) {
+            return e;
+        }
+        let checker = self.checker.get();
+        match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Err(_) => LostPeer::name_blocking(checker, e, limit),
+            Ok(RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| LostPeer::name_blocking(checker, e, limit))
             }
-            _ => e,
+            Ok(_) => LostPeer::name_blocking(checker, e, Duration::ZERO),
         }
     }
 

@@ -199,16 +199,8 @@ impl LostPeer {
         let Some(checker) = checker else {
             return Some(e);
         };
-        if let Some((peer, why)) = checker.lost_peer() {
-            let ctx = e.context().copied().unwrap_or_default();
-            return Some(CommError::PeerLost {
-                ctx,
-                peer,
-                reason: format!(
-                    "{why} (seen by the fingerprint check's side channel; the communicator \
-                     itself reported: {e})"
-                ),
-            });
+        if let Some(named) = named(checker, &e) {
+            return Some(named);
         }
         let since = *self.since.get_or_insert(now);
         (now.duration_since(since) >= LOST_PEER_GRACE).then_some(e)
@@ -216,17 +208,39 @@ impl LostPeer {
 
     /// [`LostPeer::name`] for a failure a call itself returned (an
     /// enqueue that failed): polls the side channel every millisecond
-    /// until it names the rank or the grace passes, blocking the calling
-    /// thread at most [`LOST_PEER_GRACE`], and only when a checker exists.
-    pub fn name_blocking(checker: Option<&Checker>, e: CommError) -> CommError {
-        let mut rule = LostPeer::default();
+    /// until it names the rank, blocking the calling thread for at most
+    /// `limit` and at most the grace (`Duration::ZERO`: look once). The
+    /// caller picks `limit`: the call's time left, and zero where a wait
+    /// would starve the side channel's readers (a current-thread runtime).
+    pub fn name_blocking(checker: Option<&Checker>, e: CommError, limit: Duration) -> CommError {
+        let Some(c) = checker else {
+            return e;
+        };
+        let deadline = crate::time::deadline(limit.min(LOST_PEER_GRACE));
         loop {
-            match rule.name(checker, e.clone(), Instant::now()) {
-                Some(named) => return named,
-                None => std::thread::sleep(Duration::from_millis(1)),
+            if let Some(named) = named(c, &e) {
+                return named;
             }
+            if Instant::now() >= deadline {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// `e` as `PeerLost` naming the first rank `checker`'s side channel has
+/// lost, if it has lost one.
+fn named(checker: &Checker, e: &CommError) -> Option<CommError> {
+    let (peer, why) = checker.lost_peer()?;
+    Some(CommError::PeerLost {
+        ctx: e.context().copied().unwrap_or_default(),
+        peer,
+        reason: format!(
+            "{why} (seen by the fingerprint check's side channel; the communicator itself \
+             reported: {e})"
+        ),
+    })
 }
 
 /// The checker task: one message at a time, in the order sent. After its

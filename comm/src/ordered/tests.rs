@@ -280,7 +280,11 @@ fn an_anonymous_failure_stands_after_the_grace_or_without_a_side_channel() {
         SEC,
         std::sync::Arc::new(|_| {}),
     );
-    let blocked = LostPeer::name_blocking(Some(&checker), remote());
+    let blocked = LostPeer::name_blocking(Some(&checker), remote(), 2 * LOST_PEER_GRACE);
     assert!(matches!(blocked, CommError::Backend { code: 6, .. }));
     assert!(start.elapsed() >= LOST_PEER_GRACE);
+    // A nearer deadline waits less.
+    let start = Instant::now();
+    let _ = LostPeer::name_blocking(Some(&checker), remote(), Duration::from_millis(5));
+    assert!(start.elapsed() < LOST_PEER_GRACE);
 }

@@ -6,7 +6,7 @@ use std::{ops::Range, sync::Arc};
 
 use consort_comm::{Backend, CallOptions, DType, DeviceBuffer, Element, ReduceOp};
 
-use super::{InFlight, Layout, Phase, Sharded, Vals, vals};
+use super::{InFlight, Layout, Phase, Sharded, Vals, limit::Recorder, vals};
 use crate::{error::DdpError, params::ParamSet};
 
 /// One wrapping unit's whole parameters, from [`Sharded::gather`]. Under
@@ -104,13 +104,15 @@ impl Gathered {
 }
 
 /// All-gathers elements `range` of `input` (one shard) into a new padded
-/// buffer in the same place.
+/// buffer in the same place. `done`, a unit's [`Recorder`], goes with the
+/// call: once every call of the unit has let it go, the gather's end is
+/// recorded on the device.
 fn all_gather(
     pg: Arc<dyn Backend>,
     input: Arc<Vals>,
-    range: Range<usize>,
-    padded: usize,
+    (range, padded): (Range<usize>, usize),
     call: CallOptions,
+    done: Option<Arc<Recorder>>,
 ) -> InFlight {
     // The output is made now: a rank that cannot allocate it knows before
     // it launches anything more (see `InFlight::failed`).
@@ -119,25 +121,21 @@ fn all_gather(
         Err(e) => return InFlight::Done(Err(e)),
     };
     InFlight::launch(async move {
+        let _done = done;
         pg.all_gather(out.buf_mut(), input.buf(range), &call)
             .await?;
         Ok(out)
     })
 }
 
-/// All-gathers into `whole` itself: this rank's part (elements `range`)
-/// is copied out and sent from the copy, so the gather holds one shard
-/// more, not a second whole buffer.
+/// All-gathers into `whole` itself, sending `mine`, a copy of this rank's
+/// part: the gather holds one shard more, not a second whole buffer.
 fn all_gather_in_place(
     pg: Arc<dyn Backend>,
     mut whole: Vals,
-    range: Range<usize>,
+    mine: Vals,
     call: CallOptions,
 ) -> InFlight {
-    let mine = match whole.slice(range) {
-        Ok(v) => v,
-        Err(e) => return InFlight::Done(Err(e)),
-    };
     InFlight::launch(async move {
         pg.all_gather(whole.buf_mut(), mine.buf(0..mine.len()), &call)
             .await?;
@@ -250,7 +248,7 @@ impl Sharded {
             };
             let calls = match prefetched {
                 Some(calls) => calls,
-                None => self.limited_gather(unit, cast).await?,
+                None => self.limited_gather(unit, cast).await,
             };
             let next = match self.phase {
                 Phase::Forward => unit.checked_add(1),
@@ -259,7 +257,7 @@ impl Sharded {
             let launched = calls.iter().all(|c| c.failed().is_none());
             if let Some(n) = next.filter(|&n| launched && compute && self.prefetch && n < units) {
                 if !self.prefetched.contains_key(&n) {
-                    let calls = self.limited_gather(n, cast).await?;
+                    let calls = self.limited_gather(n, cast).await;
                     self.prefetched.insert(n, calls);
                 }
             }
@@ -279,29 +277,16 @@ impl Sharded {
 
     /// [`Sharded::launch_gather`] once fewer than two gathers are
     /// unfinished on the device (see [`super::limit`]).
-    async fn limited_gather(
-        &mut self,
-        unit: usize,
-        cast: Option<DType>,
-    ) -> Result<Vec<InFlight>, DdpError> {
+    async fn limited_gather(&self, unit: usize, cast: Option<DType>) -> Vec<InFlight> {
         let timeout = self.call.timeout_or(self.backend.default_timeout());
-        if let Err(e) = self.limit.room(timeout).await {
-            let what = format!("waiting for the device to finish gathers before unit {unit}'s");
-            let e = self.comm_error(what, e);
-            return Err(self.fail(e));
-        }
-        let calls = self.launch_gather(unit, cast);
-        if let Err(e) = self.limit.launched() {
-            let what = format!("recording the end of unit {unit}'s gather");
-            let e = self.comm_error(what, e);
-            return Err(self.fail(e));
-        }
-        Ok(calls)
+        self.limit.room(timeout).await;
+        self.launch_gather(unit, cast)
     }
 
     /// Makes the all-gathers of one unit's flats, each shard cast to
     /// `cast` first (mixed precision gathers half the bytes).
     fn launch_gather(&self, unit: usize, cast: Option<DType>) -> Vec<InFlight> {
+        let done = self.limit.recorder();
         self.layout.unit_flats[unit]
             .iter()
             .map(|&f| {
@@ -317,9 +302,9 @@ impl Sharded {
                     Ok(shard) => all_gather(
                         self.group.pg.clone(),
                         shard,
-                        0..flat.shard_len,
-                        padded,
+                        (0..flat.shard_len, padded),
                         self.call,
+                        Some(done.clone()),
                     ),
                     Err(e) => InFlight::Done(Err(e)),
                 }
@@ -611,40 +596,50 @@ impl Sharded {
     /// ZeRO-1/2: every rank's updated shard, to every rank.
     /// Each flat is gathered in place when nothing else holds it (no
     /// [`Gathered`] of the forward is still alive), else into a new buffer.
+    /// Every call is waited for; the first failure is returned (a flat
+    /// whose in-place gather failed is left empty: the failure is sticky).
     async fn gather_updated(&mut self) -> Result<(), DdpError> {
         if self.layout.shards == 1 {
             // The one shard is the whole, updated in place.
             return Ok(());
         }
         let k = self.group.index;
-        let mut calls = Vec::with_capacity(self.flats.len());
-        for (flat, fs) in self.layout.flats.iter().zip(&mut self.flats) {
-            let padded = flat.padded(self.layout.shards);
-            let mine = flat.shard_range(k);
-            let pg = self.group.pg.clone();
-            let empty = match fs.params.zeros_like(0) {
-                Ok(e) => Arc::new(e),
-                Err(e) => {
-                    calls.push(InFlight::Done(Err(e)));
-                    continue;
-                }
-            };
-            let call = match Arc::try_unwrap(std::mem::replace(&mut fs.params, empty)) {
-                Ok(whole) => all_gather_in_place(pg, whole, mine, self.call),
-                Err(shared) => {
-                    let call = all_gather(pg, shared.clone(), mine, padded, self.call);
-                    fs.params = shared;
-                    call
-                }
-            };
-            calls.push(call);
-        }
+        let calls: Vec<InFlight> = (0..self.flats.len())
+            .map(|f| self.launch_gather_updated(f, k))
+            .collect();
+        let mut first = None;
         for (f, call) in calls.into_iter().enumerate() {
             let unit = self.layout.flats[f].unit;
             let what = format!("all_gather of unit {unit}'s updated parameters");
-            self.flats[f].params = Arc::new(self.finish(call, what).await?);
+            match self.finish(call, what).await {
+                Ok(v) => self.flats[f].params = Arc::new(v),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Flat `f`'s all-gather of the updated shards (this rank's is shard
+    /// `k`): in place when nothing else holds its parameters.
+    fn launch_gather_updated(&mut self, f: usize, k: usize) -> InFlight {
+        let (flat, pg) = (&self.layout.flats[f], self.group.pg.clone());
+        let (range, padded) = (flat.shard_range(k), flat.padded(self.layout.shards));
+        let fs = &mut self.flats[f];
+        if Arc::get_mut(&mut fs.params).is_some() {
+            // The copy is made first: a failure leaves the parameters be.
+            let (mine, empty) = match (fs.params.slice(range.clone()), fs.params.zeros_like(0)) {
+                (Ok(m), Ok(e)) => (m, Arc::new(e)),
+                (Err(e), _) | (_, Err(e)) => return InFlight::Done(Err(e)),
+            };
+            match Arc::try_unwrap(std::mem::replace(&mut fs.params, empty)) {
+                Ok(whole) => return all_gather_in_place(pg, whole, mine, self.call),
+                // Unshared a moment ago, under `&mut self`: not reached.
+                Err(shared) => fs.params = shared,
+            }
+        }
+        all_gather(pg, fs.params.clone(), (range, padded), self.call, None)
     }
 
     /// Copies the whole parameters into `model` (gathering each unit under

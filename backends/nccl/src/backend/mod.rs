@@ -399,7 +399,7 @@ impl NcclBackend {
         let (id, ctx) = (call.made.id, call.made.ctx);
         lock(&sh.track).core.launchable(id)?;
         let fail = |e: CommError| {
-            let e = sh.named(e);
+            let e = sh.named(e, call.timeout);
             let mut t = lock(&sh.track);
             let e = t.core.launch_failed(id, e);
             t.ended();
