@@ -23,8 +23,8 @@ use std::{
     future::Future,
     pin::Pin,
     sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -52,12 +52,41 @@ enum Msg {
     },
 }
 
+/// One checker's progress: fingerprints sent and compared, and whether its
+/// task has ended (or was dropped), after which nothing more is compared.
+#[derive(Debug, Default)]
+pub(super) struct Progress {
+    sent: AtomicU64,
+    done: AtomicU64,
+    ended: AtomicBool,
+}
+
+impl Progress {
+    fn drained(&self) -> bool {
+        self.ended.load(Ordering::SeqCst)
+            || self.done.load(Ordering::SeqCst) >= self.sent.load(Ordering::SeqCst)
+    }
+}
+
+/// Sets [`Progress::ended`] when the task that owns it ends or is dropped.
+struct Ended(Arc<Progress>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.ended.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The progress of a checker and of every subgroup checker made through it
+/// (and theirs): a rank leaves only when all of them are drained.
+pub(super) type Tree = Arc<Mutex<Vec<Arc<Progress>>>>;
+
 /// The handle to one communicator's checker task (see the module docs).
 #[derive(Clone, Debug)]
 pub struct Checker {
     tx: mpsc::UnboundedSender<Msg>,
-    sent: Arc<AtomicU64>,
-    done: Arc<AtomicU64>,
+    progress: Arc<Progress>,
+    pub(super) tree: Tree,
     /// Each comparison's limit, and so the limit on waiting for the task.
     timeout: Duration,
     /// The side channel, asked which ranks it has lost.
@@ -78,14 +107,35 @@ impl Checker {
     /// alike, used by nothing else), each comparison bounded by `timeout`,
     /// and the task that runs it. `report` gets the first mismatch.
     pub fn new(host: Arc<dyn Backend>, timeout: Duration, report: Report) -> (Checker, CheckTask) {
+        Checker::in_tree(host, timeout, report, Tree::default())
+    }
+
+    /// [`Checker::new`], its progress counted in `tree` (its parent's).
+    pub(super) fn in_tree(
+        host: Arc<dyn Backend>,
+        timeout: Duration,
+        report: Report,
+        tree: Tree,
+    ) -> (Checker, CheckTask) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (sent, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let task = Box::pin(run(host.clone(), timeout, rx, report, done.clone()));
+        let progress = Arc::new(Progress::default());
+        {
+            let mut t = tree.lock().unwrap_or_else(|p| p.into_inner());
+            // Checkers whose task has ended compare nothing more.
+            t.retain(|p| !p.ended.load(Ordering::SeqCst));
+            t.push(progress.clone());
+        }
+        let task = Box::pin(run(
+            (host.clone(), timeout, tree.clone()),
+            rx,
+            report,
+            Ended(progress.clone()),
+        ));
         (
             Checker {
                 tx,
-                sent,
-                done,
+                progress,
+                tree,
                 timeout,
                 host,
             },
@@ -101,16 +151,21 @@ impl Checker {
 
     /// Sends a collective's fingerprint to be compared; never blocks.
     pub fn check(&self, fp: Fingerprint) {
-        if self.tx.send(Msg::Check(fp)).is_ok() {
-            self.sent.fetch_add(1, Ordering::SeqCst);
+        // Counted first: the task may compare it before `send` returns.
+        self.progress.sent.fetch_add(1, Ordering::SeqCst);
+        if self.tx.send(Msg::Check(fp)).is_err() {
+            self.progress.sent.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
     /// Whether every fingerprint sent so far has been compared (or the
-    /// checker has stopped). A rank that leaves waits for this first, so
-    /// that its peers' last comparisons find it still there.
+    /// checker has stopped), here and in every subgroup checker made
+    /// through this one's family. A rank that leaves waits for this first,
+    /// so that its peers' last comparisons (a subgroup's included) find it
+    /// still there.
     pub fn is_drained(&self) -> bool {
-        self.tx.is_closed() || self.done.load(Ordering::SeqCst) >= self.sent.load(Ordering::SeqCst)
+        let tree = self.tree.lock().unwrap_or_else(|p| p.into_inner());
+        tree.iter().all(|p| p.drained())
     }
 
     /// Blocks (polling every 100 µs) until [`Checker::is_drained`], at most
@@ -248,12 +303,14 @@ fn named(checker: &Checker, e: &CommError) -> Option<CommError> {
 /// comparing, but still makes subgroups' checkers: the survivors of a lost
 /// peer make their group through it.
 async fn run(
-    host: Arc<dyn Backend>,
-    timeout: Duration,
+    (host, timeout, tree): (Arc<dyn Backend>, Duration, Tree),
     mut rx: mpsc::UnboundedReceiver<Msg>,
     report: Report,
-    done: Arc<AtomicU64>,
+    // An argument, so that it is dropped with the task even if the task
+    // was never polled.
+    ended: Ended,
 ) {
+    let done = &ended.0.done;
     let opts = CallOptions::default().with_timeout(timeout);
     let mut checking = true;
     while let Some(msg) = next(&mut rx, &*host, checking).await {
@@ -300,7 +357,7 @@ async fn run(
                 let made = host
                     .new_group(&ranks, &opts)
                     .await
-                    .map(|sub| sub.map(|h| Checker::new(h, timeout, report)));
+                    .map(|sub| sub.map(|h| Checker::in_tree(h, timeout, report, tree.clone())));
                 let _ = reply.send(made);
             }
         }

@@ -288,3 +288,23 @@ fn an_anonymous_failure_stands_after_the_grace_or_without_a_side_channel() {
     let _ = LostPeer::name_blocking(Some(&checker), remote(), Duration::from_millis(5));
     assert!(start.elapsed() < LOST_PEER_GRACE);
 }
+
+/// A rank leaves (`wait_drained`) only once its subgroups' comparisons are
+/// done too: leaving with one pending fails that comparison on its peers
+/// as a lost rank. Found as a flaky DDP shrink on emulated communicators,
+/// whose survivors' subgroup still compared the last step as a rank left.
+#[test]
+fn a_checker_is_drained_only_when_its_subgroups_are() {
+    use super::check::Checker;
+    let side = std::sync::Arc::new(Side::default());
+    let (parent, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
+    let (child, child_task) =
+        Checker::in_tree(side, SEC, std::sync::Arc::new(|_| {}), parent.tree.clone());
+    assert!(parent.is_drained());
+    child.check(fp(OpKind::AllReduce)(GroupId(7), 0));
+    assert!(!parent.is_drained(), "the subgroup's comparison is pending");
+    assert!(!child.is_drained());
+    // Its task is gone: nothing more will be compared there.
+    drop(child_task);
+    assert!(parent.is_drained() && child.is_drained());
+}
