@@ -190,6 +190,7 @@ impl Shared {
     /// may be a peer's death that the fingerprint check's side channel saw
     /// (waiting at most the grace, and at most `limit`, the call's time
     /// left: [`LostPeer::name_blocking`]).
+    ///
     /// The wait blocks the calling thread: on a multi-threaded tokio
     /// runtime it is moved off the workers (`block_in_place`); on a
     /// current-thread one, whose tasks include the side channel's readers,

@@ -474,8 +474,8 @@ impl Sharded {
                 // from the last step: they go now (or take the result),
                 // not when it is waited for, so that two steps' gradients
                 // never live at once.
-                let old = match self.flats[f].params.zeros_like(0) {
-                    Ok(empty) => std::mem::replace(&mut self.flats[f].grads, empty),
+                let old = match self.flats[f].grads.take() {
+                    Ok(old) => old,
                     Err(e) => {
                         let e = self.comm_error("an empty buffer", e);
                         return Err(self.fail(e));
@@ -549,10 +549,8 @@ impl Sharded {
         if let Some(replicas) = self.group.replicas.clone() {
             let mut calls = Vec::with_capacity(self.flats.len());
             for f in 0..self.flats.len() {
-                // An empty buffer holds nothing, on the host or the device.
-                let empty = self.flats[f].params.zeros_like(0);
-                let empty = empty.map_err(|e| self.comm_error("an empty buffer", e))?;
-                let g = std::mem::replace(&mut self.flats[f].grads, empty);
+                let g = self.flats[f].grads.take();
+                let g = g.map_err(|e| self.comm_error("an empty buffer", e))?;
                 calls.push(all_reduce(replicas.clone(), g, self.call));
             }
             for (f, call) in calls.into_iter().enumerate() {
@@ -627,17 +625,15 @@ impl Sharded {
         let (flat, pg) = (&self.layout.flats[f], self.group.pg.clone());
         let (range, padded) = (flat.shard_range(k), flat.padded(self.layout.shards));
         let fs = &mut self.flats[f];
-        if Arc::get_mut(&mut fs.params).is_some() {
+        if let Some(params) = Arc::get_mut(&mut fs.params) {
             // The copy is made first: a failure leaves the parameters be.
-            let (mine, empty) = match (fs.params.slice(range.clone()), fs.params.zeros_like(0)) {
-                (Ok(m), Ok(e)) => (m, Arc::new(e)),
-                (Err(e), _) | (_, Err(e)) => return InFlight::Done(Err(e)),
+            let made = params
+                .slice(range.clone())
+                .and_then(|mine| Ok((mine, params.take()?)));
+            return match made {
+                Ok((mine, whole)) => all_gather_in_place(pg, whole, mine, self.call),
+                Err(e) => InFlight::Done(Err(e)),
             };
-            match Arc::try_unwrap(std::mem::replace(&mut fs.params, empty)) {
-                Ok(whole) => return all_gather_in_place(pg, whole, mine, self.call),
-                // Unshared a moment ago, under `&mut self`: not reached.
-                Err(shared) => fs.params = shared,
-            }
         }
         all_gather(pg, fs.params.clone(), (range, padded), self.call, None)
     }

@@ -175,6 +175,13 @@ impl Vals {
         Vals::zeros_on(self.place(), self.dtype(), len)
     }
 
+    /// Takes the buffer out, leaving an empty one in the same place (which
+    /// holds nothing, on the host or the device).
+    pub(crate) fn take(&mut self) -> Result<Self, CommError> {
+        let empty = self.zeros_like(0)?;
+        Ok(std::mem::replace(self, empty))
+    }
+
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
         with_vals!(self, v => v.len(), d => d.len)
