@@ -178,8 +178,12 @@ fn free_port() -> u16 {
 }
 
 /// One agent of an elastic job (`--nnodes 1:2`, one worker each), training
-/// into `out`; its output goes to the returned channel.
-fn elastic_agent(port: u16, out: &Path) -> (std::process::Child, mpsc::Receiver<String>) {
+/// on `backend` into `out`; its output goes to the returned channel.
+fn elastic_agent(
+    port: u16,
+    out: &Path,
+    backend: &str,
+) -> (std::process::Child, mpsc::Receiver<String>) {
     let mut job = Command::new(consort_bin())
         .args([
             "run",
@@ -200,6 +204,7 @@ fn elastic_agent(port: u16, out: &Path) -> (std::process::Child, mpsc::Receiver<
         .arg(format!("127.0.0.1:{port}"))
         .arg("--")
         .arg(train_bin())
+        .args(["--backend", backend])
         .args(["--epochs", "6", "--batch-size", "30", "--out"])
         .arg(out)
         .stdout(Stdio::piped())
@@ -276,12 +281,24 @@ fn undisturbed_at(world: usize) -> f64 {
 /// and finishes at world size 1 from the checkpoint.
 #[test]
 fn elastic_two_nodes_lose_one_and_the_other_finishes_alone() {
-    let (port, out) = (free_port(), scratch("elastic-lose"));
-    let (mut a, rx_a) = elastic_agent(port, &out);
+    elastic_lose_one("tcp");
+}
+
+/// The same with NCCL's model on the emulated device (issue 29's elastic
+/// membership with NCCL workers, on CPU): each round's workers make a new
+/// communicator of the round's size.
+#[test]
+fn elastic_on_the_emulated_device_lose_one_and_the_other_finishes_alone() {
+    elastic_lose_one("emulated");
+}
+
+fn elastic_lose_one(backend: &str) {
+    let (port, out) = (free_port(), scratch(&format!("elastic-lose-{backend}")));
+    let (mut a, rx_a) = elastic_agent(port, &out, backend);
     let mut text_a = String::new();
     // The first agent hosts the store; the second joins it.
     thread::sleep(Duration::from_millis(500));
-    let (mut b, rx_b) = elastic_agent(port, &out);
+    let (mut b, rx_b) = elastic_agent(port, &out, backend);
     let mut text_b = String::new();
     assert!(
         read_until(&rx_a, &mut text_a, "epoch   2/6")
@@ -312,12 +329,23 @@ fn elastic_two_nodes_lose_one_and_the_other_finishes_alone() {
 /// finish at world size 2.
 #[test]
 fn elastic_a_late_node_joins_at_the_next_round() {
-    let (port, out) = (free_port(), scratch("elastic-join"));
-    let (mut a, rx_a) = elastic_agent(port, &out);
+    elastic_late_join("tcp");
+}
+
+/// The same with NCCL's model on the emulated device: the second round's
+/// communicator is of two ranks where the first's was of one.
+#[test]
+fn elastic_on_the_emulated_device_a_late_node_joins_at_the_next_round() {
+    elastic_late_join("emulated");
+}
+
+fn elastic_late_join(backend: &str) {
+    let (port, out) = (free_port(), scratch(&format!("elastic-join-{backend}")));
+    let (mut a, rx_a) = elastic_agent(port, &out, backend);
     let mut text_a = String::new();
     assert!(read_until(&rx_a, &mut text_a, "epoch   1/6"), "{text_a}");
     assert!(text_a.contains("1 rank(s)"), "{text_a}");
-    let (mut b, rx_b) = elastic_agent(port, &out);
+    let (mut b, rx_b) = elastic_agent(port, &out, backend);
     // Node ranks follow the join order of the new round: either agent may
     // hold rank 0 now.
     let ok = (a.wait().unwrap().success(), b.wait().unwrap().success());
