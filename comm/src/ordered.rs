@@ -254,14 +254,17 @@ impl<W> Ordered<W> {
 
     /// Looks at the work in flight at `now`: `done(work)` says whether a
     /// work's completion event has fired (`Err`: the device failed), and
-    /// `async_error` is the communicator's asynchronous error, if any.
-    /// Completes work in issue order; on a failure or a passed deadline
-    /// every call in flight fails and [`Watched::abort`] is set.
+    /// `failure(work, ctx, deadline)`, asked about the oldest unfinished
+    /// work, is the communicator's failure, if any: an asynchronous error,
+    /// or one held back until its rank is named ([`check::LostPeer`], which
+    /// lets it stand once `deadline` passes). Completes work in issue order;
+    /// on a failure or a passed deadline every call in flight fails and
+    /// [`Watched::abort`] is set.
     pub fn watch(
         &mut self,
         now: Instant,
         mut done: impl FnMut(&W) -> Result<bool>,
-        async_error: impl FnOnce(ErrorContext) -> Option<CommError>,
+        failure: impl FnOnce(&W, ErrorContext, Instant) -> Option<CommError>,
     ) -> Watched<W> {
         let mut out = Watched::default();
         while let Some(front) = self.queue.front() {
@@ -275,7 +278,7 @@ impl<W> Ordered<W> {
                 }
                 Ok(false) => {
                     let (ctx, timeout, deadline) = (front.ctx, front.timeout, front.deadline);
-                    let failed = async_error(ctx).or_else(|| {
+                    let failed = failure(&front.work, ctx, deadline).or_else(|| {
                         (now >= deadline).then(|| CommError::Timeout {
                             ctx,
                             after: timeout,

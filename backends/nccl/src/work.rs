@@ -399,7 +399,7 @@ fn watchdog(shared: &Shared) {
         let seen = core.watch(
             Instant::now(),
             |w| fired(w.done),
-            |ctx| async_error(shared, ctx, lost),
+            |_, ctx, deadline| async_error(shared, (ctx, deadline), lost),
         );
         let progressed = !seen.finished.is_empty();
         t.finish_all(seen.finished);
@@ -433,7 +433,11 @@ fn watchdog(shared: &Shared) {
 /// remote or system error (a peer's socket closed: NCCL names no rank) is
 /// named by the fingerprint check's side channel when it can
 /// ([`LostPeer`]).
-fn async_error(shared: &Shared, ctx: ErrorContext, lost: &mut LostPeer) -> Option<CommError> {
+fn async_error(
+    shared: &Shared,
+    (ctx, deadline): (ErrorContext, Instant),
+    lost: &mut LostPeer,
+) -> Option<CommError> {
     let _slot = shared.slot.try_lock().ok()?;
     let comm = shared.comm()?;
     // The communicator is live and cannot be freed meanwhile: an abort or
@@ -444,7 +448,7 @@ fn async_error(shared: &Shared, ctx: ErrorContext, lost: &mut LostPeer) -> Optio
     }
     let e = nccl_error(ctx, code, &shared.last_error(comm));
     if crate::map::may_be_lost_peer(code) {
-        lost.name(shared.checker.get(), e, Instant::now())
+        lost.name(shared.checker.get(), e, (Instant::now(), deadline))
     } else {
         Some(e)
     }

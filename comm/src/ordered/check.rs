@@ -242,14 +242,16 @@ pub struct LostPeer {
 
 impl LostPeer {
     /// What the calls fail with for `e`, an anonymous data-path failure
-    /// seen at `now`: `PeerLost` naming the rank `checker`'s side channel
-    /// lost, `e` itself once the grace has passed or without a checker, or
-    /// `None` while the side channel may still name one (poll again).
+    /// seen at `now` while the oldest call in flight has until `deadline`:
+    /// `PeerLost` naming the rank `checker`'s side channel lost; `e` itself
+    /// once the grace has passed, once the call's deadline has (the held
+    /// failure is its real cause, not a `Timeout`), or without a checker;
+    /// or `None` while the side channel may still name one (poll again).
     pub fn name(
         &mut self,
         checker: Option<&Checker>,
         e: CommError,
-        now: Instant,
+        (now, deadline): (Instant, Instant),
     ) -> Option<CommError> {
         let Some(checker) = checker else {
             return Some(e);
@@ -258,7 +260,7 @@ impl LostPeer {
             return Some(named);
         }
         let since = *self.since.get_or_insert(now);
-        (now.duration_since(since) >= LOST_PEER_GRACE).then_some(e)
+        (now.duration_since(since) >= LOST_PEER_GRACE || now >= deadline).then_some(e)
     }
 
     /// [`LostPeer::name`] for a failure a call itself returned (an

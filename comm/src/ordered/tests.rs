@@ -20,6 +20,11 @@ fn fp(op: OpKind) -> impl FnOnce(GroupId, u64) -> Fingerprint {
 
 const SEC: Duration = Duration::from_secs(1);
 
+/// A deadline that does not pass in these tests.
+fn far(t0: Instant) -> Instant {
+    t0 + 3600 * SEC
+}
+
 #[test]
 fn calls_are_numbered_per_group_when_made_and_name_their_group() {
     let sub = GroupId(0x1234);
@@ -70,13 +75,13 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
     }
     assert_eq!(o.poll_timeout(), Some(t0 + SEC));
     // Work 0 is done; work 1 is not, and it is not late yet.
-    let w = o.watch(t0, |&w| Ok(w == 0), |_| None);
+    let w = o.watch(t0, |&w| Ok(w == 0), |_, _, _| None);
     assert_eq!(w.finished.len(), 1);
     assert!(w.finished[0].1.is_ok() && !w.abort);
     // Work 2's event fired, but work 1 comes first: nothing completes.
-    let w = o.watch(t0, |&w| Ok(w == 2), |_| None);
+    let w = o.watch(t0, |&w| Ok(w == 2), |_, _, _| None);
     assert!(w.finished.is_empty() && !w.abort);
-    let w = o.watch(t0 + SEC, |&w| Ok(w == 2), |_| None);
+    let w = o.watch(t0 + SEC, |&w| Ok(w == 2), |_, _, _| None);
     assert!(w.abort);
     let errs: Vec<_> = w
         .finished
@@ -100,7 +105,7 @@ fn an_asynchronous_error_aborts_and_sticks() {
     let w = o.watch(
         Instant::now(),
         |_| Ok(false),
-        |ctx| Some(CommError::invalid("remote error").with_context(ctx)),
+        |_, ctx, _| Some(CommError::invalid("remote error").with_context(ctx)),
     );
     assert!(w.abort);
     assert!(
@@ -119,7 +124,7 @@ fn a_mismatch_found_after_its_call_ended_still_poisons() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
     o.enqueued(m.id, 0, Instant::now(), SEC);
-    let _ = o.watch(Instant::now(), |_| Ok(true), |_| None);
+    let _ = o.watch(Instant::now(), |_| Ok(true), |_, _, _| None);
     assert_eq!(o.synchronized().map(|r| r.is_ok()), Some(true));
     let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
     let e = first_difference(m.fp, 0, &both(m.fp, other)).unwrap();
@@ -234,12 +239,14 @@ fn an_anonymous_failure_is_named_by_the_side_channel_that_lost_the_rank() {
     let mut rule = LostPeer::default();
     let t0 = Instant::now();
     // Nobody lost yet: the failure is held back (the calls stay in flight).
-    assert!(rule.name(Some(&checker), remote(), t0).is_none());
+    assert!(rule.name(Some(&checker), remote(), (t0, far(t0))).is_none());
     side.lost
         .lock()
         .unwrap()
         .push((2, "connection reset".into()));
-    let named = rule.name(Some(&checker), remote(), t0 + SEC / 10).unwrap();
+    let named = rule
+        .name(Some(&checker), remote(), (t0 + SEC / 10, far(t0)))
+        .unwrap();
     match &named {
         CommError::PeerLost { peer, reason, ctx } => {
             assert_eq!((*peer, ctx.rank), (2, Some(0)));
@@ -257,17 +264,21 @@ fn an_anonymous_failure_stands_after_the_grace_or_without_a_side_channel() {
     let (checker, _task) = Checker::new(side, SEC, std::sync::Arc::new(|_| {}));
     let mut rule = LostPeer::default();
     let t0 = Instant::now();
-    assert!(rule.name(Some(&checker), remote(), t0).is_none());
+    assert!(rule.name(Some(&checker), remote(), (t0, far(t0))).is_none());
     assert!(
-        rule.name(Some(&checker), remote(), t0 + LOST_PEER_GRACE / 2)
-            .is_none()
+        rule.name(
+            Some(&checker),
+            remote(),
+            (t0 + LOST_PEER_GRACE / 2, far(t0))
+        )
+        .is_none()
     );
-    let late = rule.name(Some(&checker), remote(), t0 + LOST_PEER_GRACE);
+    let late = rule.name(Some(&checker), remote(), (t0 + LOST_PEER_GRACE, far(t0)));
     assert!(
         matches!(late, Some(CommError::Backend { code: 6, .. })),
         "{late:?}"
     );
-    let alone = LostPeer::default().name(None, remote(), t0);
+    let alone = LostPeer::default().name(None, remote(), (t0, far(t0)));
     assert!(
         matches!(alone, Some(CommError::Backend { code: 6, .. })),
         "{alone:?}"
@@ -287,6 +298,57 @@ fn an_anonymous_failure_stands_after_the_grace_or_without_a_side_channel() {
     let start = Instant::now();
     let _ = LostPeer::name_blocking(Some(&checker), remote(), Duration::from_millis(5));
     assert!(start.elapsed() < LOST_PEER_GRACE);
+}
+
+/// A call whose deadline falls inside the grace fails with the failure the
+/// communicator reported (its real cause), not with `Timeout`, when no rank
+/// is named by then.
+#[test]
+fn a_held_failure_stands_when_the_calls_deadline_passes_inside_the_grace() {
+    use super::check::{Checker, LOST_PEER_GRACE, LostPeer};
+    let (checker, _task) = Checker::new(
+        std::sync::Arc::new(Side::default()),
+        SEC,
+        std::sync::Arc::new(|_| {}),
+    );
+    let t0 = Instant::now();
+    let mut rule = LostPeer::default();
+    let deadline = t0 + LOST_PEER_GRACE / 4;
+    assert!(
+        rule.name(Some(&checker), remote(), (t0, deadline))
+            .is_none()
+    );
+    let at = rule.name(Some(&checker), remote(), (deadline, deadline));
+    assert!(
+        matches!(at, Some(CommError::Backend { code: 6, .. })),
+        "{at:?}"
+    );
+    // The same through the call rules: the oldest call's deadline passes
+    // while the failure is held, and every call fails with the failure.
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    for w in 0..2 {
+        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        o.launchable(m.id).unwrap();
+        o.enqueued(m.id, w, t0, LOST_PEER_GRACE / 4);
+    }
+    let mut rule = LostPeer::default();
+    let mut watch = |now| {
+        o.watch(
+            now,
+            |_| Ok(false),
+            |_, _, deadline| rule.name(Some(&checker), remote(), (now, deadline)),
+        )
+    };
+    let held = watch(t0);
+    assert!(held.finished.is_empty() && !held.abort);
+    let failed = watch(deadline);
+    assert!(failed.abort);
+    assert_eq!(failed.finished.len(), 2);
+    let first = failed.finished[0].1.as_ref().unwrap_err();
+    assert!(
+        matches!(first, CommError::Backend { code: 6, .. }),
+        "{first}"
+    );
 }
 
 /// A rank leaves (`wait_drained`) only once its subgroups' comparisons are

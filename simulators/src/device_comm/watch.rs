@@ -104,17 +104,16 @@ pub(super) fn watchdog(shared: &Shared) {
             now,
             |w| match &lock(&w.slot).err {
                 // A lost peer, as NCCL reports it: held until the side
-                // channel names the rank (NCCL's watchdog does the same).
-                Some(e) if is_remote_error(e) => {
-                    match lost.name(shared.checker.get(), e.clone(), now) {
-                        Some(e) => Err(e),
-                        None => Ok(false),
-                    }
-                }
+                // channel names the rank (NCCL's watchdog does the same),
+                // below.
+                Some(e) if is_remote_error(e) => Ok(false),
                 Some(e) => Err(e.clone()),
                 None => Ok(shared.device.event_done(w.gate)),
             },
-            |_| None,
+            |w, _, deadline| {
+                let held = lock(&w.slot).err.clone().filter(is_remote_error)?;
+                lost.name(shared.checker.get(), held, (now, deadline))
+            },
         );
         if st.stop && st.core.in_flight() == 0 && seen.finished.is_empty() {
             return;
