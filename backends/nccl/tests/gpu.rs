@@ -185,11 +185,110 @@ fn bench_host_overhead_per_call() {
     })
     .join()
     .expect("NCCL init thread");
-    println!("| communicator | bytes | consort host us/call | direct host us/call | overhead us |");
+    println!(
+        "| communicator | bytes | consort host us/call (mean / median) | direct host us/call \
+         (mean / median) | overhead us (medians) |"
+    );
     println!("|---|---|---|---|---|");
     overhead_rows("nonblocking", &shared());
     overhead_rows("blocking", &blocking);
+    pieces(&blocking);
     blocking.shutdown().unwrap();
+}
+
+/// What one call's host time is made of, at 4 B on `b`'s stream: the
+/// runtime's `block_on`, the CUDA calls a call makes around NCCL's, and the
+/// whole call while the watchdog polls rarely (its polling competes for the
+/// tracking lock and the driver). Prints a table of medians.
+fn pieces(b: &NcclBackend) {
+    use cudarc::driver::{result as cu, sys as cusys};
+    let dev = CudaDevice::new(0).unwrap();
+    let s = b.comm_stream();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let flags = cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+    let ev = cu::event::create(flags).unwrap();
+    let other = cu::stream::create(cu::stream::StreamKind::NonBlocking).unwrap();
+    let wait = cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+    let stream = s as cusys::CUstream;
+    let mut rows = vec![(
+        "block_on(async {}) on a current-thread runtime",
+        per_call(2000, || {
+            rt.block_on(async {});
+        }),
+    )];
+    // SAFETY: our event and streams, alive until destroyed below.
+    rows.push((
+        "cuEventRecord on the communication stream",
+        per_call(2000, || unsafe {
+            cu::event::record(ev, stream).unwrap();
+        }),
+    ));
+    // SAFETY: as above.
+    rows.push((
+        "cuEventRecord + cuStreamWaitEvent (another stream waits)",
+        per_call(2000, || unsafe {
+            cu::event::record(ev, stream).unwrap();
+            cu::stream::wait_event(other, ev, wait).unwrap();
+        }),
+    ));
+    // SAFETY: as above.
+    rows.push((
+        "cuEventQuery",
+        per_call(2000, || unsafe {
+            let _ = cu::event::query(ev);
+        }),
+    ));
+    dev.synchronize(s).unwrap();
+    let quiet = std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = MemStore::new(Duration::from_secs(30));
+        let opts = NcclOptions {
+            blocking: true,
+            poll_interval: Duration::from_millis(10),
+            ..NcclOptions::default()
+        };
+        rt.block_on(NcclBackend::new(&store, 0, 1, opts)).unwrap()
+    })
+    .join()
+    .unwrap();
+    let x = dev.alloc_zeroed(4, quiet.comm_stream()).unwrap();
+    let p = Placement {
+        device: dev.clone(),
+        stream: quiet.comm_stream(),
+    };
+    // SAFETY: x holds one f32 until freed below.
+    let buf = unsafe { p.buffer(x, 1, DType::F32) };
+    dev.synchronize(quiet.comm_stream()).unwrap();
+    rows.push((
+        "consort all_reduce, blocking, the watchdog polling every 10 ms",
+        per_call(2000, || {
+            rt.block_on(quiet.all_reduce(
+                BufferMut::Device(buf),
+                ReduceOp::Sum,
+                &CallOptions::default(),
+            ))
+            .unwrap();
+        }),
+    ));
+    rt.block_on(quiet.synchronize()).unwrap();
+    // SAFETY: freed once, the stream drained; the event and stream are ours.
+    unsafe {
+        dev.free(x, quiet.comm_stream()).unwrap();
+        let _ = cu::event::destroy(ev);
+        let _ = cu::stream::destroy(other);
+    }
+    quiet.shutdown().unwrap();
+    println!("| piece of a call (4 B, device buffers) | host us (mean / median) |");
+    println!("|---|---|");
+    for (what, t) in rows {
+        println!("| {what} | {:.2} / {:.2} |", t.mean * 1e6, t.median * 1e6);
+    }
 }
 
 fn overhead_rows(label: &str, b: &NcclBackend) {
@@ -210,6 +309,8 @@ fn overhead_rows(label: &str, b: &NcclBackend) {
         // SAFETY: x holds n f32 until freed below.
         let buf = unsafe { p.buffer(x, n, DType::F32) };
         let iters = 200;
+        // Both measured on an idle stream (the allocation's memset done).
+        dev.synchronize(s).unwrap();
         let ours = per_call(iters, || {
             rt.block_on(b.all_reduce(
                 BufferMut::Device(buf),
@@ -240,10 +341,12 @@ fn overhead_rows(label: &str, b: &NcclBackend) {
         });
         dev.synchronize(s).unwrap();
         println!(
-            "| {label} | {bytes} | {:.2} | {:.2} | {:+.2} |",
-            ours * 1e6,
-            direct * 1e6,
-            (ours - direct) * 1e6
+            "| {label} | {bytes} | {:.2} / {:.2} | {:.2} / {:.2} | {:+.2} |",
+            ours.mean * 1e6,
+            ours.median * 1e6,
+            direct.mean * 1e6,
+            direct.median * 1e6,
+            (ours.median - direct.median) * 1e6
         );
         // SAFETY: freed once after the stream drained.
         unsafe { dev.free(x, s) }.unwrap();
@@ -255,14 +358,28 @@ fn overhead_rows(label: &str, b: &NcclBackend) {
     }
 }
 
-/// Mean host seconds per call of `f` over `iters` calls, after warm-up.
-fn per_call(iters: usize, mut f: impl FnMut()) -> f64 {
+/// Host seconds per call of `f` over `iters` calls, after warm-up.
+struct PerCall {
+    mean: f64,
+    median: f64,
+}
+
+/// Times `iters` calls of `f` one by one: the mean shows rare slow calls
+/// (a lock the watchdog held, a wake-up), the median the usual one.
+fn per_call(iters: usize, mut f: impl FnMut()) -> PerCall {
     for _ in 0..10 {
         f();
     }
-    let t = Instant::now();
-    for _ in 0..iters {
-        f();
+    let mut each: Vec<f64> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    each.sort_by(f64::total_cmp);
+    PerCall {
+        mean: each.iter().sum::<f64>() / iters as f64,
+        median: each[iters / 2],
     }
-    t.elapsed().as_secs_f64() / iters as f64
 }
