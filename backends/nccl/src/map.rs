@@ -86,12 +86,7 @@ pub fn result_name(r: c_int) -> String {
     .to_string()
 }
 
-/// Whether NCCL result `r` may be a peer's death, which NCCL reports
-/// without naming the rank: `ncclRemoteError` ("connection closed by
-/// remote peer") and `ncclSystemError` (a socket reset).
-pub fn may_be_lost_peer(r: c_int) -> bool {
-    matches!(r, result::REMOTE_ERROR | result::SYSTEM_ERROR)
-}
+pub use consort_comm::ordered::check::may_be_lost_peer;
 
 /// An NCCL failure as a `CommError`, with the library's last-error text
 /// (`detail`) when there is one.

@@ -46,11 +46,11 @@ pub mod result {
     use std::ffi::c_int;
     pub const SUCCESS: c_int = 0;
     pub const UNHANDLED_CUDA_ERROR: c_int = 1;
-    pub const SYSTEM_ERROR: c_int = 2;
+    pub const SYSTEM_ERROR: c_int = consort_comm::ordered::check::NCCL_SYSTEM_ERROR;
     pub const INTERNAL_ERROR: c_int = 3;
     pub const INVALID_ARGUMENT: c_int = 4;
     pub const INVALID_USAGE: c_int = 5;
-    pub const REMOTE_ERROR: c_int = 6;
+    pub const REMOTE_ERROR: c_int = consort_comm::ordered::check::NCCL_REMOTE_ERROR;
     pub const IN_PROGRESS: c_int = 7;
     pub const TIMEOUT: c_int = 8;
 }

@@ -222,6 +222,21 @@ impl Checker {
 /// this long.
 pub const LOST_PEER_GRACE: Duration = Duration::from_secs(1);
 
+/// NCCL's `ncclSystemError`: among other things, a socket reset by a peer
+/// whose process went.
+pub const NCCL_SYSTEM_ERROR: i32 = 2;
+
+/// NCCL's `ncclRemoteError`: "connection closed by remote peer".
+pub const NCCL_REMOTE_ERROR: i32 = 6;
+
+/// Whether NCCL result `code` may be a peer's death, which NCCL reports
+/// without naming the rank ([`NCCL_REMOTE_ERROR`], [`NCCL_SYSTEM_ERROR`]):
+/// the failures [`LostPeer`] holds. NCCL's driver and the emulated device
+/// both ask this.
+pub fn may_be_lost_peer(code: i32) -> bool {
+    matches!(code, NCCL_REMOTE_ERROR | NCCL_SYSTEM_ERROR)
+}
+
 /// The rule that names the rank behind a data-path failure that names none.
 ///
 /// NCCL reports a peer's death as `ncclRemoteError` ("connection closed by

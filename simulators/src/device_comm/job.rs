@@ -8,7 +8,7 @@ use std::{
 
 use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, EventId, HostSlice, HostSliceMut,
-    ReduceOp, Result, fault::Rng,
+    ReduceOp, Result, fault::Rng, ordered::check,
 };
 
 use super::{
@@ -187,30 +187,36 @@ pub(super) fn settle(job: &Job, result: Result<()>) {
     }
 }
 
-/// NCCL's `ncclRemoteError`, with which the emulated data path reports a
-/// lost peer: NCCL's socket transport says "connection closed by remote
-/// peer" and an address, never the rank, so the rank is named the way it
-/// is on NCCL, by the fingerprint check's side channel
+/// A lost peer as NCCL reports it, without the rank: `ncclRemoteError`
+/// ("connection closed by remote peer", and an address), or
+/// `ncclSystemError` when the connection was reset. The rank is then named
+/// the way it is on NCCL, by the fingerprint check's side channel
 /// (`consort_comm::ordered::check::LostPeer`). Other failures stand.
 pub(super) fn remote_error(e: CommError) -> CommError {
     match e {
-        CommError::PeerLost { ctx, reason, .. } => CommError::Backend {
-            ctx,
-            backend: REMOTE_BACKEND,
-            code: REMOTE_ERROR,
-            detail: format!("ncclRemoteError (the data path lost a peer: {reason})"),
-        },
+        CommError::PeerLost { ctx, reason, .. } => {
+            let (code, name) = if reason.to_ascii_lowercase().contains("reset") {
+                (check::NCCL_SYSTEM_ERROR, "ncclSystemError")
+            } else {
+                (check::NCCL_REMOTE_ERROR, "ncclRemoteError")
+            };
+            CommError::Backend {
+                ctx,
+                backend: REMOTE_BACKEND,
+                code,
+                detail: format!("{name} (the data path lost a peer: {reason})"),
+            }
+        }
         other => other,
     }
 }
 
-/// The backend name and NCCL code of [`remote_error`].
+/// The backend name of [`remote_error`]'s failures.
 const REMOTE_BACKEND: &str = "NCCL (emulated)";
-const REMOTE_ERROR: i32 = 6;
 
 /// Whether `e` is [`remote_error`]'s, a failure that names no rank.
 pub(super) fn is_remote_error(e: &CommError) -> bool {
-    matches!(e, CommError::Backend { backend, code, .. } if *backend == REMOTE_BACKEND && *code == REMOTE_ERROR)
+    matches!(e, CommError::Backend { backend, code, .. } if *backend == REMOTE_BACKEND && check::may_be_lost_peer(*code))
 }
 
 /// A job of an aborted communicator is not run, but its host call is made
@@ -311,4 +317,41 @@ async fn run_job(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) ->
         device.write_now(p, m.bytes())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use consort_comm::{CommError, ErrorContext};
+
+    use super::{is_remote_error, remote_error};
+
+    fn lost(reason: &str) -> CommError {
+        CommError::PeerLost {
+            ctx: ErrorContext::default(),
+            peer: 2,
+            reason: reason.into(),
+        }
+    }
+
+    /// A lost peer loses its rank, as on NCCL, with the code NCCL's socket
+    /// transport would give: both are held for the side channel's name.
+    #[test]
+    fn a_lost_peer_is_reported_as_nccl_reports_it() {
+        let closed = remote_error(lost("it left before reading this rank's payload"));
+        let reset = remote_error(lost("send failed: Connection reset by peer (os error 104)"));
+        for (e, code) in [(&closed, 6), (&reset, 2)] {
+            match e {
+                CommError::Backend {
+                    code: c, detail, ..
+                } => {
+                    assert_eq!(*c, code, "{detail}");
+                    assert!(!detail.contains("rank 2"), "{detail}");
+                }
+                other => panic!("{other}"),
+            }
+            assert!(is_remote_error(e), "{e}");
+        }
+        let other = remote_error(CommError::invalid("bad length"));
+        assert!(!is_remote_error(&other), "{other}");
+    }
 }
