@@ -7,9 +7,15 @@
 //! cargo run -p consort --features candle --example candle_ddp -- --backend sim --world-size 2
 //! # one process per rank over TCP
 //! consort run --standalone --nproc-per-node 2 -- target/debug/examples/candle_ddp --backend tcp
+//! # FSDP instead of DDP (or zero1, zero2)
+//! consort run --standalone --nproc-per-node 2 -- target/debug/examples/candle_ddp --backend tcp --strategy fsdp
 //! # on GPUs over NCCL (one per rank)
 //! consort run --standalone --nproc-per-node 2 -- target/release/examples/candle_ddp --device cuda
 //! ```
+//!
+//! `--strategy zero1|zero2|fsdp` trains the same model sharded
+//! (`consort::ddp::Sharded` with its SGD, each rank updating its shard)
+//! instead of DDP with candle's SGD; both end at the same weights.
 //!
 //! Every rank starts from different values (DDP broadcasts rank 0's) and
 //! trains on its own data. At the end every rank's variables are compared
@@ -23,7 +29,7 @@ use std::sync::Arc;
 use consort::{
     Backend, ProcessGroup, ReduceOp,
     ddp::{
-        Ddp, DdpOptions,
+        Ddp, DdpOptions, Sgd, ShardOptions, Sharded, Strategy,
         candle::{
             CandleModel,
             candle_core::{self, DType, Device, Tensor, Var},
@@ -46,6 +52,8 @@ struct Args {
     world_size: usize,
     steps: usize,
     lr: f64,
+    /// `None`: DDP.
+    strategy: Option<Strategy>,
     out: Option<std::path::PathBuf>,
 }
 
@@ -56,6 +64,7 @@ fn parse() -> Result<Args, BoxError> {
         world_size: 2,
         steps: 50,
         lr: 0.05,
+        strategy: None,
         out: None,
     };
     let mut it = std::env::args().skip(1);
@@ -67,11 +76,26 @@ fn parse() -> Result<Args, BoxError> {
             "--world-size" => a.world_size = value()?.parse()?,
             "--steps" => a.steps = value()?.parse()?,
             "--lr" => a.lr = value()?.parse()?,
+            "--strategy" => {
+                a.strategy = match value()?.as_str() {
+                    "ddp" => None,
+                    "zero1" => Some(Strategy::Zero1),
+                    "zero2" => Some(Strategy::Zero2),
+                    "fsdp" => Some(Strategy::Fsdp),
+                    other => {
+                        return Err(format!(
+                            "unknown --strategy {other:?}: expected ddp, zero1, zero2 or fsdp"
+                        )
+                        .into());
+                    }
+                }
+            }
             "--out" => a.out = Some(value()?.into()),
             "-h" | "--help" => {
                 println!(
                     "candle_ddp [--backend sim|tcp|nccl] [--device cpu|cuda] [--world-size N \
-                     (sim)] [--steps N] [--lr X] [--out FILE.safetensors]"
+                     (sim)] [--steps N] [--lr X] [--strategy ddp|zero1|zero2|fsdp] [--out \
+                     FILE.safetensors]"
                 );
                 std::process::exit(0);
             }
@@ -210,23 +234,10 @@ async fn train(
         Some(p) => CandleModel::from_vars_on(vars, p)?,
         _ => CandleModel::from_vars(vars)?,
     };
-    let mut ddp = Ddp::new(b.clone(), &mut m, DdpOptions::default()).await?;
-    m.push_values()?;
-    let all: Vec<Var> = m.vars().iter().map(|(_, v)| v.clone()).collect();
-    let mut opt = candle_nn::SGD::new(all, args.lr)?;
-    let mut loss_now = 0.0f32;
-    for step in 0..args.steps {
-        let (x, y) = batch(&dev, r, step)?;
-        let loss = candle_nn::loss::mse(&forward(m.vars(), &x)?, &y)?;
-        let mut grads = loss.backward()?;
-        m.pull_grads(&grads)?;
-        ddp.sync_grads(&mut m).await?;
-        m.push_grads(&mut grads)?;
-        opt.step(&grads)?;
-        let mut l = [loss.to_dtype(DType::F32)?.to_scalar::<f32>()?];
-        pg.all_reduce(&mut l, ReduceOp::Avg).await?;
-        loss_now = l[0];
-    }
+    let loss_now = match args.strategy {
+        None => ddp_steps(&b, &pg, &dev, &mut m, &args).await?,
+        Some(s) => sharded_steps(&b, &pg, &dev, &mut m, s, &args).await?,
+    };
     // Every rank's variables, compared: the largest max - min over ranks.
     let mut spread = 0.0f32;
     let mut sum = 0.0f64;
@@ -251,9 +262,77 @@ async fn train(
             "{}",
             serde_json::json!({
                 "device": args.device, "world": b.world_size(), "steps": args.steps,
+                "strategy": args.strategy.map_or("ddp", |s| s.name()),
                 "final_loss": loss_now, "rank_spread": spread, "weights_sum": sum,
             })
         );
     }
     Ok(())
+}
+
+/// DDP with candle's SGD; returns the last step's loss, averaged over the
+/// ranks.
+async fn ddp_steps(
+    b: &Arc<dyn Backend>,
+    pg: &ProcessGroup,
+    dev: &Device,
+    m: &mut CandleModel,
+    args: &Args,
+) -> Result<f32, BoxError> {
+    let r = b.rank();
+    let mut ddp = Ddp::new(b.clone(), m, DdpOptions::default()).await?;
+    m.push_values()?;
+    let all: Vec<Var> = m.vars().iter().map(|(_, v)| v.clone()).collect();
+    let mut opt = candle_nn::SGD::new(all, args.lr)?;
+    let mut loss_now = 0.0f32;
+    for step in 0..args.steps {
+        let (x, y) = batch(dev, r, step)?;
+        let loss = candle_nn::loss::mse(&forward(m.vars(), &x)?, &y)?;
+        let mut grads = loss.backward()?;
+        m.pull_grads(&grads)?;
+        ddp.sync_grads(m).await?;
+        m.push_grads(&mut grads)?;
+        opt.step(&grads)?;
+        loss_now = mean_loss(pg, &loss).await?;
+    }
+    Ok(loss_now)
+}
+
+/// The same under a sharded strategy: every unit (one per layer) gathered
+/// into the variables before the forward pass, the gradients handed to the
+/// shards, each rank's SGD step on its shard.
+async fn sharded_steps(
+    b: &Arc<dyn Backend>,
+    pg: &ProcessGroup,
+    dev: &Device,
+    m: &mut CandleModel,
+    strategy: Strategy,
+    args: &Args,
+) -> Result<f32, BoxError> {
+    let r = b.rank();
+    // Variables are ordered by name: fc1.bias, fc1.weight, fc2.bias, ...
+    let opts = ShardOptions::new(strategy).units(vec![vec![0, 1], vec![2, 3]]);
+    let mut sh = Sharded::new(b.clone(), m, Sgd::new(args.lr), opts).await?;
+    let mut loss_now = 0.0f32;
+    for step in 0..=args.steps {
+        for u in 0..sh.layout().units.len() {
+            m.set_gathered(&sh.gather(u).await?)?;
+        }
+        if step == args.steps {
+            break; // the variables now hold the final weights
+        }
+        let (x, y) = batch(dev, r, step)?;
+        let loss = candle_nn::loss::mse(&forward(m.vars(), &x)?, &y)?;
+        m.mark_grads(&loss.backward()?, &mut sh)?;
+        sh.step().await?;
+        loss_now = mean_loss(pg, &loss).await?;
+    }
+    Ok(loss_now)
+}
+
+/// `loss` averaged over the ranks.
+async fn mean_loss(pg: &ProcessGroup, loss: &Tensor) -> Result<f32, BoxError> {
+    let mut l = [loss.to_dtype(DType::F32)?.to_scalar::<f32>()?];
+    pg.all_reduce(&mut l, ReduceOp::Avg).await?;
+    Ok(l[0])
 }

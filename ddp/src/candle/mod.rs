@@ -39,6 +39,7 @@ use crate::params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 
 #[cfg(feature = "candle-cuda")]
 mod cuda;
+mod sharded;
 
 /// The candle this adapter is built against (its `Tensor`, `Var` and
 /// `GradStore` are the ones [`CandleModel`] takes).
@@ -74,6 +75,17 @@ pub enum CandleError {
     /// `candle-cuda`): which one and why.
     #[error("candle on CUDA: {0}")]
     Device(String),
+    /// The model is not the one the sharded strategy wrapped.
+    #[error("candle: {0}")]
+    NotThisModel(String),
+    /// A sharded strategy refused a variable's values or gradient.
+    #[error("variable {name}: {source}")]
+    Sharded {
+        /// The variable.
+        name: String,
+        /// What the sharded strategy said (its rank, call and cause).
+        source: Box<crate::DdpError>,
+    },
 }
 
 /// A candle model as a [`ParamSet`]: the variables, and a host copy of

@@ -27,6 +27,17 @@ impl Gathered {
         self.unit
     }
 
+    /// The unit's parameters, in registration order.
+    pub fn params(&self) -> &[usize] {
+        &self.layout.units[self.unit]
+    }
+
+    /// The dtype parameter `p` was gathered in: its own, or the compute
+    /// dtype of a mixed-precision policy.
+    pub fn param_dtype(&self, p: usize) -> Result<DType, DdpError> {
+        Ok(self.find(p)?.0.dtype())
+    }
+
     /// Parameter `p`'s values (`p` in registration order; it must be in
     /// this unit, and `T` its dtype).
     pub fn param<T: Element>(&self, p: usize) -> Result<&[T], DdpError> {
