@@ -182,6 +182,16 @@ fn sharded_strategies_train_a_candle_model_as_one_process_does() {
     }
 }
 
+/// A candle model of one `linear(inputs, outputs)` layer named `name`:
+/// not the model a test's strategy wrapped.
+fn another_model(name: &str, inputs: usize, outputs: usize) -> (VarMap, CandleModel) {
+    let small = VarMap::new();
+    let vb = VarBuilder::from_varmap(&small, DType::F32, &Device::Cpu);
+    let _ = candle_nn::linear(inputs, outputs, vb.pp(name)).unwrap();
+    let model = CandleModel::from_varmap(&small).unwrap();
+    (small, model)
+}
+
 /// A model that is not the one the strategy wrapped is refused by name.
 #[test]
 fn marking_another_models_gradients_is_an_error_not_a_panic() {
@@ -193,10 +203,7 @@ fn marking_another_models_gradients_is_an_error_not_a_panic() {
         let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
             .await
             .unwrap();
-        let small = VarMap::new();
-        let vb = VarBuilder::from_varmap(&small, DType::F32, &Device::Cpu);
-        let _ = candle_nn::linear(3, 4, vb.pp("fc1")).unwrap();
-        let mut other = CandleModel::from_varmap(&small).unwrap();
+        let (_vars, mut other) = another_model("fc1", 3, 4);
         let (x, y) = batch(0, 0);
         let grads = mse(&forward(&x), &y).backward().unwrap();
         let g = sh.gather(0).await.unwrap();
@@ -231,10 +238,7 @@ fn a_unit_that_does_not_fit_the_variables_is_an_error_not_a_panic() {
         let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
             .await
             .unwrap();
-        let small = VarMap::new();
-        let vb = VarBuilder::from_varmap(&small, DType::F32, &Device::Cpu);
-        let _ = candle_nn::linear(5, 2, vb.pp("fc")).unwrap();
-        let mut other = CandleModel::from_varmap(&small).unwrap();
+        let (_vars, mut other) = another_model("fc", 5, 2);
         let g = sh.gather(0).await.unwrap();
         other.set_gathered(&g).unwrap_err().to_string()
     });

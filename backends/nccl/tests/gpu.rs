@@ -170,21 +170,7 @@ fn ddp_with_cuda_buckets() {
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
 fn bench_host_overhead_per_call() {
-    let blocking = std::thread::spawn(|| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let store = MemStore::new(Duration::from_secs(30));
-        let opts = NcclOptions {
-            blocking: true,
-            ..NcclOptions::default()
-        };
-        rt.block_on(NcclBackend::new(&store, 0, 1, opts))
-            .expect("a blocking NCCL communicator on GPU 0")
-    })
-    .join()
-    .expect("NCCL init thread");
+    let blocking = blocking_comm(NcclOptions::default().poll_interval);
     println!(
         "| communicator | bytes | consort host us/call (mean / median) | direct host us/call \
          (mean / median) | overhead us (medians) |"
@@ -325,10 +311,11 @@ fn overhead_rows(label: &str, b: &NcclBackend) {
     }
 }
 
-/// Host time per 4 B all_reduce on a blocking communicator whose watchdog
-/// polls every 10 ms instead of every 50 us.
-fn quiet_watchdog(dev: &Arc<CudaDevice>, rt: &tokio::runtime::Runtime) -> PerCall {
-    let quiet = std::thread::spawn(|| {
+/// A blocking communicator of one rank on GPU 0 (torch's default kind),
+/// its watchdog polling every `poll`; made on a thread of its own, as
+/// [`shared`] is.
+fn blocking_comm(poll: Duration) -> NcclBackend {
+    std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -336,13 +323,20 @@ fn quiet_watchdog(dev: &Arc<CudaDevice>, rt: &tokio::runtime::Runtime) -> PerCal
         let store = MemStore::new(Duration::from_secs(30));
         let opts = NcclOptions {
             blocking: true,
-            poll_interval: Duration::from_millis(10),
+            poll_interval: poll,
             ..NcclOptions::default()
         };
-        rt.block_on(NcclBackend::new(&store, 0, 1, opts)).unwrap()
+        rt.block_on(NcclBackend::new(&store, 0, 1, opts))
+            .expect("a blocking NCCL communicator on GPU 0")
     })
     .join()
-    .unwrap();
+    .expect("NCCL init thread")
+}
+
+/// Host time per 4 B all_reduce on a blocking communicator whose watchdog
+/// polls every 10 ms instead of every 50 us.
+fn quiet_watchdog(dev: &Arc<CudaDevice>, rt: &tokio::runtime::Runtime) -> PerCall {
+    let quiet = blocking_comm(Duration::from_millis(10));
     let s = quiet.comm_stream();
     let x = dev.alloc_zeroed(4, s).unwrap();
     let p = Placement {

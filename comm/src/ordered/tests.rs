@@ -370,3 +370,27 @@ fn a_checker_is_drained_only_when_its_subgroups_are() {
     drop(child_task);
     assert!(parent.is_drained() && child.is_drained());
 }
+
+/// The call rules' share of a call's host time: make, take the turn,
+/// launch, enqueue and complete one call under a mutex, as a driver does
+/// (NCCL's watchdog takes the same steps). A benchmark: prints, asserts
+/// nothing about time. `cargo test --release -p consort-comm --lib
+/// bench_call_rules -- --ignored --nocapture`
+#[test]
+#[ignore = "a benchmark: prints the host time per call"]
+fn bench_call_rules_per_call() {
+    let track = std::sync::Mutex::new(Ordered::<u32>::new(0, 1, GroupId::WORLD));
+    let calls = 200_000;
+    let t = Instant::now();
+    for w in 0..calls {
+        let mut o = track.lock().unwrap();
+        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        assert!(o.is_turn(m.id));
+        o.launchable(m.id).unwrap();
+        o.enqueued(m.id, w, Instant::now(), SEC);
+        let seen = o.watch(Instant::now(), |_| Ok(true), |_, _, _| None);
+        assert_eq!(seen.finished.len(), 1);
+    }
+    let per = t.elapsed().as_secs_f64() / f64::from(calls) * 1e6;
+    println!("call rules per call (make, turn, launch, enqueue, complete): {per:.3} us");
+}
