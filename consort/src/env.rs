@@ -187,68 +187,14 @@ impl DistEnv {
     pub fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         let has = |v: &str| get(env, v).is_some();
         let torch_vars = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"];
-        // Whether the processes on this node were given (not defaulted to
-        // the whole world): only then is the per-host bound checked.
-        let mut local_given = false;
-        let mut e = if let Some(present) = torch_vars.into_iter().find(|v| has(v)) {
-            let rank = need(env, "RANK", present)?;
-            let world_size = need(env, "WORLD_SIZE", present)?;
-            let (local_rank, local_world_size) = match (
-                parse_usize(env, "LOCAL_RANK")?,
-                parse_usize(env, "LOCAL_WORLD_SIZE")?,
-            ) {
-                (Some(r), Some(n)) => {
-                    local_given = true;
-                    (r, n)
-                }
-                (None, None) => (rank, world_size),
-                (Some(_), None) => {
-                    return Err(EnvError::Missing {
-                        missing: "LOCAL_WORLD_SIZE",
-                        present: "LOCAL_RANK",
-                    });
-                }
-                (None, Some(_)) => {
-                    return Err(EnvError::Missing {
-                        missing: "LOCAL_RANK",
-                        present: "LOCAL_WORLD_SIZE",
-                    });
-                }
-            };
-            DistEnv {
-                rank,
-                world_size,
-                local_rank,
-                local_world_size,
-                master_addr: String::new(),
-                master_port: 0,
-                use_agent_store: false,
-                restart_count: 0,
-                launcher: Launcher::Torchrun,
-            }
-        } else if let Some(present) = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"]
-            .into_iter()
-            .find(|v| has(v))
-        {
-            let rank = need(env, "SLURM_PROCID", present)?;
-            let world_size = need(env, "SLURM_NTASKS", present)?;
-            let local_rank = need(env, "SLURM_LOCALID", present)?;
-            let per_node = ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
-                .into_iter()
-                .find_map(|v| get(env, v).and_then(|s| slurm_first_count(&s)));
-            local_given = per_node.is_some();
-            let local_world_size = per_node.unwrap_or(world_size);
-            DistEnv {
-                rank,
-                world_size,
-                local_rank,
-                local_world_size,
-                master_addr: String::new(),
-                master_port: DEFAULT_MASTER_PORT,
-                use_agent_store: false,
-                restart_count: 0,
-                launcher: Launcher::Slurm,
-            }
+        let slurm_vars = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
+        // `local_given`: whether the processes on this node were given (not
+        // defaulted to the whole world): only then is the per-host bound
+        // checked.
+        let (mut e, local_given) = if let Some(present) = torch_vars.into_iter().find(|v| has(v)) {
+            torchrun_ranks(env, present)?
+        } else if let Some(present) = slurm_vars.into_iter().find(|v| has(v)) {
+            slurm_ranks(env, present)?
         } else if let Some(present) = ["MASTER_ADDR", "MASTER_PORT"].into_iter().find(|v| has(v)) {
             return Err(EnvError::Missing {
                 missing: "RANK",
@@ -257,49 +203,26 @@ impl DistEnv {
         } else {
             return Ok(DistEnv::single_process());
         };
-
-        if e.world_size == 0 {
-            let var = if e.launcher == Launcher::Slurm {
-                "SLURM_NTASKS"
-            } else {
-                "WORLD_SIZE"
-            };
-            return Err(EnvError::Malformed {
-                var,
-                value: "0".into(),
-                expected: "a positive integer",
-            });
-        }
-        if e.rank >= e.world_size {
-            return Err(EnvError::Inconsistent(format!(
-                "rank {} is out of range for a world of {} processes (rank must be below the \
-                 world size)",
-                e.rank, e.world_size
-            )));
-        }
-        if e.local_world_size == 0
-            || e.local_rank >= e.local_world_size
-            || e.local_world_size > e.world_size
-        {
-            return Err(EnvError::Inconsistent(format!(
-                "local rank {} of {} processes on this node does not fit a world of {} (need \
-                 local_rank < local_world_size <= world_size)",
-                e.local_rank, e.local_world_size, e.world_size
-            )));
-        }
-
+        check_ranks(&e)?;
         check_sizes(&e, local_given)?;
+        e.rendezvous(env)?;
+        Ok(e)
+    }
+
+    /// The store's address and port, and torchelastic's agent-store flag
+    /// and restart count, once the ranks are known.
+    fn rendezvous(&mut self, env: Lookup<'_>) -> Result<(), EnvError> {
         let port = parse_port(env)?;
-        let slurm = e.launcher == Launcher::Slurm;
+        let slurm = self.launcher == Launcher::Slurm;
         let addr = get(env, "MASTER_ADDR").or_else(|| {
             slurm
                 .then(|| get(env, "SLURM_LAUNCH_NODE_IPADDR"))
                 .flatten()
         });
-        e.master_addr = match addr {
+        self.master_addr = match addr {
             Some(a) => a.trim().to_string(),
             // A world of one never talks to anyone: loopback is enough.
-            None if e.world_size == 1 => "127.0.0.1".to_string(),
+            None if self.world_size == 1 => "127.0.0.1".to_string(),
             None => {
                 return Err(EnvError::Missing {
                     missing: "MASTER_ADDR",
@@ -307,9 +230,9 @@ impl DistEnv {
                 });
             }
         };
-        e.master_port = match port {
+        self.master_port = match port {
             Some(p) => p,
-            None if slurm || e.world_size == 1 => DEFAULT_MASTER_PORT,
+            None if slurm || self.world_size == 1 => DEFAULT_MASTER_PORT,
             None => {
                 return Err(EnvError::Missing {
                     missing: "MASTER_PORT",
@@ -317,8 +240,8 @@ impl DistEnv {
                 });
             }
         };
-        e.use_agent_store = parse_bool(env, "TORCHELASTIC_USE_AGENT_STORE")?;
-        e.restart_count = match get(env, "TORCHELASTIC_RESTART_COUNT") {
+        self.use_agent_store = parse_bool(env, "TORCHELASTIC_USE_AGENT_STORE")?;
+        self.restart_count = match get(env, "TORCHELASTIC_RESTART_COUNT") {
             None => 0,
             Some(v) => v.trim().parse().map_err(|_| EnvError::Malformed {
                 var: "TORCHELASTIC_RESTART_COUNT",
@@ -326,7 +249,7 @@ impl DistEnv {
                 expected: "a non-negative integer",
             })?,
         };
-        Ok(e)
+        Ok(())
     }
 
     /// `MASTER_ADDR:MASTER_PORT`, bracketing IPv6 literals.
@@ -349,6 +272,101 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// The most processes one host runs (`LOCAL_WORLD_SIZE`, `consort run
 /// --nproc-per-node`, `consort bench --world-size`).
 pub const MAX_LOCAL_WORLD_SIZE: usize = 4096;
+
+/// The ranks torchrun's variables give (`present` is one that is set),
+/// and whether the node's own processes were given.
+fn torchrun_ranks(env: Lookup<'_>, present: &'static str) -> Result<(DistEnv, bool), EnvError> {
+    let rank = need(env, "RANK", present)?;
+    let world_size = need(env, "WORLD_SIZE", present)?;
+    let (local_rank, local_world_size, local_given) = match (
+        parse_usize(env, "LOCAL_RANK")?,
+        parse_usize(env, "LOCAL_WORLD_SIZE")?,
+    ) {
+        (Some(r), Some(n)) => (r, n, true),
+        (None, None) => (rank, world_size, false),
+        (Some(_), None) => {
+            return Err(EnvError::Missing {
+                missing: "LOCAL_WORLD_SIZE",
+                present: "LOCAL_RANK",
+            });
+        }
+        (None, Some(_)) => {
+            return Err(EnvError::Missing {
+                missing: "LOCAL_RANK",
+                present: "LOCAL_WORLD_SIZE",
+            });
+        }
+    };
+    let e = DistEnv {
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        master_addr: String::new(),
+        master_port: 0,
+        use_agent_store: false,
+        restart_count: 0,
+        launcher: Launcher::Torchrun,
+    };
+    Ok((e, local_given))
+}
+
+/// The ranks Slurm's variables give (`present` is one that is set), and
+/// whether the node's task count was given.
+fn slurm_ranks(env: Lookup<'_>, present: &'static str) -> Result<(DistEnv, bool), EnvError> {
+    let rank = need(env, "SLURM_PROCID", present)?;
+    let world_size = need(env, "SLURM_NTASKS", present)?;
+    let local_rank = need(env, "SLURM_LOCALID", present)?;
+    let per_node = ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+        .into_iter()
+        .find_map(|v| get(env, v).and_then(|s| slurm_first_count(&s)));
+    let e = DistEnv {
+        rank,
+        world_size,
+        local_rank,
+        local_world_size: per_node.unwrap_or(world_size),
+        master_addr: String::new(),
+        master_port: DEFAULT_MASTER_PORT,
+        use_agent_store: false,
+        restart_count: 0,
+        launcher: Launcher::Slurm,
+    };
+    Ok((e, per_node.is_some()))
+}
+
+/// The ranks fit their world and their node.
+fn check_ranks(e: &DistEnv) -> Result<(), EnvError> {
+    if e.world_size == 0 {
+        let var = if e.launcher == Launcher::Slurm {
+            "SLURM_NTASKS"
+        } else {
+            "WORLD_SIZE"
+        };
+        return Err(EnvError::Malformed {
+            var,
+            value: "0".into(),
+            expected: "a positive integer",
+        });
+    }
+    if e.rank >= e.world_size {
+        return Err(EnvError::Inconsistent(format!(
+            "rank {} is out of range for a world of {} processes (rank must be below the world \
+             size)",
+            e.rank, e.world_size
+        )));
+    }
+    if e.local_world_size == 0
+        || e.local_rank >= e.local_world_size
+        || e.local_world_size > e.world_size
+    {
+        return Err(EnvError::Inconsistent(format!(
+            "local rank {} of {} processes on this node does not fit a world of {} (need \
+             local_rank < local_world_size <= world_size)",
+            e.local_rank, e.local_world_size, e.world_size
+        )));
+    }
+    Ok(())
+}
 
 fn check_sizes(e: &DistEnv, local_given: bool) -> Result<(), EnvError> {
     if e.world_size > MAX_WORLD_SIZE {
