@@ -62,6 +62,18 @@ macro_rules! median_ms {
     }};
 }
 
+/// The synthetic model's shape and this rank's offset.
+#[derive(Clone, Copy)]
+struct Shape {
+    layers: usize,
+    /// Parameters per layer.
+    per: usize,
+    /// Multiply-adds per gradient element.
+    work: usize,
+    /// This rank's offset, so that its gradients are its own.
+    bias: f32,
+}
+
 /// Runs every mode on this rank; rank 0 returns the table.
 pub(crate) async fn run(
     params: usize,
@@ -72,23 +84,59 @@ pub(crate) async fn run(
     let dist = consort::init_from_env().await?;
     let pg = dist.process_group().await?;
     let backend: Arc<dyn Backend> = pg.backend().clone();
-    let world = pg.world_size();
     let layers = layers.max(1);
-    let bias = pg.rank() as f32 * 1e-3;
-    let per = params / layers;
-    let mut model = PlainModel::new();
-    for l in 0..layers {
-        // Each rank starts elsewhere: Ddp::new must bring them together.
-        let init: Vec<f32> = (0..per)
-            .map(|k| ((k + l) % 97) as f32 * 0.01 + bias)
-            .collect();
-        model.add_param(format!("layers.{l}.weight"), vec![per], &init)?;
+    let shape = Shape {
+        layers,
+        per: params / layers,
+        work,
+        bias: pg.rank() as f32 * 1e-3,
+    };
+    let mut model = start_model(shape)?;
+    let [local, comm_only, allreduce_after] = baselines(&pg, &mut model, shape, iters).await?;
+    let (ms, buckets) = ddp_modes(backend.clone(), &mut model, shape, iters).await?;
+    check_in_step(&pg, &model, layers).await?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    drop(pg);
+    drop(backend);
+    dist.shutdown().await?;
+    if rank != 0 {
+        return Ok(None);
     }
-    let mut grads: Vec<Vec<f32>> = (0..layers).map(|_| vec![0.0; per]).collect();
+    let rows = [
+        ("local", local, 0),
+        ("comm_only", comm_only, 1),
+        ("allreduce_after", allreduce_after, 1),
+        ("ddp", ms[0], buckets),
+        ("ddp_bucket_view", ms[1], buckets),
+    ];
+    Ok(Some(table(world, shape.per * layers, local, &rows)))
+}
 
+/// The model, each rank starting elsewhere (`Ddp::new` must bring them
+/// together).
+fn start_model(s: Shape) -> Result<PlainModel, BoxError> {
+    let mut model = PlainModel::new();
+    for l in 0..s.layers {
+        let init: Vec<f32> = (0..s.per)
+            .map(|k| ((k + l) % 97) as f32 * 0.01 + s.bias)
+            .collect();
+        model.add_param(format!("layers.{l}.weight"), vec![s.per], &init)?;
+    }
+    Ok(model)
+}
+
+/// The modes without DDP: `local`, `comm_only` and `allreduce_after`.
+async fn baselines(
+    pg: &consort::ProcessGroup,
+    model: &mut PlainModel,
+    s: Shape,
+    iters: usize,
+) -> Result<[f64; 3], BoxError> {
+    let (layers, per) = (s.layers, s.per);
+    let mut grads: Vec<Vec<f32>> = (0..layers).map(|_| vec![0.0; per]).collect();
     let local = median_ms!(iters, {
         for l in (0..layers).rev() {
-            backward_layer(model.param::<f32>(l)?, &mut grads[l], work, bias);
+            backward_layer(model.param::<f32>(l)?, &mut grads[l], s.work, s.bias);
         }
         for (l, g) in grads.iter().enumerate() {
             sgd(model.param_mut::<f32>(l)?, g);
@@ -96,21 +144,15 @@ pub(crate) async fn run(
         black_box(&grads);
         Ok(())
     });
-
     let mut flat = vec![0.0f32; per * layers];
     let comm_only = median_ms!(iters, {
         pg.all_reduce(&mut flat, ReduceOp::Avg).await?;
         Ok(())
     });
-
     let allreduce_after = median_ms!(iters, {
         for l in (0..layers).rev() {
-            backward_layer(
-                model.param::<f32>(l)?,
-                &mut flat[l * per..(l + 1) * per],
-                work,
-                bias,
-            );
+            let g = &mut flat[l * per..(l + 1) * per];
+            backward_layer(model.param::<f32>(l)?, g, s.work, s.bias);
         }
         pg.all_reduce(&mut flat, ReduceOp::Avg).await?;
         for l in 0..layers {
@@ -118,31 +160,48 @@ pub(crate) async fn run(
         }
         Ok(())
     });
+    Ok([local, comm_only, allreduce_after])
+}
 
-    let mut ddp = Ddp::new(backend.clone(), &mut model, DdpOptions::default()).await?;
-    let mut ms = Vec::new();
-    for view in [false, true] {
-        let t = median_ms!(iters, {
-            for l in (0..layers).rev() {
+/// `ddp` (gradients copied into the buckets) and `ddp_bucket_view`
+/// (written there by backward), and the bucket count.
+async fn ddp_modes(
+    backend: Arc<dyn Backend>,
+    model: &mut PlainModel,
+    s: Shape,
+    iters: usize,
+) -> Result<([f64; 2], usize), BoxError> {
+    let mut grads: Vec<Vec<f32>> = (0..s.layers).map(|_| vec![0.0; s.per]).collect();
+    let mut ddp = Ddp::new(backend, model, DdpOptions::default()).await?;
+    let mut ms = [0.0; 2];
+    for (view, t) in [false, true].into_iter().zip(&mut ms) {
+        *t = median_ms!(iters, {
+            for l in (0..s.layers).rev() {
                 if view {
                     let p = model.param::<f32>(l)?;
-                    backward_layer(p, ddp.grad_mut::<f32>(l)?, work, bias);
+                    backward_layer(p, ddp.grad_mut::<f32>(l)?, s.work, s.bias);
                     ddp.mark_ready_in_place(l)?;
                 } else {
-                    backward_layer(model.param::<f32>(l)?, &mut grads[l], work, bias);
+                    backward_layer(model.param::<f32>(l)?, &mut grads[l], s.work, s.bias);
                     ddp.mark_ready(l, &grads[l])?;
                 }
             }
             ddp.finish().await?;
-            for l in 0..layers {
+            for l in 0..s.layers {
                 sgd(model.param_mut::<f32>(l)?, ddp.grad::<f32>(l)?);
             }
             Ok(())
         });
-        ms.push(t);
     }
-    let buckets = ddp.bucket_assignment().len();
-    // Every rank must now hold the same parameters, bit for bit.
+    Ok((ms, ddp.bucket_assignment().len()))
+}
+
+/// Every rank holds the same parameters after the DDP steps, bit for bit.
+async fn check_in_step(
+    pg: &consort::ProcessGroup,
+    model: &PlainModel,
+    layers: usize,
+) -> Result<(), BoxError> {
     let mut digest = 0xcbf2_9ce4_8422_2325u64;
     for l in 0..layers {
         for &v in model.param::<f32>(l)? {
@@ -158,14 +217,11 @@ pub(crate) async fn run(
         )
         .into());
     }
-    drop(ddp);
-    let rank = pg.rank();
-    drop(pg);
-    drop(backend);
-    dist.shutdown().await?;
-    if rank != 0 {
-        return Ok(None);
-    }
+    Ok(())
+}
+
+/// Rank 0's table: per mode, its step and its cost over `local`.
+fn table(world: usize, params: usize, local: f64, rows: &[(&str, f64, usize)]) -> Table {
     let mut t = Table::new(&[
         "mode",
         "world",
@@ -175,23 +231,16 @@ pub(crate) async fn run(
         "overhead_ms",
         "vs_local",
     ]);
-    let rows = [
-        ("local", local, 0),
-        ("comm_only", comm_only, 1),
-        ("allreduce_after", allreduce_after, 1),
-        ("ddp", ms[0], buckets),
-        ("ddp_bucket_view", ms[1], buckets),
-    ];
-    for (mode, step, b) in rows {
+    for &(mode, step, b) in rows {
         t.push(vec![
             json!(mode),
             json!(world),
-            json!(per * layers),
+            json!(params),
             json!(b),
             json!(step),
             json!(step - local),
             json!(step / local),
         ]);
     }
-    Ok(Some(t))
+    t
 }
