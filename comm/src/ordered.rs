@@ -205,9 +205,23 @@ impl<W> Ordered<W> {
     }
 
     /// Call `id` is on the stream: `work` is tracked until it completes or
-    /// `timeout` (from `now`) passes.
-    pub fn enqueued(&mut self, id: CallId, work: W, now: Instant, timeout: Duration) {
+    /// `timeout` (from `now`) passes. If its group failed while it was
+    /// being enqueued (an abort that did not wait for the launch), nothing
+    /// on that communicator will finish it: the work comes back with the
+    /// call's error, for the driver to finish at once.
+    #[must_use = "a work handed back must be finished with its error"]
+    pub fn enqueued(
+        &mut self,
+        id: CallId,
+        work: W,
+        now: Instant,
+        timeout: Duration,
+    ) -> Option<(W, Result<()>)> {
         self.unlaunched.remove(&id);
+        if let Some(e) = self.engine.poisoned(self.group).cloned() {
+            let e = self.named_or_aborted(id, &e);
+            return Some((work, self.engine.end(id, Err(e)).result));
+        }
         let ctx = self.context(id);
         self.queue.push_back(Queued {
             id,
@@ -218,6 +232,7 @@ impl<W> Ordered<W> {
             timeout,
             work,
         });
+        None
     }
 
     /// The enqueue of call `id` failed with `e`: the call fails, its group

@@ -98,7 +98,7 @@ impl Track {
 
     /// Hands a finished call's outcome to its waiter and its event back to
     /// the pool (a failed call's event may still be pending: destroyed).
-    fn finish(&mut self, w: Tracked, r: Result<(), CommError>) {
+    pub(crate) fn finish(&mut self, w: Tracked, r: Result<(), CommError>) {
         if let Some(g) = w.staging {
             self.staged = self.staged.max(g);
         }

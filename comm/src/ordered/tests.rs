@@ -45,7 +45,7 @@ fn a_call_waits_for_the_turns_of_calls_made_before_it() {
     let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
     assert!(o.is_turn(a.id) && !o.is_turn(b.id));
     o.launchable(a.id).unwrap();
-    o.enqueued(a.id, 1, Instant::now(), SEC);
+    assert!(o.enqueued(a.id, 1, Instant::now(), SEC).is_none());
     assert!(o.is_turn(b.id));
     assert!(!o.is_idle());
 }
@@ -71,7 +71,7 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
     for w in 0..3 {
         let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
         o.launchable(m.id).unwrap();
-        o.enqueued(m.id, w, t0, SEC);
+        assert!(o.enqueued(m.id, w, t0, SEC).is_none());
     }
     assert_eq!(o.poll_timeout(), Some(t0 + SEC));
     // Work 0 is done; work 1 is not, and it is not late yet.
@@ -101,7 +101,7 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
 fn an_asynchronous_error_aborts_and_sticks() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    o.enqueued(m.id, 0, Instant::now(), SEC);
+    assert!(o.enqueued(m.id, 0, Instant::now(), SEC).is_none());
     let w = o.watch(
         Instant::now(),
         |_| Ok(false),
@@ -123,7 +123,7 @@ fn an_asynchronous_error_aborts_and_sticks() {
 fn a_mismatch_found_after_its_call_ended_still_poisons() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    o.enqueued(m.id, 0, Instant::now(), SEC);
+    assert!(o.enqueued(m.id, 0, Instant::now(), SEC).is_none());
     let _ = o.watch(Instant::now(), |_| Ok(true), |_, _, _| None);
     assert_eq!(o.synchronized().map(|r| r.is_ok()), Some(true));
     let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
@@ -329,7 +329,7 @@ fn a_held_failure_stands_when_the_calls_deadline_passes_inside_the_grace() {
     for w in 0..2 {
         let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
         o.launchable(m.id).unwrap();
-        o.enqueued(m.id, w, t0, LOST_PEER_GRACE / 4);
+        assert!(o.enqueued(m.id, w, t0, LOST_PEER_GRACE / 4).is_none());
     }
     let mut rule = LostPeer::default();
     let mut watch = |now| {
@@ -387,10 +387,34 @@ fn bench_call_rules_per_call() {
         let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
         assert!(o.is_turn(m.id));
         o.launchable(m.id).unwrap();
-        o.enqueued(m.id, w, Instant::now(), SEC);
+        assert!(o.enqueued(m.id, w, Instant::now(), SEC).is_none());
         let seen = o.watch(Instant::now(), |_| Ok(true), |_, _, _| None);
         assert_eq!(seen.finished.len(), 1);
     }
     let per = t.elapsed().as_secs_f64() / f64::from(calls) * 1e6;
     println!("call rules per call (make, turn, launch, enqueue, complete): {per:.3} us");
+}
+
+/// A call whose group fails while it is being enqueued (an abort that did
+/// not wait for the launch) is not left on the aborted communicator's
+/// queue, where nothing would finish it: it comes back failed.
+#[test]
+fn a_call_enqueued_after_its_group_failed_comes_back_failed() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.launchable(m.id).unwrap();
+    let cause = CommError::PeerLost {
+        ctx: crate::ErrorContext::default(),
+        peer: 1,
+        reason: "its process exited".into(),
+    };
+    assert!(o.fail_all(cause).is_empty());
+    let (w, r) = o
+        .enqueued(m.id, 7, Instant::now(), SEC)
+        .expect("handed back");
+    assert_eq!(w, 7);
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("rank 1"), "{e}");
+    assert_eq!(o.in_flight(), 0);
+    assert!(o.is_idle());
 }

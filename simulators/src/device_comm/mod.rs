@@ -346,10 +346,11 @@ impl EmulatedComm {
         // still failed, at twice the op's timeout from when it was made.
         let timeout = opts.timeout_or(self.default_timeout()).saturating_mul(2);
         let work = Tracked { gate, reply, slot };
-        self.shared
-            .lock()
-            .core
-            .enqueued(made.id, work, Instant::now(), timeout);
+        let late = (self.shared.lock().core).enqueued(made.id, work, Instant::now(), timeout);
+        if let Some((w, r)) = late {
+            // Aborted meanwhile: the call fails with the group's cause.
+            self.shared.finish(w, r);
+        }
         self.shared.cv.notify_all();
         Ok(answer.map(|a| (a, host_out, cancel)))
     }

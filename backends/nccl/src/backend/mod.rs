@@ -415,9 +415,13 @@ impl NcclBackend {
             }));
         };
         let deadline = consort_comm::time::deadline(call.timeout);
-        let enqueued = self.enqueue_ordered(ctx, (comm, deadline), streams, io, enqueue);
-        drop(slot);
-        let done = enqueued.map_err(fail)?;
+        let done = match self.enqueue_ordered(ctx, (comm, deadline), streams, io, enqueue) {
+            Ok(done) => done,
+            Err(e) => {
+                drop(slot);
+                return Err(fail(e));
+            }
+        };
         let (staging, waiter) = match host {
             Some((g, w)) => (Some(g), Some(w)),
             None => (None, None),
@@ -427,12 +431,18 @@ impl NcclBackend {
             waiter,
             staging,
         };
+        // Tracked before the launch lock goes: an abort, which takes that
+        // lock, finds the call in flight and fails it. (One that could not
+        // wait for the lock has poisoned the group: the call comes back.)
         let was_idle = {
             let mut t = lock(&sh.track);
             let idle = t.core.in_flight() == 0;
-            t.core.enqueued(id, work, Instant::now(), call.timeout);
+            if let Some((w, r)) = t.core.enqueued(id, work, Instant::now(), call.timeout) {
+                t.finish(w, r);
+            }
             idle
         };
+        drop(slot);
         // The watchdog polls while calls are in flight and sleeps long only
         // when none is: only the first call after a lull has to wake it
         // (a condvar notify is a syscall, on the host path of every call).
