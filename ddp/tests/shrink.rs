@@ -226,3 +226,47 @@ fn three_survivors_shrink_on_emulated_communicators() {
         .collect();
     check(out, &want);
 }
+
+/// A call that failed as aborted by an earlier failure (a stream-ordered
+/// communicator fails the calls after its first so) is shrunk past when
+/// the backend knows a peer is gone, and stands when none is: 3 simulated
+/// ranks, rank 2 leaves, ranks 0 and 1 hand DDP an `Aborted` error.
+#[test]
+fn an_aborted_call_is_shrunk_past_only_when_a_peer_is_known_lost() {
+    use consort_comm::{CallOptions, CommError};
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let aborted = || DdpError::Comm {
+        what: "the caller's all_reduce".into(),
+        source: Box::new(CommError::Aborted {
+            ctx: Default::default(),
+            cause: "aborted by an earlier failure of the group".into(),
+        }),
+    };
+    let (out, _) = run_sim(SimConfig::new(3), move |b| {
+        let store = store.clone();
+        async move {
+            let mut model = setup().mlp.model(&setup().init);
+            let opts = DdpOptions::default().on_peer_lost(OnPeerLost::Shrink {
+                store,
+                timeout: Duration::from_secs(60),
+            });
+            let me = b.clone();
+            let mut ddp = Ddp::new(b, &mut model, opts).await.unwrap();
+            // Nobody lost: the error stands.
+            let stood = ddp.shrink_after(aborted()).await;
+            assert!(matches!(stood, DdpError::Comm { .. }), "{stood}");
+            me.barrier(&CallOptions::default()).await.unwrap();
+            if me.rank() == 2 {
+                return None;
+            }
+            while me.lost_peers().is_empty() {
+                me.idle(Duration::from_millis(1)).await;
+            }
+            match ddp.shrink_after(aborted()).await {
+                DdpError::Shrunk { world, lost, .. } => Some((world, lost)),
+                other => panic!("rank {}: {other}", me.rank()),
+            }
+        }
+    });
+    assert_eq!(out, vec![Some((2, vec![2])), Some((2, vec![2])), None]);
+}

@@ -146,7 +146,13 @@ impl Checker {
     /// The first rank the side channel has seen go, and what it saw
     /// ([`Backend::lost_peers`]).
     pub fn lost_peer(&self) -> Option<(usize, String)> {
-        self.host.lost_peers().into_iter().next()
+        self.lost_peers().into_iter().next()
+    }
+
+    /// Every rank the side channel has seen go, and what it saw: what a
+    /// checked communicator reports as its own [`Backend::lost_peers`].
+    pub fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.host.lost_peers()
     }
 
     /// Sends a collective's fingerprint to be compared; never blocks.

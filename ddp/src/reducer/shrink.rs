@@ -64,10 +64,26 @@ pub enum OnPeerLost {
 }
 
 impl<B: Backend + ?Sized + 'static> Ddp<B> {
-    /// Whether `e` is a lost peer that the options say to shrink past.
+    /// Whether `e` is a lost peer that the options say to shrink past:
+    /// `PeerLost`, or a call that failed after one while the backend knows
+    /// a peer is gone (a stream-ordered communicator fails the calls made
+    /// after its first failure as aborted by it, and a call waiting on a
+    /// dead peer may end at its deadline; [`Backend::lost_peers`] names
+    /// the rank either way).
     pub(super) fn shrinkable(&self, e: &DdpError) -> bool {
-        matches!(self.opts.on_peer_lost, OnPeerLost::Shrink { .. })
-            && matches!(e, DdpError::Comm { source, .. } if matches!(**source, CommError::PeerLost { .. }))
+        if !matches!(self.opts.on_peer_lost, OnPeerLost::Shrink { .. }) {
+            return false;
+        }
+        let DdpError::Comm { source, .. } = e else {
+            return false;
+        };
+        match **source {
+            CommError::PeerLost { .. } => true,
+            CommError::Aborted { .. } | CommError::Backend { .. } | CommError::Timeout { .. } => {
+                !self.backend.lost_peers().is_empty()
+            }
+            _ => false,
+        }
     }
 
     /// A collective of the caller's own (a metric's all-reduce, say)

@@ -630,6 +630,16 @@ impl Backend for EmulatedComm {
         self.inner.idle(d).await;
     }
 
+    /// The ranks the fingerprint check's side channel has seen go, as on
+    /// NCCL (whose data path names none): none without a check.
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.shared
+            .checker
+            .get()
+            .map(|c| c.lost_peers())
+            .unwrap_or_default()
+    }
+
     async fn synchronize(&self) -> Result<()> {
         let timeout = self.default_timeout();
         let start = Instant::now();

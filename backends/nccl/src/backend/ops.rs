@@ -79,6 +79,16 @@ impl Backend for NcclBackend {
         self.wait_for(self.opts.timeout, |t| t.core.synchronized())
             .await
     }
+
+    /// The ranks the fingerprint check's side channel has seen go (NCCL
+    /// itself names none): none without a check.
+    fn lost_peers(&self) -> Vec<(usize, String)> {
+        self.shared
+            .checker
+            .get()
+            .map(|c| c.lost_peers())
+            .unwrap_or_default()
+    }
 }
 
 /// The ops, their arguments already checked: each classifies its buffers
