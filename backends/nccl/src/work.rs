@@ -432,7 +432,8 @@ fn watchdog(shared: &Shared) {
 /// launch holds the launch lock (it polls the same state itself). A
 /// remote or system error (a peer's socket closed: NCCL names no rank) is
 /// named by the fingerprint check's side channel when it can
-/// ([`LostPeer`]).
+/// ([`LostPeer`]); with no error, a collective that waits on a rank the
+/// side channel lost fails naming it ([`LostPeer::stalled`]).
 fn async_error(
     shared: &Shared,
     (ctx, deadline): (ErrorContext, Instant),
@@ -444,7 +445,9 @@ fn async_error(
     // a shutdown takes the launch lock, held here.
     let code = comm_state(&shared.nccl, comm as Comm);
     if code == result::SUCCESS || code == result::IN_PROGRESS {
-        return None;
+        // No error: a collective may still wait on a dead peer (NVLink and
+        // shared memory report none).
+        return lost.stalled(shared.checker.get(), ctx, Instant::now());
     }
     let e = nccl_error(ctx, code, &shared.last_error(comm));
     if crate::map::may_be_lost_peer(code) {

@@ -32,7 +32,7 @@ use std::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, Fingerprint, Result,
+    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, Fingerprint, OpKind, Result,
     frame::{FrameHeader, FrameLimits, HEADER_LEN},
 };
 
@@ -259,6 +259,9 @@ pub fn may_be_lost_peer(code: i32) -> bool {
 pub struct LostPeer {
     /// When the anonymous failure was first seen.
     since: Option<Instant>,
+    /// Since when the side channel has known a lost rank while a
+    /// collective waited with no failure at all ([`LostPeer::stalled`]).
+    stall_since: Option<Instant>,
 }
 
 impl LostPeer {
@@ -282,6 +285,39 @@ impl LostPeer {
         }
         let since = *self.since.get_or_insert(now);
         (now.duration_since(since) >= LOST_PEER_GRACE || now >= deadline).then_some(e)
+    }
+
+    /// What the oldest call in flight (context `ctx`), still running with
+    /// no failure from the communicator at `now`, fails with: `PeerLost`
+    /// naming the rank `checker`'s side channel lost, once it has known
+    /// that rank gone for [`LOST_PEER_GRACE`]. NCCL's kernels over NVLink,
+    /// PCIe peer-to-peer or shared memory wait on a dead peer without an
+    /// error (only its socket transport reports one), and a checker that
+    /// already compared every call in flight has nothing left to compare.
+    /// Only collectives: every rank takes part in them, so a lost one
+    /// never finishes, while a point-to-point call may not involve it.
+    pub fn stalled(
+        &mut self,
+        checker: Option<&Checker>,
+        ctx: ErrorContext,
+        now: Instant,
+    ) -> Option<CommError> {
+        if matches!(ctx.op, Some(OpKind::Send | OpKind::Recv) | None) {
+            return None;
+        }
+        let Some((peer, why)) = checker.and_then(Checker::lost_peer) else {
+            self.stall_since = None;
+            return None;
+        };
+        let since = *self.stall_since.get_or_insert(now);
+        (now.duration_since(since) >= LOST_PEER_GRACE).then(|| CommError::PeerLost {
+            ctx,
+            peer,
+            reason: format!(
+                "{why} (seen by the fingerprint check's side channel; this call waited on it \
+                 {LOST_PEER_GRACE:?} more with no error from the communicator)"
+            ),
+        })
     }
 
     /// [`LostPeer::name`] for a failure a call itself returned (an

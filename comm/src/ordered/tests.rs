@@ -418,3 +418,53 @@ fn a_call_enqueued_after_its_group_failed_comes_back_failed() {
     assert_eq!(o.in_flight(), 0);
     assert!(o.is_idle());
 }
+
+/// A collective that waits with no error from the communicator on a rank
+/// the side channel saw go (NCCL over NVLink or shared memory reports
+/// none) fails naming it once the grace has passed; a point-to-point call
+/// (which may not involve that rank) and a world with nobody lost wait on.
+#[test]
+fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
+    use super::check::{Checker, LOST_PEER_GRACE, LostPeer};
+    let side = std::sync::Arc::new(Side::default());
+    let (checker, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
+    let ctx = |op| crate::ErrorContext::new(op, 0, 4, GroupId::WORLD);
+    let t0 = Instant::now();
+    let mut rule = LostPeer::default();
+    let c = Some(&checker);
+    assert!(rule.stalled(c, ctx(OpKind::AllReduce), t0).is_none());
+    side.lost
+        .lock()
+        .unwrap()
+        .push((1, "its process exited".into()));
+    assert!(rule.stalled(c, ctx(OpKind::AllReduce), t0).is_none());
+    let half = t0 + LOST_PEER_GRACE / 2;
+    assert!(rule.stalled(c, ctx(OpKind::AllReduce), half).is_none());
+    let late = t0 + LOST_PEER_GRACE;
+    assert!(rule.stalled(c, ctx(OpKind::Send), late).is_none());
+    match rule.stalled(c, ctx(OpKind::AllReduce), late) {
+        Some(CommError::PeerLost { peer, reason, ctx }) => {
+            assert_eq!((peer, ctx.seq), (1, Some(4)));
+            assert!(reason.contains("its process exited"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        LostPeer::default()
+            .stalled(None, ctx(OpKind::AllReduce), late)
+            .is_none()
+    );
+    // Through the call rules: the pending collective fails with it.
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.launchable(m.id).unwrap();
+    assert!(o.enqueued(m.id, 0, t0, 60 * SEC).is_none());
+    let mut rule = LostPeer::default();
+    let mut watch =
+        |now: Instant| o.watch(now, |_| Ok(false), |_, ctx, _| rule.stalled(c, ctx, now));
+    assert!(!watch(t0).abort);
+    let seen = watch(late);
+    assert!(seen.abort);
+    let e = seen.finished[0].1.as_ref().unwrap_err();
+    assert!(matches!(e, CommError::PeerLost { peer: 1, .. }), "{e}");
+}

@@ -110,9 +110,10 @@ pub(super) fn watchdog(shared: &Shared) {
                 Some(e) => Err(e.clone()),
                 None => Ok(shared.device.event_done(w.gate)),
             },
-            |w, _, deadline| {
-                let held = lock(&w.slot).err.clone().filter(is_remote_error)?;
-                lost.name(shared.checker.get(), held, (now, deadline))
+            |w, ctx, deadline| match lock(&w.slot).err.clone().filter(is_remote_error) {
+                Some(held) => lost.name(shared.checker.get(), held, (now, deadline)),
+                // No failure yet: a collective may wait on a lost peer.
+                None => lost.stalled(shared.checker.get(), ctx, now),
             },
         );
         if st.stop && st.core.in_flight() == 0 && seen.finished.is_empty() {
