@@ -201,7 +201,7 @@ impl Shared {
             return e;
         };
         if !crate::map::may_be_lost_peer(*code) {
-            return e;
+            return LostPeer::named_now(self.checker.get(), e);
         }
         let checker = self.checker.get();
         match Handle::try_current().map(|h| h.runtime_flavor()) {
@@ -453,6 +453,6 @@ fn async_error(
     if crate::map::may_be_lost_peer(code) {
         lost.name(shared.checker.get(), e, (Instant::now(), deadline))
     } else {
-        Some(e)
+        Some(LostPeer::named_now(shared.checker.get(), e))
     }
 }

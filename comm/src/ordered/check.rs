@@ -320,6 +320,17 @@ impl LostPeer {
         })
     }
 
+    /// `e`, a failure that is not one NCCL reports a lost peer with (an
+    /// internal error, say), as `PeerLost` when the side channel already
+    /// knows a rank gone (looked at once, never waited for): a socket or
+    /// proxy failing under a dead peer can surface so.
+    pub fn named_now(checker: Option<&Checker>, e: CommError) -> CommError {
+        match checker.and_then(|c| named(c, &e)) {
+            Some(named) => named,
+            None => e,
+        }
+    }
+
     /// [`LostPeer::name`] for a failure a call itself returned (an
     /// enqueue that failed): polls the side channel every millisecond
     /// until it names the rank, blocking the calling thread for at most

@@ -468,3 +468,37 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     let e = seen.finished[0].1.as_ref().unwrap_err();
     assert!(matches!(e, CommError::PeerLost { peer: 1, .. }), "{e}");
 }
+
+/// Another NCCL failure (an internal error) is named once, never waited
+/// for: `PeerLost` when the side channel already knows a rank gone.
+#[test]
+fn another_failure_is_named_only_if_a_rank_is_already_known_lost() {
+    use super::check::{Checker, LostPeer};
+    let side = std::sync::Arc::new(Side::default());
+    let (checker, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
+    let internal = || CommError::Backend {
+        ctx: crate::ErrorContext::default(),
+        backend: "NCCL",
+        code: 3,
+        detail: "ncclInternalError (proxy connection failed)".into(),
+    };
+    let start = Instant::now();
+    let stands = LostPeer::named_now(Some(&checker), internal());
+    assert!(matches!(stands, CommError::Backend { code: 3, .. }));
+    assert!(start.elapsed() < SEC / 10);
+    side.lost
+        .lock()
+        .unwrap()
+        .push((2, "connection reset".into()));
+    match LostPeer::named_now(Some(&checker), internal()) {
+        CommError::PeerLost { peer, reason, .. } => {
+            assert_eq!(peer, 2);
+            assert!(reason.contains("ncclInternalError"), "{reason}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(matches!(
+        LostPeer::named_now(None, internal()),
+        CommError::Backend { code: 3, .. }
+    ));
+}
