@@ -144,6 +144,8 @@ pub(crate) struct Shared {
     pub(crate) poll: Duration,
     /// The fingerprint check over a host side channel, when one was given.
     pub(crate) checker: std::sync::OnceLock<Checker>,
+    /// The thread running this communicator's `ncclCommAbort`, once aborted.
+    pub(crate) aborter: Mutex<Option<JoinHandle<()>>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -277,8 +279,32 @@ impl Shared {
         drop(slot);
         self.poison(e);
         if c != 0 {
-            abort_in_background(&self.nccl, c, self.rank);
+            *lock(&self.aborter) = abort_in_background(&self.nccl, c, self.rank);
         }
+    }
+
+    /// Waits, at most `limit`, for this communicator's `ncclCommAbort`
+    /// (run in the background) to return: the survivors' new communicator
+    /// is made once NCCL has let go of the old one. Whether it returned (or
+    /// none ran).
+    pub(crate) async fn aborted_within(&self, limit: Duration) -> bool {
+        let Some(t) = lock(&self.aborter).take() else {
+            return true;
+        };
+        let deadline = consort_comm::time::deadline(limit);
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    rank = self.rank,
+                    "ncclCommAbort of the failed communicator has not returned after {limit:?}; \
+                     making the survivors' communicator beside it"
+                );
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let _ = t.join();
+        true
     }
     /// The launch lock, if it comes free within `wait`.
     fn slot_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
@@ -346,7 +372,13 @@ pub(crate) fn last_error(nccl: &Nccl, comm: usize) -> String {
 /// proxy threads, and the calls it fails must not wait for it (torch's
 /// watchdog aborts with a timeout for the same reason). The thread is a
 /// plain one, so it never keeps the process from exiting.
-pub(crate) fn abort_in_background(nccl: &Arc<Nccl>, comm: usize, rank: usize) {
+/// Returns the thread, to wait for when something must follow the abort
+/// (`None`: it ran on the caller's thread, which could not spawn one).
+pub(crate) fn abort_in_background(
+    nccl: &Arc<Nccl>,
+    comm: usize,
+    rank: usize,
+) -> Option<JoinHandle<()>> {
     let n = nccl.clone();
     let abort = move || {
         // SAFETY: `comm` was live and is aborted once: its only holder
@@ -354,11 +386,15 @@ pub(crate) fn abort_in_background(nccl: &Arc<Nccl>, comm: usize, rank: usize) {
         let r = unsafe { (n.comm_abort)(comm as Comm) };
         tracing::debug!(rank, result = r, "NCCL: ncclCommAbort returned");
     };
-    let spawned = std::thread::Builder::new()
+    match std::thread::Builder::new()
         .name(format!("consort-nccl-abort-{rank}"))
-        .spawn(abort.clone());
-    if spawned.is_err() {
-        abort();
+        .spawn(abort.clone())
+    {
+        Ok(t) => Some(t),
+        Err(_) => {
+            abort();
+            None
+        }
     }
 }
 

@@ -134,6 +134,11 @@ impl NcclBackend {
             timeout,
             ..self.opts.clone()
         };
+        // NCCL lets go of the failed communicator first (its abort runs in
+        // the background), within a bound: a stuck abort is warned about.
+        self.shared
+            .aborted_within(ABORT_BEFORE_INIT.min(timeout))
+            .await;
         let (nccl, cctx) = (&self.shared.nccl, &self.ctx);
         tracing::debug!(
             rank = self.rank,
@@ -264,3 +269,8 @@ impl NcclBackend {
         })?
     }
 }
+
+/// How long the survivors' init waits for the failed communicator's
+/// `ncclCommAbort` (with a dead peer NCCL's abort waits on its proxy
+/// threads; it usually returns well within this).
+const ABORT_BEFORE_INIT: std::time::Duration = std::time::Duration::from_secs(10);

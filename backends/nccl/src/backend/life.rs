@@ -104,7 +104,7 @@ async fn ready(
             result::IN_PROGRESS => {
                 // Ours, never handed out; aborting a communicator still
                 // being made is how NCCL ends a nonblocking init.
-                abort_in_background(nccl, comm, ctx0.rank.unwrap_or(0));
+                let _ = abort_in_background(nccl, comm, ctx0.rank.unwrap_or(0));
                 return Err(init_timeout(ctx0, timeout, what));
             }
             failed => return Err(abort_failed(nccl, comm, ctx0, failed, what)),
@@ -137,7 +137,7 @@ fn abort_failed(
 ) -> CommError {
     let detail = last_error(nccl, comm);
     // Ours, never handed out; abort frees it.
-    abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
+    let _ = abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
     let e = nccl_error(ctx, code, &detail);
     match e {
         CommError::Backend {
@@ -239,7 +239,7 @@ pub(super) fn finalize_and_destroy(
                 )
             };
             // Aborted once, instead of the destroy below.
-            abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
+            let _ = abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
             return Err(e);
         }
     }

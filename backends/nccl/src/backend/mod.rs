@@ -287,6 +287,7 @@ impl NcclBackend {
             turn: tokio::sync::Notify::new(),
             poll: opts.poll_interval,
             checker: std::sync::OnceLock::new(),
+            aborter: Mutex::new(None),
         });
         let watchdog = match spawn_watchdog(shared.clone(), ctx.clone()) {
             Ok(w) => w,
