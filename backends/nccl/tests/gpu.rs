@@ -386,3 +386,39 @@ fn per_call(iters: usize, mut f: impl FnMut()) -> PerCall {
         median: each[iters / 2],
     }
 }
+
+/// The survivors' path of a failed communicator on a real GPU: after an
+/// abort, `new_group` meets in the store and inits a new communicator (a
+/// 1-rank one here, as step 10's survivor makes) once NCCL's abort of the
+/// old one has returned; a call on it works.
+#[test]
+#[ignore = "needs a GPU with libcuda and libnccl"]
+fn a_failed_communicators_survivors_make_a_new_one_through_the_store() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Arc::new(MemStore::new(Duration::from_secs(30)));
+    let b = rt
+        .block_on(NcclBackend::new(&*store, 0, 1, NcclOptions::default()))
+        .expect("NCCL on GPU 0");
+    b.set_store(store.clone());
+    b.abort().unwrap();
+    let t = Instant::now();
+    let sub = rt
+        .block_on(b.new_group(&[0], &CallOptions::default()))
+        .expect("the survivors' communicator")
+        .expect("rank 0 is a survivor");
+    let mut x = [1.5f32, -2.0, 3.0];
+    rt.block_on(sub.all_reduce(
+        BufferMut::from(&mut x[..]),
+        ReduceOp::Sum,
+        &CallOptions::default(),
+    ))
+    .unwrap();
+    assert_eq!(x, [1.5, -2.0, 3.0]);
+    println!(
+        "survivors' communicator after an abort: made and used in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+}
