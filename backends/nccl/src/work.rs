@@ -338,6 +338,34 @@ impl Shared {
     }
 }
 
+/// How long a communicator's last handle, going, waits for its
+/// `ncclCommAbort` still running in the background.
+const ABORT_AT_EXIT: Duration = Duration::from_secs(5);
+
+impl Drop for Shared {
+    /// The process should not exit (CUDA's exit handlers run) while NCCL is
+    /// inside `ncclCommAbort` on another thread: the last handle of an
+    /// aborted communicator waits for it, at most [`ABORT_AT_EXIT`].
+    fn drop(&mut self) {
+        let Some(t) = lock(&self.aborter).take() else {
+            return;
+        };
+        let deadline = consort_comm::time::deadline(ABORT_AT_EXIT);
+        while !t.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if t.is_finished() {
+            let _ = t.join();
+        } else {
+            tracing::warn!(
+                rank = self.rank,
+                "ncclCommAbort has not returned {ABORT_AT_EXIT:?} after the communicator's last \
+                 handle went; leaving it running"
+            );
+        }
+    }
+}
+
 /// A communicator's state (`ncclCommGetAsyncError`): success, in
 /// progress, or its error (the query's own failure included). `comm` must
 /// be live: the callers hold the launch lock, or own a communicator not yet
