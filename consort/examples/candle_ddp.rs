@@ -29,7 +29,7 @@ use std::sync::Arc;
 use consort::{
     Backend, ProcessGroup, ReduceOp,
     ddp::{
-        Ddp, DdpOptions, Sgd, ShardOptions, Sharded, Strategy,
+        Ddp, DdpOptions, Sgd, ShardKernels, ShardOptions, Sharded, Strategy,
         candle::{
             CandleModel,
             candle_core::{self, DType, Device, Tensor, Var},
@@ -150,8 +150,15 @@ async fn cuda(args: Args) -> Result<(), BoxError> {
     let nccl = Arc::new(dist.nccl_backend(None).await?);
     let gpu = candle_core::CudaDevice::new_with_stream(nccl.device())?;
     let place = consort::candle::placement(&gpu)?;
+    // The shards' optimizer steps on the GPU (NVRTC kernels), when sharded.
+    let kernels: Option<Arc<dyn ShardKernels>> = match args.strategy {
+        Some(_) => Some(consort::cuda::CudaKernels::new(
+            &consort::nccl::CudaDevice::new(nccl.device())?,
+        )?),
+        None => None,
+    };
     let b: Arc<dyn Backend> = nccl;
-    let res = train(b, Device::Cuda(gpu), Some(place), args).await;
+    let res = train(b, Device::Cuda(gpu), Some((place, kernels)), args).await;
     dist.shutdown().await?;
     res
 }
@@ -219,24 +226,35 @@ fn forward(vars: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
         .broadcast_add(&v("fc2.bias"))
 }
 
+/// A model on the GPU: its placement, and the shards' optimizer kernels
+/// when it is trained sharded.
+type OnGpu = (consort::Placement, Option<Arc<dyn ShardKernels>>);
+
 /// One rank's training; the summary line from rank 0.
 async fn train(
     b: Arc<dyn Backend>,
     dev: Device,
-    place: Option<consort::Placement>,
+    gpu: Option<OnGpu>,
     args: Args,
 ) -> Result<(), BoxError> {
     let r = b.rank();
     let pg = ProcessGroup::new(b.clone());
     let vars = model(&dev, r)?;
-    let mut m = match place {
+    let (mut m, kernels) = match gpu {
         #[cfg(feature = "candle-cuda")]
-        Some(p) => CandleModel::from_vars_on(vars, p)?,
-        _ => CandleModel::from_vars(vars)?,
+        Some((p, k)) => (CandleModel::from_vars_on(vars, p)?, k),
+        _ => (CandleModel::from_vars(vars)?, None),
     };
     let loss_now = match args.strategy {
         None => ddp_steps(&b, &pg, &dev, &mut m, &args).await?,
-        Some(s) => sharded_steps(&b, &pg, &dev, &mut m, s, &args).await?,
+        Some(s) => {
+            let opts = ShardOptions::new(s);
+            let opts = match kernels {
+                Some(k) => opts.kernels(k),
+                None => opts,
+            };
+            sharded_steps(&b, &pg, &dev, &mut m, opts, &args).await?
+        }
     };
     // Every rank's variables, compared: the largest max - min over ranks.
     let mut spread = 0.0f32;
@@ -306,12 +324,12 @@ async fn sharded_steps(
     pg: &ProcessGroup,
     dev: &Device,
     m: &mut CandleModel,
-    strategy: Strategy,
+    opts: ShardOptions,
     args: &Args,
 ) -> Result<f32, BoxError> {
     let r = b.rank();
     // Variables are ordered by name: fc1.bias, fc1.weight, fc2.bias, ...
-    let opts = ShardOptions::new(strategy).units(vec![vec![0, 1], vec![2, 3]]);
+    let opts = opts.units(vec![vec![0, 1], vec![2, 3]]);
     let mut sh = Sharded::new(b.clone(), m, Sgd::new(args.lr), opts).await?;
     let mut loss_now = 0.0f32;
     for step in 0..=args.steps {

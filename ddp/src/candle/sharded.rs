@@ -23,9 +23,11 @@
 //! variables through the step: a rank keeps 1/N of the gradients and of
 //! the optimizer state (ZeRO-2's saving), not of the parameters in use.
 //! Under a mixed-precision policy the gathered compute-dtype values are
-//! cast to each variable's dtype. On a GPU (feature `candle-cuda`) values
-//! and gradients pass through host memory here; DDP's candle path has no
-//! such copies.
+//! cast to each variable's dtype. On a GPU (feature `candle-cuda`, the
+//! model from `CandleModel::from_varmap_on`) gathered values are copied
+//! into the variables and gradients handed over in device memory, with no
+//! host copy; a compute dtype other than the variables' goes through the
+//! host.
 
 use candle_core::backprop::GradStore;
 use consort_comm::{
@@ -41,6 +43,10 @@ impl CandleModel {
     /// their variables, for the forward pass.
     pub fn set_gathered(&mut self, g: &Gathered) -> Result<(), CandleError> {
         for &p in g.params() {
+            #[cfg(feature = "candle-cuda")]
+            if self.copy_gathered_on_device(g, p)? {
+                continue;
+            }
             let (name, var) = self.var(p)?;
             let t = var.as_tensor();
             let bytes = g.param_bytes(p).map_err(sharded_error(name))?;
@@ -70,6 +76,10 @@ impl CandleModel {
         sharded: &mut Sharded,
     ) -> Result<(), CandleError> {
         self.check_wrapped(sharded)?;
+        #[cfg(feature = "candle-cuda")]
+        if self.on_device() && sharded.placement().is_some() {
+            return self.mark_grads_on_device(grads, sharded);
+        }
         for p in (0..self.vars.len()).rev() {
             let (name, var) = self.var(p)?;
             let t = var.as_tensor();
@@ -85,6 +95,51 @@ impl CandleModel {
                 _ => sharded.mark_ready(p, &g.to_vec1::<bf16>()?),
             };
             marked.map_err(sharded_error(name))?;
+        }
+        Ok(())
+    }
+
+    /// On a GPU: parameter `p` of `g`, gathered on the device in the
+    /// variable's dtype, copied into the variable's memory on the compute
+    /// stream, with no host copy. `false` when it cannot be (a host model
+    /// or host shards, or a compute dtype to cast): the caller copies
+    /// through the host.
+    #[cfg(feature = "candle-cuda")]
+    fn copy_gathered_on_device(&mut self, g: &Gathered, p: usize) -> Result<bool, CandleError> {
+        let (Some(dev), Ok(src)) = (&self.dev, g.param_device(p)) else {
+            return Ok(false);
+        };
+        let (name, _) = self.var(p)?;
+        let Some(dst) = dev.param(&self.vars, p) else {
+            return Ok(false);
+        };
+        if src.dtype() != dst.dtype() || src.len() != dst.len() {
+            return Ok(false);
+        }
+        let bytes = src.len() * src.dtype().size_bytes();
+        crate::device::copy_out(&dev.placement, &dst, src.ptr(), bytes, name)
+            .map_err(|e| CandleError::Device(format!("the gathered values of {name}: {e}")))?;
+        Ok(true)
+    }
+
+    /// On a GPU: this step's gradient tensors (zeros for an unused
+    /// variable) go to the device shards from their device memory.
+    #[cfg(feature = "candle-cuda")]
+    fn mark_grads_on_device(
+        &mut self,
+        grads: &GradStore,
+        sharded: &mut Sharded,
+    ) -> Result<(), CandleError> {
+        use crate::ParamSet;
+        self.pull_grads(grads)?;
+        for p in (0..self.vars.len()).rev() {
+            let name = self.vars[p].0.clone();
+            let g = self.grad_device(p).ok_or_else(|| {
+                CandleError::Device(format!("the gradient of {name} has no device memory"))
+            })?;
+            sharded
+                .mark_ready_device(p, &g)
+                .map_err(sharded_error(&name))?;
         }
         Ok(())
     }

@@ -381,6 +381,12 @@ impl Sharded {
         self.rank
     }
 
+    /// Where the shards live: `None` in host memory, or the model's device
+    /// and compute stream.
+    pub fn placement(&self) -> Option<&Placement> {
+        self.place.as_ref()
+    }
+
     /// The strategy.
     pub fn strategy(&self) -> Strategy {
         self.strategy
