@@ -189,6 +189,24 @@ fn three_survivors_finish_like_one_process_with_the_global_batch() {
 /// never left and held its peers' last frames.
 #[test]
 fn three_survivors_shrink_on_emulated_communicators() {
+    shrink_on_emulated(EmulatedCommOptions::default());
+}
+
+/// The same when the data path reports nothing at all (NCCL over NVLink,
+/// PCIe or shared memory: the kernel waits on the dead peer until an
+/// abort): the survivors' calls stay in flight, and the fingerprint
+/// check's side channel names the rank (comparing the calls made after
+/// the loss; with nothing left to compare, `LostPeer::stalled` does after
+/// the grace), which fails them and aborts the communicator.
+#[test]
+fn three_survivors_shrink_when_the_data_path_reports_no_loss() {
+    shrink_on_emulated(EmulatedCommOptions {
+        silent_loss: true,
+        ..Default::default()
+    });
+}
+
+fn shrink_on_emulated(opts: EmulatedCommOptions) {
     let s = Arc::new(setup());
     let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
     let want = reference(&s);
@@ -199,7 +217,7 @@ fn three_survivors_shrink_on_emulated_communicators() {
         .into_iter()
         .zip(side.ranks())
         .map(|(rank, side)| {
-            let (s, store) = (s.clone(), store.clone());
+            let (s, store, opts) = (s.clone(), store.clone(), opts.clone());
             std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -212,7 +230,6 @@ fn three_survivors_shrink_on_emulated_communicators() {
                         sync_timeout: Duration::from_secs(20),
                         ..Default::default()
                     });
-                    let opts = EmulatedCommOptions::default();
                     let comm = EmulatedComm::new(Arc::new(rank), device, opts).unwrap();
                     comm.check_fingerprints(Arc::new(side)).unwrap();
                     train(s, store, Arc::new(comm)).await

@@ -163,6 +163,9 @@ pub(super) fn comm_thread(
                         waiting_on: Vec::new(),
                     }),
                 };
+                if opts.silent_loss && matches!(result, Err(CommError::PeerLost { .. })) {
+                    stuck_until_aborted(&job, timeout.saturating_mul(2));
+                }
                 settle(&job, result);
             }
         }
@@ -171,6 +174,17 @@ pub(super) fn comm_thread(
         }
         device.complete_event(job.gate);
         job.comm.cv.notify_all();
+    }
+}
+
+/// A call whose peer was lost, under [`EmulatedCommOptions::silent_loss`]:
+/// like an NCCL kernel waiting on a dead peer, it neither ends nor fails
+/// until its communicator is aborted (then its gate opens, as an aborted
+/// kernel's stream goes on), at most `limit`.
+fn stuck_until_aborted(job: &Job, limit: Duration) {
+    let deadline = consort_comm::time::deadline(limit);
+    while !job.comm.lock().aborted && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

@@ -73,6 +73,12 @@ pub struct EmulatedCommOptions {
     /// Fault injection: the buffer's stream does not wait for the
     /// collective (later work may read the buffer before the result lands).
     pub skip_output_wait: bool,
+    /// A peer lost on the data path is not reported at all: the call stays
+    /// unfinished until the communicator is aborted, as an NCCL kernel over
+    /// NVLink, PCIe peer-to-peer or shared memory waits on a dead peer
+    /// (only NCCL's socket transport reports `ncclRemoteError`). Off: the
+    /// loss is reported as that remote error.
+    pub silent_loss: bool,
 }
 
 impl Default for EmulatedCommOptions {
@@ -82,6 +88,7 @@ impl Default for EmulatedCommOptions {
             max_delay: Duration::from_micros(300),
             skip_input_wait: false,
             skip_output_wait: false,
+            silent_loss: false,
         }
     }
 }
