@@ -299,6 +299,8 @@ impl Shared {
                     "ncclCommAbort of the failed communicator has not returned after {limit:?}; \
                      making the survivors' communicator beside it"
                 );
+                // Still waited for (briefly) when the last handle goes.
+                *lock(&self.aborter) = Some(t);
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
