@@ -172,20 +172,25 @@ impl<W> Ordered<W> {
     /// with it) when its group failed or the communicator was shut down
     /// since it was made.
     pub fn launchable(&mut self, id: CallId) -> Result<()> {
-        let failed = match (&self.closed, self.engine.poisoned(self.group)) {
+        match self.refused(id) {
+            Some(e) => {
+                self.unlaunched.remove(&id);
+                self.engine.end(id, Err(e)).result
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Why call `id` may not go on the stream: its group failed, or the
+    /// communicator was shut down (its watchdog may be gone).
+    fn refused(&self, id: CallId) -> Option<CommError> {
+        match (&self.closed, self.engine.poisoned(self.group)) {
             (_, Some(e)) => Some(self.named_or_aborted(id, e)),
             (Some(why), None) => Some(CommError::Aborted {
                 ctx: ErrorContext::default(),
                 cause: why.clone(),
             }),
             (None, None) => None,
-        };
-        match failed {
-            Some(e) => {
-                self.unlaunched.remove(&id);
-                self.engine.end(id, Err(e)).result
-            }
-            None => Ok(()),
         }
     }
 
@@ -206,9 +211,10 @@ impl<W> Ordered<W> {
 
     /// Call `id` is on the stream: `work` is tracked until it completes or
     /// `timeout` (from `now`) passes. If its group failed while it was
-    /// being enqueued (an abort that did not wait for the launch), nothing
-    /// on that communicator will finish it: the work comes back with the
-    /// call's error, for the driver to finish at once.
+    /// being enqueued (an abort that did not wait for the launch), or the
+    /// communicator was shut down meanwhile, nothing on that communicator
+    /// will finish it: the work comes back with the call's error, for the
+    /// driver to finish at once.
     #[must_use = "a work handed back must be finished with its error"]
     pub fn enqueued(
         &mut self,
@@ -218,8 +224,7 @@ impl<W> Ordered<W> {
         timeout: Duration,
     ) -> Option<(W, Result<()>)> {
         self.unlaunched.remove(&id);
-        if let Some(e) = self.engine.poisoned(self.group).cloned() {
-            let e = self.named_or_aborted(id, &e);
+        if let Some(e) = self.refused(id) {
             return Some((work, self.engine.end(id, Err(e)).result));
         }
         let ctx = self.context(id);

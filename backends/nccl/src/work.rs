@@ -181,11 +181,11 @@ impl Shared {
     /// never finish).
     pub(crate) fn mismatch(&self, e: CommError) {
         tracing::debug!(rank = self.rank, cause = %e, "NCCL: the fingerprint check failed the calls");
-        let mut t = lock(&self.track);
-        let failed = t.core.mismatch(e.clone());
-        t.finish_all(failed);
-        drop(t);
+        let failed = lock(&self.track).core.mismatch(e.clone());
         self.abort(e);
+        // The callers hear of it once the abort has begun (a survivors'
+        // group made at once waits for it: `aborted_within`).
+        lock(&self.track).finish_all(failed);
     }
 
     /// `e`, a failure an NCCL call returned, with the rank named when it
@@ -277,10 +277,12 @@ impl Shared {
         // Nobody can reach the handle any more (it was cleared under the
         // lock, and whoever read it before did so under the lock too).
         drop(slot);
-        self.poison(e);
+        // Started before the calls fail: their callers may make the
+        // survivors' group at once, which waits for this abort.
         if c != 0 {
             *lock(&self.aborter) = abort_in_background(&self.nccl, c, self.rank);
         }
+        self.poison(e);
     }
 
     /// Waits, at most `limit`, for this communicator's `ncclCommAbort`
@@ -288,10 +290,18 @@ impl Shared {
     /// is made once NCCL has let go of the old one. Whether it returned (or
     /// none ran).
     pub(crate) async fn aborted_within(&self, limit: Duration) -> bool {
-        let Some(t) = lock(&self.aborter).take() else {
-            return true;
-        };
+        use std::sync::atomic::Ordering::SeqCst;
         let deadline = consort_comm::time::deadline(limit);
+        // An abort under way may not have started its thread yet.
+        let t = loop {
+            if let Some(t) = lock(&self.aborter).take() {
+                break t;
+            }
+            if !self.aborting.load(SeqCst) || Instant::now() >= deadline {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
         while !t.is_finished() {
             if Instant::now() >= deadline {
                 tracing::warn!(
@@ -349,12 +359,20 @@ impl Drop for Shared {
     /// inside `ncclCommAbort` on another thread: the last handle of an
     /// aborted communicator waits for it, at most [`ABORT_AT_EXIT`].
     fn drop(&mut self) {
+        use tokio::runtime::{Handle, RuntimeFlavor};
         let Some(t) = lock(&self.aborter).take() else {
             return;
         };
         let deadline = consort_comm::time::deadline(ABORT_AT_EXIT);
-        while !t.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+        let wait = || {
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        // Off the runtime's workers when dropped in a task.
+        match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(wait),
+            _ => wait(),
         }
         if t.is_finished() {
             let _ = t.join();
@@ -468,15 +486,17 @@ fn watchdog(shared: &Shared) {
             |_, ctx, deadline| async_error(shared, (ctx, deadline), lost),
         );
         let progressed = !seen.finished.is_empty();
-        t.finish_all(seen.finished);
         if seen.abort {
             drop(t);
             let first = lock(&shared.track).core.poisoned().cloned();
             if let Some(e) = first {
                 shared.abort(e);
             }
+            // The callers hear of it once the abort has begun.
+            lock(&shared.track).finish_all(seen.finished);
             continue;
         }
+        t.finish_all(seen.finished);
         if progressed {
             drop(t);
             shared.cv.notify_all();

@@ -32,7 +32,8 @@ use std::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, Fingerprint, OpKind, Result,
+    Backend, Buffer, BufferMut, CallOptions, CommError, ErrorContext, Fingerprint, GroupId, OpKind,
+    Result,
     frame::{FrameHeader, FrameLimits, HEADER_LEN},
 };
 
@@ -243,6 +244,12 @@ pub fn may_be_lost_peer(code: i32) -> bool {
     matches!(code, NCCL_REMOTE_ERROR | NCCL_SYSTEM_ERROR)
 }
 
+/// How long a collective waits, with no failure from its communicator,
+/// once the side channel knows a rank of its group gone, before it fails
+/// naming that rank ([`LostPeer::stalled`]): far below an op's timeout
+/// (NCCL's default is 10 minutes), and far above a healthy kernel's wait.
+pub const STALL_GRACE: Duration = Duration::from_secs(10);
+
 /// The rule that names the rank behind a data-path failure that names none.
 ///
 /// NCCL reports a peer's death as `ncclRemoteError` ("connection closed by
@@ -259,9 +266,10 @@ pub fn may_be_lost_peer(code: i32) -> bool {
 pub struct LostPeer {
     /// When the anonymous failure was first seen.
     since: Option<Instant>,
-    /// Since when the side channel has known a lost rank while a
-    /// collective waited with no failure at all ([`LostPeer::stalled`]).
-    stall_since: Option<Instant>,
+    /// The oldest call in flight (its group and sequence number) and
+    /// since when it has waited, with no failure at all, while the side
+    /// channel knew a lost rank ([`LostPeer::stalled`]).
+    stall: Option<(Option<GroupId>, Option<u64>, Instant)>,
 }
 
 impl LostPeer {
@@ -289,13 +297,15 @@ impl LostPeer {
 
     /// What the oldest call in flight (context `ctx`), still running with
     /// no failure from the communicator at `now`, fails with: `PeerLost`
-    /// naming the rank `checker`'s side channel lost, once it has known
-    /// that rank gone for [`LOST_PEER_GRACE`]. NCCL's kernels over NVLink,
-    /// PCIe peer-to-peer or shared memory wait on a dead peer without an
-    /// error (only its socket transport reports one), and a checker that
-    /// already compared every call in flight has nothing left to compare.
-    /// Only collectives: every rank takes part in them, so a lost one
-    /// never finishes, while a point-to-point call may not involve it.
+    /// naming the rank `checker`'s side channel lost, once this call has
+    /// waited [`STALL_GRACE`] with that rank known gone. NCCL's kernels
+    /// over NVLink, PCIe peer-to-peer or shared memory wait on a dead peer
+    /// without an error (only its socket transport reports one), and a
+    /// checker that already compared every call in flight has nothing left
+    /// to compare. Only collectives: every rank takes part in them, so a
+    /// lost one never finishes, while a point-to-point call may not
+    /// involve it. The grace is long because a call can legitimately wait
+    /// behind other GPU work after a peer that finished its part left.
     pub fn stalled(
         &mut self,
         checker: Option<&Checker>,
@@ -306,16 +316,22 @@ impl LostPeer {
             return None;
         }
         let Some((peer, why)) = checker.and_then(Checker::lost_peer) else {
-            self.stall_since = None;
+            self.stall = None;
             return None;
         };
-        let since = *self.stall_since.get_or_insert(now);
-        (now.duration_since(since) >= LOST_PEER_GRACE).then(|| CommError::PeerLost {
+        let since = match self.stall {
+            Some((g, seq, t)) if (g, seq) == (ctx.group, ctx.seq) => t,
+            _ => {
+                self.stall = Some((ctx.group, ctx.seq, now));
+                now
+            }
+        };
+        (now.duration_since(since) >= STALL_GRACE).then(|| CommError::PeerLost {
             ctx,
             peer,
             reason: format!(
                 "{why} (seen by the fingerprint check's side channel; this call waited on it \
-                 {LOST_PEER_GRACE:?} more with no error from the communicator)"
+                 {STALL_GRACE:?} with no error from the communicator)"
             ),
         })
     }

@@ -425,7 +425,7 @@ fn a_call_enqueued_after_its_group_failed_comes_back_failed() {
 /// (which may not involve that rank) and a world with nobody lost wait on.
 #[test]
 fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
-    use super::check::{Checker, LOST_PEER_GRACE, LostPeer};
+    use super::check::{Checker, LostPeer, STALL_GRACE};
     let side = std::sync::Arc::new(Side::default());
     let (checker, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
     let ctx = |op| crate::ErrorContext::new(op, 0, 4, GroupId::WORLD);
@@ -438,11 +438,16 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
         .unwrap()
         .push((1, "its process exited".into()));
     assert!(rule.stalled(c, ctx(OpKind::AllReduce), t0).is_none());
-    let half = t0 + LOST_PEER_GRACE / 2;
+    let half = t0 + STALL_GRACE / 2;
     assert!(rule.stalled(c, ctx(OpKind::AllReduce), half).is_none());
-    let late = t0 + LOST_PEER_GRACE;
+    let late = t0 + STALL_GRACE;
     assert!(rule.stalled(c, ctx(OpKind::Send), late).is_none());
-    match rule.stalled(c, ctx(OpKind::AllReduce), late) {
+    // Another call at the front starts its own wait.
+    let other = crate::ErrorContext::new(OpKind::AllReduce, 0, 5, GroupId::WORLD);
+    assert!(rule.stalled(c, other, late).is_none());
+    assert!(rule.stalled(c, ctx(OpKind::AllReduce), late).is_none());
+    let later = late + STALL_GRACE;
+    match rule.stalled(c, ctx(OpKind::AllReduce), later) {
         Some(CommError::PeerLost { peer, reason, ctx }) => {
             assert_eq!((peer, ctx.seq), (1, Some(4)));
             assert!(reason.contains("its process exited"), "{reason}");

@@ -68,8 +68,8 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
     /// `PeerLost`, or a call that failed after one while the backend knows
     /// a peer is gone (a stream-ordered communicator fails the calls made
     /// after its first failure as aborted by it, and a call waiting on a
-    /// dead peer may end at its deadline; [`Backend::lost_peers`] names
-    /// the rank either way).
+    /// dead peer may end at its deadline; [`Backend::lost_peers`] of the
+    /// current group names the rank either way).
     pub(super) fn shrinkable(&self, e: &DdpError) -> bool {
         if !matches!(self.opts.on_peer_lost, OnPeerLost::Shrink { .. }) {
             return false;
@@ -79,8 +79,10 @@ impl<B: Backend + ?Sized + 'static> Ddp<B> {
         };
         match **source {
             CommError::PeerLost { .. } => true,
+            // The group DDP runs on now (after a shrink, the survivors'):
+            // the failed group it left still lists the rank it lost.
             CommError::Aborted { .. } | CommError::Backend { .. } | CommError::Timeout { .. } => {
-                !self.backend.lost_peers().is_empty()
+                !on_group!(self, b => b.lost_peers()).is_empty()
             }
             _ => false,
         }

@@ -100,6 +100,13 @@ impl NcclBackend {
         let Some(me) = me else {
             return Ok(0);
         };
+        // NCCL lets go of the failed communicator first (its abort runs in
+        // the background), within a bound (a stuck abort is warned about),
+        // before the exchange: the inits then start together, each with its
+        // whole timeout.
+        self.shared
+            .aborted_within(ABORT_BEFORE_INIT.min(timeout))
+            .await;
         let store = self.store.get().ok_or_else(|| {
             CommError::unsupported(format!(
                 "a group of the survivors of failed NCCL group {:#x} needs the job's store to \
@@ -134,11 +141,6 @@ impl NcclBackend {
             timeout,
             ..self.opts.clone()
         };
-        // NCCL lets go of the failed communicator first (its abort runs in
-        // the background), within a bound: a stuck abort is warned about.
-        self.shared
-            .aborted_within(ABORT_BEFORE_INIT.min(timeout))
-            .await;
         let (nccl, cctx) = (&self.shared.nccl, &self.ctx);
         tracing::debug!(
             rank = self.rank,

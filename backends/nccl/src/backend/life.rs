@@ -19,7 +19,7 @@ use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::{abort_in_background, comm_state, driver_error, last_error, lock},
+    work::{Shared, abort_in_background, comm_state, driver_error, last_error, lock},
 };
 
 /// How often an init or a split in progress is looked at.
@@ -211,11 +211,12 @@ async fn init_blocking(
 /// communicator is aborted instead (a peer that left mid-way must not hold
 /// the shutdown). Returns the first error.
 pub(super) fn finalize_and_destroy(
-    nccl: &Arc<Nccl>,
+    shared: &Shared,
     comm: usize,
     ctx: ErrorContext,
     deadline: Instant,
 ) -> Result<()> {
+    let nccl = &shared.nccl;
     let c = comm as Comm;
     if let Some(fin) = nccl.comm_finalize {
         // SAFETY: live communicator, nothing in flight, no other NCCL call
@@ -238,8 +239,9 @@ pub(super) fn finalize_and_destroy(
                     &format!("ncclCommFinalize: {}", last_error(nccl, comm)),
                 )
             };
-            // Aborted once, instead of the destroy below.
-            let _ = abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
+            // Aborted once, instead of the destroy below (the last handle
+            // waits for it, briefly, before the process may exit).
+            *lock(&shared.aborter) = abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
             return Err(e);
         }
     }
@@ -302,7 +304,7 @@ impl NcclBackend {
         if let Some(c) = comm {
             let _ = self.ctx.bind_to_thread();
             let by = consort_comm::time::deadline(self.opts.timeout);
-            out = out.and(finalize_and_destroy(&self.shared.nccl, c, ctx, by));
+            out = out.and(finalize_and_destroy(&self.shared, c, ctx, by));
         }
         self.free_staging();
         out

@@ -435,15 +435,23 @@ impl NcclBackend {
         // Tracked before the launch lock goes: an abort, which takes that
         // lock, finds the call in flight and fails it. (One that could not
         // wait for the lock has poisoned the group: the call comes back.)
-        let was_idle = {
+        let (was_idle, late) = {
             let mut t = lock(&sh.track);
             let idle = t.core.in_flight() == 0;
-            if let Some((w, r)) = t.core.enqueued(id, work, Instant::now(), call.timeout) {
-                t.finish(w, r);
-            }
-            idle
+            let late = match t.core.enqueued(id, work, Instant::now(), call.timeout) {
+                Some((w, r)) => {
+                    t.finish(w, r.clone());
+                    r.err()
+                }
+                None => None,
+            };
+            (idle, late)
         };
         drop(slot);
+        if let Some(e) = late {
+            sh.turn.notify_waiters();
+            return Err(e);
+        }
         // The watchdog polls while calls are in flight and sleeps long only
         // when none is: only the first call after a lull has to wake it
         // (a condvar notify is a syscall, on the host path of every call).
