@@ -156,6 +156,13 @@ impl Checker {
         self.host.lost_peers()
     }
 
+    /// [`Checker::lost_peers`] of a communicator's checker, if it has one
+    /// (none known without a check): a stream-ordered communicator's
+    /// `Backend::lost_peers`.
+    pub fn lost_peers_of(checker: Option<&Checker>) -> Vec<(usize, String)> {
+        checker.map(Checker::lost_peers).unwrap_or_default()
+    }
+
     /// Sends a collective's fingerprint to be compared; never blocks.
     pub fn check(&self, fp: Fingerprint) {
         // Counted first: the task may compare it before `send` returns.

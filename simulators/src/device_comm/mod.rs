@@ -640,11 +640,7 @@ impl Backend for EmulatedComm {
     /// The ranks the fingerprint check's side channel has seen go, as on
     /// NCCL (whose data path names none): none without a check.
     fn lost_peers(&self) -> Vec<(usize, String)> {
-        self.shared
-            .checker
-            .get()
-            .map(|c| c.lost_peers())
-            .unwrap_or_default()
+        consort_comm::ordered::check::Checker::lost_peers_of(self.shared.checker.get())
     }
 
     async fn synchronize(&self) -> Result<()> {

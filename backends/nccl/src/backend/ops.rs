@@ -83,11 +83,7 @@ impl Backend for NcclBackend {
     /// The ranks the fingerprint check's side channel has seen go (NCCL
     /// itself names none): none without a check.
     fn lost_peers(&self) -> Vec<(usize, String)> {
-        self.shared
-            .checker
-            .get()
-            .map(|c| c.lost_peers())
-            .unwrap_or_default()
+        consort_comm::ordered::check::Checker::lost_peers_of(self.shared.checker.get())
     }
 }
 
