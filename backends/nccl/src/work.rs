@@ -54,6 +54,8 @@ pub(crate) struct Tracked {
     pub(crate) waiter: Option<Waiter>,
     /// A host call's staging generation (see `Track::staged`).
     pub(crate) staging: Option<u64>,
+    /// The rank a send or receive is with.
+    pub(crate) peer: Option<usize>,
 }
 
 /// The call rules (the engine, turns, work in flight, the sticky failure)
@@ -483,7 +485,7 @@ fn watchdog(shared: &Shared) {
         let seen = core.watch(
             Instant::now(),
             |w| fired(w.done),
-            |_, ctx, deadline| async_error(shared, (ctx, deadline), lost),
+            |w, ctx, deadline| async_error(shared, (ctx, w.peer, deadline), lost),
         );
         let progressed = !seen.finished.is_empty();
         if seen.abort {
@@ -522,7 +524,7 @@ fn watchdog(shared: &Shared) {
 /// side channel lost fails naming it ([`LostPeer::stalled`]).
 fn async_error(
     shared: &Shared,
-    (ctx, deadline): (ErrorContext, Instant),
+    (ctx, peer, deadline): (ErrorContext, Option<usize>, Instant),
     lost: &mut LostPeer,
 ) -> Option<CommError> {
     let _slot = shared.slot.try_lock().ok()?;
@@ -533,7 +535,7 @@ fn async_error(
     if code == result::SUCCESS || code == result::IN_PROGRESS {
         // No error: a collective may still wait on a dead peer (NVLink and
         // shared memory report none).
-        return lost.stalled(shared.checker.get(), ctx, Instant::now());
+        return lost.stalled(shared.checker.get(), (ctx, peer), Instant::now());
     }
     let e = nccl_error(ctx, code, &shared.last_error(comm));
     if crate::map::may_be_lost_peer(code) {

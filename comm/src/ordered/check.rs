@@ -302,27 +302,30 @@ impl LostPeer {
         (now.duration_since(since) >= LOST_PEER_GRACE || now >= deadline).then_some(e)
     }
 
-    /// What the oldest call in flight (context `ctx`), still running with
-    /// no failure from the communicator at `now`, fails with: `PeerLost`
-    /// naming the rank `checker`'s side channel lost, once this call has
-    /// waited [`STALL_GRACE`] with that rank known gone. NCCL's kernels
-    /// over NVLink, PCIe peer-to-peer or shared memory wait on a dead peer
+    /// What the oldest call in flight (context `ctx`; `peer`, the rank a
+    /// send or receive is with), still running with no failure from the
+    /// communicator at `now`, fails with: `PeerLost` naming a rank it waits
+    /// on that `checker`'s side channel lost, once this call has waited
+    /// [`STALL_GRACE`] with that rank known gone. NCCL's kernels over
+    /// NVLink, PCIe peer-to-peer or shared memory wait on a dead peer
     /// without an error (only its socket transport reports one), and a
     /// checker that already compared every call in flight has nothing left
-    /// to compare. Only collectives: every rank takes part in them, so a
-    /// lost one never finishes, while a point-to-point call may not
-    /// involve it. The grace is long because a call can legitimately wait
-    /// behind other GPU work after a peer that finished its part left.
+    /// to compare. A collective waits on every rank of its group; a send or
+    /// receive only on its peer. The grace is long because a call can
+    /// legitimately wait behind other GPU work after a peer that finished
+    /// its part left.
     pub fn stalled(
         &mut self,
         checker: Option<&Checker>,
-        ctx: ErrorContext,
+        (ctx, peer): (ErrorContext, Option<usize>),
         now: Instant,
     ) -> Option<CommError> {
-        if matches!(ctx.op, Some(OpKind::Send | OpKind::Recv) | None) {
+        let p2p = matches!(ctx.op, Some(OpKind::Send | OpKind::Recv));
+        if ctx.op.is_none() || (p2p && peer.is_none()) {
             return None;
         }
-        let Some((peer, why)) = checker.and_then(Checker::lost_peer) else {
+        let lost = Checker::lost_peers_of(checker);
+        let Some((rank, why)) = lost.into_iter().find(|(r, _)| !p2p || Some(*r) == peer) else {
             self.stall = None;
             return None;
         };
@@ -335,7 +338,7 @@ impl LostPeer {
         };
         (now.duration_since(since) >= STALL_GRACE).then(|| CommError::PeerLost {
             ctx,
-            peer,
+            peer: rank,
             reason: format!(
                 "{why} (seen by the fingerprint check's side channel; this call waited on it \
                  {STALL_GRACE:?} with no error from the communicator)"

@@ -421,8 +421,8 @@ fn a_call_enqueued_after_its_group_failed_comes_back_failed() {
 
 /// A collective that waits with no error from the communicator on a rank
 /// the side channel saw go (NCCL over NVLink or shared memory reports
-/// none) fails naming it once the grace has passed; a point-to-point call
-/// (which may not involve that rank) and a world with nobody lost wait on.
+/// none) fails naming it once the grace has passed; a send or receive only
+/// when its own peer is the lost rank; a world with nobody lost waits on.
 #[test]
 fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     use super::check::{Checker, LostPeer, STALL_GRACE};
@@ -432,22 +432,44 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     let t0 = Instant::now();
     let mut rule = LostPeer::default();
     let c = Some(&checker);
-    assert!(rule.stalled(c, ctx(OpKind::AllReduce), t0).is_none());
+    assert!(
+        rule.stalled(c, (ctx(OpKind::AllReduce), None), t0)
+            .is_none()
+    );
     side.lost
         .lock()
         .unwrap()
         .push((1, "its process exited".into()));
-    assert!(rule.stalled(c, ctx(OpKind::AllReduce), t0).is_none());
+    assert!(
+        rule.stalled(c, (ctx(OpKind::AllReduce), None), t0)
+            .is_none()
+    );
     let half = t0 + STALL_GRACE / 2;
-    assert!(rule.stalled(c, ctx(OpKind::AllReduce), half).is_none());
+    assert!(
+        rule.stalled(c, (ctx(OpKind::AllReduce), None), half)
+            .is_none()
+    );
     let late = t0 + STALL_GRACE;
-    assert!(rule.stalled(c, ctx(OpKind::Send), late).is_none());
+    // A send or receive waits only on its peer.
+    assert!(rule.stalled(c, (ctx(OpKind::Send), None), late).is_none());
+    let mut p2p = LostPeer::default();
+    assert!(p2p.stalled(c, (ctx(OpKind::Send), Some(0)), t0).is_none());
+    assert!(p2p.stalled(c, (ctx(OpKind::Send), Some(0)), late).is_none());
+    assert!(p2p.stalled(c, (ctx(OpKind::Recv), Some(1)), t0).is_none());
+    let named = p2p.stalled(c, (ctx(OpKind::Recv), Some(1)), late);
+    assert!(
+        matches!(named, Some(CommError::PeerLost { peer: 1, .. })),
+        "{named:?}"
+    );
     // Another call at the front starts its own wait.
     let other = crate::ErrorContext::new(OpKind::AllReduce, 0, 5, GroupId::WORLD);
-    assert!(rule.stalled(c, other, late).is_none());
-    assert!(rule.stalled(c, ctx(OpKind::AllReduce), late).is_none());
+    assert!(rule.stalled(c, (other, None), late).is_none());
+    assert!(
+        rule.stalled(c, (ctx(OpKind::AllReduce), None), late)
+            .is_none()
+    );
     let later = late + STALL_GRACE;
-    match rule.stalled(c, ctx(OpKind::AllReduce), later) {
+    match rule.stalled(c, (ctx(OpKind::AllReduce), None), later) {
         Some(CommError::PeerLost { peer, reason, ctx }) => {
             assert_eq!((peer, ctx.seq), (1, Some(4)));
             assert!(reason.contains("its process exited"), "{reason}");
@@ -456,7 +478,7 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     }
     assert!(
         LostPeer::default()
-            .stalled(None, ctx(OpKind::AllReduce), late)
+            .stalled(None, (ctx(OpKind::AllReduce), None), late)
             .is_none()
     );
     // Through the call rules: the pending collective fails with it.
@@ -465,8 +487,13 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     o.launchable(m.id).unwrap();
     assert!(o.enqueued(m.id, 0, t0, 60 * SEC).is_none());
     let mut rule = LostPeer::default();
-    let mut watch =
-        |now: Instant| o.watch(now, |_| Ok(false), |_, ctx, _| rule.stalled(c, ctx, now));
+    let mut watch = |now: Instant| {
+        o.watch(
+            now,
+            |_| Ok(false),
+            |_, ctx, _| rule.stalled(c, (ctx, None), now),
+        )
+    };
     assert!(!watch(t0).abort);
     let seen = watch(late);
     assert!(seen.abort);

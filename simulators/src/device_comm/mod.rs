@@ -299,6 +299,10 @@ impl EmulatedComm {
             host_out,
             streams,
         } = self.args(input, output)?;
+        let peer = match kind {
+            Kind::Send(p) | Kind::Recv(p) => Some(p),
+            _ => None,
+        };
         // The arguments are sound: the call takes its place now.
         let made = self
             .shared
@@ -352,7 +356,12 @@ impl EmulatedComm {
         // its timeout names the ranks it waited for. A GPU that hangs is
         // still failed, at twice the op's timeout from when it was made.
         let timeout = opts.timeout_or(self.default_timeout()).saturating_mul(2);
-        let work = Tracked { gate, reply, slot };
+        let work = Tracked {
+            gate,
+            reply,
+            slot,
+            peer,
+        };
         let late = (self.shared.lock().core).enqueued(made.id, work, Instant::now(), timeout);
         if let Some((w, r)) = late {
             // Aborted meanwhile: the call fails with the group's cause.

@@ -23,6 +23,8 @@ pub(super) struct Tracked {
     pub(super) gate: EventId,
     pub(super) reply: Option<Reply>,
     pub(super) slot: Arc<Mutex<Slot>>,
+    /// The rank a send or receive is with.
+    pub(super) peer: Option<usize>,
 }
 
 /// One communicator's call rules and its asynchronous error.
@@ -113,7 +115,7 @@ pub(super) fn watchdog(shared: &Shared) {
             |w, ctx, deadline| match lock(&w.slot).err.clone().filter(is_remote_error) {
                 Some(held) => lost.name(shared.checker.get(), held, (now, deadline)),
                 // No failure yet: a collective may wait on a lost peer.
-                None => lost.stalled(shared.checker.get(), ctx, now),
+                None => lost.stalled(shared.checker.get(), (ctx, w.peer), now),
             },
         );
         if st.stop && st.core.in_flight() == 0 && seen.finished.is_empty() {

@@ -176,6 +176,8 @@ enum Args<'a> {
 struct Call {
     made: Made,
     timeout: Duration,
+    /// The rank a send or receive is with.
+    peer: Option<usize>,
 }
 
 /// A call made and not yet enqueued: dropped before it is, it is cancelled
@@ -431,6 +433,7 @@ impl NcclBackend {
             done,
             waiter,
             staging,
+            peer: call.peer,
         };
         // Tracked before the launch lock goes: an abort, which takes that
         // lock, finds the call in flight and fails it. (One that could not
@@ -538,6 +541,7 @@ impl NcclBackend {
         Ok(Call {
             made,
             timeout: opts.timeout_or(self.opts.timeout),
+            peer: None,
         })
     }
 
@@ -552,8 +556,20 @@ impl NcclBackend {
         args: Args<'a>,
         enqueue: Enqueue<'a>,
     ) -> consort_comm::Work<'a> {
+        self.call_with(fp, opts, args, (enqueue, None))
+    }
+
+    /// [`NcclBackend::call`] of a send or receive with `peer`, which the
+    /// watchdog names if that rank is lost while the call waits.
+    fn call_with<'a>(
+        &'a self,
+        fp: Fingerprint,
+        opts: &CallOptions,
+        args: Args<'a>,
+        (enqueue, peer): (Enqueue<'a>, Option<usize>),
+    ) -> consort_comm::Work<'a> {
         let call = match self.make(fp, opts) {
-            Ok(c) => c,
+            Ok(c) => Call { peer, ..c },
             Err(e) => return consort_comm::Work::ready(Err(e)),
         };
         let pending = self.unlaunched(call);

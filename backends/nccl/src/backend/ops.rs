@@ -273,7 +273,7 @@ impl NcclBackend {
         let (n, dt) = (buf.len(), nccl_dtype(buf.dtype()));
         let args = self.args(Some(buf), None)?;
         let enqueue: Enqueue<'_> = Box::new(move |on, i, _| on.settle(on.p2p(true, i, n, dt, dst)));
-        Ok(self.call(fp, opts, args, enqueue))
+        Ok(self.call_with(fp, opts, args, (enqueue, Some(dst))))
     }
 
     fn run_recv<'a>(
@@ -287,6 +287,6 @@ impl NcclBackend {
         let args = self.args(None, Some((buf, false)))?;
         let enqueue: Enqueue<'_> =
             Box::new(move |on, _, o| on.settle(on.p2p(false, o, n, dt, src)));
-        Ok(self.call(fp, opts, args, enqueue))
+        Ok(self.call_with(fp, opts, args, (enqueue, Some(src))))
     }
 }
