@@ -277,7 +277,16 @@ pub struct LostPeer {
     /// since when it has waited, with no failure at all, while the side
     /// channel knew a lost rank ([`LostPeer::stalled`]).
     stall: Option<(Option<GroupId>, Option<u64>, Instant)>,
+    /// The side channel's lost ranks as last asked, and when: the driver
+    /// polls every few microseconds while calls are in flight, and asking
+    /// takes the side channel's lock and allocates, so
+    /// [`LostPeer::stalled`] asks at most every [`STALL_LOOK`].
+    looked: Option<(Instant, Vec<(usize, String)>)>,
 }
+
+/// How often [`LostPeer::stalled`] asks the side channel for lost ranks
+/// (far below [`STALL_GRACE`]).
+const STALL_LOOK: Duration = Duration::from_millis(100);
 
 impl LostPeer {
     /// What the calls fail with for `e`, an anonymous data-path failure
@@ -324,8 +333,12 @@ impl LostPeer {
         if ctx.op.is_none() || (p2p && peer.is_none()) {
             return None;
         }
-        let lost = Checker::lost_peers_of(checker);
-        let Some((rank, why)) = lost.into_iter().find(|(r, _)| !p2p || Some(*r) == peer) else {
+        let fresh = matches!(&self.looked, Some((at, _)) if now.duration_since(*at) < STALL_LOOK);
+        if !fresh {
+            self.looked = Some((now, Checker::lost_peers_of(checker)));
+        }
+        let lost = self.looked.as_ref().map_or(&[][..], |(_, l)| &l[..]);
+        let Some((rank, why)) = lost.iter().find(|(r, _)| !p2p || Some(*r) == peer).cloned() else {
             self.stall = None;
             return None;
         };
