@@ -163,9 +163,41 @@ impl<W> Ordered<W> {
     }
 
     /// Whether every call made before `id` has been enqueued or has
-    /// failed, so `id` may go to the stream.
+    /// failed, so `id` may go to the stream. A call whose group has failed,
+    /// or whose communicator was shut down, need not wait:
+    /// [`Ordered::launchable`] refuses it at once, with the first cause.
     pub fn is_turn(&self, id: CallId) -> bool {
-        self.unlaunched.first().is_none_or(|first| *first >= id)
+        self.unlaunched.first().is_none_or(|first| *first >= id) || self.refused(id).is_some()
+    }
+
+    /// The error of call `id`, which waited `after` for its turn: a call
+    /// made before it on this rank has not reached the stream (its work was
+    /// never polled, or is stuck before its enqueue). The driver fails the
+    /// call with it as with any failure before the enqueue
+    /// ([`Ordered::launch_failed`]), and aborts the communicator.
+    pub fn turn_timed_out(&self, id: CallId, after: Duration) -> CommError {
+        let ahead = self
+            .unlaunched
+            .first()
+            .filter(|first| **first < id)
+            .and_then(|first| self.engine.context(*first));
+        let which = match ahead {
+            Some(ErrorContext {
+                op: Some(op),
+                seq: Some(seq),
+                ..
+            }) => format!("the {} call (seq {seq})", op.name()),
+            _ => "a call".to_string(),
+        };
+        CommError::Aborted {
+            ctx: self.context(id),
+            cause: format!(
+                "waited {after:?} for its turn: {which} made before it on this rank has not \
+                 reached the stream. A stream-ordered group (NCCL) runs a rank's calls in the \
+                 order they were made; await (or poll) each call's work in that order, or \
+                 together (join!)"
+            ),
+        }
     }
 
     /// Whether call `id` may be enqueued now: `Err` (the call has ended
@@ -254,11 +286,18 @@ impl<W> Ordered<W> {
 
     /// Call `id`'s future was dropped before it was enqueued. Its peers
     /// may run it, so the group cannot go on: it is poisoned with an error
-    /// that says so.
-    pub fn cancel(&mut self, id: CallId) {
-        if self.unlaunched.remove(&id) {
-            let _ = self.engine.cancel(id, crate::cancel::cause());
+    /// that says so (or with the cause the drop gave:
+    /// [`crate::cancel::drop_because`]). Returns that error when the call
+    /// was still waiting: the driver must then abort the communicator, as
+    /// after any failure (peers may have enqueued their part).
+    #[must_use = "a cancelled call's communicator must be aborted"]
+    pub fn cancel(&mut self, id: CallId) -> Option<CommError> {
+        if !self.unlaunched.remove(&id) {
+            return None;
         }
+        let cause = crate::cancel::cause();
+        self.engine.cancel(id, cause);
+        self.engine.poisoned(self.group).cloned()
     }
 
     /// The context of call `id` (empty once it has ended).

@@ -422,3 +422,45 @@ fn a_failed_communicators_survivors_make_a_new_one_through_the_store() {
         t.elapsed().as_secs_f64()
     );
 }
+
+/// A call waiting behind one made earlier and never polled fails at its
+/// timeout naming that call; the group is then done (the communicator is
+/// aborted) and later calls say why at once. A call dropped before its
+/// turn ends the group the same way, saying it was cancelled.
+#[test]
+#[ignore = "needs a GPU with libcuda and libnccl"]
+fn a_call_behind_an_unpolled_one_names_it_and_a_dropped_one_ends_the_group() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fresh = || {
+        let store = MemStore::new(Duration::from_secs(30));
+        rt.block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
+            .expect("NCCL on GPU 0")
+    };
+    let opts = CallOptions::default().with_timeout(Duration::from_millis(300));
+    let b = fresh();
+    let (mut x, mut y) = ([1f32; 4], [2f32; 4]);
+    let first = b.broadcast(BufferMut::from(&mut x[..]), &opts);
+    let t = Instant::now();
+    let e = rt
+        .block_on(b.all_reduce(BufferMut::from(&mut y[..]), ReduceOp::Sum, &opts))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("broadcast call (seq 0)"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(first);
+    let later = rt.block_on(b.barrier(&opts)).unwrap_err().to_string();
+    assert!(later.contains("broadcast call (seq 0)"), "{later}");
+
+    let b = fresh();
+    let first = b.broadcast(BufferMut::from(&mut x[..]), &opts);
+    drop(first);
+    let later = rt
+        .block_on(b.all_reduce(BufferMut::from(&mut y[..]), ReduceOp::Sum, &opts))
+        .unwrap_err()
+        .to_string();
+    assert!(later.contains("cancelled"), "{later}");
+    println!("a call behind an unpolled one: named in {:?}", t.elapsed());
+}

@@ -55,12 +55,61 @@ fn a_call_dropped_before_its_turn_poisons_the_group_and_frees_the_turn() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
     let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    o.cancel(a.id);
+    let abort = o.cancel(a.id).expect("the driver is told to abort");
+    assert!(abort.to_string().contains("cancelled"), "{abort}");
+    assert!(o.cancel(a.id).is_none(), "a call is cancelled once");
     assert!(o.is_turn(b.id));
     let e = o.launchable(b.id).unwrap_err();
     assert!(e.to_string().contains("cancelled"), "{e}");
     let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
     assert!(later.to_string().contains("cancelled"), "{later}");
+    assert!(o.is_idle());
+}
+
+#[test]
+fn a_cancel_with_a_cause_poisons_the_group_with_that_cause() {
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let why = CommError::invalid("the side channel said so");
+    struct Guard<'a>(
+        &'a mut Ordered<u32>,
+        crate::engine::CallId,
+        Option<CommError>,
+    );
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            self.2 = self.0.cancel(self.1);
+            assert!(
+                self.2
+                    .as_ref()
+                    .is_some_and(|e| e.to_string().contains("said so"))
+            );
+        }
+    }
+    crate::cancel::drop_because(Guard(&mut o, a.id, None), &why);
+    let e = o.poisoned().expect("poisoned").to_string();
+    assert!(e.contains("said so"), "{e}");
+}
+
+#[test]
+fn a_call_that_times_out_behind_an_unpolled_one_names_it_and_poisons_the_group() {
+    let mut o = Ordered::<u32>::new(1, 2, GroupId::WORLD);
+    let a = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
+    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let c = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    assert!(!o.is_turn(b.id));
+    let e = o.turn_timed_out(b.id, SEC);
+    let said = e.to_string();
+    assert!(said.contains("broadcast call (seq 0)"), "{said}");
+    assert!(said.contains("seq 1") && said.contains("rank 1"), "{said}");
+    let e = o.launch_failed(b.id, e);
+    assert!(e.to_string().contains("waited 1s"), "{e}");
+    // The group failed: a later call need not wait for the turn to be told.
+    assert!(o.is_turn(c.id));
+    let later = o.launchable(c.id).unwrap_err().to_string();
+    assert!(later.contains("broadcast call (seq 0)"), "{later}");
+    // The unpolled call, polled at last, is refused as well.
+    assert!(o.is_turn(a.id) && o.launchable(a.id).is_err());
     assert!(o.is_idle());
 }
 

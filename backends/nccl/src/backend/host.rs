@@ -105,8 +105,13 @@ impl NcclBackend {
         let in_len = input.map_or(0, <[u8]>::len);
         let out_len = output.as_ref().map_or(0, |(o, _)| o.len());
         let mut st = self.staging.lock().await;
-        self.wait_staging(st.generation, call.timeout).await?;
-        self.grow(&mut st, in_len + out_len)?;
+        let ready = match self.wait_staging(st.generation, call.timeout).await {
+            Ok(()) => self.grow(&mut st, in_len + out_len),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = ready {
+            return Err(pending.failed(e));
+        }
         let host = st.host;
         // SAFETY: the pinned buffer holds `cap >= in_len + out_len` bytes and
         // no device copy uses it (the previous host call's work finished).

@@ -193,15 +193,36 @@ impl Unlaunched<'_> {
     fn settled(mut self) {
         self.live = false;
     }
+
+    /// The call failed with `e` before its enqueue (its turn or its staging
+    /// buffer did not come in time): it ends with `e`, which poisons its
+    /// group, and the communicator is aborted, since peers may have
+    /// enqueued their part. Returns the call's error.
+    fn failed(mut self, e: CommError) -> CommError {
+        self.live = false;
+        let mut t = lock(&self.shared.track);
+        let e = t.core.launch_failed(self.id, e);
+        t.ended();
+        drop(t);
+        self.shared.abort(e.clone());
+        e
+    }
 }
 
 impl Drop for Unlaunched<'_> {
     fn drop(&mut self) {
         if self.live {
             let mut t = lock(&self.shared.track);
-            t.core.cancel(self.id);
+            let abort = t.core.cancel(self.id);
             t.ended();
-            self.shared.turn.notify_waiters();
+            drop(t);
+            // The group cannot go on: as after any failure, the
+            // communicator goes too (its calls in flight fail with the
+            // cause, and the watchdog stops watching nothing).
+            match abort {
+                Some(e) => self.shared.abort(e),
+                None => self.shared.turn.notify_waiters(),
+            }
         }
     }
 }
@@ -588,7 +609,9 @@ impl NcclBackend {
                 output,
                 streams,
             } => consort_comm::Work::new(async move {
-                self.wait_turn(call).await?;
+                if let Err(e) = self.wait_turn(call).await {
+                    return Err(pending.failed(e));
+                }
                 let r = self.launch(call, &streams, (input, output), None, enqueue);
                 pending.settled();
                 r
@@ -610,7 +633,10 @@ impl NcclBackend {
     }
 
     /// Waits until every call made before `call` has been enqueued (or has
-    /// failed), at most its timeout.
+    /// failed), at most its timeout; the error names the call it waited
+    /// for ([`Ordered::turn_timed_out`]).
+    ///
+    /// [`Ordered::turn_timed_out`]: consort_comm::ordered::Ordered::turn_timed_out
     async fn wait_turn(&self, call: Call) -> Result<()> {
         let deadline = consort_comm::time::deadline(call.timeout);
         loop {
@@ -620,12 +646,8 @@ impl NcclBackend {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
-                return Err(CommError::Timeout {
-                    ctx: call.made.ctx,
-                    after: call.timeout,
-                    waiting_on: Vec::new(),
-                }
-                .with_context(call.made.ctx));
+                let t = lock(&self.shared.track);
+                return Err(t.core.turn_timed_out(call.made.id, call.timeout));
             }
         }
     }
@@ -639,14 +661,9 @@ impl NcclBackend {
         output: Option<(&mut [u8], bool)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
-        self.wait_turn(call).await.map_err(|e| {
-            CommError::invalid(format!(
-                "{e}: a host-buffer call made earlier on this rank has not run, so this one \
-                 cannot start. NCCL runs a rank's calls in the order they were made; poll \
-                 host-buffer calls together (join!) or in that order"
-            ))
-            .with_context(call.made.ctx)
-        })?;
+        if let Err(e) = self.wait_turn(call).await {
+            return Err(pending.failed(e));
+        }
         self.host_call(pending, call, input, output, enqueue).await
     }
 
