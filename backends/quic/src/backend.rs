@@ -120,7 +120,7 @@ impl Drop for QuicBackend {
             .await;
             close(&conns2, &endpoint2);
         };
-        if !consort_mesh::finish_in_drop(work) {
+        if !consort_mesh::finish_in_drop(work, linger.saturating_add(Duration::from_secs(5))) {
             // No runtime to wait for acknowledgements on: close at once.
             close(&conns, &endpoint);
         }
@@ -204,6 +204,10 @@ impl Backend for QuicBackend {
 
     fn lost_peers(&self) -> Vec<(usize, String)> {
         self.inner.lost_peers()
+    }
+
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        self.inner.peer_aborts()
     }
 
     async fn new_group(

@@ -220,7 +220,9 @@ impl Drop for MeshBackend {
             return;
         }
         let inner = self.inner.clone();
-        if !finish_in_drop(close(inner, self.opts.linger)) {
+        // The parting aborts, then the linger: bounded, with room to spare.
+        let limit = self.opts.linger.saturating_add(Duration::from_secs(5));
+        if !finish_in_drop(close(inner, self.opts.linger), limit) {
             stop_readers(&self.inner);
         }
     }
@@ -288,25 +290,58 @@ fn stop_readers(inner: &Inner) {
 }
 
 /// Runs `work` to its end from a `Drop`: on a multi-thread runtime the
-/// dropping thread waits for it; on a current-thread runtime it is spawned
-/// (and runs if the runtime goes on). `false`, with `work` not run, where
-/// there is no runtime, or where the runtime is shutting down (dropping
-/// its tasks, and with them whatever they held): its timers and sockets no
-/// longer make progress, and waiting would hang.
-pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F) -> bool {
+/// dropping thread waits for it, at most `limit`; on a current-thread
+/// runtime it is spawned (and runs if the runtime goes on). `false` where
+/// `work` did not run to its end: there is no runtime, the runtime is
+/// shutting down (dropping its tasks, and with them whatever they held:
+/// its timers and sockets no longer make progress), or `limit` passed.
+///
+/// The wait is on a channel the work's task holds, not on the runtime, and
+/// it ends as soon as the runtime is seen to shut down, or when the work
+/// has not even begun after [`UNRUN_LIMIT`]: a runtime's drop waits for
+/// this very thread while the work no longer progresses (waiting in
+/// `block_on` there hung).
+pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F, limit: Duration) -> bool {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return false;
     };
     if shutting_down(&rt) {
         return false;
     }
-    if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-        tokio::task::block_in_place(|| rt.block_on(work));
-    } else {
+    if rt.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
         rt.spawn(work);
+        return true;
     }
-    true
+    let (done, ended) = std::sync::mpsc::channel();
+    let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let polled = started.clone();
+    rt.spawn(async move {
+        polled.store(true, std::sync::atomic::Ordering::SeqCst);
+        work.await;
+        let _ = done.send(());
+    });
+    let t0 = Instant::now();
+    let deadline = consort_comm::time::deadline(limit);
+    tokio::task::block_in_place(|| {
+        loop {
+            match ended.recv_timeout(Duration::from_millis(10)) {
+                Ok(()) => return true,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return false,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            let unrun =
+                !started.load(std::sync::atomic::Ordering::SeqCst) && t0.elapsed() >= UNRUN_LIMIT;
+            if unrun || shutting_down(&rt) || Instant::now() >= deadline {
+                return false;
+            }
+        }
+    })
 }
+
+/// How long [`finish_in_drop`] waits for a runtime to begin its work: one
+/// that has begun to drop (its workers gone, its tasks not yet dropped)
+/// never does. A running runtime starts it within microseconds.
+const UNRUN_LIMIT: Duration = Duration::from_secs(1);
 
 /// Whether `rt` is shutting down: a runtime that has begun to shut down
 /// cancels every task spawned on it at once, before returning the handle.
@@ -433,6 +468,15 @@ impl Backend for MeshBackend {
                 Some((r, why.clone()))
             })
             .collect()
+    }
+
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        let engine = lock(&self.inner.engine);
+        let Some((p, said)) = engine.said_abort(self.group) else {
+            return Vec::new();
+        };
+        let r = self.members.iter().position(|m| *m == p).unwrap_or(p);
+        vec![(r, said.to_string())]
     }
 
     async fn new_group(
