@@ -419,6 +419,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Vec::new()
     }
 
+    /// The ranks of this group that said they failed one of its calls (an
+    /// abort they sent, received without making a call), with what they
+    /// said. A stream-ordered communicator's peers hear of a rank's own
+    /// failure (a call it cancelled, one it could not enqueue) only this
+    /// way, through its fingerprint side channel: NCCL tells them nothing
+    /// ([`crate::ordered::check::Checker::tell`]). Default: none known.
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        Vec::new()
+    }
+
     /// Makes a subgroup of this group. `ranks` is already checked (distinct,
     /// inside this group) and in group-rank order; every rank of this group
     /// calls it with the same list, making its subgroups in the same order.

@@ -300,6 +300,15 @@ pub enum AbortInfo {
 }
 
 impl AbortInfo {
+    /// What the aborting rank said, as it said it.
+    pub fn message(&self) -> &str {
+        let (AbortInfo::Mismatch { message, .. }
+        | AbortInfo::PeerLost { message, .. }
+        | AbortInfo::Timeout { message }
+        | AbortInfo::Other { message }) = self;
+        message
+    }
+
     /// Encodes as an abort payload (at most [`MAX_ABORT_MESSAGE`] bytes).
     pub fn encode(&self) -> Vec<u8> {
         let (kind, rank, fp, message) = match self {

@@ -168,6 +168,18 @@ impl Shared {
     pub(crate) fn last_error(&self, comm: usize) -> String {
         last_error(&self.nccl, comm)
     }
+    /// Tells the peers, over the fingerprint check's side channel, that
+    /// this rank's communicator failed with `e` on its own (a call it
+    /// cancelled or could not enqueue): NCCL would leave them waiting on
+    /// this rank's part until their deadline ([`Checker::tell`]).
+    ///
+    /// [`Checker::tell`]: consort_comm::ordered::check::Checker::tell
+    pub(crate) fn tell_peers(&self, e: &CommError) {
+        if let Some(c) = self.checker.get() {
+            c.tell(e.clone());
+        }
+    }
+
     /// Fails every call in flight with `e` (the first cause sticks).
     pub(crate) fn poison(&self, e: CommError) {
         let mut t = lock(&self.track);

@@ -154,6 +154,10 @@ impl Backend for TcpBackend {
         self.mesh.lost_peers()
     }
 
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        self.mesh.peer_aborts()
+    }
+
     async fn new_group(
         &self,
         ranks: &[usize],

@@ -500,6 +500,15 @@ impl<P> Engine<P> {
         self.protocol.get_or_insert((peer, why.into()));
     }
 
+    /// The first peer (its mesh rank) that said it failed a call of
+    /// `group`, and what it said: known without making a call
+    /// ([`crate::Backend::peer_aborts`]).
+    pub fn said_abort(&self, group: GroupId) -> Option<(usize, &str)> {
+        self.aborts
+            .get(&group)
+            .map(|(peer, _, info)| (*peer, info.message()))
+    }
+
     /// Mesh rank `peer` failed a call of `fp.group` and said why.
     pub fn aborted(&mut self, peer: usize, fp: Fingerprint, info: AbortInfo) {
         self.aborts.entry(fp.group).or_insert((peer, fp, info));

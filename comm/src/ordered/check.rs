@@ -46,6 +46,7 @@ pub type Report = Arc<dyn Fn(CommError) + Send + Sync>;
 
 enum Msg {
     Check(Fingerprint),
+    Tell(CommError),
     NewGroup {
         ranks: Vec<usize>,
         report: Report,
@@ -98,6 +99,7 @@ impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Msg::Check(fp) => write!(f, "Check({fp})"),
+            Msg::Tell(e) => write!(f, "Tell({e})"),
             Msg::NewGroup { ranks, .. } => write!(f, "NewGroup({ranks:?})"),
         }
     }
@@ -161,6 +163,30 @@ impl Checker {
     /// `Backend::lost_peers`.
     pub fn lost_peers_of(checker: Option<&Checker>) -> Vec<(usize, String)> {
         checker.map(Checker::lost_peers).unwrap_or_default()
+    }
+
+    /// The ranks whose communicator failed on their own and said so
+    /// ([`Checker::tell`]), with what they said ([`Backend::peer_aborts`]
+    /// of the side channel).
+    pub fn peer_aborts(&self) -> Vec<(usize, String)> {
+        self.host.peer_aborts()
+    }
+
+    /// Tells the peers that this rank's communicator failed with `e` (a
+    /// call cancelled, or one it could not enqueue): NCCL tells them
+    /// nothing, and their kernels would wait on this rank's part until
+    /// their deadline. It goes over the side channel as an abort (after
+    /// the comparisons already sent); each peer's stall rule then fails
+    /// its calls naming this rank and its cause ([`LostPeer::stalled`]).
+    /// Not for failures every rank finds on its own (a mismatch, a lost
+    /// rank) nor for one a peer said first: those are left out here. The
+    /// side channel is done for afterwards (its group failed), as the
+    /// communicator is. Never blocks.
+    pub fn tell(&self, e: CommError) {
+        let own = !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. });
+        if own && self.peer_aborts().is_empty() {
+            let _ = self.tx.send(Msg::Tell(e));
+        }
     }
 
     /// Sends a collective's fingerprint to be compared; never blocks.
@@ -277,11 +303,20 @@ pub struct LostPeer {
     /// since when it has waited, with no failure at all, while the side
     /// channel knew a lost rank ([`LostPeer::stalled`]).
     stall: Option<(Option<GroupId>, Option<u64>, Instant)>,
-    /// The side channel's lost ranks as last asked, and when: the driver
-    /// polls every few microseconds while calls are in flight, and asking
-    /// takes the side channel's lock and allocates, so
-    /// [`LostPeer::stalled`] asks at most every [`STALL_LOOK`].
-    looked: Option<(Instant, Vec<(usize, String)>)>,
+    /// The side channel's lost ranks, and the ranks that said their
+    /// communicator failed, as last asked, and when: the driver polls every
+    /// few microseconds while calls are in flight, and asking takes the
+    /// side channel's lock and allocates, so [`LostPeer::stalled`] asks at
+    /// most every [`STALL_LOOK`].
+    looked: Option<(Instant, Gone)>,
+}
+
+/// What the side channel knows of ranks that will not run their part: those
+/// it lost, and those that said their communicator failed.
+#[derive(Debug, Default)]
+struct Gone {
+    lost: Vec<(usize, String)>,
+    said: Vec<(usize, String)>,
 }
 
 /// How often [`LostPeer::stalled`] asks the side channel for lost ranks
@@ -315,7 +350,9 @@ impl LostPeer {
     /// send or receive is with), still running with no failure from the
     /// communicator at `now`, fails with: `PeerLost` naming a rank it waits
     /// on that `checker`'s side channel lost, once this call has waited
-    /// [`STALL_GRACE`] with that rank known gone. NCCL's kernels over
+    /// [`STALL_GRACE`] with that rank known gone; or `Aborted` naming a
+    /// rank that said its communicator failed ([`Checker::tell`]) and what
+    /// it said, after the same wait. NCCL's kernels over
     /// NVLink, PCIe peer-to-peer or shared memory wait on a dead peer
     /// without an error (only its socket transport reports one), and a
     /// checker that already compared every call in flight has nothing left
@@ -335,13 +372,23 @@ impl LostPeer {
         }
         let fresh = matches!(&self.looked, Some((at, _)) if now.duration_since(*at) < STALL_LOOK);
         if !fresh {
-            self.looked = Some((now, Checker::lost_peers_of(checker)));
+            let gone = checker.map_or_else(Gone::default, |c| Gone {
+                lost: c.lost_peers(),
+                said: c.peer_aborts(),
+            });
+            self.looked = Some((now, gone));
         }
-        let lost = self.looked.as_ref().map_or(&[][..], |(_, l)| &l[..]);
-        let Some((rank, why)) = lost.iter().find(|(r, _)| !p2p || Some(*r) == peer).cloned() else {
+        let waits_on = |(r, _): &&(usize, String)| !p2p || Some(*r) == peer;
+        let (lost, said) = match &self.looked {
+            Some((_, g)) => (g.lost.iter().find(waits_on), g.said.iter().find(waits_on)),
+            None => (None, None),
+        };
+        let Some(((rank, why), was_lost)) = lost.map(|l| (l, true)).or(said.map(|s| (s, false)))
+        else {
             self.stall = None;
             return None;
         };
+        let (rank, why) = (*rank, why.clone());
         let since = match self.stall {
             Some((g, seq, t)) if (g, seq) == (ctx.group, ctx.seq) => t,
             _ => {
@@ -349,13 +396,23 @@ impl LostPeer {
                 now
             }
         };
-        (now.duration_since(since) >= STALL_GRACE).then(|| CommError::PeerLost {
-            ctx,
-            peer: rank,
-            reason: format!(
-                "{why} (seen by the fingerprint check's side channel; this call waited on it \
-                 {STALL_GRACE:?} with no error from the communicator)"
-            ),
+        if now.duration_since(since) < STALL_GRACE {
+            return None;
+        }
+        Some(if was_lost {
+            CommError::PeerLost {
+                ctx,
+                peer: rank,
+                reason: format!(
+                    "{why} (seen by the fingerprint check's side channel; this call waited on \
+                     it {STALL_GRACE:?} with no error from the communicator)"
+                ),
+            }
+        } else {
+            let waited = format!(
+                " after this call waited {STALL_GRACE:?} with no error from the communicator"
+            );
+            peer_failed(ctx, rank, &why, &waited)
         })
     }
 
@@ -444,6 +501,17 @@ async fn run(
                         report(e);
                         checking = false;
                     }
+                    // So does a rank that said its communicator failed
+                    // (`Checker::tell`): it will not run its part. What it
+                    // said is the verdict, not what the comparison made of
+                    // its telling (its told call can meet this one).
+                    Err(_) if !host.peer_aborts().is_empty() => {
+                        if let Some((rank, said)) = host.peer_aborts().into_iter().next() {
+                            let ctx = ErrorContext::new(fp.op, host.rank(), fp.seq, fp.group);
+                            report(peer_failed(ctx, rank, &said, ""));
+                        }
+                        checking = false;
+                    }
                     Err(e) => {
                         // The side channel failed, not the communicator: its
                         // own watchdog still bounds every call. Stop
@@ -458,6 +526,10 @@ async fn run(
                     }
                 }
             }
+            Msg::Tell(e) => {
+                tell(&*host, &e);
+                checking = false;
+            }
             Msg::NewGroup {
                 ranks,
                 report,
@@ -470,6 +542,33 @@ async fn run(
                 let _ = reply.send(made);
             }
         }
+    }
+}
+
+/// The error of a call (context `ctx`) whose group's rank `rank` said its
+/// communicator failed, with what it said (`said`), heard on the side
+/// channel (`when`: how it was heard, if more is to be said).
+fn peer_failed(ctx: ErrorContext, rank: usize, said: &str, when: &str) -> CommError {
+    CommError::Aborted {
+        ctx,
+        cause: format!(
+            "rank {rank}'s communicator failed, so it will not run its part of this call; it \
+             said: {said} (heard on the fingerprint check's side channel{when}). Fix rank \
+             {rank}'s failure, then make a new group or restart the job"
+        ),
+    }
+}
+
+/// Tells the peers on `host` that this rank failed with `e`: a call made
+/// there (polled once, so that it is made) and dropped with `e` as its
+/// cause aborts the host group, which sends `e` to every member.
+fn tell(host: &dyn Backend, e: &CommError) {
+    let opts = CallOptions::default();
+    let mut call = host.barrier(&opts);
+    let waker = std::task::Waker::noop();
+    let polled = Pin::new(&mut call).poll(&mut std::task::Context::from_waker(waker));
+    if polled.is_pending() {
+        crate::cancel::drop_because(call, e);
     }
 }
 

@@ -242,6 +242,7 @@ fn the_comparison_names_both_sides_and_refuses_garbage() {
 #[derive(Debug, Default)]
 struct Side {
     lost: std::sync::Mutex<Vec<(usize, String)>>,
+    said: std::sync::Mutex<Vec<(usize, String)>>,
 }
 
 #[async_trait::async_trait]
@@ -266,6 +267,59 @@ impl crate::Backend for Side {
     fn lost_peers(&self) -> Vec<(usize, String)> {
         self.lost.lock().unwrap().clone()
     }
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        self.said.lock().unwrap().clone()
+    }
+}
+
+/// A rank that said its communicator failed (a call it cancelled: NCCL
+/// tells its peers nothing) will not run its part: a call waiting on it
+/// fails after the grace, naming it and what it said; a lost rank is
+/// named first, as `PeerLost`.
+#[test]
+fn a_call_stalled_on_a_rank_that_said_it_failed_names_it_and_its_cause() {
+    use super::check::{Checker, LostPeer, STALL_GRACE};
+    let side = std::sync::Arc::new(Side::default());
+    let (checker, _task) = Checker::new(side.clone(), SEC, std::sync::Arc::new(|_| {}));
+    let c = Some(&checker);
+    let ctx = |op| crate::ErrorContext::new(op, 0, 4, GroupId::WORLD);
+    let t0 = Instant::now();
+    side.said
+        .lock()
+        .unwrap()
+        .push((2, "a all_reduce call (seq 4) was cancelled".into()));
+    let mut rule = LostPeer::default();
+    assert!(
+        rule.stalled(c, (ctx(OpKind::AllReduce), None), t0)
+            .is_none()
+    );
+    let late = t0 + STALL_GRACE;
+    let mut p2p = LostPeer::default();
+    assert!(p2p.stalled(c, (ctx(OpKind::Send), Some(1)), t0).is_none());
+    assert!(p2p.stalled(c, (ctx(OpKind::Send), Some(1)), late).is_none());
+    match rule.stalled(c, (ctx(OpKind::AllReduce), None), late) {
+        Some(e @ CommError::Aborted { .. }) => {
+            let s = e.to_string();
+            assert!(s.contains("rank 2's communicator failed"), "{s}");
+            assert!(s.contains("was cancelled"), "{s}");
+            assert!(s.contains("seq 4"), "{s}");
+        }
+        other => panic!("{other:?}"),
+    }
+    side.lost
+        .lock()
+        .unwrap()
+        .push((1, "its process exited".into()));
+    let mut both = LostPeer::default();
+    assert!(
+        both.stalled(c, (ctx(OpKind::AllReduce), None), t0)
+            .is_none()
+    );
+    let named = both.stalled(c, (ctx(OpKind::AllReduce), None), late);
+    assert!(
+        matches!(named, Some(CommError::PeerLost { peer: 1, .. })),
+        "{named:?}"
+    );
 }
 
 fn remote() -> CommError {

@@ -383,6 +383,10 @@ impl EmulatedComm {
         self.device.release_event(gate);
         let e = self.shared.lock().core.launch_failed(id, e);
         self.shared.ended();
+        // Peers hear of it over the side channel, as on NCCL.
+        if let Some(c) = self.shared.checker.get() {
+            c.tell(e.clone());
+        }
         e
     }
 

@@ -332,6 +332,15 @@ impl Backend for SimRank {
             .collect()
     }
 
+    fn peer_aborts(&self) -> Vec<(usize, String)> {
+        let s = lock(&self.shared);
+        let Some((p, said)) = s.ranks[self.rank].engine.said_abort(self.group) else {
+            return Vec::new();
+        };
+        let r = self.members.iter().position(|m| *m == p).unwrap_or(p);
+        vec![(r, said.to_string())]
+    }
+
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let kind = op.kind();
         let req = match CallReq::from_op("sim", self.me, self.members.len(), op, opts) {

@@ -82,11 +82,7 @@ pub(super) fn control(
         FrameKind::Abort => {
             match AbortInfo::decode(payload) {
                 Ok(a) => {
-                    let (AbortInfo::Mismatch { message, .. }
-                    | AbortInfo::PeerLost { message, .. }
-                    | AbortInfo::Timeout { message }
-                    | AbortInfo::Other { message }) = &a;
-                    let why = format!("rank {peer} aborted: {message}");
+                    let why = format!("rank {peer} aborted: {}", a.message());
                     lock(&inner.engine).aborted(peer, h.fingerprint, a);
                     super::flight::dump(inner, &why, false);
                 }

@@ -204,6 +204,7 @@ impl Unlaunched<'_> {
         let e = t.core.launch_failed(self.id, e);
         t.ended();
         drop(t);
+        self.shared.tell_peers(&e);
         self.shared.abort(e.clone());
         e
     }
@@ -220,7 +221,10 @@ impl Drop for Unlaunched<'_> {
             // communicator goes too (its calls in flight fail with the
             // cause, and the watchdog stops watching nothing).
             match abort {
-                Some(e) => self.shared.abort(e),
+                Some(e) => {
+                    self.shared.tell_peers(&e);
+                    self.shared.abort(e);
+                }
                 None => self.shared.turn.notify_waiters(),
             }
         }
@@ -428,6 +432,7 @@ impl NcclBackend {
             let e = t.core.launch_failed(id, e);
             t.ended();
             drop(t);
+            sh.tell_peers(&e);
             sh.abort(e.clone());
             e
         };
