@@ -27,18 +27,11 @@ fn fp(op: OpKind, seq: u64) -> Fingerprint {
     }
 }
 
-/// Every peer's side channel knows the rank that told and its cause
-/// without making a call (what the stall rule asks), and the next
-/// comparison there reports it as the verdict. A mismatch or a lost rank,
-/// which every rank finds itself, is not told.
-#[test]
-fn a_rank_that_failed_on_its_own_tells_every_peer_why() {
-    let n = 3;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+type Reports = tokio::sync::mpsc::UnboundedReceiver<(usize, CommError)>;
+
+/// A checker per rank of a TCP side channel of `n` ranks, their tasks on
+/// `rt`, each reporting (rank, verdict) to the receiver.
+fn checkers(rt: &tokio::runtime::Runtime, n: usize) -> (Vec<Checker>, Reports) {
     let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
     let opts = TcpOptions {
         timeout: Duration::from_secs(20),
@@ -55,8 +48,8 @@ fn a_rank_that_failed_on_its_own_tells_every_peer_why() {
         }
         out
     });
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let checkers: Vec<Checker> = hosts
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let checkers = hosts
         .into_iter()
         .map(|h| {
             let (rank, tx) = (h.rank(), tx.clone());
@@ -68,6 +61,22 @@ fn a_rank_that_failed_on_its_own_tells_every_peer_why() {
             c
         })
         .collect();
+    (checkers, rx)
+}
+
+/// Every peer's side channel knows the rank that told and its cause
+/// without making a call (what the stall rule asks), and the next
+/// comparison there reports it as the verdict. A mismatch or a lost rank,
+/// which every rank finds itself, is not told.
+#[test]
+fn a_rank_that_failed_on_its_own_tells_every_peer_why() {
+    let n = 3;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (checkers, mut rx) = checkers(&rt, n);
 
     checkers[0].tell(CommError::Mismatch {
         ctx: ErrorContext::default(),

@@ -34,7 +34,6 @@ use std::{
 use consort_comm::{
     Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, OpKind,
     ReduceOp, Result, Store,
-    engine::CallId,
     ordered::{Made, Ordered},
 };
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
@@ -45,10 +44,12 @@ mod host;
 mod launch;
 mod life;
 mod ops;
+mod turn;
 
 use host::Staging;
 use launch::{On, RedOp};
 use life::init_comm;
+use turn::Unlaunched;
 
 use crate::{
     keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
@@ -178,57 +179,6 @@ struct Call {
     timeout: Duration,
     /// The rank a send or receive is with.
     peer: Option<usize>,
-}
-
-/// A call made and not yet enqueued: dropped before it is, it is cancelled
-/// (its group is poisoned, since peers may run it), as on every backend.
-struct Unlaunched<'a> {
-    shared: &'a Shared,
-    id: CallId,
-    live: bool,
-}
-
-impl Unlaunched<'_> {
-    /// The call was enqueued, or failed: nothing to cancel.
-    fn settled(mut self) {
-        self.live = false;
-    }
-
-    /// The call failed with `e` before its enqueue (its turn or its staging
-    /// buffer did not come in time): it ends with `e`, which poisons its
-    /// group, and the communicator is aborted, since peers may have
-    /// enqueued their part. Returns the call's error.
-    fn failed(mut self, e: CommError) -> CommError {
-        self.live = false;
-        let mut t = lock(&self.shared.track);
-        let e = t.core.launch_failed(self.id, e);
-        t.ended();
-        drop(t);
-        self.shared.tell_peers(&e);
-        self.shared.abort(e.clone());
-        e
-    }
-}
-
-impl Drop for Unlaunched<'_> {
-    fn drop(&mut self) {
-        if self.live {
-            let mut t = lock(&self.shared.track);
-            let abort = t.core.cancel(self.id);
-            t.ended();
-            drop(t);
-            // The group cannot go on: as after any failure, the
-            // communicator goes too (its calls in flight fail with the
-            // cause, and the watchdog stops watching nothing).
-            match abort {
-                Some(e) => {
-                    self.shared.tell_peers(&e);
-                    self.shared.abort(e);
-                }
-                None => self.shared.turn.notify_waiters(),
-            }
-        }
-    }
 }
 
 /// `enqueue(on, input address, output address)`: the op's NCCL calls,
@@ -623,36 +573,6 @@ impl NcclBackend {
             }),
             Args::Host { input, output } => {
                 consort_comm::Work::new(self.host_in_turn(pending, call, input, output, enqueue))
-            }
-        }
-    }
-
-    /// The guard that cancels `call` if it is dropped before it is
-    /// enqueued.
-    fn unlaunched(&self, call: Call) -> Unlaunched<'_> {
-        Unlaunched {
-            shared: &self.shared,
-            id: call.made.id,
-            live: true,
-        }
-    }
-
-    /// Waits until every call made before `call` has been enqueued (or has
-    /// failed), at most its timeout; the error names the call it waited
-    /// for ([`Ordered::turn_timed_out`]).
-    ///
-    /// [`Ordered::turn_timed_out`]: consort_comm::ordered::Ordered::turn_timed_out
-    async fn wait_turn(&self, call: Call) -> Result<()> {
-        let deadline = consort_comm::time::deadline(call.timeout);
-        loop {
-            let notified = self.shared.turn.notified();
-            if lock(&self.shared.track).core.is_turn(call.made.id) {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
-                let t = lock(&self.shared.track);
-                return Err(t.core.turn_timed_out(call.made.id, call.timeout));
             }
         }
     }
