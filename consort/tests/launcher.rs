@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use support::{BIN, bench_worker, consort, finish, free_port, rank0_rows};
+use support::{BIN, bench_worker, consort, consort_env, finish, free_port, rank0_rows};
 
 /// The launcher's GPU counting, so the `--nproc-per-node gpu|auto` tests
 /// know what this machine has.
@@ -466,6 +466,52 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
             assert!(
                 line.contains("5 x float32") && line.contains("4 x float32"),
                 "{backend}: rank {r} does not name both calls: {line}"
+            );
+        }
+    }
+}
+
+/// `mismatch-check --case cancelled`, which `scripts/gpu-check` runs on
+/// NCCL, here on TCP: rank 0 drops its all_reduce before it runs; its next
+/// call says so, and every peer waiting in that all_reduce fails naming
+/// rank 0's cancelled call instead of waiting out CONSORT_TIMEOUT (60 s
+/// here). (The emulated device enqueues a host call when it is made, and a
+/// call on the stream runs to its end however its work is dropped, as on
+/// NCCL: there is no such call to cancel there.)
+#[test]
+fn a_call_cancelled_on_one_rank_is_named_on_every_peer() {
+    for backend in ["tcp"] {
+        let child = consort_env(
+            &[
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "3",
+                "--",
+                BIN,
+                "mismatch-check",
+                "--backend",
+                backend,
+                "--case",
+                "cancelled",
+            ],
+            &[("CONSORT_TIMEOUT", "60")],
+        );
+        let out = finish(
+            child,
+            "consort run -- consort mismatch-check --case cancelled",
+        );
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{backend}: {text}");
+        assert!(text.contains("CANCELLED rank 0:"), "{backend}: {text}");
+        for r in 1..3 {
+            assert!(
+                text.contains(&format!("TOLD rank {r} after")),
+                "{backend}: rank {r} did not hear why: {text}"
             );
         }
     }

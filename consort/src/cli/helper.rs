@@ -33,6 +33,11 @@ pub(crate) enum Helper {
         /// tcp, quic, nccl or emulated.
         #[arg(long, default_value = "tcp")]
         backend: String,
+        /// mismatch (rank 0 all_reduces one element more), or cancelled
+        /// (rank 0 drops its all_reduce before it runs: every peer must
+        /// hear why).
+        #[arg(long, default_value = "mismatch")]
+        case: String,
     },
     /// One rank of the bounded-init self-test (`consort run ... -- consort
     /// init-check --backend nccl`, started by scripts/gpu-check): rank
@@ -52,7 +57,13 @@ pub(crate) enum Helper {
 pub(crate) async fn run(h: Helper) -> Result<(), BoxError> {
     match h {
         Helper::BenchWorker { spec } => collective::worker(&spec).await?,
-        Helper::MismatchCheck { backend } => mismatch::run(&backend).await?,
+        Helper::MismatchCheck { backend, case } => match case.as_str() {
+            "mismatch" => mismatch::run(&backend).await?,
+            "cancelled" => mismatch::cancelled(&backend).await?,
+            other => {
+                return Err(format!("--case {other}: expected mismatch or cancelled").into());
+            }
+        },
         Helper::InitCheck { backend, absent } => init_check::run(&backend, absent).await?,
         Helper::BenchLoopbackPeer { port, bytes, mode } => {
             tokio::task::spawn_blocking(move || {

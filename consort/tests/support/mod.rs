@@ -31,9 +31,15 @@ pub fn finish(mut child: Child, what: &str) -> Output {
 }
 
 pub fn consort(args: &[&str]) -> Child {
+    consort_env(args, &[])
+}
+
+/// [`consort`] with `vars` set in its environment.
+pub fn consort_env(args: &[&str], vars: &[(&str, &str)]) -> Child {
     Command::new(BIN)
         .args(args)
         .env("CONSORT_LOG", "warn")
+        .envs(vars.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

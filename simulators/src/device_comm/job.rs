@@ -234,9 +234,9 @@ pub(super) fn is_remote_error(e: &CommError) -> bool {
 }
 
 /// A job of an aborted communicator is not run, but its host call is made
-/// and at once cancelled with the communicator's cause (when it has one),
-/// so that peers already waiting in that call hear why, instead of seeing
-/// this rank's connections close when it leaves.
+/// and at once cancelled with the communicator's cause (or, with none, that
+/// it was aborted), so that peers already waiting in that call hear why,
+/// instead of seeing this rank's connections close when it leaves.
 async fn tell_peers(
     inner: &dyn Backend,
     device: &EmulatedDevice,
@@ -244,9 +244,10 @@ async fn tell_peers(
     cause: Option<CommError>,
 ) {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    if let Some(cause) = cause {
-        let _ = tx.send(cause);
-    }
+    let _ = tx.send(cause.unwrap_or_else(|| CommError::Aborted {
+        ctx: Default::default(),
+        cause: "this rank's emulated communicator was aborted before the call ran".into(),
+    }));
     job.cancelled = Some(rx);
     // The call is made on the host copies alone: device memory is neither
     // read (its stream may not have produced it) nor written.
@@ -256,11 +257,13 @@ async fn tell_peers(
     let _ = run_or_cancel(inner, device, job).await;
 }
 
-/// Runs a job; a host job whose caller dropped its work is cancelled (the
-/// host backend's call is dropped, which aborts its group), with the
-/// caller's cause when it gave one: a verdict of the fingerprint check
-/// then reaches the peers as that verdict, not as "cancelled", which a
-/// third rank would otherwise report before its own check's verdict.
+/// Runs a job. A host job whose call failed first (the fingerprint check's
+/// verdict, the watchdog's abort) is cancelled with that cause: the host
+/// backend's call is dropped, which aborts its group, as NCCL's abort ends
+/// its kernel, and the verdict reaches the peers as that verdict, not as
+/// "cancelled", which a third rank would otherwise report before its own
+/// check's verdict. A host job whose caller merely dropped its work runs
+/// to its end, as an enqueued NCCL kernel does.
 async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
     let group = job.group.clone();
     let inner = group.as_deref().unwrap_or(inner);
@@ -276,12 +279,9 @@ async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut J
         r = &mut run => return r,
         why = &mut cancelled => why.ok(),
     };
-    let e = cause.unwrap_or_else(|| CommError::Aborted {
-        ctx: Default::default(),
-        cause: "a call was cancelled: its work was dropped before it finished. Peers may be \
-                part-way through it, so the group cannot continue"
-            .into(),
-    });
+    let Some(e) = cause else {
+        return run.await;
+    };
     consort_comm::cancel::drop_because(run, &e);
     Err(e)
 }
