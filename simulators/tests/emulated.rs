@@ -207,3 +207,49 @@ fn a_rank_lost_during_a_burst_of_launches_fails_every_survivor_clearly() {
         }
     }
 }
+
+/// A rank whose enqueue fails (`fail_enqueue_at`, as an NCCL call that
+/// returns an error) aborts its communicator and tells its peers over the
+/// fingerprint check's side channel: their part of that call waits on the
+/// rank (NCCL tells them nothing), and fails after the stall grace naming
+/// the rank and its error, not at the call's deadline.
+#[test]
+fn a_failed_enqueue_is_told_to_every_peer_over_the_side_channel() {
+    let side = SimWorld::new(SimConfig::new(3)).unwrap();
+    let sides = Arc::new(std::sync::Mutex::new(
+        side.ranks().into_iter().map(Some).collect::<Vec<_>>(),
+    ));
+    let done = Arc::new(std::sync::Barrier::new(3));
+    let out = per_thread(3, move |rank| {
+        let side = sides.lock().unwrap()[rank.rank()].take().unwrap();
+        let done = done.clone();
+        block_on(async move {
+            let r = rank.rank();
+            let dev = EmulatedDevice::new(EmulatedOptions::default());
+            let opts = EmulatedCommOptions {
+                fail_enqueue_at: (r == 0).then_some(1),
+                ..Default::default()
+            };
+            let comm = EmulatedComm::new(Arc::new(rank), dev, opts).unwrap();
+            comm.check_fingerprints(Arc::new(side)).unwrap();
+            let o = CallOptions::default().with_timeout(Duration::from_secs(60));
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                let mut x = [1f32; 4];
+                let r = comm.all_reduce(BufferMut::from(&mut x[..]), ReduceOp::Sum, &o);
+                got.push(r.await.map(|()| x).map_err(|e| e.to_string()));
+            }
+            // The side channel stays up until every peer has its verdict.
+            let _ = tokio::task::spawn_blocking(move || done.wait()).await;
+            (r, got)
+        })
+    });
+    for (r, got) in out {
+        assert_eq!(got[0], Ok([3.0; 4]), "rank {r}");
+        let e = got[1].as_ref().expect_err("the call rank 0 never ran");
+        assert!(e.contains("fail_enqueue_at"), "rank {r}: {e}");
+        if r != 0 {
+            assert!(e.contains("rank 0's communicator failed"), "rank {r}: {e}");
+        }
+    }
+}

@@ -479,7 +479,7 @@ async fn run(
     let done = &ended.0.done;
     let opts = CallOptions::default().with_timeout(timeout);
     let mut checking = true;
-    while let Some(msg) = next(&mut rx, &*host, checking).await {
+    while let Some(msg) = next(&mut rx, &*host).await {
         match msg {
             Msg::Check(_) if !checking => {
                 done.fetch_add(1, Ordering::SeqCst);
@@ -572,18 +572,11 @@ fn tell(host: &dyn Backend, e: &CommError) {
     }
 }
 
-/// The next message. Once the checker has stopped comparing, it waits as
-/// an idle rank of `host` does: a simulated side channel's clock must move
-/// (its peers' calls and aborts wait on it otherwise); real ones idle at
-/// once, and the wait polls every 50 ms.
-async fn next(
-    rx: &mut mpsc::UnboundedReceiver<Msg>,
-    host: &dyn Backend,
-    checking: bool,
-) -> Option<Msg> {
-    if checking {
-        return rx.recv().await;
-    }
+/// The next message. The checker waits as an idle rank of `host` does: a
+/// simulated side channel's clock must move (its peers' calls, and the
+/// aborts they send, [`Checker::tell`]'s among them, wait on it otherwise);
+/// real ones idle at once, and the wait polls every 50 ms.
+async fn next(rx: &mut mpsc::UnboundedReceiver<Msg>, host: &dyn Backend) -> Option<Msg> {
     loop {
         let idle = async {
             host.idle(Duration::from_millis(50)).await;

@@ -79,6 +79,12 @@ pub struct EmulatedCommOptions {
     /// (only NCCL's socket transport reports `ncclRemoteError`). Off: the
     /// loss is reported as that remote error.
     pub silent_loss: bool,
+    /// Fault injection: the enqueue of this rank's call with this sequence
+    /// number (on its group) fails, as an NCCL enqueue that returns an
+    /// error: the call fails, the communicator is aborted, and its peers,
+    /// whose part of the call waits on this rank, are told over the
+    /// fingerprint check's side channel, as on NCCL.
+    pub fail_enqueue_at: Option<u64>,
 }
 
 impl Default for EmulatedCommOptions {
@@ -89,6 +95,7 @@ impl Default for EmulatedCommOptions {
             skip_input_wait: false,
             skip_output_wait: false,
             silent_loss: false,
+            fail_enqueue_at: None,
         }
     }
 }
@@ -316,6 +323,17 @@ impl EmulatedComm {
             c.check(made.fp);
         }
         let gate = self.device.pending_event();
+        if self.opts.fail_enqueue_at == Some(made.fp.seq) {
+            let e = CommError::Backend {
+                ctx: made.ctx,
+                backend: "NCCL (emulated)",
+                code: 3,
+                detail:
+                    "ncclInternalError (the enqueue failed: EmulatedCommOptions::fail_enqueue_at)"
+                        .into(),
+            };
+            return Err(self.launch_failed(gate, made.id, e));
+        }
         let ordered = self.order_streams(&streams, gate, device_call);
         let after = match ordered {
             Ok(a) => a,
@@ -381,12 +399,19 @@ impl EmulatedComm {
     ) -> CommError {
         self.device.complete_event(gate);
         self.device.release_event(gate);
-        let e = self.shared.lock().core.launch_failed(id, e);
+        let (e, failed) = {
+            let mut st = self.shared.lock();
+            let e = st.core.launch_failed(id, e);
+            // Every failure aborts, as on NCCL: the calls in flight fail.
+            let failed = st.core.fail_all(e.clone());
+            (e, failed)
+        };
         self.shared.ended();
         // Peers hear of it over the side channel, as on NCCL.
         if let Some(c) = self.shared.checker.get() {
             c.tell(e.clone());
         }
+        self.shared.abort(failed);
         e
     }
 
