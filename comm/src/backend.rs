@@ -251,6 +251,18 @@ impl CallOptions {
     }
 }
 
+/// A peer's abort of one of a group's calls, as [`Backend::peer_aborts`]
+/// reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerAbort {
+    /// The peer's rank in the group.
+    pub rank: usize,
+    /// The call it aborted, as it made it.
+    pub call: Fingerprint,
+    /// What it said.
+    pub said: String,
+}
+
 /// A communication backend: one rank's handle on one process group.
 ///
 /// Buffers are type-erased ([`Buffer`], [`BufferMut`]) so that the trait
@@ -420,12 +432,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// The ranks of this group that said they failed one of its calls (an
-    /// abort they sent, received without making a call), with what they
-    /// said. A stream-ordered communicator's peers hear of a rank's own
-    /// failure (a call it cancelled, one it could not enqueue) only this
-    /// way, through its fingerprint side channel: NCCL tells them nothing
-    /// ([`crate::ordered::check::Checker::tell`]). Default: none known.
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
+    /// abort they sent, received without making a call): which call, and
+    /// what they said. A stream-ordered communicator's peers hear of a
+    /// rank's own failure (a call it cancelled, one it could not enqueue)
+    /// only this way, through its fingerprint side channel: NCCL tells them
+    /// nothing ([`crate::ordered::check::Checker::tell`]). Default: none
+    /// known.
+    fn peer_aborts(&self) -> Vec<PeerAbort> {
         Vec::new()
     }
 

@@ -52,7 +52,7 @@ mod subgroups;
 pub mod time;
 pub mod validate;
 
-pub use backend::{Backend, CallOptions, Op, Work};
+pub use backend::{Backend, CallOptions, Op, PeerAbort, Work};
 pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
 pub use device::{Device, Event, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};

@@ -32,8 +32,12 @@
 //! 2. When its turn has come ([`Ordered::is_turn`]), under the launch lock:
 //!    [`Ordered::launchable`], then the enqueue, then
 //!    [`Ordered::enqueued`] with the driver's handle on the work (its
-//!    completion event), or [`Ordered::launch_failed`].
+//!    completion event), or [`Ordered::launch_failed`] (also for a call
+//!    whose turn never came: [`Ordered::turn_timed_out`]).
 //! 3. A call dropped before it was enqueued: [`Ordered::cancel`].
+//!    Whatever fails a call before its enqueue, the driver aborts the
+//!    communicator and, when it is the group's first cause, tells the
+//!    peers ([`check::Checker::tell`]): their part waits on this rank.
 //! 4. The watchdog: [`Ordered::watch`] at [`Ordered::poll_timeout`] or
 //!    sooner; when it says so, abort the communicator.
 //! 5. The checker's verdict: [`Ordered::mismatch`], then abort.

@@ -18,6 +18,7 @@ use std::{
 
 use consort_comm::{
     CommError, ErrorContext,
+    engine::CallId,
     heartbeat::Heartbeat,
     ordered::{
         Ordered,
@@ -178,6 +179,25 @@ impl Shared {
         if let Some(c) = self.checker.get() {
             c.tell(e.clone());
         }
+    }
+
+    /// Ends call `id`, which failed with `e` before it reached the stream
+    /// (its launch, its turn or its staging buffer): `e` poisons its group,
+    /// the peers are told when it is the group's first cause (not one that
+    /// followed an earlier failure, which they hear of on their own), and
+    /// the communicator is aborted, since peers may have enqueued their
+    /// part. Returns the call's error.
+    pub(crate) fn failed_before_enqueue(&self, id: CallId, e: CommError) -> CommError {
+        let mut t = lock(&self.track);
+        let first = t.core.poisoned().is_none();
+        let e = t.core.launch_failed(id, e);
+        t.ended();
+        drop(t);
+        if first {
+            self.tell_peers(&e);
+        }
+        self.abort(e.clone());
+        e
     }
 
     /// Fails every call in flight with `e` (the first cause sticks).

@@ -206,7 +206,7 @@ impl Backend for QuicBackend {
         self.inner.lost_peers()
     }
 
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
+    fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         self.inner.peer_aborts()
     }
 

@@ -154,7 +154,7 @@ impl Backend for TcpBackend {
         self.mesh.lost_peers()
     }
 
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
+    fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         self.mesh.peer_aborts()
     }
 

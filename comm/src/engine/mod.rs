@@ -503,10 +503,10 @@ impl<P> Engine<P> {
     /// The first peer (its mesh rank) that said it failed a call of
     /// `group`, and what it said: known without making a call
     /// ([`crate::Backend::peer_aborts`]).
-    pub fn said_abort(&self, group: GroupId) -> Option<(usize, &str)> {
+    pub fn said_abort(&self, group: GroupId) -> Option<(usize, Fingerprint, &str)> {
         self.aborts
             .get(&group)
-            .map(|(peer, _, info)| (*peer, info.message()))
+            .map(|(peer, fp, info)| (*peer, *fp, info.message()))
     }
 
     /// Mesh rank `peer` failed a call of `fp.group` and said why.

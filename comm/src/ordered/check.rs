@@ -166,10 +166,12 @@ impl Checker {
     }
 
     /// The ranks whose communicator failed on their own and said so
-    /// ([`Checker::tell`]), with what they said ([`Backend::peer_aborts`]
-    /// of the side channel).
+    /// ([`Checker::tell`]), with what they said: the side channel's
+    /// [`Backend::peer_aborts`] of its told calls only. Any other abort
+    /// there (a comparison that timed out on a peer, say) is the side
+    /// channel's failure, not the peer's communicator's.
     pub fn peer_aborts(&self) -> Vec<(usize, String)> {
-        self.host.peer_aborts()
+        told(&*self.host)
     }
 
     /// Tells the peers that this rank's communicator failed with `e` (a
@@ -182,9 +184,13 @@ impl Checker {
     /// rank) nor for one a peer said first: those are left out here. The
     /// side channel is done for afterwards (its group failed), as the
     /// communicator is. Never blocks.
+    ///
+    /// The driver calls it only when `e` is its group's first cause (not
+    /// one that followed from an earlier failure); nothing is told either
+    /// once the side channel knows a rank lost.
     pub fn tell(&self, e: CommError) {
         let own = !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. });
-        if own && self.peer_aborts().is_empty() {
+        if own && self.peer_aborts().is_empty() && self.lost_peers().is_empty() {
             let _ = self.tx.send(Msg::Tell(e));
         }
     }
@@ -465,9 +471,10 @@ fn named(checker: &Checker, e: &CommError) -> Option<CommError> {
 }
 
 /// The checker task: one message at a time, in the order sent. After its
-/// verdict (a mismatch, a lost peer) or a failed side channel it stops
-/// comparing, but still makes subgroups' checkers: the survivors of a lost
-/// peer make their group through it.
+/// verdict (a mismatch, a lost peer, a peer's told failure), a failed side
+/// channel, or its own [`Checker::tell`], it stops comparing, but still
+/// makes subgroups' checkers: the survivors of a lost peer make their group
+/// through it (never told on: a lost rank is not told).
 async fn run(
     (host, timeout, tree): (Arc<dyn Backend>, Duration, Tree),
     mut rx: mpsc::UnboundedReceiver<Msg>,
@@ -505,9 +512,13 @@ async fn run(
                     // (`Checker::tell`): it will not run its part. What it
                     // said is the verdict, not what the comparison made of
                     // its telling (its told call can meet this one).
-                    Err(_) if !host.peer_aborts().is_empty() => {
-                        if let Some((rank, said)) = host.peer_aborts().into_iter().next() {
-                            let ctx = ErrorContext::new(fp.op, host.rank(), fp.seq, fp.group);
+                    Err(_) if !told(&*host).is_empty() => {
+                        if let Some((rank, said)) = told(&*host).into_iter().next() {
+                            // Each call it fails fills in its own op and seq.
+                            let ctx = ErrorContext {
+                                rank: Some(host.rank()),
+                                ..ErrorContext::default()
+                            };
                             report(peer_failed(ctx, rank, &said, ""));
                         }
                         checking = false;
@@ -557,6 +568,21 @@ fn peer_failed(ctx: ErrorContext, rank: usize, said: &str, when: &str) -> CommEr
              {rank}'s failure, then make a new group or restart the job"
         ),
     }
+}
+
+/// The op of the call [`Checker::tell`] makes and drops on the side
+/// channel, which otherwise carries only comparisons (all-gathers): an
+/// abort of a call of this op is a told one.
+const TOLD_OP: OpKind = OpKind::Barrier;
+
+/// The ranks of `host` that told their failure ([`TOLD_OP`]), and what
+/// they said.
+fn told(host: &dyn Backend) -> Vec<(usize, String)> {
+    host.peer_aborts()
+        .into_iter()
+        .filter(|a| a.call.op == TOLD_OP)
+        .map(|a| (a.rank, a.said))
+        .collect()
 }
 
 /// Tells the peers on `host` that this rank failed with `e`: a call made

@@ -267,8 +267,21 @@ impl crate::Backend for Side {
     fn lost_peers(&self) -> Vec<(usize, String)> {
         self.lost.lock().unwrap().clone()
     }
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
-        self.said.lock().unwrap().clone()
+    /// The told ranks, as told calls' aborts (a barrier), beside a
+    /// comparison's abort (an all-gather), which is not a told one.
+    fn peer_aborts(&self) -> Vec<crate::PeerAbort> {
+        let said = self.said.lock().unwrap().clone();
+        let other = crate::PeerAbort {
+            rank: 1,
+            call: fp(OpKind::AllGather)(GroupId::WORLD, 3),
+            said: "timed out comparing".into(),
+        };
+        let told = said.into_iter().map(|(rank, said)| crate::PeerAbort {
+            rank,
+            call: fp(OpKind::Barrier)(GroupId::WORLD, 4),
+            said,
+        });
+        std::iter::once(other).chain(told).collect()
     }
 }
 

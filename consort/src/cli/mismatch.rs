@@ -55,6 +55,14 @@ pub(crate) async fn run(backend: &str) -> Result<(), BoxError> {
 /// Rank 0 keeps its group (and so its side channel) until every peer has
 /// its verdict: a rank that left would be named as lost instead.
 pub(crate) async fn cancelled(backend: &str) -> Result<(), BoxError> {
+    if backend == "emulated" {
+        return Err(
+            "--case cancelled: the emulated device enqueues a host call when it is made, \
+                    so there is no call to cancel before it runs (a dropped one runs to its end, \
+                    as on NCCL); use --backend tcp, quic or nccl"
+                .into(),
+        );
+    }
     let dist = consort::init_from_env().await?;
     let pg = super::init_check::group(&dist, backend).await?;
     let (rank, world) = (pg.rank(), pg.world_size());

@@ -264,26 +264,61 @@ async fn tell_peers(
 /// "cancelled", which a third rank would otherwise report before its own
 /// check's verdict. A host job whose caller merely dropped its work runs
 /// to its end, as an enqueued NCCL kernel does.
+///
+/// Any job, a device one included, is also cancelled once its communicator
+/// is aborted (a verdict, the watchdog, a failed launch), with the
+/// communicator's cause: NCCL's abort ends the kernels in flight.
 async fn run_or_cancel(inner: &dyn Backend, device: &EmulatedDevice, job: &mut Job) -> Result<()> {
     let group = job.group.clone();
     let inner = group.as_deref().unwrap_or(inner);
-    let Some(mut cancelled) = job.cancelled.take() else {
-        return run_job(inner, device, job).await;
-    };
+    let comm = job.comm.clone();
+    let cancelled = job.cancelled.take();
     let mut run = Box::pin(run_job(inner, device, job));
-    // `biased`: the call is made (its first poll) before the cancellation
-    // is seen, so a dropped call still reaches the host backend and aborts
-    // its group there, telling the peers, instead of never being made.
-    let cause = tokio::select! {
+    // `biased`: the call is made (its first poll) before a cancellation is
+    // seen, so a cancelled call still reaches the host backend and aborts
+    // its group there, telling the peers why, instead of never being made.
+    let e = tokio::select! {
         biased;
         r = &mut run => return r,
-        why = &mut cancelled => why.ok(),
-    };
-    let Some(e) = cause else {
-        return run.await;
+        e = given_cause(cancelled) => e,
+        e = aborted(&comm) => e,
     };
     consort_comm::cancel::drop_because(run, &e);
     Err(e)
+}
+
+/// The cause a host call's caller gives when its call failed first; never
+/// ready without one (a caller that merely dropped its work gives none).
+async fn given_cause(cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>) -> CommError {
+    match cancelled {
+        Some(rx) => match rx.await {
+            Ok(e) => e,
+            Err(_) => std::future::pending().await,
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Ready with the communicator's cause once it has been aborted (looked at
+/// every millisecond).
+async fn aborted(comm: &Shared) -> CommError {
+    loop {
+        {
+            let st = comm.lock();
+            if st.aborted {
+                return st
+                    .core
+                    .poisoned()
+                    .cloned()
+                    .or_else(|| st.async_error.clone())
+                    .unwrap_or_else(|| CommError::Aborted {
+                        ctx: Default::default(),
+                        cause: "this rank's emulated communicator was aborted".into(),
+                    });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// Snapshots the device arguments, runs the collective on the host

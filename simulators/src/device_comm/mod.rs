@@ -399,16 +399,18 @@ impl EmulatedComm {
     ) -> CommError {
         self.device.complete_event(gate);
         self.device.release_event(gate);
-        let (e, failed) = {
+        let (e, failed, first) = {
             let mut st = self.shared.lock();
+            let first = st.core.poisoned().is_none();
             let e = st.core.launch_failed(id, e);
             // Every failure aborts, as on NCCL: the calls in flight fail.
             let failed = st.core.fail_all(e.clone());
-            (e, failed)
+            (e, failed, first)
         };
         self.shared.ended();
-        // Peers hear of it over the side channel, as on NCCL.
-        if let Some(c) = self.shared.checker.get() {
+        // Peers hear of it over the side channel, as on NCCL, when it is
+        // the group's first cause.
+        if let (true, Some(c)) = (first, self.shared.checker.get()) {
             c.tell(e.clone());
         }
         self.shared.abort(failed);
@@ -495,9 +497,9 @@ fn reporter(shared: &Arc<Shared>) -> Report {
     })
 }
 
-/// A host call's result to come, the host buffer it goes to, and the
-/// sender whose drop tells the communication thread the call was dropped.
-/// A one-shot channel, when `wanted`.
+/// A one-shot channel, when `wanted`: a host call's result to come, or the
+/// cause its caller gives the communication thread when the call failed
+/// first.
 fn channel_if<T>(
     wanted: bool,
 ) -> (
@@ -518,10 +520,10 @@ type Answer<'a> = (
     Option<tokio::sync::oneshot::Sender<CommError>>,
 );
 
-/// Waits for a host call's result. Dropping this future before the answer
-/// cancels the call on the communication thread, which aborts the group;
-/// a call that fails first (the fingerprint check's verdict, an abort)
-/// cancels it with that error as the cause.
+/// Waits for a host call's result. Dropping this future leaves the call to
+/// run to its end on the communication thread, as an enqueued NCCL call
+/// does; a call that fails first (the fingerprint check's verdict, an
+/// abort) cancels it there with that error as the cause.
 async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
     let out = answer.await.unwrap_or_else(|_| {
         Err(CommError::Aborted {

@@ -332,13 +332,14 @@ impl Backend for SimRank {
             .collect()
     }
 
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
+    fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         let s = lock(&self.shared);
-        let Some((p, said)) = s.ranks[self.rank].engine.said_abort(self.group) else {
+        let Some((p, call, said)) = s.ranks[self.rank].engine.said_abort(self.group) else {
             return Vec::new();
         };
-        let r = self.members.iter().position(|m| *m == p).unwrap_or(p);
-        vec![(r, said.to_string())]
+        let rank = self.members.iter().position(|m| *m == p).unwrap_or(p);
+        let said = said.to_string();
+        vec![consort_comm::PeerAbort { rank, call, said }]
     }
 
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {

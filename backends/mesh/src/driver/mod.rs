@@ -315,14 +315,14 @@ pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F, limit: D
     let (done, ended) = std::sync::mpsc::channel();
     let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let polled = started.clone();
-    rt.spawn(async move {
+    let task = rt.spawn(async move {
         polled.store(true, std::sync::atomic::Ordering::SeqCst);
         work.await;
         let _ = done.send(());
     });
     let t0 = Instant::now();
     let deadline = consort_comm::time::deadline(limit);
-    tokio::task::block_in_place(|| {
+    let finished = tokio::task::block_in_place(|| {
         loop {
             match ended.recv_timeout(Duration::from_millis(10)) {
                 Ok(()) => return true,
@@ -335,7 +335,13 @@ pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F, limit: D
                 return false;
             }
         }
-    })
+    });
+    // Given up on: it must not start (or go on) after the caller's own
+    // fallback has closed what it would use.
+    if !finished {
+        task.abort();
+    }
+    finished
 }
 
 /// How long [`finish_in_drop`] waits for a runtime to begin its work: one
@@ -470,13 +476,14 @@ impl Backend for MeshBackend {
             .collect()
     }
 
-    fn peer_aborts(&self) -> Vec<(usize, String)> {
+    fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         let engine = lock(&self.inner.engine);
-        let Some((p, said)) = engine.said_abort(self.group) else {
+        let Some((p, call, said)) = engine.said_abort(self.group) else {
             return Vec::new();
         };
-        let r = self.members.iter().position(|m| *m == p).unwrap_or(p);
-        vec![(r, said.to_string())]
+        let rank = self.members.iter().position(|m| *m == p).unwrap_or(p);
+        let said = said.to_string();
+        vec![consort_comm::PeerAbort { rank, call, said }]
     }
 
     async fn new_group(

@@ -378,13 +378,7 @@ impl NcclBackend {
         lock(&sh.track).core.launchable(id)?;
         let fail = |e: CommError| {
             let e = sh.named(e, call.timeout);
-            let mut t = lock(&sh.track);
-            let e = t.core.launch_failed(id, e);
-            t.ended();
-            drop(t);
-            sh.tell_peers(&e);
-            sh.abort(e.clone());
-            e
+            sh.failed_before_enqueue(id, e)
         };
         let Some(comm) = sh.comm() else {
             drop(slot);

@@ -31,13 +31,7 @@ impl Unlaunched<'_> {
     /// enqueued their part. Returns the call's error.
     pub(super) fn failed(mut self, e: CommError) -> CommError {
         self.live = false;
-        let mut t = lock(&self.shared.track);
-        let e = t.core.launch_failed(self.id, e);
-        t.ended();
-        drop(t);
-        self.shared.tell_peers(&e);
-        self.shared.abort(e.clone());
-        e
+        self.shared.failed_before_enqueue(self.id, e)
     }
 }
 
@@ -45,15 +39,19 @@ impl Drop for Unlaunched<'_> {
     fn drop(&mut self) {
         if self.live {
             let mut t = lock(&self.shared.track);
+            let first = t.core.poisoned().is_none();
             let abort = t.core.cancel(self.id);
             t.ended();
             drop(t);
             // The group cannot go on: as after any failure, the
             // communicator goes too (its calls in flight fail with the
-            // cause, and the watchdog stops watching nothing).
+            // cause, and the watchdog stops watching nothing). The peers
+            // hear of it when it is the group's first cause.
             match abort {
                 Some(e) => {
-                    self.shared.tell_peers(&e);
+                    if first {
+                        self.shared.tell_peers(&e);
+                    }
                     self.shared.abort(e);
                 }
                 None => self.shared.turn.notify_waiters(),
@@ -88,6 +86,10 @@ impl NcclBackend {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
                 let t = lock(&self.shared.track);
+                // The turn (or the group's failure) may have come just now.
+                if t.core.is_turn(call.made.id) {
+                    return Ok(());
+                }
                 return Err(t.core.turn_timed_out(call.made.id, call.timeout));
             }
         }
