@@ -440,24 +440,7 @@ fn sigint_reaches_every_worker_as_sigint() {
 #[test]
 fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
     for backend in ["tcp", "emulated"] {
-        let child = consort(&[
-            "run",
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            "--",
-            BIN,
-            "mismatch-check",
-            "--backend",
-            backend,
-        ]);
-        let out = finish(child, "consort run -- consort mismatch-check");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(out.status.success(), "{backend}: {text}");
+        let text = mismatch_check(backend, &[]);
         for r in 0..3 {
             let line = text
                 .lines()
@@ -480,41 +463,43 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
 /// NCCL: there is no such call to cancel there.)
 #[test]
 fn a_call_cancelled_on_one_rank_is_named_on_every_peer() {
-    for backend in ["tcp"] {
-        let child = consort_env(
-            &[
-                "run",
-                "--standalone",
-                "--nproc-per-node",
-                "3",
-                "--",
-                BIN,
-                "mismatch-check",
-                "--backend",
-                backend,
-                "--case",
-                "cancelled",
-            ],
-            &[("CONSORT_TIMEOUT", "60")],
+    let text = mismatch_check("tcp", &["--case", "cancelled"]);
+    assert!(text.contains("CANCELLED rank 0:"), "{text}");
+    for r in 1..3 {
+        assert!(
+            text.contains(&format!("TOLD rank {r} after")),
+            "rank {r} did not hear why: {text}"
         );
-        let out = finish(
-            child,
-            "consort run -- consort mismatch-check --case cancelled",
-        );
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(out.status.success(), "{backend}: {text}");
-        assert!(text.contains("CANCELLED rank 0:"), "{backend}: {text}");
-        for r in 1..3 {
-            assert!(
-                text.contains(&format!("TOLD rank {r} after")),
-                "{backend}: rank {r} did not hear why: {text}"
-            );
-        }
     }
+}
+
+/// `consort mismatch-check --backend B EXTRA` on 3 ranks under `consort
+/// run` (CONSORT_TIMEOUT 60 s): its output, once it has succeeded.
+fn mismatch_check(backend: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--",
+        BIN,
+        "mismatch-check",
+        "--backend",
+        backend,
+    ];
+    args.extend_from_slice(extra);
+    let child = consort_env(&args, &[("CONSORT_TIMEOUT", "60")]);
+    let out = finish(
+        child,
+        &format!("consort run -- consort mismatch-check {extra:?}"),
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{backend} {extra:?}: {text}");
+    text
 }
 
 /// The bounded-init self-test that `scripts/gpu-check` runs on NCCL, here

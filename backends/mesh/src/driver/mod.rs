@@ -298,7 +298,7 @@ fn stop_readers(inner: &Inner) {
 ///
 /// The wait is on a channel the work's task holds, not on the runtime, and
 /// it ends as soon as the runtime is seen to shut down, or when the work
-/// has not even begun after [`UNRUN_LIMIT`]: a runtime's drop waits for
+/// has not even begun after a second: a runtime's drop waits for
 /// this very thread while the work no longer progresses (waiting in
 /// `block_on` there hung).
 pub fn finish_in_drop<F: Future<Output = ()> + Send + 'static>(work: F, limit: Duration) -> bool {
