@@ -36,8 +36,8 @@
 //!    whose turn never came: [`Ordered::turn_timed_out`]).
 //! 3. A call dropped before it was enqueued: [`Ordered::cancel`].
 //!    Whatever fails a call before its enqueue, the driver aborts the
-//!    communicator and, when it is the group's first cause, tells the
-//!    peers ([`check::Checker::tell`]): their part waits on this rank.
+//!    communicator and tells the peers the group's first cause
+//!    ([`check::Checker::tell`]): their part waits on this rank.
 //! 4. The watchdog: [`Ordered::watch`] at [`Ordered::poll_timeout`] or
 //!    sooner; when it says so, abort the communicator.
 //! 5. The checker's verdict: [`Ordered::mismatch`], then abort.

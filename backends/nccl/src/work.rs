@@ -182,20 +182,19 @@ impl Shared {
     }
 
     /// Ends call `id`, which failed with `e` before it reached the stream
-    /// (its launch, its turn or its staging buffer): `e` poisons its group,
-    /// the peers are told when it is the group's first cause (not one that
-    /// followed an earlier failure, which they hear of on their own), and
-    /// the communicator is aborted, since peers may have enqueued their
-    /// part. Returns the call's error.
+    /// (its launch, its turn or its staging buffer): `e` poisons its group
+    /// (unless it already failed), the peers are told the group's first
+    /// cause (a mismatch, a lost rank or a peer's own told failure they
+    /// know already: [`Checker::tell`] leaves those out), and the
+    /// communicator is aborted, since peers may have enqueued their part.
+    /// Returns the call's error.
     pub(crate) fn failed_before_enqueue(&self, id: CallId, e: CommError) -> CommError {
         let mut t = lock(&self.track);
-        let first = t.core.poisoned().is_none();
         let e = t.core.launch_failed(id, e);
+        let first = t.core.poisoned().cloned();
         t.ended();
         drop(t);
-        if first {
-            self.tell_peers(&e);
-        }
+        self.tell_peers(first.as_ref().unwrap_or(&e));
         self.abort(e.clone());
         e
     }

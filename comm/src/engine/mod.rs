@@ -161,6 +161,9 @@ pub struct Engine<P> {
     /// The first abort received per group: (mesh peer, the peer's call,
     /// what it said).
     aborts: FxHashMap<GroupId, (usize, Fingerprint, AbortInfo)>,
+    /// Every peer's first abort per group (at most one per peer), with
+    /// the call it aborted and what it said: what `said_aborts` reports.
+    said: FxHashMap<GroupId, Vec<(usize, Fingerprint, String)>>,
     /// Answers to stall probes: (mesh peer, its call at the asked seq).
     probes: Vec<(usize, Fingerprint)>,
     /// The latest collective made on each group, answered to probes even
@@ -207,6 +210,7 @@ impl<P> Engine<P> {
             lost: Vec::new(),
             protocol: None,
             aborts: FxHashMap::default(),
+            said: FxHashMap::default(),
             probes: Vec::new(),
             latest: FxHashMap::default(),
             taken: FxHashSet::default(),
@@ -500,17 +504,23 @@ impl<P> Engine<P> {
         self.protocol.get_or_insert((peer, why.into()));
     }
 
-    /// The first peer (its mesh rank) that said it failed a call of
-    /// `group`, and what it said: known without making a call
+    /// Every peer (its mesh rank) that said it failed a call of `group`,
+    /// with the call it aborted (its fingerprint) and what it said, each
+    /// peer's first abort only: known without making a call
     /// ([`crate::Backend::peer_aborts`]).
-    pub fn said_abort(&self, group: GroupId) -> Option<(usize, Fingerprint, &str)> {
-        self.aborts
-            .get(&group)
-            .map(|(peer, fp, info)| (*peer, *fp, info.message()))
+    pub fn said_aborts(&self, group: GroupId) -> &[(usize, Fingerprint, String)] {
+        self.said.get(&group).map_or(&[], Vec::as_slice)
     }
 
-    /// Mesh rank `peer` failed a call of `fp.group` and said why.
+    /// Mesh rank `peer` failed a call of `fp.group` and said why. The
+    /// group's first abort is the cause its calls fail with; each peer's
+    /// first is kept too ([`Engine::said_aborts`]), bounded by the group's
+    /// size.
     pub fn aborted(&mut self, peer: usize, fp: Fingerprint, info: AbortInfo) {
+        let said = self.said.entry(fp.group).or_default();
+        if !said.iter().any(|(p, _, _)| *p == peer) {
+            said.push((peer, fp, info.message().to_string()));
+        }
         self.aborts.entry(fp.group).or_insert((peer, fp, info));
     }
 

@@ -185,9 +185,10 @@ impl Checker {
     /// side channel is done for afterwards (its group failed), as the
     /// communicator is. Never blocks.
     ///
-    /// The driver calls it only when `e` is its group's first cause (not
-    /// one that followed from an earlier failure); nothing is told either
-    /// once the side channel knows a rank lost.
+    /// The driver passes its group's first cause. Nothing is told once the
+    /// side channel knows a rank lost or a peer's told failure (checked
+    /// here and again when the task gets to it), nor twice: the told call
+    /// fails the side channel's group.
     pub fn tell(&self, e: CommError) {
         let own = !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. });
         if own && self.peer_aborts().is_empty() && self.lost_peers().is_empty() {
@@ -538,7 +539,11 @@ async fn run(
                 }
             }
             Msg::Tell(e) => {
-                tell(&*host, &e);
+                // A loss or a peer's tell may have come while this waited
+                // behind a comparison: the peers know then.
+                if host.lost_peers().is_empty() && told(&*host).is_empty() {
+                    tell(&*host, &e);
+                }
                 checking = false;
             }
             Msg::NewGroup {
@@ -592,9 +597,17 @@ fn tell(host: &dyn Backend, e: &CommError) {
     let opts = CallOptions::default();
     let mut call = host.barrier(&opts);
     let waker = std::task::Waker::noop();
-    let polled = Pin::new(&mut call).poll(&mut std::task::Context::from_waker(waker));
-    if polled.is_pending() {
-        crate::cancel::drop_because(call, e);
+    match Pin::new(&mut call).poll(&mut std::task::Context::from_waker(waker)) {
+        std::task::Poll::Pending => crate::cancel::drop_because(call, e),
+        // The side channel's group has already failed (a comparison timed
+        // out there): the peers cannot be told.
+        std::task::Poll::Ready(Err(why)) => tracing::warn!(
+            rank = host.rank(),
+            "could not tell the peers over the fingerprint check's side channel that this \
+             rank's communicator failed ({e}): the side channel failed first ({why}); they \
+             will wait on this rank until their own deadline"
+        ),
+        std::task::Poll::Ready(Ok(())) => {}
     }
 }
 

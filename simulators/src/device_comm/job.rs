@@ -94,7 +94,9 @@ pub(super) struct Job {
     pub(super) gate: EventId,
     /// What the call came to, for the watchdog.
     pub(super) slot: Arc<Mutex<Slot>>,
-    /// Closed when a host call's work is dropped before it finished.
+    /// A host call's cause, sent when the call failed first (a verdict, an
+    /// abort): the job is cancelled with it. Closed without one (its
+    /// caller merely dropped its work), the job runs on.
     pub(super) cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>,
     /// The communicator the call belongs to (its rules and its errors).
     pub(super) comm: Arc<Shared>,

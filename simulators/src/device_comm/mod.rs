@@ -340,7 +340,7 @@ impl EmulatedComm {
             Err(e) => return Err(self.launch_failed(gate, made.id, e)),
         };
         // A host call (or one with no buffer) is answered when it is done,
-        // and may be cancelled until then.
+        // and may be cancelled with a cause until then.
         let answered = host_call || !device_call;
         let (reply, answer) = channel_if(answered);
         let (cancel, cancelled) = channel_if(answered);
@@ -357,7 +357,16 @@ impl EmulatedComm {
             comm: self.shared.clone(),
             group: self.group.clone(),
         };
-        self.shared.lock().core.launchable(made.id)?;
+        if let Err(e) = self.shared.lock().core.launchable(made.id) {
+            // The group failed since the call was made: the streams told
+            // to wait on the gate must not wait for ever.
+            for &ev in &job.after {
+                self.device.release_event(ev);
+            }
+            self.device.complete_event(gate);
+            self.device.release_event(gate);
+            return Err(e);
+        }
         let sent = match &*lock(&self.jobs) {
             Some(tx) => tx.send(job).is_ok(),
             None => false,
@@ -401,17 +410,17 @@ impl EmulatedComm {
         self.device.release_event(gate);
         let (e, failed, first) = {
             let mut st = self.shared.lock();
-            let first = st.core.poisoned().is_none();
             let e = st.core.launch_failed(id, e);
+            let first = st.core.poisoned().cloned().unwrap_or_else(|| e.clone());
             // Every failure aborts, as on NCCL: the calls in flight fail.
             let failed = st.core.fail_all(e.clone());
             (e, failed, first)
         };
         self.shared.ended();
-        // Peers hear of it over the side channel, as on NCCL, when it is
-        // the group's first cause.
-        if let (true, Some(c)) = (first, self.shared.checker.get()) {
-            c.tell(e.clone());
+        // Peers hear of the group's first cause over the side channel, as
+        // on NCCL.
+        if let Some(c) = self.shared.checker.get() {
+            c.tell(first);
         }
         self.shared.abort(failed);
         e

@@ -334,12 +334,17 @@ impl Backend for SimRank {
 
     fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         let s = lock(&self.shared);
-        let Some((p, call, said)) = s.ranks[self.rank].engine.said_abort(self.group) else {
-            return Vec::new();
-        };
-        let rank = self.members.iter().position(|m| *m == p).unwrap_or(p);
-        let said = said.to_string();
-        vec![consort_comm::PeerAbort { rank, call, said }]
+        let rank = |p: usize| self.members.iter().position(|m| *m == p).unwrap_or(p);
+        s.ranks[self.rank]
+            .engine
+            .said_aborts(self.group)
+            .iter()
+            .map(|(p, call, said)| consort_comm::PeerAbort {
+                rank: rank(*p),
+                call: *call,
+                said: said.clone(),
+            })
+            .collect()
     }
 
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {

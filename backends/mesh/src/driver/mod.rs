@@ -294,7 +294,9 @@ fn stop_readers(inner: &Inner) {
 /// runtime it is spawned (and runs if the runtime goes on). `false` where
 /// `work` did not run to its end: there is no runtime, the runtime is
 /// shutting down (dropping its tasks, and with them whatever they held:
-/// its timers and sockets no longer make progress), or `limit` passed.
+/// its timers and sockets no longer make progress), or `limit` passed; the
+/// work is then aborted, so that it cannot start (or go on) after the
+/// caller's own fallback.
 ///
 /// The wait is on a channel the work's task holds, not on the runtime, and
 /// it ends as soon as the runtime is seen to shut down, or when the work
@@ -478,12 +480,16 @@ impl Backend for MeshBackend {
 
     fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         let engine = lock(&self.inner.engine);
-        let Some((p, call, said)) = engine.said_abort(self.group) else {
-            return Vec::new();
-        };
-        let rank = self.members.iter().position(|m| *m == p).unwrap_or(p);
-        let said = said.to_string();
-        vec![consort_comm::PeerAbort { rank, call, said }]
+        let rank = |p: usize| self.members.iter().position(|m| *m == p).unwrap_or(p);
+        engine
+            .said_aborts(self.group)
+            .iter()
+            .map(|(p, call, said)| consort_comm::PeerAbort {
+                rank: rank(*p),
+                call: *call,
+                said: said.clone(),
+            })
+            .collect()
     }
 
     async fn new_group(

@@ -39,19 +39,16 @@ impl Drop for Unlaunched<'_> {
     fn drop(&mut self) {
         if self.live {
             let mut t = lock(&self.shared.track);
-            let first = t.core.poisoned().is_none();
             let abort = t.core.cancel(self.id);
             t.ended();
             drop(t);
             // The group cannot go on: as after any failure, the
             // communicator goes too (its calls in flight fail with the
             // cause, and the watchdog stops watching nothing). The peers
-            // hear of it when it is the group's first cause.
+            // are told the group's first cause (`abort`).
             match abort {
                 Some(e) => {
-                    if first {
-                        self.shared.tell_peers(&e);
-                    }
+                    self.shared.tell_peers(&e);
                     self.shared.abort(e);
                 }
                 None => self.shared.turn.notify_waiters(),
