@@ -512,6 +512,21 @@ impl<P> Engine<P> {
         self.said.get(&group).map_or(&[], Vec::as_slice)
     }
 
+    /// [`Engine::said_aborts`] as a group handle reports them
+    /// ([`crate::Backend::peer_aborts`]): each peer by its group rank, its
+    /// place in `members` (the group's mesh ranks).
+    pub fn peer_aborts(&self, group: GroupId, members: &[usize]) -> Vec<crate::PeerAbort> {
+        let rank = |p: usize| members.iter().position(|m| *m == p).unwrap_or(p);
+        self.said_aborts(group)
+            .iter()
+            .map(|(p, call, said)| crate::PeerAbort {
+                rank: rank(*p),
+                call: *call,
+                said: said.clone(),
+            })
+            .collect()
+    }
+
     /// Mesh rank `peer` failed a call of `fp.group` and said why. The
     /// group's first abort is the cause its calls fail with; each peer's
     /// first is kept too ([`Engine::said_aborts`]), bounded by the group's

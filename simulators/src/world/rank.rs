@@ -334,17 +334,9 @@ impl Backend for SimRank {
 
     fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
         let s = lock(&self.shared);
-        let rank = |p: usize| self.members.iter().position(|m| *m == p).unwrap_or(p);
         s.ranks[self.rank]
             .engine
-            .said_aborts(self.group)
-            .iter()
-            .map(|(p, call, said)| consort_comm::PeerAbort {
-                rank: rank(*p),
-                call: *call,
-                said: said.clone(),
-            })
-            .collect()
+            .peer_aborts(self.group, &self.members)
     }
 
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {

@@ -479,17 +479,7 @@ impl Backend for MeshBackend {
     }
 
     fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
-        let engine = lock(&self.inner.engine);
-        let rank = |p: usize| self.members.iter().position(|m| *m == p).unwrap_or(p);
-        engine
-            .said_aborts(self.group)
-            .iter()
-            .map(|(p, call, said)| consort_comm::PeerAbort {
-                rank: rank(*p),
-                call: *call,
-                said: said.clone(),
-            })
-            .collect()
+        lock(&self.inner.engine).peer_aborts(self.group, &self.members)
     }
 
     async fn new_group(
