@@ -495,48 +495,7 @@ async fn run(
             Msg::Check(fp) => {
                 let verdict = compare(&*host, fp, &opts).await;
                 done.fetch_add(1, Ordering::SeqCst);
-                match verdict {
-                    Ok(None) => {}
-                    Ok(Some(e)) => {
-                        report(e);
-                        checking = false;
-                    }
-                    // The side channel saw a rank's process go (its sockets
-                    // closed): the communicator's calls need that rank too,
-                    // and NCCL may take long to notice, or never (a kernel
-                    // waiting on it). Every survivor reports it, naming it.
-                    Err(e @ CommError::PeerLost { .. }) => {
-                        report(e);
-                        checking = false;
-                    }
-                    // So does a rank that said its communicator failed
-                    // (`Checker::tell`): it will not run its part. What it
-                    // said is the verdict, not what the comparison made of
-                    // its telling (its told call can meet this one).
-                    Err(_) if !told(&*host).is_empty() => {
-                        if let Some((rank, said)) = told(&*host).into_iter().next() {
-                            // Each call it fails fills in its own op and seq.
-                            let ctx = ErrorContext {
-                                rank: Some(host.rank()),
-                                ..ErrorContext::default()
-                            };
-                            report(peer_failed(ctx, rank, &said, ""));
-                        }
-                        checking = false;
-                    }
-                    Err(e) => {
-                        // The side channel failed, not the communicator: its
-                        // own watchdog still bounds every call. Stop
-                        // checking rather than poison a healthy group.
-                        tracing::warn!(
-                            rank = host.rank(),
-                            "the NCCL fingerprint check stopped: its host side channel failed \
-                             ({e}); mismatched collectives on this communicator are no longer \
-                             caught"
-                        );
-                        checking = false;
-                    }
-                }
+                checking = settle(&*host, verdict, &report);
             }
             Msg::Tell(e) => {
                 // A loss or a peer's tell may have come while this waited
@@ -557,6 +516,53 @@ async fn run(
                     .map(|sub| sub.map(|h| Checker::in_tree(h, timeout, report, tree.clone())));
                 let _ = reply.send(made);
             }
+        }
+    }
+}
+
+/// Acts on one comparison's outcome: reports a verdict (a mismatch, a lost
+/// rank, a peer's told failure) or warns of a failed side channel. Whether
+/// the checker goes on comparing.
+fn settle(host: &dyn Backend, verdict: Result<Option<CommError>>, report: &Report) -> bool {
+    match verdict {
+        Ok(None) => true,
+        Ok(Some(e)) => {
+            report(e);
+            false
+        }
+        // The side channel saw a rank's process go (its sockets closed):
+        // the communicator's calls need that rank too, and NCCL may take
+        // long to notice, or never (a kernel waiting on it). Every survivor
+        // reports it, naming it.
+        Err(e @ CommError::PeerLost { .. }) => {
+            report(e);
+            false
+        }
+        // So does a rank that said its communicator failed
+        // (`Checker::tell`): it will not run its part. What it said is the
+        // verdict, not what the comparison made of its telling (its told
+        // call can meet this one).
+        Err(_) if !told(host).is_empty() => {
+            if let Some((rank, said)) = told(host).into_iter().next() {
+                // Each call it fails fills in its own op and seq.
+                let ctx = ErrorContext {
+                    rank: Some(host.rank()),
+                    ..ErrorContext::default()
+                };
+                report(peer_failed(ctx, rank, &said, ""));
+            }
+            false
+        }
+        Err(e) => {
+            // The side channel failed, not the communicator: its own
+            // watchdog still bounds every call. Stop checking rather than
+            // poison a healthy group.
+            tracing::warn!(
+                rank = host.rank(),
+                "the NCCL fingerprint check stopped: its host side channel failed ({e}); \
+                 mismatched collectives on this communicator are no longer caught"
+            );
+            false
         }
     }
 }

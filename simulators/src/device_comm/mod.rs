@@ -311,27 +311,9 @@ impl EmulatedComm {
             _ => None,
         };
         // The arguments are sound: the call takes its place now.
-        let made = self
-            .shared
-            .lock()
-            .core
-            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
-        self.shared.made(&made.fp);
-        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
-            && let Some(c) = self.shared.checker.get()
-        {
-            c.check(made.fp);
-        }
+        let made = self.make(fp)?;
         let gate = self.device.pending_event();
-        if self.opts.fail_enqueue_at == Some(made.fp.seq) {
-            let e = CommError::Backend {
-                ctx: made.ctx,
-                backend: "NCCL (emulated)",
-                code: 3,
-                detail:
-                    "ncclInternalError (the enqueue failed: EmulatedCommOptions::fail_enqueue_at)"
-                        .into(),
-            };
+        if let Some(e) = self.injected_failure(&made) {
             return Err(self.launch_failed(gate, made.id, e));
         }
         let ordered = self.order_streams(&streams, gate, device_call);
@@ -357,27 +339,7 @@ impl EmulatedComm {
             comm: self.shared.clone(),
             group: self.group.clone(),
         };
-        if let Err(e) = self.shared.lock().core.launchable(made.id) {
-            // The group failed since the call was made: the streams told
-            // to wait on the gate must not wait for ever.
-            for &ev in &job.after {
-                self.device.release_event(ev);
-            }
-            self.device.complete_event(gate);
-            self.device.release_event(gate);
-            return Err(e);
-        }
-        let sent = match &*lock(&self.jobs) {
-            Some(tx) => tx.send(job).is_ok(),
-            None => false,
-        };
-        if !sent {
-            let e = CommError::Aborted {
-                ctx: Default::default(),
-                cause: "the emulated communication thread has stopped".into(),
-            };
-            return Err(self.launch_failed(gate, made.id, e));
-        }
+        self.send(job, made.id)?;
         // The watchdog is the backstop here: the wrapped backend bounds the
         // call itself, from when it starts on the communication thread, and
         // its timeout names the ranks it waited for. A GPU that hangs is
@@ -396,6 +358,62 @@ impl EmulatedComm {
         }
         self.shared.cv.notify_all();
         Ok(answer.map(|a| (a, host_out, cancel)))
+    }
+
+    /// Makes a call: its place in the order, its heartbeat, and its
+    /// fingerprint to the checker (collectives only).
+    fn make(&self, fp: Fingerprint) -> Result<consort_comm::ordered::Made> {
+        let made = self
+            .shared
+            .lock()
+            .core
+            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+        self.shared.made(&made.fp);
+        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
+            && let Some(c) = self.shared.checker.get()
+        {
+            c.check(made.fp);
+        }
+        Ok(made)
+    }
+
+    /// The enqueue failure [`EmulatedCommOptions::fail_enqueue_at`] injects
+    /// for `made`, if it is that call.
+    fn injected_failure(&self, made: &consort_comm::ordered::Made) -> Option<CommError> {
+        (self.opts.fail_enqueue_at == Some(made.fp.seq)).then(|| CommError::Backend {
+            ctx: made.ctx,
+            backend: "NCCL (emulated)",
+            code: 3,
+            detail: "ncclInternalError (the enqueue failed: EmulatedCommOptions::fail_enqueue_at)"
+                .into(),
+        })
+    }
+
+    /// Hands call `id`'s job to the communication thread, unless its group
+    /// failed since it was made (then the streams told to wait on its gate
+    /// must not wait for ever) or the thread has stopped.
+    fn send(&self, job: Job, id: consort_comm::engine::CallId) -> Result<()> {
+        let gate = job.gate;
+        if let Err(e) = self.shared.lock().core.launchable(id) {
+            for &ev in &job.after {
+                self.device.release_event(ev);
+            }
+            self.device.complete_event(gate);
+            self.device.release_event(gate);
+            return Err(e);
+        }
+        let sent = match &*lock(&self.jobs) {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            let e = CommError::Aborted {
+                ctx: Default::default(),
+                cause: "the emulated communication thread has stopped".into(),
+            };
+            return Err(self.launch_failed(gate, id, e));
+        }
+        Ok(())
     }
 
     /// A call that could not be enqueued: its gate fires and goes, and the
