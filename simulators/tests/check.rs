@@ -111,10 +111,13 @@ fn every_rank_finds_the_mismatch_and_names_both_sides() {
 
 /// `EmulatedComm` with the check on: matched calls (on the world and on a
 /// subgroup made through the checker) pass, and a mismatched one is
-/// `Mismatch` on every rank.
+/// `Mismatch` on every rank. Every rank keeps its communicator until all
+/// have their verdicts: a rank that leaves at once (its abort ends its
+/// calls) can reach a slower peer's data path as a lost rank first.
 #[test]
 fn an_emulated_communicator_with_the_check_on() {
     let n = 3;
+    let all_done = Arc::new(std::sync::Barrier::new(n));
     let data = SimWorld::new(SimConfig::new(n).timeout(Duration::from_secs(5))).unwrap();
     let side = SimWorld::new(SimConfig::new(n).timeout(Duration::from_secs(5))).unwrap();
     let threads: Vec<_> = data
@@ -122,6 +125,7 @@ fn an_emulated_communicator_with_the_check_on() {
         .into_iter()
         .zip(side.ranks())
         .map(|(d, s)| {
+            let all_done = all_done.clone();
             std::thread::spawn(move || {
                 let rank = d.rank();
                 let dev = EmulatedDevice::new(EmulatedOptions::default());
@@ -132,7 +136,7 @@ fn an_emulated_communicator_with_the_check_on() {
                     .enable_all()
                     .build()
                     .unwrap();
-                rt.block_on(async {
+                let out = rt.block_on(async {
                     let o = CallOptions::default();
                     let mut v = vec![1.0f32; 8];
                     comm.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum, &o)
@@ -156,7 +160,9 @@ fn an_emulated_communicator_with_the_check_on() {
                     };
                     let later = comm.barrier(&o).await;
                     (rank, r, later)
-                })
+                });
+                all_done.wait();
+                out
             })
         })
         .collect();

@@ -186,12 +186,11 @@ impl Checker {
     /// communicator is. Never blocks.
     ///
     /// The driver passes its group's first cause. Nothing is told once the
-    /// side channel knows a rank lost or a peer's told failure (checked
-    /// here and again when the task gets to it), nor twice: the told call
-    /// fails the side channel's group.
+    /// side channel knows a rank lost or a peer's told failure (looked at
+    /// when the task gets to it, behind the comparisons sent before), nor
+    /// twice: the told call fails the side channel's group.
     pub fn tell(&self, e: CommError) {
-        let own = !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. });
-        if own && self.peer_aborts().is_empty() && self.lost_peers().is_empty() {
+        if !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. }) {
             let _ = self.tx.send(Msg::Tell(e));
         }
     }
@@ -498,8 +497,7 @@ async fn run(
                 checking = settle(&*host, verdict, &report);
             }
             Msg::Tell(e) => {
-                // A loss or a peer's tell may have come while this waited
-                // behind a comparison: the peers know then.
+                // The peers know already of a loss or a peer's own tell.
                 if host.lost_peers().is_empty() && told(&*host).is_empty() {
                     tell(&*host, &e);
                 }
@@ -542,29 +540,31 @@ fn settle(host: &dyn Backend, verdict: Result<Option<CommError>>, report: &Repor
         // (`Checker::tell`): it will not run its part. What it said is the
         // verdict, not what the comparison made of its telling (its told
         // call can meet this one).
-        Err(_) if !told(host).is_empty() => {
-            if let Some((rank, said)) = told(host).into_iter().next() {
+        Err(e) => match told(host).into_iter().next() {
+            Some((rank, said)) => {
                 // Each call it fails fills in its own op and seq.
                 let ctx = ErrorContext {
                     rank: Some(host.rank()),
                     ..ErrorContext::default()
                 };
                 report(peer_failed(ctx, rank, &said, ""));
+                false
             }
-            false
-        }
-        Err(e) => {
-            // The side channel failed, not the communicator: its own
-            // watchdog still bounds every call. Stop checking rather than
-            // poison a healthy group.
-            tracing::warn!(
-                rank = host.rank(),
-                "the NCCL fingerprint check stopped: its host side channel failed ({e}); \
-                 mismatched collectives on this communicator are no longer caught"
-            );
-            false
-        }
+            None => side_channel_failed(host, &e),
+        },
     }
+}
+
+/// A comparison failed on the side channel itself, not on the
+/// communicator: its own watchdog still bounds every call. The checker
+/// stops rather than poison a healthy group, and says so.
+fn side_channel_failed(host: &dyn Backend, e: &CommError) -> bool {
+    tracing::warn!(
+        rank = host.rank(),
+        "the NCCL fingerprint check stopped: its host side channel failed ({e}); mismatched \
+         collectives on this communicator are no longer caught"
+    );
+    false
 }
 
 /// The error of a call (context `ctx`) whose group's rank `rank` said its
