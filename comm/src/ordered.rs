@@ -10,8 +10,10 @@
 //! argument:
 //!
 //! - **Turns.** Calls reach the communication stream in the order they
-//!   were made. A call whose enqueue waits (a host-buffer call stages when
-//!   it is polled) holds back every call made after it
+//!   were made. A driver enqueues each call when it is made (a host-buffer
+//!   call staged first), so its work may be awaited in any order; a call
+//!   made while an earlier one is still being enqueued (on another thread)
+//!   waits for it, and so does every call made after it
 //!   ([`Ordered::is_turn`]).
 //! - **The work queue.** Enqueued calls complete in issue order, as their
 //!   completion events fire ([`Ordered::watch`]).
@@ -175,8 +177,8 @@ impl<W> Ordered<W> {
     }
 
     /// The error of call `id`, which waited `after` for its turn: a call
-    /// made before it on this rank has not reached the stream (its work was
-    /// never polled, or is stuck before its enqueue). The driver fails the
+    /// made before it on this rank has not reached the stream (its enqueue,
+    /// on another thread, is stuck or was dropped unfinished). The driver fails the
     /// call with it as with any failure before the enqueue
     /// ([`Ordered::launch_failed`]), and aborts the communicator.
     pub fn turn_timed_out(&self, id: CallId, after: Duration) -> CommError {
@@ -197,9 +199,9 @@ impl<W> Ordered<W> {
             ctx: self.context(id),
             cause: format!(
                 "waited {after:?} for its turn: {which} made before it on this rank has not \
-                 reached the stream. A stream-ordered group (NCCL) runs a rank's calls in the \
-                 order they were made; await (or poll) each call's work in that order, or \
-                 together (join!)"
+                 reached the stream. A stream-ordered group (NCCL) enqueues a rank's calls in \
+                 the order they were made, and the one ahead, made on another thread, is stuck \
+                 in its enqueue"
             ),
         }
     }
@@ -286,6 +288,17 @@ impl<W> Ordered<W> {
             ctx: ErrorContext::default(),
             cause: "internal: a failed launch ended without an error".into(),
         })
+    }
+
+    /// Call `id` failed with `e` before it reached the stream (its launch,
+    /// its turn, its staging memory): [`Ordered::launch_failed`]. Returns
+    /// the call's error and the group's first cause: the driver tells its
+    /// peers the cause ([`check::Checker::tell`]; their part of the call
+    /// waits on this rank), then aborts the communicator.
+    pub fn failed_before_enqueue(&mut self, id: CallId, e: CommError) -> (CommError, CommError) {
+        let e = self.launch_failed(id, e);
+        let first = self.poisoned().cloned().unwrap_or_else(|| e.clone());
+        (e, first)
     }
 
     /// Call `id`'s future was dropped before it was enqueued. Its peers

@@ -253,3 +253,132 @@ fn a_failed_enqueue_is_told_to_every_peer_over_the_side_channel() {
         }
     }
 }
+
+/// Blocks until `comm` (whose heartbeat file is `beat`) has made its call
+/// of sequence number `seq`.
+fn until_made(beat: &std::path::Path, seq: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while consort_comm::heartbeat::read(beat)
+        .and_then(|b| b.last)
+        .map(|l| l.1)
+        != Some(seq)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "call {seq} was never made"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A heartbeat file of its own for `comm`, so a test can see its calls made.
+fn watch_calls(comm: &EmulatedComm, name: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "consort-emulated-{name}-{}-{}",
+        std::process::id(),
+        comm.rank()
+    ));
+    consort_comm::heartbeat::Heartbeat::create(&path).unwrap();
+    comm.set_heartbeat(&path).unwrap();
+    path
+}
+
+/// Two threads of rank 0 make calls at once: the second is made while the
+/// first is still in its enqueue (`stall_enqueue_at`, as an NCCL enqueue
+/// polling `ncclInProgress`), so it waits for its turn, and the stream runs
+/// the calls in the order they were made, the order every peer made them
+/// in. Without turns the second would run first, against the peer's first
+/// call, and both results would be wrong.
+#[test]
+fn a_call_made_while_an_earlier_one_is_still_enqueued_waits_its_turn() {
+    let out = per_thread(2, |rank| {
+        let r = rank.rank();
+        let dev = EmulatedDevice::new(EmulatedOptions::default());
+        let opts = EmulatedCommOptions {
+            stall_enqueue_at: (r == 0).then_some((0, Duration::from_millis(300))),
+            ..Default::default()
+        };
+        let comm = EmulatedComm::new(Arc::new(rank), dev, opts).unwrap();
+        let beat = watch_calls(&comm, "turn");
+        let o = CallOptions::default().with_timeout(Duration::from_secs(20));
+        let (mut x, mut y) = ([1f32; 4], [10f32; 4]);
+        let sum = ReduceOp::Sum;
+        let (a, b) = std::thread::scope(|s| {
+            let first = s.spawn(|| block_on(comm.all_reduce(BufferMut::from(&mut x[..]), sum, &o)));
+            until_made(&beat, 0);
+            let second = block_on(comm.all_reduce(BufferMut::from(&mut y[..]), sum, &o));
+            (first.join().unwrap(), second)
+        });
+        let _ = std::fs::remove_file(&beat);
+        (r, a.map(|()| x), b.map(|()| y))
+    });
+    for (r, a, b) in out {
+        assert_eq!(a.unwrap(), [2.0; 4], "rank {r}: the first call");
+        assert_eq!(b.unwrap(), [20.0; 4], "rank {r}: the second call");
+    }
+}
+
+/// A call waiting for its turn behind one stuck in its enqueue fails at
+/// its timeout naming that call, and the group is then done: the stuck
+/// call is refused when its enqueue ends, and later calls say why at once.
+/// A call dropped while it waits ends the group the same way, saying it
+/// was cancelled. (World 1: the rules, without peers.)
+#[test]
+fn a_call_behind_a_stuck_enqueue_names_it_and_a_dropped_one_ends_the_group() {
+    let fresh = |name: &str| {
+        let rank = SimWorld::new(SimConfig::new(1)).unwrap().ranks().remove(0);
+        let opts = EmulatedCommOptions {
+            stall_enqueue_at: Some((0, Duration::from_millis(600))),
+            ..Default::default()
+        };
+        let dev = EmulatedDevice::new(EmulatedOptions::default());
+        let comm = EmulatedComm::new(Arc::new(rank), dev, opts).unwrap();
+        let beat = watch_calls(&comm, name);
+        (comm, beat)
+    };
+    let short = CallOptions::default().with_timeout(Duration::from_millis(100));
+    let (sum, (mut x, mut y)) = (ReduceOp::Sum, ([1f32; 4], [2f32; 4]));
+
+    let (comm, beat) = fresh("stuck");
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| block_on(comm.broadcast(BufferMut::from(&mut x[..]), &short)));
+        until_made(&beat, 0);
+        let second = block_on(comm.all_reduce(BufferMut::from(&mut y[..]), sum, &short));
+        (first.join().unwrap(), second)
+    });
+    let e = second.unwrap_err().to_string();
+    assert!(e.contains("broadcast call (seq 0)"), "{e}");
+    let e = first.unwrap_err().to_string();
+    assert!(e.contains("broadcast call (seq 0)"), "the stuck call: {e}");
+    let later = block_on(comm.barrier(&short)).unwrap_err().to_string();
+    assert!(later.contains("broadcast call (seq 0)"), "{later}");
+    drop(comm);
+    let _ = std::fs::remove_file(&beat);
+
+    let (comm, beat) = fresh("dropped");
+    let first = std::thread::scope(|s| {
+        let first = s.spawn(|| block_on(comm.broadcast(BufferMut::from(&mut x[..]), &short)));
+        until_made(&beat, 0);
+        let mut waiting = Box::pin(comm.all_reduce(BufferMut::from(&mut y[..]), sum, &short));
+        // Polled once (it waits for its turn), then dropped.
+        let waker = std::task::Waker::noop();
+        let polled = waiting
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(waker));
+        assert!(
+            polled.is_pending(),
+            "a call behind a stuck enqueue was not made to wait"
+        );
+        drop(waiting);
+        first.join().unwrap()
+    });
+    let e = first.unwrap_err().to_string();
+    assert!(
+        e.contains("cancelled"),
+        "the stuck call, after the drop: {e}"
+    );
+    let later = block_on(comm.barrier(&short)).unwrap_err().to_string();
+    assert!(later.contains("cancelled"), "{later}");
+    drop(comm);
+    let _ = std::fs::remove_file(&beat);
+}

@@ -12,6 +12,13 @@
 //! 3. hands the call to this rank's communication thread, in issue order,
 //!    and returns at once.
 //!
+//! A call on host buffers is enqueued when it is made too (its input copied
+//! then, as NCCL stages it), and its work waits for the answer: works may be
+//! awaited in any order, and one dropped unpolled runs to its end. A call
+//! made while one made just before it (on another thread) is still being
+//! enqueued waits for its turn when polled, as on NCCL; dropped while it
+//! waits, it is cancelled: its group fails and its peers are told.
+//!
 //! The communication thread plays the GPU: it waits for the event, sleeps
 //! a seeded random delay, runs the collective through the wrapped host
 //! backend (a [`crate::SimRank`], usually) on a snapshot of device memory,
@@ -85,6 +92,11 @@ pub struct EmulatedCommOptions {
     /// whose part of the call waits on this rank, are told over the
     /// fingerprint check's side channel, as on NCCL.
     pub fail_enqueue_at: Option<u64>,
+    /// Fault injection: the enqueue of this rank's call with this sequence
+    /// number (on its group) takes this long, on the caller's thread, as an
+    /// NCCL enqueue polling `ncclInProgress` does. A call made meanwhile on
+    /// another thread waits for its turn, as on NCCL.
+    pub stall_enqueue_at: Option<(u64, Duration)>,
 }
 
 impl Default for EmulatedCommOptions {
@@ -96,6 +108,7 @@ impl Default for EmulatedCommOptions {
             skip_output_wait: false,
             silent_loss: false,
             fail_enqueue_at: None,
+            stall_enqueue_at: None,
         }
     }
 }
@@ -156,6 +169,7 @@ fn communicator(
         device: device.clone(),
         checker: OnceLock::new(),
         beat: OnceLock::new(),
+        turn: tokio::sync::Notify::new(),
     });
     let s = shared.clone();
     let watchdog = std::thread::Builder::new()
@@ -284,46 +298,89 @@ impl EmulatedComm {
         })
     }
 
-    /// Enqueues one call, now (so its place in the order is fixed when it
-    /// is made). Device calls are then done, as far as the host is
-    /// concerned; host calls return the answer to wait for and where it
-    /// goes.
-    fn launch<'a>(
-        &self,
+    /// Makes one call and enqueues it, now (so its place on the stream is
+    /// fixed when it is made, and its work may be awaited in any order), or,
+    /// when a call made just before it on another thread is still being
+    /// enqueued, once that one is: NCCL's turns. Device calls are then
+    /// done, as far as the host is concerned; host calls are answered when
+    /// they are.
+    fn call<'a>(
+        &'a self,
         kind: Kind,
         fp: Fingerprint,
         opts: &CallOptions,
         input: Option<Buffer<'a>>,
         output: Option<BufferMut<'a>>,
+    ) -> Result<Work<'a>> {
+        let args = self.args(input, output)?;
+        // The arguments are sound: the call takes its place now.
+        let made = self.make(fp)?;
+        let pending = Unlaunched {
+            shared: &self.shared,
+            id: made.id,
+            live: true,
+        };
+        let o = *opts;
+        if self.shared.lock().core.is_turn(made.id) {
+            let answer = self.launch(made, kind, &o, args);
+            pending.settled();
+            return Ok(match answer? {
+                Some(a) => Work::new(answer_of(a)),
+                None => Work::ready(Ok(())),
+            });
+        }
+        let timeout = o.timeout_or(self.default_timeout());
+        Ok(Work::new(async move {
+            if let Err(e) = self.shared.wait_turn(made.id, timeout).await {
+                pending.settled();
+                return Err(self.shared.failed_before_enqueue(made.id, e));
+            }
+            let answer = self.launch(made, kind, &o, args);
+            pending.settled();
+            match answer? {
+                Some(a) => answer_of(a).await,
+                None => Ok(()),
+            }
+        }))
+    }
+
+    /// Enqueues call `made` (its turn has come): device calls are then
+    /// done, as far as the host is concerned; host calls (and calls with no
+    /// buffer) return the answer to wait for and where it goes.
+    fn launch<'a>(
+        &self,
+        made: consort_comm::ordered::Made,
+        kind: Kind,
+        opts: &CallOptions,
+        args: Args<'a>,
     ) -> Result<Option<Answer<'a>>> {
-        let device_call = matches!(input, Some(Buffer::Device(_)))
-            || matches!(output, Some(BufferMut::Device(_)));
-        let host_call =
-            matches!(input, Some(Buffer::Host(_))) || matches!(output, Some(BufferMut::Host(_)));
         let Args {
             input,
             output,
             host_out,
             streams,
-        } = self.args(input, output)?;
+            device_call,
+        } = args;
         let peer = match kind {
             Kind::Send(p) | Kind::Recv(p) => Some(p),
             _ => None,
         };
-        // The arguments are sound: the call takes its place now.
-        let made = self.make(fp)?;
+        if let Some((seq, d)) = self.opts.stall_enqueue_at
+            && seq == made.fp.seq
+        {
+            std::thread::sleep(d);
+        }
         let gate = self.device.pending_event();
         if let Some(e) = self.injected_failure(&made) {
             return Err(self.launch_failed(gate, made.id, e));
         }
-        let ordered = self.order_streams(&streams, gate, device_call);
-        let after = match ordered {
+        let after = match self.order_streams(&streams, gate, device_call) {
             Ok(a) => a,
             Err(e) => return Err(self.launch_failed(gate, made.id, e)),
         };
         // A host call (or one with no buffer) is answered when it is done,
         // and may be cancelled with a cause until then.
-        let answered = host_call || !device_call;
+        let answered = !device_call;
         let (reply, answer) = channel_if(answered);
         let (cancel, cancelled) = channel_if(answered);
         let slot = Arc::new(Mutex::new(Slot::default()));
@@ -357,6 +414,7 @@ impl EmulatedComm {
             self.shared.finish(w, r);
         }
         self.shared.cv.notify_all();
+        self.shared.turn.notify_waiters();
         Ok(answer.map(|a| (a, host_out, cancel)))
     }
 
@@ -426,22 +484,7 @@ impl EmulatedComm {
     ) -> CommError {
         self.device.complete_event(gate);
         self.device.release_event(gate);
-        let (e, failed, first) = {
-            let mut st = self.shared.lock();
-            let e = st.core.launch_failed(id, e);
-            let first = st.core.poisoned().cloned().unwrap_or_else(|| e.clone());
-            // Every failure aborts, as on NCCL: the calls in flight fail.
-            let failed = st.core.fail_all(e.clone());
-            (e, failed, first)
-        };
-        self.shared.ended();
-        // Peers hear of the group's first cause over the side channel, as
-        // on NCCL.
-        if let Some(c) = self.shared.checker.get() {
-            c.tell(first);
-        }
-        self.shared.abort(failed);
-        e
+        self.shared.failed_before_enqueue(id, e)
     }
 
     /// A call's buffers as the communication thread holds them, with the
@@ -480,6 +523,7 @@ impl EmulatedComm {
             output,
             host_out,
             streams,
+            device_call: device,
         })
     }
 
@@ -513,6 +557,32 @@ struct Args<'a> {
     /// A host call's output slice, where its result goes.
     host_out: Option<HostSliceMut<'a>>,
     streams: Vec<StreamId>,
+    /// A call on device buffers (done, as far as the host is concerned,
+    /// once enqueued).
+    device_call: bool,
+}
+
+/// A call made and not yet enqueued: dropped before it is (while it waits
+/// for its turn), it is cancelled, as on NCCL.
+struct Unlaunched<'a> {
+    shared: &'a Shared,
+    id: consort_comm::engine::CallId,
+    live: bool,
+}
+
+impl Unlaunched<'_> {
+    /// The call was enqueued, or failed: nothing to cancel.
+    fn settled(mut self) {
+        self.live = false;
+    }
+}
+
+impl Drop for Unlaunched<'_> {
+    fn drop(&mut self) {
+        if self.live {
+            self.shared.cancel(self.id);
+        }
+    }
 }
 
 fn reporter(shared: &Arc<Shared>) -> Report {
@@ -551,7 +621,7 @@ type Answer<'a> = (
 /// run to its end on the communication thread, as an enqueued NCCL call
 /// does; a call that fails first (the fingerprint check's verdict, an
 /// abort) cancels it there with that error as the cause.
-async fn answer((answer, host_out, cancel): Answer<'_>) -> Result<()> {
+async fn answer_of((answer, host_out, cancel): Answer<'_>) -> Result<()> {
     let out = answer.await.unwrap_or_else(|_| {
         Err(CommError::Aborted {
             ctx: Default::default(),
@@ -647,11 +717,8 @@ impl Backend for EmulatedComm {
             Op::Send { buf, dst } => (Kind::Send(dst), Some(buf), None),
             Op::Recv { buf, src } => (Kind::Recv(src), None, Some(buf)),
         };
-        match self.launch(kind, fp, &o, input, output) {
-            Ok(Some(a)) => Work::new(answer(a)),
-            Ok(None) => Work::ready(Ok(())),
-            Err(e) => Work::ready(Err(e)),
-        }
+        self.call(kind, fp, &o, input, output)
+            .unwrap_or_else(|e| Work::ready(Err(e)))
     }
 
     async fn new_group(

@@ -7,8 +7,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use std::future::Future;
+
 use consort_comm::{
     CommError, EventId, Fingerprint, Result,
+    engine::CallId,
     ordered::{
         Ordered,
         check::{Checker, LostPeer},
@@ -46,6 +49,9 @@ pub(super) struct Shared {
     pub(super) checker: OnceLock<Checker>,
     /// The launcher's heartbeat, as NCCL keeps it.
     pub(super) beat: OnceLock<Arc<consort_comm::heartbeat::Heartbeat>>,
+    /// Woken when a call leaves the turn order (enqueued, failed, dropped)
+    /// or the group fails.
+    pub(super) turn: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -83,6 +89,80 @@ impl Shared {
             self.finish(w, r);
         }
         self.cv.notify_all();
+        self.turn.notify_waiters();
+    }
+
+    /// Call `id` failed with `e` before it was enqueued, as on NCCL: the
+    /// call fails, its peers are told the group's first cause over the
+    /// side channel (their part waits on this rank), and the communicator
+    /// is aborted (its calls in flight fail). Returns the call's error.
+    pub(super) fn failed_before_enqueue(&self, id: CallId, e: CommError) -> CommError {
+        let (e, failed, first) = {
+            let mut st = self.lock();
+            let (e, first) = st.core.failed_before_enqueue(id, e);
+            let failed = st.core.fail_all(e.clone());
+            (e, failed, first)
+        };
+        self.ended();
+        if let Some(c) = self.checker.get() {
+            c.tell(first);
+        }
+        self.abort(failed);
+        e
+    }
+
+    /// Call `id` was dropped before it was enqueued: cancelled, as on NCCL
+    /// (its group fails, its peers are told, the communicator is aborted)
+    /// when it was still waiting for its turn.
+    pub(super) fn cancel(&self, id: CallId) {
+        let (abort, failed) = {
+            let mut st = self.lock();
+            match st.core.cancel(id) {
+                Some(e) => {
+                    let failed = st.core.fail_all(e.to_aborted());
+                    (Some(e), failed)
+                }
+                None => (None, Vec::new()),
+            }
+        };
+        self.ended();
+        match abort {
+            Some(e) => {
+                if let Some(c) = self.checker.get() {
+                    c.tell(e);
+                }
+                self.abort(failed);
+            }
+            None => self.turn.notify_waiters(),
+        }
+    }
+
+    /// Waits until call `id`'s turn has come (every call made before it
+    /// enqueued, or the group failed), at most `timeout`; the error names
+    /// the call it waited for ([`Ordered::turn_timed_out`]).
+    pub(super) async fn wait_turn(&self, id: CallId, timeout: Duration) -> Result<()> {
+        let deadline = consort_comm::time::deadline(timeout);
+        loop {
+            let notified = self.turn.notified();
+            if self.lock().core.is_turn(id) {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.lock().core.turn_timed_out(id, timeout));
+            }
+            let mut notified = std::pin::pin!(notified);
+            let mut delay = futures_timer::Delay::new(left);
+            std::future::poll_fn(|cx| {
+                let woken = notified.as_mut().poll(cx).is_ready();
+                if woken || std::pin::Pin::new(&mut delay).poll(cx).is_ready() {
+                    std::task::Poll::Ready(())
+                } else {
+                    std::task::Poll::Pending
+                }
+            })
+            .await;
+        }
     }
 
     /// The fingerprint check found a mismatch.
