@@ -455,20 +455,30 @@ fn mismatch_check_reports_mismatch_on_every_rank_naming_both_calls() {
 }
 
 /// `mismatch-check --case cancelled`, which `scripts/gpu-check` runs on
-/// NCCL, here on TCP: rank 0 drops its all_reduce before it runs; its next
-/// call says so, and every peer waiting in that all_reduce fails naming
-/// rank 0's cancelled call instead of waiting out CONSORT_TIMEOUT (60 s
-/// here). (The emulated device enqueues a host call when it is made, and a
-/// call on the stream runs to its end however its work is dropped, as on
-/// NCCL: there is no such call to cancel there.)
+/// NCCL: rank 0 drops its all_reduce before awaiting it.
+/// - TCP runs a call when its work is polled, so rank 0's never runs: its
+///   next call says so, and every peer waiting in that all_reduce fails
+///   naming rank 0's cancelled call instead of waiting out CONSORT_TIMEOUT
+///   (60 s here).
+/// - The emulated device, as NCCL, enqueues every call when it is made:
+///   the dropped call runs to its end, every peer gets the full sum, and
+///   the group goes on.
 #[test]
-fn a_call_cancelled_on_one_rank_is_named_on_every_peer() {
+fn a_call_dropped_on_one_rank_is_named_on_every_peer_or_runs_everywhere() {
     let text = mismatch_check("tcp", &["--case", "cancelled"]);
     assert!(text.contains("CANCELLED rank 0:"), "{text}");
     for r in 1..3 {
         assert!(
             text.contains(&format!("TOLD rank {r} after")),
             "rank {r} did not hear why: {text}"
+        );
+    }
+    let text = mismatch_check("emulated", &["--case", "cancelled"]);
+    assert!(text.contains("RAN rank 0:"), "{text}");
+    for r in 1..3 {
+        assert!(
+            text.contains(&format!("RAN rank {r} after")) && text.contains("sum 3"),
+            "rank {r}: {text}"
         );
     }
 }

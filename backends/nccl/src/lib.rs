@@ -32,6 +32,7 @@ mod cuda;
 pub mod keys;
 pub mod map;
 pub mod probe;
+mod staging;
 pub mod sys;
 mod work;
 

@@ -53,8 +53,8 @@ pub(crate) struct Tracked {
     /// Recorded on the communication stream after the op.
     pub(crate) done: Event,
     pub(crate) waiter: Option<Waiter>,
-    /// A host call's staging generation (see `Track::staged`).
-    pub(crate) staging: Option<u64>,
+    /// A host call's staging memory, held until the work completes.
+    pub(crate) staging: Option<Arc<crate::staging::Held>>,
     /// The rank a send or receive is with.
     pub(crate) peer: Option<usize>,
 }
@@ -65,8 +65,6 @@ pub(crate) struct Track {
     pub(crate) core: Ordered<Tracked>,
     pub(crate) stop: bool,
     pub(crate) free_events: Vec<Event>,
-    /// The newest staging generation whose work has finished.
-    pub(crate) staged: u64,
     /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
     beat: Option<Arc<Heartbeat>>,
     /// Names the rank behind an `ncclRemoteError` (the side channel's).
@@ -79,7 +77,6 @@ impl Track {
             core,
             stop: false,
             free_events: Vec::new(),
-            staged: 0,
             beat,
             lost: LostPeer::default(),
         }
@@ -102,10 +99,10 @@ impl Track {
     /// Hands a finished call's outcome to its waiter and its event back to
     /// the pool (a failed call's event may still be pending: destroyed).
     pub(crate) fn finish(&mut self, w: Tracked, r: Result<(), CommError>) {
-        if let Some(g) = w.staging {
-            self.staged = self.staged.max(g);
-        }
         if r.is_ok() {
+            if let Some(h) = &w.staging {
+                h.completed();
+            }
             self.free_events.push(w.done);
         } else {
             // SAFETY: our event; destroying an unfinished event is allowed.
@@ -182,7 +179,7 @@ impl Shared {
     }
 
     /// Ends call `id`, which failed with `e` before it reached the stream
-    /// (its launch, its turn or its staging buffer): `e` poisons its group
+    /// (its launch, its turn or its staging memory): `e` poisons its group
     /// (unless it already failed), the peers are told the group's first
     /// cause (a mismatch, a lost rank or a peer's own told failure they
     /// know already: [`Checker::tell`] leaves those out), and the
@@ -190,11 +187,10 @@ impl Shared {
     /// Returns the call's error.
     pub(crate) fn failed_before_enqueue(&self, id: CallId, e: CommError) -> CommError {
         let mut t = lock(&self.track);
-        let e = t.core.launch_failed(id, e);
-        let first = t.core.poisoned().cloned();
+        let (e, first) = t.core.failed_before_enqueue(id, e);
         t.ended();
         drop(t);
-        self.tell_peers(first.as_ref().unwrap_or(&e));
+        self.tell_peers(&first);
         self.abort(e.clone());
         e
     }

@@ -34,8 +34,9 @@ pub(crate) enum Helper {
         #[arg(long, default_value = "tcp")]
         backend: String,
         /// mismatch (rank 0 all_reduces one element more), or cancelled
-        /// (rank 0 drops its all_reduce before it runs: every peer must
-        /// hear why).
+        /// (rank 0 drops its all_reduce before awaiting it: on TCP and QUIC
+        /// every peer must hear why; on NCCL and the emulated device the
+        /// call runs to its end everywhere).
         #[arg(long, default_value = "mismatch")]
         case: String,
     },

@@ -1,10 +1,13 @@
-//! Host-buffer calls: staging through one reused pinned host buffer and
-//! one device buffer (grown when a call needs more), and waiting for the
-//! result. Host calls take turns on the staging memory; a call dropped
-//! while its copies still run is waited for before the memory is reused.
+//! Host-buffer calls: staged and enqueued when they are made, as device
+//! calls are, so a rank's calls reach the stream in the order they were
+//! made whatever order their works are polled in (torch's rule: work runs
+//! whether or not anyone waits for it). Each call's staging memory comes
+//! from the communicator's pool ([`crate::staging`]) and is held until its
+//! result has been copied out; a call whose work is dropped runs to its end,
+//! as a device call does.
 
 use std::{
-    ffi::c_void,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -13,55 +16,60 @@ use cudarc::driver::{result as cu, sys as cusys};
 
 use super::{Call, Enqueue, NcclBackend, Unlaunched};
 use crate::{
+    staging::Held,
     sys::result,
-    work::{Track, driver_error, lock},
+    work::{Track, lock},
 };
 
-/// The reused staging memory of host calls.
-#[derive(Default)]
-pub(super) struct Staging {
-    /// Pinned host memory (`cuMemHostAlloc`), as an address.
-    host: usize,
-    /// Device memory, as an address.
-    dev: u64,
-    cap: usize,
-    /// The generation of the last host call that used it.
-    generation: u64,
+/// A host call on the stream: its result to come, and the staging memory
+/// it lands in.
+pub(super) struct Staged {
+    done: tokio::sync::oneshot::Receiver<Result<()>>,
+    held: Arc<Held>,
+    /// Where the output starts in the pinned buffer, and its length.
+    at: usize,
+    len: usize,
+}
+
+impl Staged {
+    /// Waits for the call's work and copies its output into `output`.
+    pub(super) async fn finish(self, output: Option<&mut [u8]>) -> Result<()> {
+        self.done.await.map_err(|_| CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: "the NCCL watchdog stopped before the call finished".into(),
+        })??;
+        if let Some(o) = output {
+            // SAFETY: the work completed (its copy back is done), and the
+            // pair is held: the pinned bytes are the result.
+            let back = unsafe {
+                std::slice::from_raw_parts((self.held.host() as *const u8).add(self.at), self.len)
+            };
+            o.copy_from_slice(back);
+        }
+        Ok(())
+    }
 }
 
 /// How long freeing the staging buffers waits for the stream to drain.
 const STAGING_DRAIN: Duration = Duration::from_secs(10);
 
 impl NcclBackend {
-    /// Frees the staging memory once the communication stream is idle.
+    /// Closes the staging pool once the communication stream is idle.
     pub(super) fn free_staging(&self) {
-        let Ok(mut st) = self.staging.try_lock() else {
-            return;
-        };
-        if st.cap == 0 {
-            return;
-        }
         let _ = self.ctx.bind_to_thread();
         // After shutdown or abort nothing new is enqueued on our stream:
         // once it drains, the last staged copies are done. A stream that
         // does not drain (a kernel NCCL's abort has not ended yet) keeps
         // the buffers: they are leaked, not freed under it.
-        if !self.stream_drains(STAGING_DRAIN) {
+        let drained = self.staging.is_empty() || self.stream_drains(STAGING_DRAIN);
+        let left = self.staging.close(drained);
+        if left > 0 {
             tracing::warn!(
                 rank = self.rank,
                 "the NCCL stream did not drain within {STAGING_DRAIN:?} after the communicator \
-                 ended; its staging buffers ({} bytes) are left allocated",
-                st.cap
+                 ended; its staging buffers ({left} bytes) are left allocated"
             );
-            *st = Staging::default();
-            return;
         }
-        // SAFETY: allocated by `grow`, freed once (cap is reset).
-        unsafe {
-            let _ = cu::free_host(st.host as *mut c_void);
-            let _ = cu::free_sync(st.dev);
-        }
-        *st = Staging::default();
     }
 
     /// Whether the communication stream's work finishes within `limit`
@@ -94,43 +102,44 @@ impl NcclBackend {
         drained
     }
 
-    pub(super) async fn host_call(
+    /// Stages a host call and enqueues it, now: its input (and, in place,
+    /// its output) is copied into a pair of staging buffers from the pool,
+    /// and the copies and the op go on the stream in this rank's order. A
+    /// failure before the launch (no staging memory) ends the call as any
+    /// failure before the enqueue does (`pending`).
+    pub(super) fn stage(
         &self,
         pending: Unlaunched<'_>,
         call: Call,
         input: Option<&[u8]>,
-        mut output: Option<(&mut [u8], bool)>,
+        output: Option<(&[u8], bool)>,
         enqueue: Enqueue<'_>,
-    ) -> Result<()> {
+    ) -> Result<Staged> {
         let in_len = input.map_or(0, <[u8]>::len);
-        let out_len = output.as_ref().map_or(0, |(o, _)| o.len());
-        let mut st = self.staging.lock().await;
-        let ready = match self.wait_staging(st.generation, call.timeout).await {
-            Ok(()) => self.grow(&mut st, in_len + out_len),
-            Err(e) => Err(e),
+        let out_len = output.map_or(0, |(o, _)| o.len());
+        let held = match self.staging.take(in_len + out_len, call.made.ctx) {
+            Ok(h) => Arc::new(h),
+            Err(e) => return Err(pending.failed(e)),
         };
-        if let Err(e) = ready {
-            return Err(pending.failed(e));
-        }
-        let host = st.host;
-        // SAFETY: the pinned buffer holds `cap >= in_len + out_len` bytes and
-        // no device copy uses it (the previous host call's work finished).
-        let pinned = unsafe { std::slice::from_raw_parts_mut(host as *mut u8, st.cap) };
+        let (host, dev) = (held.host(), held.dev());
+        // SAFETY: the pinned buffer holds `cap >= in_len + out_len` bytes,
+        // and nothing else uses it: the pool hands a pair out only once the
+        // last call on it completed and its holders let go, or it is new.
+        let pinned = unsafe { std::slice::from_raw_parts_mut(host as *mut u8, held.cap()) };
         if let Some(i) = input {
             pinned[..in_len].copy_from_slice(i);
         }
-        if let Some((o, true)) = &output {
+        if let Some((o, true)) = output {
             pinned[in_len..in_len + out_len].copy_from_slice(o);
         }
-        // Counted only once launched: a launch that fails leaves no work
-        // carrying this generation, and the next call must not wait for it.
-        let (generation, dev) = (st.generation + 1, st.dev);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (ci, co) = (dev, dev + in_len as u64);
         let staged: Enqueue<'_> = Box::new(move |on, _, _| {
             let s = on.stream as cusys::CUstream;
-            // SAFETY: `pinned` and `dev` hold `in_len + out_len` bytes; the
-            // copies and the op are ordered on the communication stream.
+            // SAFETY: the pair holds `in_len + out_len` bytes each and is
+            // held until the work has completed (or, failed, until the
+            // stream drained); the copies and the op are ordered on the
+            // communication stream.
             unsafe {
                 let host = host as *mut u8;
                 let both = std::slice::from_raw_parts(host, in_len + out_len);
@@ -149,30 +158,15 @@ impl NcclBackend {
                 r
             }
         });
-        let launched = self.launch(call, &[], (ci, co), Some((generation, tx)), staged);
+        let launched = self.launch(call, &[], (ci, co), Some((held.clone(), tx)), staged);
         pending.settled();
         launched?;
-        st.generation = generation;
-        rx.await.map_err(|_| CommError::Aborted {
-            ctx: ErrorContext::default(),
-            cause: "the NCCL watchdog stopped before the call finished".into(),
-        })??;
-        if let Some((o, _)) = output.as_mut() {
-            // SAFETY: the work finished: the pinned bytes are the result.
-            let back =
-                unsafe { std::slice::from_raw_parts((host as *const u8).add(in_len), out_len) };
-            o.copy_from_slice(back);
-        }
-        Ok(())
-    }
-
-    /// Waits until the host call of generation `generation` has finished on the
-    /// device (it may have been dropped while its copies still ran).
-    async fn wait_staging(&self, generation: u64, timeout: Duration) -> Result<()> {
-        self.wait_for(timeout, |t| {
-            (t.staged >= generation || t.core.poisoned().is_some()).then_some(Ok(()))
+        Ok(Staged {
+            done: rx,
+            held,
+            at: in_len,
+            len: out_len,
         })
-        .await
     }
 
     /// Polls the tracked work until `done` answers, or `timeout` passes.
@@ -191,44 +185,5 @@ impl NcclBackend {
             }
             tokio::time::sleep(Duration::from_micros(50)).await;
         }
-    }
-
-    /// Makes the staging buffers hold at least `bytes` (doubling).
-    fn grow(&self, st: &mut Staging, bytes: usize) -> Result<()> {
-        if bytes <= st.cap && st.cap > 0 {
-            return Ok(());
-        }
-        let ctx = ErrorContext {
-            rank: Some(self.rank),
-            ..Default::default()
-        };
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_error(ctx, "context binding", e))?;
-        let cap = bytes.max(st.cap * 2).max(4096);
-        // SAFETY: the old buffers are idle (wait_staging); freed once.
-        unsafe {
-            if st.cap > 0 {
-                let _ = cu::free_host(st.host as *mut c_void);
-                let _ = cu::free_sync(st.dev);
-                *st = Staging {
-                    generation: st.generation,
-                    ..Staging::default()
-                };
-            }
-            let host = cu::malloc_host(cap, 0)
-                .map_err(|e| driver_error(ctx, "pinned staging allocation", e))?;
-            let dev = match cu::malloc_sync(cap) {
-                Ok(d) => d,
-                Err(e) => {
-                    let _ = cu::free_host(host);
-                    return Err(driver_error(ctx, "device staging allocation", e));
-                }
-            };
-            st.host = host as usize;
-            st.dev = dev;
-            st.cap = cap;
-        }
-        Ok(())
     }
 }

@@ -10,14 +10,12 @@
 //! later (an asynchronous NCCL error, a deadline) is sticky: the next call
 //! and [`Backend::synchronize`] report it.
 //!
-//! A call on host buffers takes its place in this rank's order when it is
-//! made, then stages and enqueues when its work is polled and its turn has
-//! come, and completes with the work. It stages through one pinned host
-//! buffer and one device buffer that are reused (grown when a call needs
-//! more), not allocated per call. Host calls take turns on them in the
-//! order they were made ([`crate::turns`]): one made later waits until the
-//! ones before it have run, so poll host calls together (`join!`) or in
-//! the order made.
+//! A call on host buffers is staged and enqueued when it is made too: its
+//! input is copied into pinned staging memory from a pool
+//! ([`crate::staging`]), the copies and the op go on the stream, and its
+//! work waits for the result and copies it out. So works may be awaited in
+//! any order, as on every backend, and a work dropped unpolled runs to its
+//! end ([`host`]).
 //!
 //! Subgroups are communicators of their own ([`group`]).
 
@@ -46,7 +44,6 @@ mod life;
 mod ops;
 mod turn;
 
-use host::Staging;
 use launch::{On, RedOp};
 use life::init_comm;
 use turn::Unlaunched;
@@ -110,7 +107,8 @@ pub struct NcclBackend {
     stream: Arc<CudaStream>,
     shared: Arc<Shared>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
-    staging: tokio::sync::Mutex<Staging>,
+    /// The staging memory of host calls.
+    staging: Arc<crate::staging::Pool>,
     /// Made by `new_group`: dropping it is how a subgroup ends.
     subgroup: bool,
     /// The job's store, where the survivors of a failed communicator meet
@@ -277,11 +275,11 @@ impl NcclBackend {
             rank,
             world,
             device,
-            ctx,
             stream,
             shared,
             watchdog: Mutex::new(Some(watchdog)),
-            staging: tokio::sync::Mutex::new(Staging::default()),
+            staging: crate::staging::Pool::new(ctx.clone()),
+            ctx,
             subgroup: false,
             store: std::sync::OnceLock::new(),
             closed: AtomicBool::new(false),
@@ -369,7 +367,7 @@ impl NcclBackend {
         call: Call,
         streams: &[u64],
         io: (u64, u64),
-        host: Option<(u64, Waiter)>,
+        host: Option<(Arc<crate::staging::Held>, Waiter)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
         let sh = &self.shared;
@@ -565,25 +563,37 @@ impl NcclBackend {
                 pending.settled();
                 r
             }),
-            Args::Host { input, output } => {
-                consort_comm::Work::new(self.host_in_turn(pending, call, input, output, enqueue))
-            }
+            Args::Host { input, output } => self.host_work(pending, call, input, output, enqueue),
         }
     }
 
-    /// A host call once its turn has come.
-    async fn host_in_turn(
-        &self,
-        pending: Unlaunched<'_>,
+    /// A host call's work: staged and enqueued now when its turn has come
+    /// (it has, unless another thread is making a call on this
+    /// communicator at the same moment), else once it has; the work waits
+    /// for the result and copies it out.
+    fn host_work<'a>(
+        &'a self,
+        pending: Unlaunched<'a>,
         call: Call,
-        input: Option<&[u8]>,
-        output: Option<(&mut [u8], bool)>,
-        enqueue: Enqueue<'_>,
-    ) -> Result<()> {
-        if let Err(e) = self.wait_turn(call).await {
-            return Err(pending.failed(e));
+        input: Option<&'a [u8]>,
+        output: Option<(&'a mut [u8], bool)>,
+        enqueue: Enqueue<'a>,
+    ) -> consort_comm::Work<'a> {
+        if lock(&self.shared.track).core.is_turn(call.made.id) {
+            let view = output.as_ref().map(|(o, copy)| (&o[..], *copy));
+            return match self.stage(pending, call, input, view, enqueue) {
+                Ok(staged) => consort_comm::Work::new(staged.finish(output.map(|(o, _)| o))),
+                Err(e) => consort_comm::Work::ready(Err(e)),
+            };
         }
-        self.host_call(pending, call, input, output, enqueue).await
+        consort_comm::Work::new(async move {
+            if let Err(e) = self.wait_turn(call).await {
+                return Err(pending.failed(e));
+            }
+            let view = output.as_ref().map(|(o, copy)| (&o[..], *copy));
+            let staged = self.stage(pending, call, input, view, enqueue)?;
+            staged.finish(output.map(|(o, _)| o)).await
+        })
     }
 
     /// Classifies the buffers of one call.

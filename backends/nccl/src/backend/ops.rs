@@ -34,9 +34,9 @@ impl Backend for NcclBackend {
         self.opts.timeout
     }
 
-    /// Device calls are enqueued here, so their place on the stream is
-    /// fixed when they are made; host calls stage and enqueue when first
-    /// polled (see the module docs of `backend`).
+    /// Every call is enqueued here (a host call staged first), so its place
+    /// on the stream is fixed when it is made, and its work may be awaited
+    /// in any order (see the module docs of `backend`).
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let o = *opts;
         // Every argument check, once, before the call takes its place.
@@ -243,24 +243,20 @@ impl NcclBackend {
 
     fn run_barrier(&self, fp: Fingerprint, opts: CallOptions) -> Work<'_> {
         // A one-byte all-reduce through the host path: the host returns only
-        // once every rank has entered it, as torch's barrier does. Its place
-        // in this rank's order is fixed now; its byte lives in the work.
+        // once every rank has entered it, as torch's barrier does. It is
+        // staged and enqueued now, as every host call is.
         let call = match self.make(fp, &opts) {
             Ok(c) => c,
             Err(e) => return Work::ready(Err(e)),
         };
         let pending = self.unlaunched(call);
-        Work::new(async move {
-            let mut one = [1u8];
-            let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
-            let enqueue: Enqueue<'_> = Box::new(move |on, _, o| {
-                let (nc, c, s) = (on.nccl, on.comm, on.stream);
-                // SAFETY: one byte, in place, on our device (staging).
-                on.settle(unsafe { (nc.all_reduce)(o as *const _, o as *mut _, 1, dt, sum, c, s) })
-            });
-            self.host_in_turn(pending, call, None, Some((&mut one[..], true)), enqueue)
-                .await
-        })
+        let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
+        let enqueue: Enqueue<'_> = Box::new(move |on, i, _| {
+            let (nc, c, s) = (on.nccl, on.comm, on.stream);
+            // SAFETY: one byte, in place, on our device (staging).
+            on.settle(unsafe { (nc.all_reduce)(i as *const _, i as *mut _, 1, dt, sum, c, s) })
+        });
+        self.host_work(pending, call, Some(&[1u8]), None, enqueue)
     }
 
     fn run_send<'a>(

@@ -1,8 +1,11 @@
 //! A call's way to the stream: its turn (every call made before it
-//! enqueued first) and the guard that ends it when it never gets there. A
-//! call dropped, timed out behind an earlier one, or failed before its
-//! enqueue ends with its cause, its communicator is aborted, and its peers
-//! are told ([`consort_comm::ordered::check::Checker::tell`]).
+//! enqueued first) and the guard that ends it when it never gets there.
+//! Calls are enqueued when they are made, so a call waits for its turn only
+//! while one made just before it, on another thread, is still being
+//! enqueued. A call dropped while it waits, timed out behind an earlier
+//! one, or failed before its enqueue ends with its cause, its communicator
+//! is aborted, and its peers are told
+//! ([`consort_comm::ordered::check::Checker::tell`]).
 
 use std::time::Instant;
 
@@ -25,8 +28,8 @@ impl Unlaunched<'_> {
         self.live = false;
     }
 
-    /// The call failed with `e` before its enqueue (its turn or its staging
-    /// buffer did not come in time): it ends with `e`, which poisons its
+    /// The call failed with `e` before its enqueue (its turn did not come
+    /// in time, or there was no staging memory): it ends with `e`, which poisons its
     /// group, and the communicator is aborted, since peers may have
     /// enqueued their part. Returns the call's error.
     pub(super) fn failed(mut self, e: CommError) -> CommError {

@@ -1,0 +1,246 @@
+//! The staging memory of host-buffer calls: pairs of a pinned host buffer
+//! and a device buffer, pooled and reused.
+//!
+//! A host call takes a pair when it is made ([`Pool::take`]) and holds it
+//! ([`Held`]) for as long as anyone may touch it: its tracked work until
+//! the call's copies on the stream are done, its caller's work until the
+//! result is copied out. A pair goes back to the pool only once the call
+//! completed ([`Held::completed`]); a pair whose call failed may still be
+//! read or written by the stream (a kernel an abort has not ended yet), so
+//! it is kept aside and freed only once the stream has drained
+//! ([`Pool::close`]). This module owns those lifetimes, so that no pinned
+//! byte is reused or freed under a copy still on the stream.
+
+use std::{
+    ffi::c_void,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use consort_comm::{CommError, ErrorContext, Result};
+use cudarc::driver::{CudaContext, result as cu};
+
+use crate::work::{driver_error, lock};
+
+/// The smallest pair allocated (small calls share sizes, and so reuse).
+const MIN_BYTES: usize = 4096;
+
+/// One pair: pinned host memory (`cuMemHostAlloc`) and device memory of
+/// `cap` bytes each, as addresses.
+#[derive(Clone, Copy, Debug)]
+struct Pair {
+    host: usize,
+    dev: u64,
+    cap: usize,
+}
+
+impl Pair {
+    /// Frees both buffers.
+    ///
+    /// # Safety
+    /// Nothing on any stream uses them any more, the context is current,
+    /// and the pair is freed once.
+    unsafe fn free(self) {
+        // SAFETY: per the contract.
+        unsafe {
+            let _ = cu::free_host(self.host as *mut c_void);
+            let _ = cu::free_sync(self.dev);
+        }
+    }
+}
+
+/// The pairs of one communicator.
+#[derive(Debug)]
+struct Pairs {
+    idle: Vec<Pair>,
+    /// Pairs of calls that failed: the stream may still use them.
+    failed: Vec<Pair>,
+    /// Set by [`Pool::close`]: no pair is handed out any more.
+    closed: bool,
+    /// Set by [`Pool::close`] when the stream drained: every pair is idle.
+    drained: bool,
+    /// Pairs allocated and not freed (idle, failed or held).
+    live: usize,
+}
+
+/// The staging pool of one communicator (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Pool {
+    ctx: Arc<CudaContext>,
+    pairs: Mutex<Pairs>,
+}
+
+/// One host call's pair, shared by its tracked work and its caller's work
+/// (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Held {
+    pool: Arc<Pool>,
+    pair: Pair,
+    completed: AtomicBool,
+}
+
+impl Pool {
+    /// An empty pool for buffers of the device of `ctx`.
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(Pool {
+            ctx,
+            pairs: Mutex::new(Pairs {
+                idle: Vec::new(),
+                failed: Vec::new(),
+                closed: false,
+                drained: false,
+                live: 0,
+            }),
+        })
+    }
+
+    /// A pair of at least `bytes` bytes each: the smallest idle one that
+    /// is large enough, or a new one.
+    pub(crate) fn take(self: &Arc<Self>, bytes: usize, ctx: ErrorContext) -> Result<Held> {
+        let reused = {
+            let mut p = lock(&self.pairs);
+            if p.closed {
+                return Err(CommError::Aborted {
+                    ctx,
+                    cause: "the NCCL communicator was shut down or aborted".into(),
+                });
+            }
+            let best = (p.idle.iter().enumerate())
+                .filter(|(_, q)| q.cap >= bytes)
+                .min_by_key(|(_, q)| q.cap)
+                .map(|(i, _)| i);
+            best.map(|i| p.idle.swap_remove(i))
+        };
+        let pair = match reused {
+            Some(q) => q,
+            None => self.allocate(bytes, ctx)?,
+        };
+        Ok(Held {
+            pool: self.clone(),
+            pair,
+            completed: AtomicBool::new(false),
+        })
+    }
+
+    /// A new pair (the pool's lock is not held: allocating pinned memory
+    /// takes milliseconds).
+    fn allocate(&self, bytes: usize, ctx: ErrorContext) -> Result<Pair> {
+        let cap = bytes
+            .max(MIN_BYTES)
+            .checked_next_power_of_two()
+            .unwrap_or(bytes);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error(ctx, "context binding", e))?;
+        // SAFETY: fresh allocations, owned by the pair from here on.
+        unsafe {
+            let host = cu::malloc_host(cap, 0)
+                .map_err(|e| driver_error(ctx, "pinned staging allocation", e))?;
+            match cu::malloc_sync(cap) {
+                Ok(dev) => {
+                    lock(&self.pairs).live += 1;
+                    Ok(Pair {
+                        host: host as usize,
+                        dev,
+                        cap,
+                    })
+                }
+                Err(e) => {
+                    let _ = cu::free_host(host);
+                    Err(driver_error(ctx, "device staging allocation", e))
+                }
+            }
+        }
+    }
+
+    /// The communicator ended: no pair is handed out any more. `drained`
+    /// says whether the stream has finished all its work; then every pair
+    /// not held is freed now, and each held one when its holders let go.
+    /// Otherwise every pair is left allocated (a kernel the abort has not
+    /// ended may still use the pairs of failed calls, and freeing any
+    /// pinned memory may wait for it). Returns the bytes left allocated so
+    /// (host and device), for the caller's warning.
+    pub(crate) fn close(&self, drained: bool) -> usize {
+        let (idle, failed) = {
+            let mut p = lock(&self.pairs);
+            p.closed = true;
+            p.drained = drained;
+            let (idle, failed) = (std::mem::take(&mut p.idle), std::mem::take(&mut p.failed));
+            if drained {
+                p.live -= idle.len() + failed.len();
+            }
+            (idle, failed)
+        };
+        if !drained {
+            return idle.iter().chain(&failed).map(|q| q.cap * 2).sum();
+        }
+        let _ = self.ctx.bind_to_thread();
+        for q in idle.into_iter().chain(failed) {
+            // SAFETY: the stream drained after the communicator ended, and
+            // each pair was taken out of the pool once.
+            unsafe { q.free() };
+        }
+        0
+    }
+
+    /// Whether no pair is allocated (nothing to wait for before closing).
+    pub(crate) fn is_empty(&self) -> bool {
+        lock(&self.pairs).live == 0
+    }
+
+    /// A pair whose holders have all let go. While the communicator lives
+    /// nothing is freed here: freeing pinned memory may wait for the device,
+    /// and this runs on the watchdog's thread too, which must never wait
+    /// on a kernel. The pool keeps as many pairs as were ever in use at
+    /// once (as torch's caching allocator keeps its blocks), until
+    /// [`Pool::close`].
+    fn give_back(&self, pair: Pair, completed: bool) {
+        let mut p = lock(&self.pairs);
+        match (p.closed, completed, p.drained) {
+            (false, true, _) => p.idle.push(pair),
+            (false, false, _) => p.failed.push(pair),
+            (true, _, true) => {
+                p.live -= 1;
+                drop(p);
+                let _ = self.ctx.bind_to_thread();
+                // SAFETY: the stream drained after the communicator ended,
+                // and the pair left the pool here, once.
+                unsafe { pair.free() };
+            }
+            // The stream did not drain: leave it allocated (see `close`).
+            (true, _, false) => {}
+        }
+    }
+}
+
+impl Held {
+    /// The pinned host buffer's address.
+    pub(crate) fn host(&self) -> usize {
+        self.pair.host
+    }
+
+    /// The device buffer's address.
+    pub(crate) fn dev(&self) -> u64 {
+        self.pair.dev
+    }
+
+    /// The bytes each buffer holds.
+    pub(crate) fn cap(&self) -> usize {
+        self.pair.cap
+    }
+
+    /// The call's work completed: its copies are done, and the pair may be
+    /// reused once its holders let go.
+    pub(crate) fn completed(&self) {
+        self.completed.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let completed = self.completed.load(Ordering::Acquire);
+        self.pool.give_back(self.pair, completed);
+    }
+}
