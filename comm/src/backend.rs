@@ -180,8 +180,11 @@ impl Op<'_> {
 /// The call's place in its group's sequence was fixed when it was made, so
 /// works may be awaited in any order, or together (`join!`). Dropping one
 /// before it finishes cancels its call and aborts the group: peers may be
-/// part-way through the call, so the group cannot go on.
-#[must_use = "a call runs only while its Work is awaited, and dropping the Work aborts the group"]
+/// part-way through the call, so the group cannot go on. (A stream-ordered
+/// backend, NCCL or the emulated device, has put the call on its stream
+/// when it was made: a dropped work's call runs to its end there.)
+#[must_use = "a call may run only while its Work is awaited (CPU backends), and dropping the Work \
+              aborts the group"]
 pub struct Work<'a>(Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>);
 
 impl<'a> Work<'a> {

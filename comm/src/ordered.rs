@@ -34,9 +34,10 @@
 //! 2. When its turn has come ([`Ordered::is_turn`]), under the launch lock:
 //!    [`Ordered::launchable`], then the enqueue, then
 //!    [`Ordered::enqueued`] with the driver's handle on the work (its
-//!    completion event), or [`Ordered::launch_failed`] (also for a call
-//!    whose turn never came: [`Ordered::turn_timed_out`]).
-//! 3. A call dropped before it was enqueued: [`Ordered::cancel`].
+//!    completion event), or [`Ordered::failed_before_enqueue`] (also for
+//!    a call whose turn never came: [`Ordered::turn_timed_out`]).
+//! 3. A call dropped before it was enqueued (a panic between the two):
+//!    [`Ordered::cancel`].
 //!    Whatever fails a call before its enqueue, the driver aborts the
 //!    communicator and tells the peers the group's first cause
 //!    ([`check::Checker::tell`]): their part waits on this rank.
@@ -414,8 +415,9 @@ impl<W> Ordered<W> {
 
     /// What `synchronize` returns now: `Some(Err)` with the sticky failure,
     /// `Some(Ok)` when every call enqueued has completed, `None` while work
-    /// is in flight. (A host call still waiting for its turn is not on the
-    /// stream yet; its own future waits for it.)
+    /// is in flight. (A call still waiting for its turn, in another
+    /// thread's `submit`, is not on the stream yet; that thread waits for
+    /// it.)
     pub fn synchronized(&self) -> Option<Result<()>> {
         if let Some(e) = self.poisoned() {
             return Some(Err(e.to_aborted()));

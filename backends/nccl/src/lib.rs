@@ -14,8 +14,8 @@
 //! - [`map`]: dtypes, reduce ops and NCCL result codes in each other's terms;
 //! - [`NcclBackend`]: `Backend` on NCCL: calls on device buffers are
 //!   enqueued and return, a watchdog thread per communicator tracks them
-//!   (the private `work` module), and calls on host buffers stage
-//!   through reused pinned memory. NCCL runs its own algorithms, so this is
+//!   (the private `work` module), and calls on host buffers are staged
+//!   (pinned memory from a pool) and enqueued when they are made too. NCCL runs its own algorithms, so this is
 //!   the one backend that does not drive `consort_comm`'s schedules;
 //! - [`CudaDevice`]: `consort_comm::Device` on a CUDA context, for DDP's
 //!   device buckets.

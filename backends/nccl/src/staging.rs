@@ -36,17 +36,52 @@ struct Pair {
     cap: usize,
 }
 
-impl Pair {
-    /// Frees both buffers.
+/// Where pairs come from: CUDA ([`Cuda`]), or a test's stand-in.
+trait Memory: std::fmt::Debug + Send + Sync {
+    /// A new pair of `cap` bytes each.
+    fn alloc(&self, cap: usize, ctx: ErrorContext) -> Result<Pair>;
+
+    /// Frees both buffers of `pair`.
     ///
     /// # Safety
-    /// Nothing on any stream uses them any more, the context is current,
-    /// and the pair is freed once.
-    unsafe fn free(self) {
+    /// Nothing on any stream uses them any more, and the pair is freed
+    /// once.
+    unsafe fn free(&self, pair: Pair);
+}
+
+/// Pinned host memory and device memory of one CUDA context.
+#[derive(Debug)]
+struct Cuda(Arc<CudaContext>);
+
+impl Memory for Cuda {
+    fn alloc(&self, cap: usize, ctx: ErrorContext) -> Result<Pair> {
+        self.0
+            .bind_to_thread()
+            .map_err(|e| driver_error(ctx, "context binding", e))?;
+        // SAFETY: fresh allocations, owned by the pair from here on.
+        unsafe {
+            let host = cu::malloc_host(cap, 0)
+                .map_err(|e| driver_error(ctx, "pinned staging allocation", e))?;
+            match cu::malloc_sync(cap) {
+                Ok(dev) => Ok(Pair {
+                    host: host as usize,
+                    dev,
+                    cap,
+                }),
+                Err(e) => {
+                    let _ = cu::free_host(host);
+                    Err(driver_error(ctx, "device staging allocation", e))
+                }
+            }
+        }
+    }
+
+    unsafe fn free(&self, pair: Pair) {
+        let _ = self.0.bind_to_thread();
         // SAFETY: per the contract.
         unsafe {
-            let _ = cu::free_host(self.host as *mut c_void);
-            let _ = cu::free_sync(self.dev);
+            let _ = cu::free_host(pair.host as *mut c_void);
+            let _ = cu::free_sync(pair.dev);
         }
     }
 }
@@ -68,7 +103,7 @@ struct Pairs {
 /// The staging pool of one communicator (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Pool {
-    ctx: Arc<CudaContext>,
+    memory: Box<dyn Memory>,
     pairs: Mutex<Pairs>,
 }
 
@@ -84,8 +119,12 @@ pub(crate) struct Held {
 impl Pool {
     /// An empty pool for buffers of the device of `ctx`.
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+        Self::on(Box::new(Cuda(ctx)))
+    }
+
+    fn on(memory: Box<dyn Memory>) -> Arc<Self> {
         Arc::new(Pool {
-            ctx,
+            memory,
             pairs: Mutex::new(Pairs {
                 idle: Vec::new(),
                 failed: Vec::new(),
@@ -107,8 +146,11 @@ impl Pool {
                     cause: "the NCCL communicator was shut down or aborted".into(),
                 });
             }
+            // Not a pair far larger than the call needs: a small call
+            // (a barrier) would keep it from the next large one.
+            let fits = |q: &Pair| q.cap >= bytes && q.cap <= bytes.saturating_mul(4).max(MIN_BYTES);
             let best = (p.idle.iter().enumerate())
-                .filter(|(_, q)| q.cap >= bytes)
+                .filter(|(_, q)| fits(q))
                 .min_by_key(|(_, q)| q.cap)
                 .map(|(i, _)| i);
             best.map(|i| p.idle.swap_remove(i))
@@ -131,28 +173,9 @@ impl Pool {
             .max(MIN_BYTES)
             .checked_next_power_of_two()
             .unwrap_or(bytes);
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_error(ctx, "context binding", e))?;
-        // SAFETY: fresh allocations, owned by the pair from here on.
-        unsafe {
-            let host = cu::malloc_host(cap, 0)
-                .map_err(|e| driver_error(ctx, "pinned staging allocation", e))?;
-            match cu::malloc_sync(cap) {
-                Ok(dev) => {
-                    lock(&self.pairs).live += 1;
-                    Ok(Pair {
-                        host: host as usize,
-                        dev,
-                        cap,
-                    })
-                }
-                Err(e) => {
-                    let _ = cu::free_host(host);
-                    Err(driver_error(ctx, "device staging allocation", e))
-                }
-            }
-        }
+        let pair = self.memory.alloc(cap, ctx)?;
+        lock(&self.pairs).live += 1;
+        Ok(pair)
     }
 
     /// The communicator ended: no pair is handed out any more. `drained`
@@ -176,11 +199,10 @@ impl Pool {
         if !drained {
             return idle.iter().chain(&failed).map(|q| q.cap * 2).sum();
         }
-        let _ = self.ctx.bind_to_thread();
         for q in idle.into_iter().chain(failed) {
             // SAFETY: the stream drained after the communicator ended, and
             // each pair was taken out of the pool once.
-            unsafe { q.free() };
+            unsafe { self.memory.free(q) };
         }
         0
     }
@@ -204,10 +226,9 @@ impl Pool {
             (true, _, true) => {
                 p.live -= 1;
                 drop(p);
-                let _ = self.ctx.bind_to_thread();
                 // SAFETY: the stream drained after the communicator ended,
                 // and the pair left the pool here, once.
-                unsafe { pair.free() };
+                unsafe { self.memory.free(pair) };
             }
             // The stream did not drain: leave it allocated (see `close`).
             (true, _, false) => {}
@@ -242,5 +263,114 @@ impl Drop for Held {
     fn drop(&mut self) {
         let completed = self.completed.load(Ordering::Acquire);
         self.pool.give_back(self.pair, completed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The pool's bookkeeping, on stand-in memory: which pairs are reused,
+    //! kept aside or freed, and when.
+
+    use super::*;
+
+    /// Hands out fresh addresses and records what is freed.
+    #[derive(Debug, Default)]
+    struct Fake {
+        next: Mutex<usize>,
+        freed: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl Memory for Fake {
+        fn alloc(&self, cap: usize, _: ErrorContext) -> Result<Pair> {
+            let mut n = lock(&self.next);
+            *n += 1;
+            Ok(Pair {
+                host: *n,
+                dev: *n as u64,
+                cap,
+            })
+        }
+
+        unsafe fn free(&self, pair: Pair) {
+            lock(&self.freed).push(pair.host);
+        }
+    }
+
+    fn pool() -> (Arc<Pool>, Arc<Mutex<Vec<usize>>>) {
+        let fake = Fake::default();
+        let freed = fake.freed.clone();
+        (Pool::on(Box::new(fake)), freed)
+    }
+
+    fn take(p: &Arc<Pool>, bytes: usize) -> Arc<Held> {
+        Arc::new(p.take(bytes, ErrorContext::default()).unwrap())
+    }
+
+    #[test]
+    fn a_pair_is_reused_only_once_its_call_completed_and_every_holder_let_go() {
+        let (p, freed) = pool();
+        let a = take(&p, 100);
+        assert_eq!(a.cap(), MIN_BYTES);
+        let (host, work) = (a.host(), a.clone());
+        a.completed();
+        drop(a);
+        // The tracked work still holds it.
+        assert_ne!(take(&p, 100).host(), host);
+        drop(work);
+        // Now it is back (the second pair, dropped unfinished, is not).
+        assert_eq!(take(&p, 100).host(), host);
+        assert!(lock(&freed).is_empty());
+    }
+
+    #[test]
+    fn a_failed_calls_pair_is_never_reused_and_is_freed_once_the_stream_drained() {
+        let (p, freed) = pool();
+        let a = take(&p, 10);
+        let host = a.host();
+        drop(a); // never completed: the stream may still use it
+        assert_ne!(take(&p, 10).host(), host);
+        assert_eq!(p.close(true), 0);
+        let freed = lock(&freed).clone();
+        assert!(freed.contains(&host), "{freed:?}");
+        assert!(p.take(10, ErrorContext::default()).is_err());
+    }
+
+    #[test]
+    fn a_stream_that_did_not_drain_keeps_every_pair() {
+        let (p, freed) = pool();
+        let a = take(&p, 10);
+        let b = take(&p, 5000);
+        b.completed();
+        drop(b);
+        let left = p.close(false);
+        // The idle pair's bytes, host and device (a held one is not counted).
+        assert_eq!(left, 2 * 8192);
+        a.completed();
+        drop(a);
+        assert!(lock(&freed).is_empty(), "freed while the stream may run");
+    }
+
+    #[test]
+    fn a_pair_held_past_a_drained_close_is_freed_when_let_go() {
+        let (p, freed) = pool();
+        let a = take(&p, 10);
+        let host = a.host();
+        p.close(true);
+        assert!(lock(&freed).is_empty());
+        drop(a);
+        assert_eq!(*lock(&freed), vec![host]);
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn a_small_call_does_not_take_a_large_idle_pair() {
+        let (p, _) = pool();
+        let big = take(&p, 1 << 20);
+        let big_host = big.host();
+        big.completed();
+        drop(big);
+        let small = take(&p, 1);
+        assert_ne!(small.host(), big_host);
+        assert_eq!(take(&p, 1 << 19).host(), big_host);
     }
 }

@@ -65,6 +65,9 @@ pub(crate) struct Track {
     pub(crate) core: Ordered<Tracked>,
     pub(crate) stop: bool,
     pub(crate) free_events: Vec<Event>,
+    /// Calls waiting for their turn (on [`Shared::turn`]): only then does
+    /// a launch notify, a syscall on every call's host path otherwise.
+    pub(crate) turn_waiters: usize,
     /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
     beat: Option<Arc<Heartbeat>>,
     /// Names the rank behind an `ncclRemoteError` (the side channel's).
@@ -77,6 +80,7 @@ impl Track {
             core,
             stop: false,
             free_events: Vec::new(),
+            turn_waiters: 0,
             beat,
             lost: LostPeer::default(),
         }
@@ -139,8 +143,10 @@ pub(crate) struct Shared {
     pub(crate) aborting: std::sync::atomic::AtomicBool,
     pub(crate) track: Mutex<Track>,
     pub(crate) cv: Condvar,
-    /// Woken when a call leaves the turn order (enqueued, failed, dropped).
-    pub(crate) turn: tokio::sync::Notify,
+    /// Woken (with `track`) when a call leaves the turn order (enqueued,
+    /// failed) or the group fails, while a call waits for its turn
+    /// ([`Track::turn_waiters`]).
+    pub(crate) turn: Condvar,
     pub(crate) poll: Duration,
     /// The fingerprint check over a host side channel, when one was given.
     pub(crate) checker: std::sync::OnceLock<Checker>,
@@ -202,7 +208,15 @@ impl Shared {
         t.finish_all(failed);
         drop(t);
         self.cv.notify_all();
-        self.turn.notify_waiters();
+        self.turn_moved();
+    }
+
+    /// Wakes the calls waiting for their turn, if any: a call left the
+    /// turn order, or the group failed.
+    pub(crate) fn turn_moved(&self) {
+        if lock(&self.track).turn_waiters > 0 {
+            self.turn.notify_all();
+        }
     }
 
     /// The fingerprint check found a mismatch: the calls in flight fail
@@ -348,7 +362,7 @@ impl Shared {
         true
     }
     /// The launch lock, if it comes free within `wait`.
-    fn slot_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
+    pub(crate) fn slot_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
         let deadline = consort_comm::time::deadline(wait);
         loop {
             match self.slot.try_lock() {

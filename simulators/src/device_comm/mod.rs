@@ -16,8 +16,9 @@
 //! then, as NCCL stages it), and its work waits for the answer: works may be
 //! awaited in any order, and one dropped unpolled runs to its end. A call
 //! made while one made just before it (on another thread) is still being
-//! enqueued waits for its turn when polled, as on NCCL; dropped while it
-//! waits, it is cancelled: its group fails and its peers are told.
+//! enqueued waits for its turn in `submit`, as on NCCL, at most its
+//! timeout; one that times out fails naming that call, and its group fails
+//! and its peers are told.
 //!
 //! The communication thread plays the GPU: it waits for the event, sleeps
 //! a seeded random delay, runs the collective through the wrapped host
@@ -164,12 +165,13 @@ fn communicator(
             aborted: false,
             lost: Default::default(),
             stop: false,
+            turn_waiters: 0,
         }),
         cv: Condvar::new(),
         device: device.clone(),
         checker: OnceLock::new(),
         beat: OnceLock::new(),
-        turn: tokio::sync::Notify::new(),
+        turn: Condvar::new(),
     });
     let s = shared.clone();
     let watchdog = std::thread::Builder::new()
@@ -321,27 +323,19 @@ impl EmulatedComm {
             live: true,
         };
         let o = *opts;
-        if self.shared.lock().core.is_turn(made.id) {
-            let answer = self.launch(made, kind, &o, args);
+        if let Err(e) = self
+            .shared
+            .wait_turn(made.id, o.timeout_or(self.default_timeout()))
+        {
             pending.settled();
-            return Ok(match answer? {
-                Some(a) => Work::new(answer_of(a)),
-                None => Work::ready(Ok(())),
-            });
+            return Err(self.shared.failed_before_enqueue(made.id, e));
         }
-        let timeout = o.timeout_or(self.default_timeout());
-        Ok(Work::new(async move {
-            if let Err(e) = self.shared.wait_turn(made.id, timeout).await {
-                pending.settled();
-                return Err(self.shared.failed_before_enqueue(made.id, e));
-            }
-            let answer = self.launch(made, kind, &o, args);
-            pending.settled();
-            match answer? {
-                Some(a) => answer_of(a).await,
-                None => Ok(()),
-            }
-        }))
+        let answer = self.launch(made, kind, &o, args);
+        pending.settled();
+        Ok(match answer? {
+            Some(a) => Work::new(answer_of(a)),
+            None => Work::ready(Ok(())),
+        })
     }
 
     /// Enqueues call `made` (its turn has come): device calls are then
@@ -414,7 +408,7 @@ impl EmulatedComm {
             self.shared.finish(w, r);
         }
         self.shared.cv.notify_all();
-        self.shared.turn.notify_waiters();
+        self.shared.turn_moved();
         Ok(answer.map(|a| (a, host_out, cancel)))
     }
 
@@ -452,7 +446,10 @@ impl EmulatedComm {
     /// must not wait for ever) or the thread has stopped.
     fn send(&self, job: Job, id: consort_comm::engine::CallId) -> Result<()> {
         let gate = job.gate;
-        if let Err(e) = self.shared.lock().core.launchable(id) {
+        let refused = self.shared.lock().core.launchable(id);
+        if let Err(e) = refused {
+            self.shared.ended();
+            self.shared.turn_moved();
             for &ev in &job.after {
                 self.device.release_event(ev);
             }

@@ -7,8 +7,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use std::future::Future;
-
 use consort_comm::{
     CommError, EventId, Fingerprint, Result,
     engine::CallId,
@@ -40,6 +38,8 @@ pub(super) struct State {
     pub(super) stop: bool,
     /// Names the rank behind the data path's remote error.
     pub(super) lost: LostPeer,
+    /// Calls waiting for their turn (on [`Shared::turn`]).
+    pub(super) turn_waiters: usize,
 }
 
 pub(super) struct Shared {
@@ -49,9 +49,9 @@ pub(super) struct Shared {
     pub(super) checker: OnceLock<Checker>,
     /// The launcher's heartbeat, as NCCL keeps it.
     pub(super) beat: OnceLock<Arc<consort_comm::heartbeat::Heartbeat>>,
-    /// Woken when a call leaves the turn order (enqueued, failed, dropped)
-    /// or the group fails.
-    pub(super) turn: tokio::sync::Notify,
+    /// Woken (with `state`) when a call leaves the turn order (enqueued,
+    /// failed) or the group fails, while a call waits for its turn.
+    pub(super) turn: Condvar,
 }
 
 impl Shared {
@@ -89,7 +89,7 @@ impl Shared {
             self.finish(w, r);
         }
         self.cv.notify_all();
-        self.turn.notify_waiters();
+        self.turn_moved();
     }
 
     /// Call `id` failed with `e` before it was enqueued, as on NCCL: the
@@ -111,9 +111,9 @@ impl Shared {
         e
     }
 
-    /// Call `id` was dropped before it was enqueued: cancelled, as on NCCL
-    /// (its group fails, its peers are told, the communicator is aborted)
-    /// when it was still waiting for its turn.
+    /// Call `id` was dropped before it was enqueued (a panic between its
+    /// make and its enqueue): cancelled, as on NCCL (its group fails, its
+    /// peers are told, the communicator is aborted).
     pub(super) fn cancel(&self, id: CallId) {
         let (abort, failed) = {
             let mut st = self.lock();
@@ -125,43 +125,15 @@ impl Shared {
                 None => (None, Vec::new()),
             }
         };
-        self.ended();
         match abort {
             Some(e) => {
+                self.ended();
                 if let Some(c) = self.checker.get() {
                     c.tell(e);
                 }
                 self.abort(failed);
             }
-            None => self.turn.notify_waiters(),
-        }
-    }
-
-    /// Waits until call `id`'s turn has come (every call made before it
-    /// enqueued, or the group failed), at most `timeout`; the error names
-    /// the call it waited for ([`Ordered::turn_timed_out`]).
-    pub(super) async fn wait_turn(&self, id: CallId, timeout: Duration) -> Result<()> {
-        let deadline = consort_comm::time::deadline(timeout);
-        loop {
-            let notified = self.turn.notified();
-            if self.lock().core.is_turn(id) {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(self.lock().core.turn_timed_out(id, timeout));
-            }
-            let mut notified = std::pin::pin!(notified);
-            let mut delay = futures_timer::Delay::new(left);
-            std::future::poll_fn(|cx| {
-                let woken = notified.as_mut().poll(cx).is_ready();
-                if woken || std::pin::Pin::new(&mut delay).poll(cx).is_ready() {
-                    std::task::Poll::Ready(())
-                } else {
-                    std::task::Poll::Pending
-                }
-            })
-            .await;
+            None => self.turn_moved(),
         }
     }
 
@@ -169,6 +141,40 @@ impl Shared {
     pub(super) fn mismatch(&self, e: CommError) {
         let failed = self.lock().core.mismatch(e);
         self.abort(failed);
+    }
+
+    /// Wakes the calls waiting for their turn, if any.
+    pub(super) fn turn_moved(&self) {
+        if self.lock().turn_waiters > 0 {
+            self.turn.notify_all();
+        }
+    }
+
+    /// Blocks until call `id`'s turn has come (every call made before it
+    /// enqueued, or the group failed), at most `timeout`, as on NCCL; the
+    /// error names the call it waited for ([`Ordered::turn_timed_out`]).
+    pub(super) fn wait_turn(&self, id: CallId, timeout: Duration) -> Result<()> {
+        let deadline = consort_comm::time::deadline(timeout);
+        let mut st = self.lock();
+        loop {
+            if st.core.is_turn(id) {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(st.core.turn_timed_out(id, timeout));
+            }
+            // Woken by `turn_moved`; the short bound is a backstop.
+            st.turn_waiters += 1;
+            st = match self
+                .turn
+                .wait_timeout(st, left.min(Duration::from_millis(10)))
+            {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            st.turn_waiters -= 1;
+        }
     }
 }
 

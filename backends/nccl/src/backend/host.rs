@@ -57,12 +57,17 @@ impl NcclBackend {
     /// Closes the staging pool once the communication stream is idle.
     pub(super) fn free_staging(&self) {
         let _ = self.ctx.bind_to_thread();
-        // After shutdown or abort nothing new is enqueued on our stream:
-        // once it drains, the last staged copies are done. A stream that
-        // does not drain (a kernel NCCL's abort has not ended yet) keeps
-        // the buffers: they are leaked, not freed under it.
-        let drained = self.staging.is_empty() || self.stream_drains(STAGING_DRAIN);
+        // After shutdown or abort every launch is refused before it touches
+        // the stream; under the launch lock, none is half done (its copy
+        // back not yet enqueued). Then once the stream drains, the last
+        // staged copies are done. A stream that does not drain (a kernel
+        // NCCL's abort has not ended yet), or a launch that keeps the lock,
+        // keeps the buffers: they are leaked, not freed under it.
+        let slot = self.shared.slot_within(STAGING_DRAIN);
+        let drained =
+            slot.is_some() && (self.staging.is_empty() || self.stream_drains(STAGING_DRAIN));
         let left = self.staging.close(drained);
+        drop(slot);
         if left > 0 {
             tracing::warn!(
                 rank = self.rank,
@@ -115,6 +120,11 @@ impl NcclBackend {
         output: Option<(&[u8], bool)>,
         enqueue: Enqueue<'_>,
     ) -> Result<Staged> {
+        // A call its group already refuses takes no staging memory.
+        if let Err(e) = Self::launchable(&self.shared, call.made.id) {
+            pending.settled();
+            return Err(e);
+        }
         let in_len = input.map_or(0, <[u8]>::len);
         let out_len = output.map_or(0, |(o, _)| o.len());
         let held = match self.staging.take(in_len + out_len, call.made.ctx) {

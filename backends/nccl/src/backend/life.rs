@@ -278,7 +278,7 @@ impl NcclBackend {
             }
             let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
         }
-        self.shared.turn.notify_waiters();
+        self.shared.turn_moved();
         // The peers' comparisons of this rank's last calls need this
         // rank's part of the side channel: leave after them (bounded).
         if let Some(c) = self.shared.checker.get() {

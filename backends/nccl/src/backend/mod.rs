@@ -259,7 +259,7 @@ impl NcclBackend {
                 consort_comm::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),
             )),
             cv: std::sync::Condvar::new(),
-            turn: tokio::sync::Notify::new(),
+            turn: std::sync::Condvar::new(),
             poll: opts.poll_interval,
             checker: std::sync::OnceLock::new(),
             aborter: Mutex::new(None),
@@ -373,7 +373,11 @@ impl NcclBackend {
         let sh = &self.shared;
         let slot = lock(&sh.slot);
         let (id, ctx) = (call.made.id, call.made.ctx);
-        lock(&sh.track).core.launchable(id)?;
+        if let Err(e) = Self::launchable(sh, id) {
+            drop(slot);
+            sh.turn_moved();
+            return Err(e);
+        }
         let fail = |e: CommError| {
             let e = sh.named(e, call.timeout);
             sh.failed_before_enqueue(id, e)
@@ -420,7 +424,7 @@ impl NcclBackend {
         };
         drop(slot);
         if let Some(e) = late {
-            sh.turn.notify_waiters();
+            sh.turn_moved();
             return Err(e);
         }
         // The watchdog polls while calls are in flight and sleeps long only
@@ -429,7 +433,7 @@ impl NcclBackend {
         if was_idle {
             sh.cv.notify_all();
         }
-        sh.turn.notify_waiters();
+        sh.turn_moved();
         Ok(())
     }
 
@@ -513,10 +517,11 @@ impl NcclBackend {
         })
     }
 
-    /// Makes one call: device arguments are enqueued now (or, behind a host
-    /// call made earlier, when their turn comes) and the work is then done
-    /// from the host's side; host arguments are staged, enqueued, waited for
-    /// and copied back by the returned work.
+    /// Makes one call and enqueues it, once its turn has come (at once,
+    /// unless another thread is enqueuing a call made just before it):
+    /// device arguments, and the work is then done from the host's side;
+    /// host arguments are staged first, and the returned work waits for the
+    /// result and copies it back.
     fn call<'a>(
         &'a self,
         fp: Fingerprint,
@@ -541,36 +546,25 @@ impl NcclBackend {
             Err(e) => return consort_comm::Work::ready(Err(e)),
         };
         let pending = self.unlaunched(call);
+        if let Err(e) = self.wait_turn(call) {
+            return consort_comm::Work::ready(Err(pending.failed(e)));
+        }
         match args {
             Args::Device {
                 input,
                 output,
                 streams,
-            } if lock(&self.shared.track).core.is_turn(call.made.id) => {
+            } => {
                 let r = self.launch(call, &streams, (input, output), None, enqueue);
                 pending.settled();
                 consort_comm::Work::ready(r)
             }
-            Args::Device {
-                input,
-                output,
-                streams,
-            } => consort_comm::Work::new(async move {
-                if let Err(e) = self.wait_turn(call).await {
-                    return Err(pending.failed(e));
-                }
-                let r = self.launch(call, &streams, (input, output), None, enqueue);
-                pending.settled();
-                r
-            }),
             Args::Host { input, output } => self.host_work(pending, call, input, output, enqueue),
         }
     }
 
-    /// A host call's work: staged and enqueued now when its turn has come
-    /// (it has, unless another thread is making a call on this
-    /// communicator at the same moment), else once it has; the work waits
-    /// for the result and copies it out.
+    /// A host call's work, its turn come: staged and enqueued now; the work
+    /// waits for the result and copies it out.
     fn host_work<'a>(
         &'a self,
         pending: Unlaunched<'a>,
@@ -579,21 +573,11 @@ impl NcclBackend {
         output: Option<(&'a mut [u8], bool)>,
         enqueue: Enqueue<'a>,
     ) -> consort_comm::Work<'a> {
-        if lock(&self.shared.track).core.is_turn(call.made.id) {
-            let view = output.as_ref().map(|(o, copy)| (&o[..], *copy));
-            return match self.stage(pending, call, input, view, enqueue) {
-                Ok(staged) => consort_comm::Work::new(staged.finish(output.map(|(o, _)| o))),
-                Err(e) => consort_comm::Work::ready(Err(e)),
-            };
+        let view = output.as_ref().map(|(o, copy)| (&o[..], *copy));
+        match self.stage(pending, call, input, view, enqueue) {
+            Ok(staged) => consort_comm::Work::new(staged.finish(output.map(|(o, _)| o))),
+            Err(e) => consort_comm::Work::ready(Err(e)),
         }
-        consort_comm::Work::new(async move {
-            if let Err(e) = self.wait_turn(call).await {
-                return Err(pending.failed(e));
-            }
-            let view = output.as_ref().map(|(o, copy)| (&o[..], *copy));
-            let staged = self.stage(pending, call, input, view, enqueue)?;
-            staged.finish(output.map(|(o, _)| o)).await
-        })
     }
 
     /// Classifies the buffers of one call.

@@ -250,6 +250,9 @@ impl NcclBackend {
             Err(e) => return Work::ready(Err(e)),
         };
         let pending = self.unlaunched(call);
+        if let Err(e) = self.wait_turn(call) {
+            return Work::ready(Err(pending.failed(e)));
+        }
         let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
         let enqueue: Enqueue<'_> = Box::new(move |on, i, _| {
             let (nc, c, s) = (on.nccl, on.comm, on.stream);

@@ -1,21 +1,23 @@
 //! A call's way to the stream: its turn (every call made before it
 //! enqueued first) and the guard that ends it when it never gets there.
-//! Calls are enqueued when they are made, so a call waits for its turn only
-//! while one made just before it, on another thread, is still being
-//! enqueued. A call dropped while it waits, timed out behind an earlier
-//! one, or failed before its enqueue ends with its cause, its communicator
-//! is aborted, and its peers are told
+//! Every call is made and enqueued within `submit`, so a call waits for its
+//! turn (blocking, as a launch waits for the launch lock) only while one
+//! made just before it, on another thread, is still being enqueued; when
+//! `submit` returns, the call is on the stream or has failed. A call timed
+//! out behind an earlier one, or failed before its enqueue, ends with its
+//! cause, its communicator is aborted, and its peers are told
 //! ([`consort_comm::ordered::check::Checker::tell`]).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use consort_comm::{CommError, Result, engine::CallId};
 
 use super::{Call, NcclBackend};
 use crate::work::{Shared, lock};
 
-/// A call made and not yet enqueued: dropped before it is, it is cancelled
-/// (its group is poisoned, since peers may run it), as on every backend.
+/// A call made and not yet enqueued: dropped before it is (a panic), it is
+/// cancelled (its group is poisoned, since peers may run it), as on every
+/// backend.
 pub(super) struct Unlaunched<'a> {
     shared: &'a Shared,
     id: CallId,
@@ -29,9 +31,9 @@ impl Unlaunched<'_> {
     }
 
     /// The call failed with `e` before its enqueue (its turn did not come
-    /// in time, or there was no staging memory): it ends with `e`, which poisons its
-    /// group, and the communicator is aborted, since peers may have
-    /// enqueued their part. Returns the call's error.
+    /// in time, or there was no staging memory): it ends with `e`, which
+    /// poisons its group, and the communicator is aborted, since peers may
+    /// have enqueued their part. Returns the call's error.
     pub(super) fn failed(mut self, e: CommError) -> CommError {
         self.live = false;
         self.shared.failed_before_enqueue(self.id, e)
@@ -41,9 +43,13 @@ impl Unlaunched<'_> {
 impl Drop for Unlaunched<'_> {
     fn drop(&mut self) {
         if self.live {
+            // Only a panic between the call's make and its enqueue gets
+            // here (both happen in `submit`).
             let mut t = lock(&self.shared.track);
             let abort = t.core.cancel(self.id);
-            t.ended();
+            if abort.is_some() {
+                t.ended();
+            }
             drop(t);
             // The group cannot go on: as after any failure, the
             // communicator goes too (its calls in flight fail with the
@@ -54,7 +60,7 @@ impl Drop for Unlaunched<'_> {
                     self.shared.tell_peers(&e);
                     self.shared.abort(e);
                 }
-                None => self.shared.turn.notify_waiters(),
+                None => self.shared.turn_moved(),
             }
         }
     }
@@ -71,27 +77,47 @@ impl NcclBackend {
         }
     }
 
-    /// Waits until every call made before `call` has been enqueued (or has
+    /// Blocks until every call made before `call` has been enqueued (or has
     /// failed), at most its timeout; the error names the call it waited
-    /// for ([`Ordered::turn_timed_out`]).
+    /// for ([`Ordered::turn_timed_out`]). A call made before it is in
+    /// another thread's `submit`, between its make and its enqueue, so
+    /// this waits as long as a launch waits for the launch lock.
     ///
     /// [`Ordered::turn_timed_out`]: consort_comm::ordered::Ordered::turn_timed_out
-    pub(super) async fn wait_turn(&self, call: Call) -> Result<()> {
+    pub(super) fn wait_turn(&self, call: Call) -> Result<()> {
         let deadline = consort_comm::time::deadline(call.timeout);
+        let mut t = lock(&self.shared.track);
         loop {
-            let notified = self.shared.turn.notified();
-            if lock(&self.shared.track).core.is_turn(call.made.id) {
+            if t.core.is_turn(call.made.id) {
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
-                let t = lock(&self.shared.track);
-                // The turn (or the group's failure) may have come just now.
-                if t.core.is_turn(call.made.id) {
-                    return Ok(());
-                }
+            if left.is_zero() {
                 return Err(t.core.turn_timed_out(call.made.id, call.timeout));
             }
+            // Woken by `Shared::turn_moved`; the short bound is a backstop.
+            t.turn_waiters += 1;
+            let wait = left.min(TURN_LOOK);
+            t = match self.shared.turn.wait_timeout(t, wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            t.turn_waiters -= 1;
         }
     }
+
+    /// Whether call `id`, whose turn has come, may go to the stream: `Err`
+    /// (the call has ended with it) when its group failed or the
+    /// communicator was shut down since it was made.
+    pub(super) fn launchable(sh: &Shared, id: CallId) -> Result<()> {
+        let mut t = lock(&sh.track);
+        let r = t.core.launchable(id);
+        if r.is_err() {
+            t.ended();
+        }
+        r
+    }
 }
+
+/// How often a call waiting for its turn looks again, woken or not.
+const TURN_LOOK: Duration = Duration::from_millis(10);
