@@ -429,7 +429,8 @@ fn a_failed_communicators_survivors_make_a_new_one_through_the_store() {
 /// be awaited in any order (here in reverse, sizes that make the staging
 /// pool grow and reuse its buffers), each gets its own result, and a work
 /// dropped unpolled runs to its end, its staging memory kept until then,
-/// while the group goes on.
+/// while the group goes on. Two threads making calls at once each get
+/// their own results.
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
 fn host_calls_awaited_in_any_order_each_get_their_own_result() {
@@ -466,6 +467,25 @@ fn host_calls_awaited_in_any_order_each_get_their_own_result() {
     rt.block_on(b.broadcast(BufferMut::from(&mut y[..]), &opts))
         .expect("the group goes on after a dropped host call");
     rt.block_on(b.barrier(&opts)).unwrap();
+    // Two threads making calls at once: each waits for its turn in submit
+    // (world 1: any interleaving is right).
+    std::thread::scope(|s| {
+        for t in 0..2 {
+            let (b, opts) = (&b, &opts);
+            s.spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                for i in 0..200 {
+                    let v = (t * 1000 + i) as f32;
+                    let mut x = vec![v; 1 + i % 300];
+                    rt.block_on(b.all_reduce(BufferMut::from(&mut x[..]), ReduceOp::Sum, opts))
+                        .expect("a host call made beside another thread's");
+                    assert!(x.iter().all(|&y| y == v), "thread {t}, call {i}");
+                }
+            });
+        }
+    });
     rt.block_on(b.synchronize()).unwrap();
     b.shutdown().expect("shutdown after a dropped host call");
 }
