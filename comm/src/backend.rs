@@ -184,7 +184,7 @@ impl Op<'_> {
 /// backend, NCCL or the emulated device, has put the call on its stream
 /// when it was made: a dropped work's call runs to its end there.)
 #[must_use = "a call may run only while its Work is awaited (CPU backends), and dropping the Work \
-              aborts the group"]
+              then aborts the group"]
 pub struct Work<'a>(Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>);
 
 impl<'a> Work<'a> {
@@ -303,7 +303,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// returns the work to await. Several calls may be in flight on one
     /// group; every rank must make them in the same order. Dropping the work
     /// before it finishes cancels the call and aborts the group with an
-    /// error that says so.
+    /// error that says so, on a backend that runs calls as their works are
+    /// polled (the CPU backends); a stream-ordered one (NCCL, the emulated
+    /// device) has put the call on its stream already, and it runs to its
+    /// end.
     ///
     /// The named methods below (`all_reduce`, `broadcast`, ...) build an
     /// [`Op`] and call this; backends implement only this.

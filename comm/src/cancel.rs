@@ -1,7 +1,9 @@
 //! Why a call is cancelled: a cause that travels with a dropped [`Work`].
 //!
 //! Dropping a call's [`Work`] before it ends cancels the call and aborts
-//! its group; the peers are told "a call was cancelled". When the caller
+//! its group (on backends that run calls as their works are polled; a
+//! stream-ordered one has enqueued the call already, and it runs to its
+//! end); the peers are told "a call was cancelled". When the caller
 //! knows *why* it gave up (a fingerprint check found a mismatch, a side
 //! channel lost a peer), the peers should hear that instead: a cancellation
 //! that reaches a third rank before that rank's own verdict would

@@ -302,7 +302,9 @@ impl<W> Ordered<W> {
         (e, first)
     }
 
-    /// Call `id`'s future was dropped before it was enqueued. Its peers
+    /// Call `id` was dropped before it was enqueued (a panic between its
+    /// make and its enqueue: a driver enqueues every call when it is made,
+    /// and a dropped work's call then runs to its end). Its peers
     /// may run it, so the group cannot go on: it is poisoned with an error
     /// that says so (or with the cause the drop gave:
     /// [`crate::cancel::drop_because`]). Returns that error when the call

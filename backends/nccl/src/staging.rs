@@ -100,6 +100,31 @@ struct Pairs {
     live: usize,
 }
 
+impl Pairs {
+    /// The smallest idle pair of `bytes..=most` bytes, out of the pool.
+    fn pick(&mut self, bytes: usize, most: usize) -> Option<Pair> {
+        let best = (self.idle.iter().enumerate())
+            .filter(|(_, q)| q.cap >= bytes && q.cap <= most)
+            .min_by_key(|(_, q)| q.cap)
+            .map(|(i, _)| i);
+        best.map(|i| self.idle.swap_remove(i))
+    }
+
+    /// The error of a call of `bytes` that found no staging memory (`e`).
+    fn exhausted(&self, bytes: usize, e: &CommError, ctx: ErrorContext) -> CommError {
+        let held = self.live - self.idle.len() - self.failed.len();
+        CommError::Aborted {
+            ctx,
+            cause: format!(
+                "no staging memory for a host call of {bytes} bytes ({e}); {held} staging \
+                 buffers are held by host calls in flight, or whose works were neither awaited \
+                 nor dropped yet. Await (or drop) host calls' works before making many more, or \
+                 pass device buffers"
+            ),
+        }
+    }
+}
+
 /// The staging pool of one communicator (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Pool {
@@ -136,7 +161,9 @@ impl Pool {
     }
 
     /// A pair of at least `bytes` bytes each: the smallest idle one that
-    /// is large enough, or a new one.
+    /// is large enough and not far larger, or a new one; when no memory is
+    /// left for a new one, any idle one large enough. The error says how
+    /// much staging the calls in flight hold.
     pub(crate) fn take(self: &Arc<Self>, bytes: usize, ctx: ErrorContext) -> Result<Held> {
         let reused = {
             let mut p = lock(&self.pairs);
@@ -148,16 +175,20 @@ impl Pool {
             }
             // Not a pair far larger than the call needs: a small call
             // (a barrier) would keep it from the next large one.
-            let fits = |q: &Pair| q.cap >= bytes && q.cap <= bytes.saturating_mul(4).max(MIN_BYTES);
-            let best = (p.idle.iter().enumerate())
-                .filter(|(_, q)| fits(q))
-                .min_by_key(|(_, q)| q.cap)
-                .map(|(i, _)| i);
-            best.map(|i| p.idle.swap_remove(i))
+            p.pick(bytes, bytes.saturating_mul(4).max(MIN_BYTES))
         };
         let pair = match reused {
             Some(q) => q,
-            None => self.allocate(bytes, ctx)?,
+            None => match self.allocate(bytes, ctx) {
+                Ok(q) => q,
+                Err(e) => {
+                    let mut p = lock(&self.pairs);
+                    match p.pick(bytes, usize::MAX) {
+                        Some(q) => q,
+                        None => return Err(p.exhausted(bytes, &e, ctx)),
+                    }
+                }
+            },
         };
         Ok(Held {
             pool: self.clone(),
@@ -273,15 +304,22 @@ mod tests {
 
     use super::*;
 
-    /// Hands out fresh addresses and records what is freed.
+    /// Hands out fresh addresses (until `full`) and records what is freed.
     #[derive(Debug, Default)]
     struct Fake {
         next: Mutex<usize>,
         freed: Arc<Mutex<Vec<usize>>>,
+        full: Arc<AtomicBool>,
     }
 
     impl Memory for Fake {
         fn alloc(&self, cap: usize, _: ErrorContext) -> Result<Pair> {
+            if self.full.load(Ordering::SeqCst) {
+                return Err(CommError::Aborted {
+                    ctx: ErrorContext::default(),
+                    cause: "out of memory".into(),
+                });
+            }
             let mut n = lock(&self.next);
             *n += 1;
             Ok(Pair {
@@ -297,9 +335,14 @@ mod tests {
     }
 
     fn pool() -> (Arc<Pool>, Arc<Mutex<Vec<usize>>>) {
+        let (p, freed, _) = pool_that_fills();
+        (p, freed)
+    }
+
+    fn pool_that_fills() -> (Arc<Pool>, Arc<Mutex<Vec<usize>>>, Arc<AtomicBool>) {
         let fake = Fake::default();
-        let freed = fake.freed.clone();
-        (Pool::on(Box::new(fake)), freed)
+        let (freed, full) = (fake.freed.clone(), fake.full.clone());
+        (Pool::on(Box::new(fake)), freed, full)
     }
 
     fn take(p: &Arc<Pool>, bytes: usize) -> Arc<Held> {
@@ -372,5 +415,28 @@ mod tests {
         let small = take(&p, 1);
         assert_ne!(small.host(), big_host);
         assert_eq!(take(&p, 1 << 19).host(), big_host);
+    }
+
+    #[test]
+    fn out_of_memory_a_call_takes_any_idle_pair_or_says_what_holds_staging() {
+        let (p, _, full) = pool_that_fills();
+        let big = take(&p, 1 << 20);
+        let big_host = big.host();
+        big.completed();
+        drop(big);
+        let held = take(&p, 10);
+        full.store(true, Ordering::SeqCst);
+        let small = take(&p, 10);
+        assert_eq!(
+            small.host(),
+            big_host,
+            "the idle pair, when nothing else is left"
+        );
+        let e = p.take(10, ErrorContext::default()).unwrap_err().to_string();
+        assert!(
+            e.contains("out of memory") && e.contains("2 staging buffers are held"),
+            "{e}"
+        );
+        drop((held, small));
     }
 }

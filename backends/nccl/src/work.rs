@@ -293,6 +293,9 @@ impl Shared {
     pub(crate) fn abort(&self, e: CommError) {
         use std::sync::atomic::Ordering::SeqCst;
         tracing::debug!(rank = self.rank, cause = %e, "NCCL: aborting the communicator");
+        // The group has failed: a call waiting for its turn is told now,
+        // not once the abort has the launch lock.
+        self.turn_moved();
         if self.aborting.swap(true, SeqCst) {
             // Another thread is aborting (ncclCommAbort can take a second
             // while NCCL's threads wind down): this one's calls fail now.

@@ -92,7 +92,7 @@ fn a_cancel_with_a_cause_poisons_the_group_with_that_cause() {
 }
 
 #[test]
-fn a_call_that_times_out_behind_an_unpolled_one_names_it_and_poisons_the_group() {
+fn a_call_that_times_out_behind_a_stuck_enqueue_names_it_and_poisons_the_group() {
     let mut o = Ordered::<u32>::new(1, 2, GroupId::WORLD);
     let a = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
     let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
@@ -102,13 +102,17 @@ fn a_call_that_times_out_behind_an_unpolled_one_names_it_and_poisons_the_group()
     let said = e.to_string();
     assert!(said.contains("broadcast call (seq 0)"), "{said}");
     assert!(said.contains("seq 1") && said.contains("rank 1"), "{said}");
-    let e = o.launch_failed(b.id, e);
+    let (e, first) = o.failed_before_enqueue(b.id, e);
     assert!(e.to_string().contains("waited 1s"), "{e}");
+    assert!(
+        first.to_string().contains("waited 1s"),
+        "the cause told: {first}"
+    );
     // The group failed: a later call need not wait for the turn to be told.
     assert!(o.is_turn(c.id));
     let later = o.launchable(c.id).unwrap_err().to_string();
     assert!(later.contains("broadcast call (seq 0)"), "{later}");
-    // The unpolled call, polled at last, is refused as well.
+    // The stuck call, its enqueue done at last, is refused as well.
     assert!(o.is_turn(a.id) && o.launchable(a.id).is_err());
     assert!(o.is_idle());
 }

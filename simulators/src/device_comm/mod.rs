@@ -559,8 +559,9 @@ struct Args<'a> {
     device_call: bool,
 }
 
-/// A call made and not yet enqueued: dropped before it is (while it waits
-/// for its turn), it is cancelled, as on NCCL.
+/// A call made and not yet enqueued: dropped before it is (a panic between
+/// its make and its enqueue, both in `submit`), it is cancelled, as on
+/// NCCL.
 struct Unlaunched<'a> {
     shared: &'a Shared,
     id: consort_comm::engine::CallId,

@@ -153,7 +153,21 @@ impl Shared {
     /// Blocks until call `id`'s turn has come (every call made before it
     /// enqueued, or the group failed), at most `timeout`, as on NCCL; the
     /// error names the call it waited for ([`Ordered::turn_timed_out`]).
+    /// On a multi-threaded tokio runtime the wait is moved off the worker.
     pub(super) fn wait_turn(&self, id: CallId, timeout: Duration) -> Result<()> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        if self.lock().core.is_turn(id) {
+            return Ok(());
+        }
+        match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| self.wait_turn_blocking(id, timeout))
+            }
+            _ => self.wait_turn_blocking(id, timeout),
+        }
+    }
+
+    fn wait_turn_blocking(&self, id: CallId, timeout: Duration) -> Result<()> {
         let deadline = consort_comm::time::deadline(timeout);
         let mut st = self.lock();
         loop {

@@ -129,7 +129,15 @@ impl NcclBackend {
         let out_len = output.map_or(0, |(o, _)| o.len());
         let held = match self.staging.take(in_len + out_len, call.made.ctx) {
             Ok(h) => Arc::new(h),
-            Err(e) => return Err(pending.failed(e)),
+            // Shut down meanwhile: the call is refused, as any call made
+            // before a shutdown and enqueued after it (nothing to tell).
+            Err(e) => match Self::launchable(&self.shared, call.made.id) {
+                Err(refused) => {
+                    pending.settled();
+                    return Err(refused);
+                }
+                Ok(()) => return Err(pending.failed(e)),
+            },
         };
         let (host, dev) = (held.host(), held.dev());
         // SAFETY: the pinned buffer holds `cap >= in_len + out_len` bytes,

@@ -410,7 +410,7 @@ impl NcclBackend {
         // Tracked before the launch lock goes: an abort, which takes that
         // lock, finds the call in flight and fails it. (One that could not
         // wait for the lock has poisoned the group: the call comes back.)
-        let (was_idle, late) = {
+        let (was_idle, late, waiters) = {
             let mut t = lock(&sh.track);
             let idle = t.core.in_flight() == 0;
             let late = match t.core.enqueued(id, work, Instant::now(), call.timeout) {
@@ -420,7 +420,7 @@ impl NcclBackend {
                 }
                 None => None,
             };
-            (idle, late)
+            (idle, late, t.turn_waiters > 0)
         };
         drop(slot);
         if let Some(e) = late {
@@ -433,7 +433,10 @@ impl NcclBackend {
         if was_idle {
             sh.cv.notify_all();
         }
-        sh.turn_moved();
+        // A call made after this one (another thread's) may wait for it.
+        if waiters {
+            sh.turn.notify_all();
+        }
         Ok(())
     }
 

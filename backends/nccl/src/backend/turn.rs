@@ -81,10 +81,26 @@ impl NcclBackend {
     /// failed), at most its timeout; the error names the call it waited
     /// for ([`Ordered::turn_timed_out`]). A call made before it is in
     /// another thread's `submit`, between its make and its enqueue, so
-    /// this waits as long as a launch waits for the launch lock.
+    /// this waits as long as a launch waits for the launch lock. On a
+    /// multi-threaded tokio runtime the wait is moved off the worker
+    /// (`block_in_place`); on a current-thread one it blocks that thread,
+    /// whose other tasks (a side channel's readers) then wait too.
     ///
     /// [`Ordered::turn_timed_out`]: consort_comm::ordered::Ordered::turn_timed_out
     pub(super) fn wait_turn(&self, call: Call) -> Result<()> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        if lock(&self.shared.track).core.is_turn(call.made.id) {
+            return Ok(());
+        }
+        match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| self.wait_turn_blocking(call))
+            }
+            _ => self.wait_turn_blocking(call),
+        }
+    }
+
+    fn wait_turn_blocking(&self, call: Call) -> Result<()> {
         let deadline = consort_comm::time::deadline(call.timeout);
         let mut t = lock(&self.shared.track);
         loop {
