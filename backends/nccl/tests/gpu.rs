@@ -425,6 +425,60 @@ fn a_failed_communicators_survivors_make_a_new_one_through_the_store() {
     );
 }
 
+/// A call made on one thread while another thread's call, made just before
+/// it, is stuck in its enqueue (`stall_enqueue_at`) waits for its turn in
+/// `submit`, then fails at its timeout naming that call; the group is then
+/// done: the stuck call is refused when its enqueue ends, and later calls
+/// say why at once (the emulated device's test of the same rules).
+#[test]
+#[ignore = "needs a GPU with libcuda and libnccl"]
+fn a_call_behind_a_stuck_enqueue_names_it_and_ends_the_group() {
+    let beat = std::env::temp_dir().join(format!("consort-gpu-turn-{}", std::process::id()));
+    let opts = NcclOptions {
+        stall_enqueue_at: Some((0, Duration::from_millis(600))),
+        heartbeat_file: Some(beat.clone()),
+        ..Default::default()
+    };
+    let rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let store = MemStore::new(Duration::from_secs(30));
+    let b = rt()
+        .block_on(NcclBackend::new(&store, 0, 1, opts))
+        .expect("NCCL on GPU 0");
+    let short = CallOptions::default().with_timeout(Duration::from_millis(100));
+    let (mut x, mut y) = ([1f32; 4], [2f32; 4]);
+    let t = Instant::now();
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| rt().block_on(b.broadcast(BufferMut::from(&mut x[..]), &short)));
+        let made = |b: consort_comm::heartbeat::Beat| b.last.map(|l| l.1) == Some(0);
+        while !consort_comm::heartbeat::read(&beat).is_some_and(made) {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the first call was never made"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let second =
+            rt().block_on(b.all_reduce(BufferMut::from(&mut y[..]), ReduceOp::Sum, &short));
+        (first.join().unwrap(), second)
+    });
+    let e = second.unwrap_err().to_string();
+    assert!(e.contains("broadcast call (seq 0)"), "{e}");
+    println!(
+        "a call behind a stuck enqueue: failed naming it in {:?}",
+        t.elapsed()
+    );
+    let e = first.unwrap_err().to_string();
+    assert!(e.contains("broadcast call (seq 0)"), "the stuck call: {e}");
+    let later = rt().block_on(b.barrier(&short)).unwrap_err().to_string();
+    assert!(later.contains("broadcast call (seq 0)"), "{later}");
+    let _ = std::fs::remove_file(&beat);
+}
+
 /// Host calls are staged and enqueued when they are made: their works may
 /// be awaited in any order (here in reverse, sizes that make the staging
 /// pool grow and reuse its buffers), each gets its own result, and a work

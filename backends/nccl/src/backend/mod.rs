@@ -81,6 +81,12 @@ pub struct NcclOptions {
     /// timeout error). `CONSORT_NCCL_BLOCKING=1` sets it for
     /// `Dist::nccl_backend`.
     pub blocking: bool,
+    /// Fault injection, for tests: the enqueue of the call with this
+    /// sequence number (on this communicator) waits this long first, on
+    /// its caller's thread, as an enqueue stuck polling `ncclInProgress`
+    /// would (the emulated device's `stall_enqueue_at`). A call made
+    /// meanwhile on another thread waits for its turn.
+    pub stall_enqueue_at: Option<(u64, Duration)>,
 }
 
 impl Default for NcclOptions {
@@ -93,6 +99,7 @@ impl Default for NcclOptions {
             poll_interval: Duration::from_micros(50),
             heartbeat_file: None,
             blocking: false,
+            stall_enqueue_at: None,
         }
     }
 }
@@ -371,6 +378,11 @@ impl NcclBackend {
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
         let sh = &self.shared;
+        if let Some((seq, d)) = self.opts.stall_enqueue_at
+            && seq == call.made.fp.seq
+        {
+            std::thread::sleep(d);
+        }
         let slot = lock(&sh.slot);
         let (id, ctx) = (call.made.id, call.made.ctx);
         if let Err(e) = Self::launchable(sh, id) {
