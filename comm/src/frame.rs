@@ -211,38 +211,7 @@ impl FrameHeader {
         let count = u64_at(24);
         let offset = u64_at(40);
         let payload_len = u64_at(48);
-        match kind {
-            FrameKind::Data | FrameKind::Pull => {
-                if payload_len > limits.max_payload {
-                    return Err(FrameError::PayloadTooLarge {
-                        len: payload_len,
-                        max: limits.max_payload,
-                    });
-                }
-                let size = dtype.size_bytes() as u64;
-                if payload_len % size != 0 {
-                    return Err(FrameError::Inconsistent(
-                        "payload is not a whole number of elements",
-                    ));
-                }
-                // The receiver checks the length against the range it
-                // posted (`count` is the fingerprint's; all_to_all leaves
-                // it at 0).
-            }
-            FrameKind::Probe | FrameKind::ProbeReply => {
-                if payload_len != 0 {
-                    return Err(FrameError::Inconsistent("a probe carries no payload"));
-                }
-            }
-            FrameKind::Abort => {
-                if payload_len > MAX_ABORT_MESSAGE {
-                    return Err(FrameError::PayloadTooLarge {
-                        len: payload_len,
-                        max: MAX_ABORT_MESSAGE,
-                    });
-                }
-            }
-        }
+        check_payload(kind, dtype, payload_len, limits)?;
         Ok(FrameHeader {
             kind,
             fingerprint: Fingerprint {
@@ -260,6 +229,50 @@ impl FrameHeader {
             flags,
         })
     }
+}
+
+/// The payload length a header of `kind` may announce: within `limits`, a
+/// whole number of `dtype` elements (data); none (probes); a bounded
+/// message (aborts).
+fn check_payload(
+    kind: FrameKind,
+    dtype: DType,
+    payload_len: u64,
+    limits: &FrameLimits,
+) -> Result<(), FrameError> {
+    match kind {
+        FrameKind::Data | FrameKind::Pull => {
+            if payload_len > limits.max_payload {
+                return Err(FrameError::PayloadTooLarge {
+                    len: payload_len,
+                    max: limits.max_payload,
+                });
+            }
+            let size = dtype.size_bytes() as u64;
+            if payload_len % size != 0 {
+                return Err(FrameError::Inconsistent(
+                    "payload is not a whole number of elements",
+                ));
+            }
+            // The receiver checks the length against the range it
+            // posted (`count` is the fingerprint's; all_to_all leaves
+            // it at 0).
+        }
+        FrameKind::Probe | FrameKind::ProbeReply => {
+            if payload_len != 0 {
+                return Err(FrameError::Inconsistent("a probe carries no payload"));
+            }
+        }
+        FrameKind::Abort => {
+            if payload_len > MAX_ABORT_MESSAGE {
+                return Err(FrameError::PayloadTooLarge {
+                    len: payload_len,
+                    max: MAX_ABORT_MESSAGE,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn bad(field: &'static str, value: u64) -> FrameError {
