@@ -409,6 +409,20 @@ impl NcclBackend {
                 return Err(fail(e));
             }
         };
+        self.track(call, done, host, slot)
+    }
+
+    /// Hands an enqueued call's work (its completion event `done`, and a
+    /// host call's staging and waiter) to the watchdog, then lets the launch
+    /// lock (`slot`) go and wakes whoever must hear of it.
+    fn track(
+        &self,
+        call: Call,
+        done: crate::work::Event,
+        host: Option<(Arc<crate::staging::Held>, Waiter)>,
+        slot: std::sync::MutexGuard<'_, ()>,
+    ) -> Result<()> {
+        let (sh, id) = (&self.shared, call.made.id);
         let (staging, waiter) = match host {
             Some((g, w)) => (Some(g), Some(w)),
             None => (None, None),
