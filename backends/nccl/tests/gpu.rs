@@ -25,21 +25,26 @@ fn shared() -> Arc<NcclBackend> {
     ONE.get_or_init(|| {
         // Made on a thread of its own: callers may already be inside a
         // runtime's block_on.
-        std::thread::spawn(|| {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            let store = MemStore::new(Duration::from_secs(30));
-            let b = rt
-                .block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
-                .expect("NCCL on GPU 0");
-            Arc::new(b)
-        })
-        .join()
-        .expect("NCCL init thread")
+        std::thread::spawn(|| Arc::new(world_of_one(&runtime(), NcclOptions::default())))
+            .join()
+            .expect("NCCL init thread")
     })
     .clone()
+}
+
+/// A current-thread runtime with timers.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A fresh communicator of one rank on GPU 0, made on `rt`.
+fn world_of_one(rt: &tokio::runtime::Runtime, opts: NcclOptions) -> NcclBackend {
+    let store = MemStore::new(Duration::from_secs(30));
+    rt.block_on(NcclBackend::new(&store, 0, 1, opts))
+        .expect("NCCL on GPU 0")
 }
 
 fn nccl_world(n: usize) -> WorldFuture {
@@ -439,16 +444,8 @@ fn a_call_behind_a_stuck_enqueue_names_it_and_ends_the_group() {
         heartbeat_file: Some(beat.clone()),
         ..Default::default()
     };
-    let rt = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
-    let store = MemStore::new(Duration::from_secs(30));
-    let b = rt()
-        .block_on(NcclBackend::new(&store, 0, 1, opts))
-        .expect("NCCL on GPU 0");
+    let rt = runtime;
+    let b = world_of_one(&rt(), opts);
     let short = CallOptions::default().with_timeout(Duration::from_millis(100));
     let (mut x, mut y) = ([1f32; 4], [2f32; 4]);
     let t = Instant::now();
@@ -488,14 +485,8 @@ fn a_call_behind_a_stuck_enqueue_names_it_and_ends_the_group() {
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
 fn host_calls_awaited_in_any_order_each_get_their_own_result() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = MemStore::new(Duration::from_secs(30));
-    let b = rt
-        .block_on(NcclBackend::new(&store, 0, 1, NcclOptions::default()))
-        .expect("NCCL on GPU 0");
+    let rt = runtime();
+    let b = world_of_one(&rt, NcclOptions::default());
     let opts = CallOptions::default().with_timeout(Duration::from_secs(20));
     let lens = [1usize, 4, 1000, 5000, 1 << 16, 3, 1 << 20, 7];
     let mut bufs: Vec<Vec<f32>> = (lens.iter().enumerate())
