@@ -444,14 +444,14 @@ fn a_call_behind_a_stuck_enqueue_names_it_and_ends_the_group() {
         heartbeat_file: Some(beat.clone()),
         ..Default::default()
     };
-    let rt = runtime;
-    let b = world_of_one(&rt(), opts);
+    let b = world_of_one(&runtime(), opts);
     let short = CallOptions::default().with_timeout(Duration::from_millis(100));
     let (mut x, mut y) = ([1f32; 4], [2f32; 4]);
     let t = Instant::now();
     let (first, second) = std::thread::scope(|s| {
-        let first = s.spawn(|| rt().block_on(b.broadcast(BufferMut::from(&mut x[..]), &short)));
-        let made = |b: consort_comm::heartbeat::Beat| b.last.map(|l| l.1) == Some(0);
+        let first =
+            s.spawn(|| runtime().block_on(b.broadcast(BufferMut::from(&mut x[..]), &short)));
+        let made = |h: consort_comm::heartbeat::Beat| h.last.map(|l| l.1) == Some(0);
         while !consort_comm::heartbeat::read(&beat).is_some_and(made) {
             assert!(
                 t.elapsed() < Duration::from_secs(20),
@@ -459,20 +459,25 @@ fn a_call_behind_a_stuck_enqueue_names_it_and_ends_the_group() {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
+        let made_at = Instant::now();
         let second =
-            rt().block_on(b.all_reduce(BufferMut::from(&mut y[..]), ReduceOp::Sum, &short));
+            runtime().block_on(b.all_reduce(BufferMut::from(&mut y[..]), ReduceOp::Sum, &short));
+        println!(
+            "a call behind a stuck enqueue: failed naming it in {:?}",
+            made_at.elapsed()
+        );
         (first.join().unwrap(), second)
     });
     let e = second.unwrap_err().to_string();
     assert!(e.contains("broadcast call (seq 0)"), "{e}");
-    println!(
-        "a call behind a stuck enqueue: failed naming it in {:?}",
-        t.elapsed()
-    );
     let e = first.unwrap_err().to_string();
     assert!(e.contains("broadcast call (seq 0)"), "the stuck call: {e}");
-    let later = rt().block_on(b.barrier(&short)).unwrap_err().to_string();
+    let later = runtime()
+        .block_on(b.barrier(&short))
+        .unwrap_err()
+        .to_string();
     assert!(later.contains("broadcast call (seq 0)"), "{later}");
+    drop(b);
     let _ = std::fs::remove_file(&beat);
 }
 

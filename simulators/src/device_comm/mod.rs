@@ -94,9 +94,10 @@ pub struct EmulatedCommOptions {
     /// fingerprint check's side channel, as on NCCL.
     pub fail_enqueue_at: Option<u64>,
     /// Fault injection: the enqueue of this rank's call with this sequence
-    /// number (on its group) takes this long, on the caller's thread, as an
-    /// NCCL enqueue polling `ncclInProgress` does. A call made meanwhile on
-    /// another thread waits for its turn, as on NCCL.
+    /// number (on its group; sends and receives all have 0) waits this long
+    /// first, on the caller's thread: a call stuck between its make and its
+    /// enqueue. A call made meanwhile on another thread waits for its
+    /// turn, as on NCCL.
     pub stall_enqueue_at: Option<(u64, Duration)>,
 }
 

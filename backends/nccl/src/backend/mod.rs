@@ -81,11 +81,12 @@ pub struct NcclOptions {
     /// timeout error). `CONSORT_NCCL_BLOCKING=1` sets it for
     /// `Dist::nccl_backend`.
     pub blocking: bool,
-    /// Fault injection, for tests: the enqueue of the call with this
-    /// sequence number (on this communicator) waits this long first, on
-    /// its caller's thread, as an enqueue stuck polling `ncclInProgress`
-    /// would (the emulated device's `stall_enqueue_at`). A call made
-    /// meanwhile on another thread waits for its turn.
+    /// Fault injection, for tests: the enqueue of a call with this
+    /// sequence number (on its group; sends and receives all have 0;
+    /// subgroups inherit the option) waits this long first, on its caller's
+    /// thread, before it takes the launch lock: a call stuck between its
+    /// make and its enqueue (the emulated device's `stall_enqueue_at`). A
+    /// call made meanwhile on another thread waits for its turn.
     pub stall_enqueue_at: Option<(u64, Duration)>,
 }
 
