@@ -144,12 +144,19 @@ fn an_emulated_communicator_with_the_check_on() {
                         .unwrap();
                     assert_eq!(v, vec![n as f32; 8]);
                     let sub = comm.new_group(&[0, 2], &o).await.unwrap();
-                    if let Some(sub) = &sub {
+                    if let Some(sub) = sub {
                         let mut w = vec![1.0f32; 4];
                         sub.all_reduce(BufferMut::from(&mut w[..]), ReduceOp::Sum, &o)
                             .await
                             .unwrap();
                         assert_eq!(w, vec![2.0f32; 4]);
+                        // Gone once its checker has compared its call: each
+                        // checker runs on a thread of its own, and a
+                        // simulated side channel runs a rank's calls on all
+                        // its groups in one order, so the subgroup's
+                        // comparison and the next parent call's must not
+                        // race (they did, rarely: both waited out the 5 s).
+                        drop(sub);
                     }
                     let mut v = [1.0f32; 8];
                     let r = if rank == 1 {
