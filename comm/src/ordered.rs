@@ -47,6 +47,7 @@
 
 use std::{
     collections::{BTreeSet, VecDeque},
+    sync::{Condvar, Mutex},
     time::{Duration, Instant},
 };
 
@@ -108,6 +109,9 @@ pub struct Ordered<W> {
     queue: VecDeque<Queued<W>>,
     /// Set by shutdown: every later call fails with it.
     closed: Option<String>,
+    /// Calls blocked in [`wait_turn`]: only then must a driver wake them
+    /// ([`Ordered::turn_awaited`]).
+    turn_waiters: usize,
 }
 
 impl<W> Ordered<W> {
@@ -120,6 +124,7 @@ impl<W> Ordered<W> {
             unlaunched: BTreeSet::new(),
             queue: VecDeque::new(),
             closed: None,
+            turn_waiters: 0,
         }
     }
 
@@ -177,11 +182,18 @@ impl<W> Ordered<W> {
         self.unlaunched.first().is_none_or(|first| *first >= id) || self.refused(id).is_some()
     }
 
+    /// Whether a call waits for its turn ([`wait_turn`]): a driver then
+    /// wakes it when a call leaves the turn order or the group fails (a
+    /// condvar notify is a syscall; with no one waiting, it is skipped).
+    pub fn turn_awaited(&self) -> bool {
+        self.turn_waiters > 0
+    }
+
     /// The error of call `id`, which waited `after` for its turn: a call
     /// made before it on this rank has not reached the stream (its enqueue,
-    /// on another thread, is stuck or was dropped unfinished). The driver fails the
-    /// call with it as with any failure before the enqueue
-    /// ([`Ordered::launch_failed`]), and aborts the communicator.
+    /// on another thread, is stuck or was dropped unfinished). The driver
+    /// fails the call with it as with any failure before the enqueue
+    /// ([`Ordered::failed_before_enqueue`]), and aborts the communicator.
     pub fn turn_timed_out(&self, id: CallId, after: Duration) -> CommError {
         let ahead = self
             .unlaunched
@@ -437,6 +449,45 @@ impl<W> Ordered<W> {
         self.queue.len()
     }
 }
+
+/// Blocks the calling thread until call `id`'s turn has come (every call
+/// made before it enqueued, or its group failed), at most `timeout`; the
+/// error names the call it waited for ([`Ordered::turn_timed_out`]).
+/// `state` is the driver's lock around its rules (`rules` picks them out)
+/// and `turn` the condvar it notifies, with that lock, when
+/// [`Ordered::turn_awaited`]. Calls are made and enqueued within `submit`,
+/// so the call ahead is in another thread's `submit`: this waits as long
+/// as its enqueue takes.
+pub fn wait_turn<S, W>(
+    state: &Mutex<S>,
+    turn: &Condvar,
+    rules: impl Fn(&mut S) -> &mut Ordered<W>,
+    id: CallId,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = crate::time::deadline(timeout);
+    let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let o = rules(&mut st);
+        if o.is_turn(id) {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(o.turn_timed_out(id, timeout));
+        }
+        o.turn_waiters += 1;
+        // Woken by the driver; the short bound is a backstop.
+        st = match turn.wait_timeout(st, left.min(TURN_LOOK)) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        rules(&mut st).turn_waiters -= 1;
+    }
+}
+
+/// How often a call waiting for its turn looks again, woken or not.
+const TURN_LOOK: Duration = Duration::from_millis(10);
 
 /// The error of a wait (`synchronize`, shutdown) on this rank that ran
 /// past `after`.

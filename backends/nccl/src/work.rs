@@ -65,9 +65,6 @@ pub(crate) struct Track {
     pub(crate) core: Ordered<Tracked>,
     pub(crate) stop: bool,
     pub(crate) free_events: Vec<Event>,
-    /// Calls waiting for their turn (on [`Shared::turn`]): only then does
-    /// a launch notify, a syscall on every call's host path otherwise.
-    pub(crate) turn_waiters: usize,
     /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
     beat: Option<Arc<Heartbeat>>,
     /// Names the rank behind an `ncclRemoteError` (the side channel's).
@@ -80,7 +77,6 @@ impl Track {
             core,
             stop: false,
             free_events: Vec::new(),
-            turn_waiters: 0,
             beat,
             lost: LostPeer::default(),
         }
@@ -145,7 +141,7 @@ pub(crate) struct Shared {
     pub(crate) cv: Condvar,
     /// Woken (with `track`) when a call leaves the turn order (enqueued,
     /// failed) or the group fails, while a call waits for its turn
-    /// ([`Track::turn_waiters`]).
+    /// ([`consort_comm::ordered::wait_turn`]).
     pub(crate) turn: Condvar,
     pub(crate) poll: Duration,
     /// The fingerprint check over a host side channel, when one was given.
@@ -214,7 +210,7 @@ impl Shared {
     /// Wakes the calls waiting for their turn, if any: a call left the
     /// turn order, or the group failed.
     pub(crate) fn turn_moved(&self) {
-        if lock(&self.track).turn_waiters > 0 {
+        if lock(&self.track).core.turn_awaited() {
             self.turn.notify_all();
         }
     }

@@ -654,3 +654,56 @@ fn another_failure_is_named_only_if_a_rank_is_already_known_lost() {
         CommError::Backend { code: 3, .. }
     ));
 }
+
+/// `wait_turn` blocks a call until the one made before it (on another
+/// thread) is enqueued, counting itself as waiting meanwhile so the driver
+/// wakes it; a call whose turn does not come fails at its timeout naming
+/// the call ahead.
+#[test]
+fn wait_turn_blocks_until_the_call_ahead_is_enqueued_or_times_out() {
+    use std::sync::{Arc, Condvar, Mutex};
+    let state = Arc::new((
+        Mutex::new(Ordered::<u32>::new(0, 1, GroupId::WORLD)),
+        Condvar::new(),
+    ));
+    let (a, b) = {
+        let mut o = state.0.lock().unwrap();
+        let a = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
+        (a, o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap())
+    };
+    let s = state.clone();
+    let waiter = std::thread::spawn(move || super::wait_turn(&s.0, &s.1, |o| o, b.id, 10 * SEC));
+    while !state.0.lock().unwrap().turn_awaited() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    {
+        let mut o = state.0.lock().unwrap();
+        o.launchable(a.id).unwrap();
+        assert!(o.enqueued(a.id, 0, Instant::now(), SEC).is_none());
+        state.1.notify_all();
+    }
+    waiter.join().unwrap().expect("its turn came");
+    {
+        let mut o = state.0.lock().unwrap();
+        assert!(!o.turn_awaited());
+        assert!(o.enqueued(b.id, 1, Instant::now(), SEC).is_none());
+    }
+
+    let c = state
+        .0
+        .lock()
+        .unwrap()
+        .make(OpKind::Barrier, fp(OpKind::Barrier))
+        .unwrap();
+    let d = state
+        .0
+        .lock()
+        .unwrap()
+        .make(OpKind::Barrier, fp(OpKind::Barrier))
+        .unwrap();
+    let e = super::wait_turn(&state.0, &state.1, |o| o, d.id, Duration::from_millis(30))
+        .expect_err("the call ahead never reached the stream");
+    // `c` (seq 2) was made and never enqueued.
+    assert!(e.to_string().contains("barrier call (seq 2)"), "{e}");
+    let _ = c;
+}

@@ -166,7 +166,6 @@ fn communicator(
             aborted: false,
             lost: Default::default(),
             stop: false,
-            turn_waiters: 0,
         }),
         cv: Condvar::new(),
         device: device.clone(),

@@ -38,8 +38,6 @@ pub(super) struct State {
     pub(super) stop: bool,
     /// Names the rank behind the data path's remote error.
     pub(super) lost: LostPeer,
-    /// Calls waiting for their turn (on [`Shared::turn`]).
-    pub(super) turn_waiters: usize,
 }
 
 pub(super) struct Shared {
@@ -145,7 +143,7 @@ impl Shared {
 
     /// Wakes the calls waiting for their turn, if any.
     pub(super) fn turn_moved(&self) {
-        if self.lock().turn_waiters > 0 {
+        if self.lock().core.turn_awaited() {
             self.turn.notify_all();
         }
     }
@@ -168,27 +166,7 @@ impl Shared {
     }
 
     fn wait_turn_blocking(&self, id: CallId, timeout: Duration) -> Result<()> {
-        let deadline = consort_comm::time::deadline(timeout);
-        let mut st = self.lock();
-        loop {
-            if st.core.is_turn(id) {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(st.core.turn_timed_out(id, timeout));
-            }
-            // Woken by `turn_moved`; the short bound is a backstop.
-            st.turn_waiters += 1;
-            st = match self
-                .turn
-                .wait_timeout(st, left.min(Duration::from_millis(10)))
-            {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-            st.turn_waiters -= 1;
-        }
+        consort_comm::ordered::wait_turn(&self.state, &self.turn, |st| &mut st.core, id, timeout)
     }
 }
 

@@ -447,7 +447,7 @@ impl NcclBackend {
                 }
                 None => None,
             };
-            (idle, late, t.turn_waiters > 0)
+            (idle, late, t.core.turn_awaited())
         };
         drop(slot);
         if let Some(e) = late {

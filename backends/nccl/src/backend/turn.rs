@@ -8,8 +8,6 @@
 //! cause, its communicator is aborted, and its peers are told
 //! ([`consort_comm::ordered::check::Checker::tell`]).
 
-use std::time::{Duration, Instant};
-
 use consort_comm::{CommError, Result, engine::CallId};
 
 use super::{Call, NcclBackend};
@@ -101,25 +99,8 @@ impl NcclBackend {
     }
 
     fn wait_turn_blocking(&self, call: Call) -> Result<()> {
-        let deadline = consort_comm::time::deadline(call.timeout);
-        let mut t = lock(&self.shared.track);
-        loop {
-            if t.core.is_turn(call.made.id) {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(t.core.turn_timed_out(call.made.id, call.timeout));
-            }
-            // Woken by `Shared::turn_moved`; the short bound is a backstop.
-            t.turn_waiters += 1;
-            let wait = left.min(TURN_LOOK);
-            t = match self.shared.turn.wait_timeout(t, wait) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-            t.turn_waiters -= 1;
-        }
+        let (sh, id) = (&self.shared, call.made.id);
+        consort_comm::ordered::wait_turn(&sh.track, &sh.turn, |t| &mut t.core, id, call.timeout)
     }
 
     /// Whether call `id`, whose turn has come, may go to the stream: `Err`
@@ -134,6 +115,3 @@ impl NcclBackend {
         r
     }
 }
-
-/// How often a call waiting for its turn looks again, woken or not.
-const TURN_LOOK: Duration = Duration::from_millis(10);
