@@ -448,6 +448,14 @@ impl<W> Ordered<W> {
     pub fn in_flight(&self) -> usize {
         self.queue.len()
     }
+
+    /// The oldest call in flight (the next [`Ordered::watch`] asks about
+    /// first) and its work: a driver may query its completion without its
+    /// lock, then hand [`Ordered::watch`] that answer while the same call
+    /// is still the oldest.
+    pub fn front(&self) -> Option<(CallId, &W)> {
+        self.queue.front().map(|q| (q.id, &q.work))
+    }
 }
 
 /// Blocks the calling thread until call `id`'s turn has come (every call

@@ -65,6 +65,12 @@ pub(crate) struct Track {
     pub(crate) core: Ordered<Tracked>,
     pub(crate) stop: bool,
     pub(crate) free_events: Vec<Event>,
+    /// The oldest call's completion event while the watchdog queries it
+    /// without this lock ([`watchdog`]): a failed call's event is then not
+    /// destroyed at once but kept in `doomed`, for the watchdog to destroy
+    /// once its query is over.
+    querying: Option<Event>,
+    doomed: Vec<Event>,
     /// The launcher's heartbeat (`CONSORT_HEARTBEAT_FILE`), if any.
     beat: Option<Arc<Heartbeat>>,
     /// Names the rank behind an `ncclRemoteError` (the side channel's).
@@ -77,6 +83,8 @@ impl Track {
             core,
             stop: false,
             free_events: Vec::new(),
+            querying: None,
+            doomed: Vec::new(),
             beat,
             lost: LostPeer::default(),
         }
@@ -104,14 +112,27 @@ impl Track {
                 h.completed();
             }
             self.free_events.push(w.done);
+        } else if self.querying == Some(w.done) {
+            self.doomed.push(w.done);
         } else {
-            // SAFETY: our event; destroying an unfinished event is allowed.
+            // SAFETY: our event, queried by no one (`querying`); destroying
+            // an unfinished event is allowed.
             let _ = unsafe { cu::event::destroy(w.done.raw()) };
         }
         if let Some(tx) = w.waiter {
             let _ = tx.send(r);
         }
         self.ended();
+    }
+
+    /// The watchdog's query of `querying` is over: the events failed
+    /// calls left meanwhile are destroyed.
+    fn queried(&mut self) {
+        self.querying = None;
+        for e in self.doomed.drain(..) {
+            // SAFETY: a failed call's event, no longer queried by anyone.
+            let _ = unsafe { cu::event::destroy(e.raw()) };
+        }
     }
 
     fn finish_all(&mut self, done: Vec<(Tracked, Result<(), CommError>)>) {
@@ -518,13 +539,33 @@ fn fired(e: Event) -> Result<bool, CommError> {
 /// The watchdog loop: the rules of [`Ordered::watch`] on the real device.
 /// It completes work in order, and on an asynchronous NCCL error or a
 /// passed deadline aborts the communicator; the failure sticks.
+///
+/// The oldest call's event is queried without the tracking lock:
+/// `cuEventQuery` takes the driver's own locks (1.7 µs on an H100), and a
+/// call being made takes the tracking lock several times; under the lock,
+/// the query made every call that met it wait. After progress the
+/// watchdog sleeps its poll interval as always: one pass completes every
+/// call that has finished (they finish in stream order), and polling again
+/// at once only kept it querying the driver beside the calls being made.
 fn watchdog(shared: &Shared) {
     loop {
+        let oldest = {
+            let mut t = lock(&shared.track);
+            let front = t.core.front().map(|(id, w)| (id, w.done));
+            t.querying = front.map(|(_, e)| e);
+            front
+        };
+        // The event stays live: a failed call's is kept while `querying`.
+        let answer = oldest.map(|(id, e)| (id, fired(e)));
         let mut t = lock(&shared.track);
+        t.queried();
         let Track { core, lost, .. } = &mut *t;
+        // The answer holds while the same call is the oldest.
+        let front = core.front().map(|(id, _)| id);
+        let mut first = answer.and_then(|(id, r)| (Some(id) == front).then_some(r));
         let seen = core.watch(
             Instant::now(),
-            |w| fired(w.done),
+            |w| first.take().unwrap_or_else(|| fired(w.done)),
             |w, ctx, deadline| async_error(shared, (ctx, w.peer, deadline), lost),
         );
         let progressed = !seen.finished.is_empty();
@@ -540,9 +581,8 @@ fn watchdog(shared: &Shared) {
         }
         t.finish_all(seen.finished);
         if progressed {
-            drop(t);
+            // Whoever waits for calls to complete (synchronize, shutdown).
             shared.cv.notify_all();
-            continue;
         }
         if t.stop && (t.core.in_flight() == 0 || t.core.poisoned().is_some()) {
             return;

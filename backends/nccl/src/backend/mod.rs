@@ -185,6 +185,9 @@ struct Call {
     timeout: Duration,
     /// The rank a send or receive is with.
     peer: Option<usize>,
+    /// Whether its turn had come when it was made (every call made before
+    /// it enqueued): it need not look again.
+    turn: bool,
 }
 
 /// `enqueue(on, input address, output address)`: the op's NCCL calls,
@@ -527,13 +530,13 @@ impl NcclBackend {
     /// are filled in here): its place in this rank's order is fixed now,
     /// and a collective's fingerprint goes to the checker.
     fn make(&self, fp: Fingerprint, opts: &CallOptions) -> Result<Call> {
-        let made = {
+        let (made, turn) = {
             let mut t = lock(&self.shared.track);
             let made = t
                 .core
                 .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
             t.made(&made.fp);
-            made
+            (made, t.core.is_turn(made.id))
         };
         if !matches!(fp.op, OpKind::Send | OpKind::Recv)
             && let Some(c) = self.shared.checker.get()
@@ -544,6 +547,7 @@ impl NcclBackend {
             made,
             timeout: opts.timeout_or(self.opts.timeout),
             peer: None,
+            turn,
         })
     }
 

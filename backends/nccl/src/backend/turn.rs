@@ -87,7 +87,7 @@ impl NcclBackend {
     /// [`Ordered::turn_timed_out`]: consort_comm::ordered::Ordered::turn_timed_out
     pub(super) fn wait_turn(&self, call: Call) -> Result<()> {
         use tokio::runtime::{Handle, RuntimeFlavor};
-        if lock(&self.shared.track).core.is_turn(call.made.id) {
+        if call.turn || lock(&self.shared.track).core.is_turn(call.made.id) {
             return Ok(());
         }
         match Handle::try_current().map(|h| h.runtime_flavor()) {
