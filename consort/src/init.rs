@@ -128,6 +128,12 @@ pub struct Dist {
     timeout: Duration,
     /// torch processes hold some ranks ([`InitOptions::torch_peers`]).
     torch_peers: bool,
+    /// The NCCL process groups made here ([`Dist::nccl_process_group`]),
+    /// held until the job is left: [`Dist::shutdown`] destroys them, as
+    /// torch's `destroy_process_group` does, whether or not their
+    /// `ProcessGroup` handles are still around.
+    #[cfg(feature = "nccl")]
+    nccl_groups: std::sync::Mutex<Vec<Arc<consort_nccl::NcclBackend>>>,
 }
 
 impl Dist {
@@ -173,10 +179,16 @@ impl Dist {
     /// store under torch's key layout. `CONSORT_TIMEOUT` sets the op
     /// timeout (default 10 minutes, as torch's NCCL default). Without
     /// libcuda, libnccl or a GPU this is `BackendUnavailable`.
+    ///
+    /// The communicator lives until [`Dist::shutdown`] (or
+    /// [`Dist::shutdown_without`], [`Dist::shutdown_failed`]) destroys it,
+    /// as torch's default group lives until `destroy_process_group`:
+    /// dropping the returned handle first is fine.
     #[cfg(feature = "nccl")]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
-        let b = self.nccl_backend(None).await?;
-        Ok(ProcessGroup::new(Arc::new(b)))
+        let b = Arc::new(self.nccl_backend(None).await?);
+        leave::lock(&self.nccl_groups).push(b.clone());
+        Ok(ProcessGroup::new(b))
     }
 
     /// The NCCL backend itself (feature `nccl`), on GPU `device`, else
@@ -549,6 +561,8 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
             server: None,
             timeout: opts.store_timeout,
             torch_peers: opts.torch_peers,
+            #[cfg(feature = "nccl")]
+            nccl_groups: Default::default(),
         });
     }
     let server = if env.hosts_store() {
@@ -581,6 +595,8 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
             server,
             timeout: opts.store_timeout,
             torch_peers: true,
+            #[cfg(feature = "nccl")]
+            nccl_groups: Default::default(),
         });
     }
     claim_rank(&store, &env, &opts).await?;
@@ -591,6 +607,8 @@ pub async fn init(env: DistEnv, opts: InitOptions) -> Result<Dist, InitError> {
         server,
         timeout: opts.store_timeout,
         torch_peers: false,
+        #[cfg(feature = "nccl")]
+        nccl_groups: Default::default(),
     })
 }
 

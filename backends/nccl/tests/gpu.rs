@@ -172,8 +172,11 @@ fn ddp_with_cuda_buckets() {
 /// Host time per call on device buffers, consort against the same NCCL
 /// call made directly (settled, as the communicator requires), 4 B to
 /// 1 GiB, on consort's nonblocking communicator and on a blocking one
-/// (`NcclOptions::blocking`, torch's default). A benchmark: prints, asserts
-/// nothing about time.
+/// (`NcclOptions::blocking`, torch's default). Each call is awaited as a
+/// training step's task awaits it ([`in_task`]): a device call's work is
+/// done when `submit` returns, so that await is one poll; what entering a
+/// runtime per call would add (`block_on`) is a row of the pieces table.
+/// A benchmark: prints, asserts nothing about time.
 #[test]
 #[ignore = "needs a GPU with libcuda and libnccl"]
 fn bench_host_overhead_per_call() {
@@ -271,12 +274,16 @@ fn overhead_rows(label: &str, b: &NcclBackend) {
         let iters = 200;
         // Both measured on an idle stream (the allocation's memset done).
         dev.synchronize(s).unwrap();
+        let _in_rt = rt.enter();
         let ours = per_call(iters, || {
-            rt.block_on(b.all_reduce(
-                BufferMut::Device(buf),
-                ReduceOp::Sum,
-                &CallOptions::default(),
-            ))
+            in_task(
+                &rt,
+                b.all_reduce(
+                    BufferMut::Device(buf),
+                    ReduceOp::Sum,
+                    &CallOptions::default(),
+                ),
+            )
             .unwrap();
         });
         rt.block_on(b.synchronize()).unwrap();
@@ -353,19 +360,36 @@ fn quiet_watchdog(dev: &Arc<CudaDevice>, rt: &tokio::runtime::Runtime) -> PerCal
     // SAFETY: x holds one f32 until freed below.
     let buf = unsafe { p.buffer(x, 1, DType::F32) };
     dev.synchronize(s).unwrap();
+    let in_rt = rt.enter();
     let t = per_call(2000, || {
-        rt.block_on(quiet.all_reduce(
-            BufferMut::Device(buf),
-            ReduceOp::Sum,
-            &CallOptions::default(),
-        ))
+        in_task(
+            rt,
+            quiet.all_reduce(
+                BufferMut::Device(buf),
+                ReduceOp::Sum,
+                &CallOptions::default(),
+            ),
+        )
         .unwrap();
     });
+    drop(in_rt);
     rt.block_on(quiet.synchronize()).unwrap();
     // SAFETY: freed once, the stream drained.
     unsafe { dev.free(x, s) }.unwrap();
     quiet.shutdown().unwrap();
     t
+}
+
+/// Awaits `work` as a task of a running runtime awaits it: one poll (a
+/// device call's work is ready when made); a pending one is driven by `rt`.
+/// The caller has entered `rt`.
+fn in_task(rt: &tokio::runtime::Runtime, work: consort_comm::Work<'_>) -> consort_comm::Result<()> {
+    use std::task::{Context, Poll, Waker};
+    let mut work = std::pin::pin!(work);
+    match work.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(r) => r,
+        Poll::Pending => rt.block_on(work),
+    }
 }
 
 /// Host seconds per call of `f` over `iters` calls, after warm-up.

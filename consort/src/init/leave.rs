@@ -26,6 +26,7 @@ impl Dist {
     pub async fn shutdown_without(self, lost: &[usize]) -> Result<(), InitError> {
         let timeout = self.timeout;
         let rank = self.env.rank;
+        self.destroy_process_groups(false);
         self.leave(lost, timeout)
             .await?
             .map_err(|source| InitError::Store { rank, source })
@@ -47,12 +48,33 @@ impl Dist {
         }
         .min(self.timeout);
         let rank = self.env.rank;
+        self.destroy_process_groups(true);
         let why = match self.leave(lost, wait).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => format!("some ranks never said goodbye ({e}); they are probably gone"),
             Err(e) => format!("this rank could not say goodbye ({e}); the store is probably gone"),
         };
         tracing::warn!(rank, "leaving after this rank's failure: {why}");
+    }
+
+    /// Destroys the NCCL process groups made by [`Dist::nccl_process_group`]
+    /// (torch's `destroy_process_group`): each finishes its work in flight
+    /// and is destroyed, or, after this rank's failure (`failed`), is
+    /// aborted. A group that failed already reported its error on the
+    /// calls it failed; here that is only logged.
+    fn destroy_process_groups(&self, failed: bool) {
+        #[cfg(feature = "nccl")]
+        for b in std::mem::take(&mut *lock(&self.nccl_groups)) {
+            let r = if failed { b.abort() } else { b.shutdown() };
+            if let Err(e) = r {
+                tracing::debug!(
+                    rank = self.env.rank,
+                    "an NCCL process group ended with: {e}"
+                );
+            }
+        }
+        #[cfg(not(feature = "nccl"))]
+        let _ = failed;
     }
 
     /// Says this rank's goodbye (and the lost ranks'), and on the rank that
@@ -84,4 +106,10 @@ impl Dist {
         server.shutdown().await;
         Ok(waited)
     }
+}
+
+/// A mutex's guard, whether or not a panic poisoned it.
+#[cfg(feature = "nccl")]
+pub(super) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
