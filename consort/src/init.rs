@@ -183,7 +183,9 @@ impl Dist {
     /// The communicator lives until [`Dist::shutdown`] (or
     /// [`Dist::shutdown_without`], [`Dist::shutdown_failed`]) destroys it,
     /// as torch's default group lives until `destroy_process_group`:
-    /// dropping the returned handle first is fine.
+    /// dropping the returned handle first is fine. Each call makes a new
+    /// communicator (with its watchdog thread and NCCL's buffers), and each
+    /// lives until then.
     #[cfg(feature = "nccl")]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
         let b = Arc::new(self.nccl_backend(None).await?);

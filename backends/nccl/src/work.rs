@@ -105,7 +105,8 @@ impl Track {
     }
 
     /// Hands a finished call's outcome to its waiter and its event back to
-    /// the pool (a failed call's event may still be pending: destroyed).
+    /// the pool (a failed call's event may still be pending: destroyed, or,
+    /// while the watchdog queries it, once that query is over).
     pub(crate) fn finish(&mut self, w: Tracked, r: Result<(), CommError>) {
         if r.is_ok() {
             if let Some(h) = &w.staging {
@@ -398,8 +399,8 @@ impl Shared {
         }
     }
 
-    /// Stops the watchdog: it leaves once the queue is empty (or at once,
-    /// with `now`).
+    /// Stops the watchdog: it leaves once the queue is empty or the group
+    /// has failed, and its pooled events are destroyed.
     pub(crate) fn stop(&self, watchdog: Option<JoinHandle<()>>) {
         lock(&self.track).stop = true;
         self.cv.notify_all();
@@ -528,7 +529,9 @@ pub(crate) fn spawn_watchdog(
 
 /// Whether a call's completion event has fired.
 fn fired(e: Event) -> Result<bool, CommError> {
-    // SAFETY: the event is ours and live until recycled.
+    // SAFETY: the event is ours and live: under the tracking lock, or, for
+    // the watchdog's unlocked query, kept alive by `Track::querying` (only
+    // the watchdog completes calls and recycles their events).
     match unsafe { cu::event::query(e.raw()) } {
         Ok(()) => Ok(true),
         Err(e) if e.0 == cusys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),

@@ -26,7 +26,7 @@ impl Dist {
     pub async fn shutdown_without(self, lost: &[usize]) -> Result<(), InitError> {
         let timeout = self.timeout;
         let rank = self.env.rank;
-        self.destroy_process_groups(false);
+        self.destroy_process_groups(!lost.is_empty()).await;
         self.leave(lost, timeout)
             .await?
             .map_err(|source| InitError::Store { rank, source })
@@ -48,7 +48,7 @@ impl Dist {
         }
         .min(self.timeout);
         let rank = self.env.rank;
-        self.destroy_process_groups(true);
+        self.destroy_process_groups(true).await;
         let why = match self.leave(lost, wait).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => format!("some ranks never said goodbye ({e}); they are probably gone"),
@@ -59,22 +59,32 @@ impl Dist {
 
     /// Destroys the NCCL process groups made by [`Dist::nccl_process_group`]
     /// (torch's `destroy_process_group`): each finishes its work in flight
-    /// and is destroyed, or, after this rank's failure (`failed`), is
-    /// aborted. A group that failed already reported its error on the
-    /// calls it failed; here that is only logged.
-    fn destroy_process_groups(&self, failed: bool) {
+    /// and is destroyed; after this rank's failure, or once ranks were
+    /// lost (`abort`), each is aborted instead, since a finalize would wait
+    /// for the dead. The shutdown blocks (up to the op timeout), so it runs
+    /// on the blocking pool: the fingerprint check's task, which it waits
+    /// for, must keep running even on a current-thread runtime. A failed
+    /// shutdown is a warning; the job's own result stands.
+    async fn destroy_process_groups(&self, abort: bool) {
         #[cfg(feature = "nccl")]
-        for b in std::mem::take(&mut *lock(&self.nccl_groups)) {
-            let r = if failed { b.abort() } else { b.shutdown() };
-            if let Err(e) = r {
-                tracing::debug!(
-                    rank = self.env.rank,
-                    "an NCCL process group ended with: {e}"
-                );
+        {
+            let groups = std::mem::take(&mut *lock(&self.nccl_groups));
+            for b in groups {
+                let end = move || if abort { b.abort() } else { b.shutdown() };
+                let r = match tokio::task::spawn_blocking(end).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("its shutdown thread failed: {e}")),
+                };
+                if let Err(e) = r {
+                    tracing::warn!(
+                        rank = self.env.rank,
+                        "an NCCL process group ended with: {e}"
+                    );
+                }
             }
         }
         #[cfg(not(feature = "nccl"))]
-        let _ = failed;
+        let _ = abort;
     }
 
     /// Says this rank's goodbye (and the lost ranks'), and on the rank that
