@@ -294,7 +294,17 @@ impl<W> Ordered<W> {
     /// The enqueue of call `id` failed with `e`: the call fails, its group
     /// is poisoned, and the driver must abort the communicator (peers may
     /// have enqueued their part). Returns the call's error, with context.
+    ///
+    /// An enqueue that an abort stopped (`Aborted`, the group already
+    /// failed: a mismatch found while the call was being enqueued, say)
+    /// fails with that failure, as a refused call does
+    /// ([`Ordered::launchable`]): the mismatch itself when it names this
+    /// call, else the earlier failure.
     pub fn launch_failed(&mut self, id: CallId, e: CommError) -> CommError {
+        let e = match (self.engine.poisoned(self.group), &e) {
+            (Some(first), CommError::Aborted { .. }) => self.named_or_aborted(id, first),
+            _ => e,
+        };
         self.unlaunched.remove(&id);
         let out = self.engine.end(id, Err(e)).result;
         out.err().unwrap_or_else(|| CommError::Aborted {

@@ -208,6 +208,36 @@ fn a_mismatch_found_before_its_call_reaches_the_stream_is_that_calls_error() {
     assert!(o.is_idle());
 }
 
+#[test]
+fn a_mismatch_found_while_its_call_is_being_enqueued_is_that_calls_error() {
+    // The verdict can also come while the call is inside its enqueue: the
+    // abort it starts stops that enqueue (seen on an H100: the call got
+    // "the communicator was aborted while this call was being enqueued").
+    let mut o = Ordered::<u32>::new(1, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let next = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    o.launchable(m.id).unwrap();
+    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let e = first_difference(m.fp, 1, &both(m.fp, other)).unwrap();
+    assert!(o.mismatch(e).is_empty());
+    let stopped = || CommError::Aborted {
+        ctx: Default::default(),
+        cause: "the communicator was aborted while this call was being enqueued".into(),
+    };
+    let (got, first) = o.failed_before_enqueue(m.id, stopped());
+    assert!(matches!(got, CommError::Mismatch { .. }), "{got}");
+    assert!(matches!(first, CommError::Mismatch { .. }), "{first}");
+    // A later call stopped the same way fails by the earlier failure.
+    let got = o.launch_failed(next.id, stopped());
+    assert!(matches!(got, CommError::Aborted { .. }), "{got}");
+    assert!(got.to_string().contains("mismatch"), "{got}");
+    // A failure of its own, not an abort's, stays the call's error.
+    let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
+    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let (got, _) = o.failed_before_enqueue(m.id, stopped());
+    assert!(got.to_string().contains("being enqueued"), "{got}");
+}
+
 fn both(a: Fingerprint, b: Fingerprint) -> Vec<u8> {
     let mut v = FrameHeader::data(a, 0, 0, 0).encode().to_vec();
     v.extend_from_slice(&FrameHeader::data(b, 0, 0, 0).encode());
