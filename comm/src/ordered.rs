@@ -256,6 +256,11 @@ impl<W> Ordered<W> {
             {
                 e.clone()
             }
+            // An earlier call's abort: its text, this call's context.
+            CommError::Aborted { cause, .. } => CommError::Aborted {
+                ctx: ErrorContext::default(),
+                cause: cause.clone(),
+            },
             _ => e.to_aborted(),
         }
     }
@@ -302,7 +307,11 @@ impl<W> Ordered<W> {
     /// call, else the earlier failure.
     pub fn launch_failed(&mut self, id: CallId, e: CommError) -> CommError {
         let e = match (self.engine.poisoned(self.group), &e) {
-            (Some(first), CommError::Aborted { .. }) => self.named_or_aborted(id, first),
+            (Some(first), CommError::Aborted { .. }) => {
+                let theirs = self.named_or_aborted(id, first);
+                tracing::debug!(call = %e, group = %theirs, "an enqueue failed after its group");
+                theirs
+            }
             _ => e,
         };
         self.unlaunched.remove(&id);

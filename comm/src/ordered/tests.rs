@@ -231,10 +231,25 @@ fn a_mismatch_found_while_its_call_is_being_enqueued_is_that_calls_error() {
     let got = o.launch_failed(next.id, stopped());
     assert!(matches!(got, CommError::Aborted { .. }), "{got}");
     assert!(got.to_string().contains("mismatch"), "{got}");
-    // A failure of its own, not an abort's, stays the call's error.
+    // In a group that had not failed, the call's own error stands.
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let later = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
+    let last = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
     let (got, _) = o.failed_before_enqueue(m.id, stopped());
+    assert!(got.to_string().contains("being enqueued"), "{got}");
+    // So does a failure that is not an abort's, in a failed group; and a
+    // later call stopped by that abort reports its own op and seq.
+    let nccl = CommError::Backend {
+        ctx: Default::default(),
+        backend: "NCCL",
+        code: 3,
+        detail: "ncclInternalError".into(),
+    };
+    let (got, _) = o.failed_before_enqueue(later.id, nccl);
+    assert!(matches!(got, CommError::Backend { .. }), "{got}");
+    let got = o.launch_failed(last.id, stopped());
+    assert_eq!(got.context().and_then(|c| c.seq), Some(2), "{got}");
     assert!(got.to_string().contains("being enqueued"), "{got}");
 }
 

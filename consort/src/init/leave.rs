@@ -63,23 +63,32 @@ impl Dist {
     /// lost (`abort`), each is aborted instead, since a finalize would wait
     /// for the dead. The shutdown blocks (up to the op timeout), so it runs
     /// on the blocking pool: the fingerprint check's task, which it waits
-    /// for, must keep running even on a current-thread runtime. A failed
-    /// shutdown is a warning; the job's own result stands.
+    /// for, must keep running even on a current-thread runtime. A healthy
+    /// group's failed shutdown is a warning; the job's own result stands.
     async fn destroy_process_groups(&self, abort: bool) {
         #[cfg(feature = "nccl")]
         {
             let groups = std::mem::take(&mut *lock(&self.nccl_groups));
             for b in groups {
+                // A group that failed returns its first error again: its
+                // calls reported it already.
+                let failed = b.failed().is_some();
                 let end = move || if abort { b.abort() } else { b.shutdown() };
                 let r = match tokio::task::spawn_blocking(end).await {
                     Ok(r) => r.map_err(|e| e.to_string()),
                     Err(e) => Err(format!("its shutdown thread failed: {e}")),
                 };
-                if let Err(e) = r {
-                    tracing::warn!(
-                        rank = self.env.rank,
-                        "an NCCL process group ended with: {e}"
-                    );
+                match r {
+                    Err(e) if failed => {
+                        tracing::debug!(rank = self.env.rank, "a failed NCCL group ended: {e}")
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            rank = self.env.rank,
+                            "an NCCL process group ended with: {e}"
+                        )
+                    }
+                    Ok(()) => {}
                 }
             }
         }

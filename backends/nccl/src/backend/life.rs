@@ -310,6 +310,12 @@ impl NcclBackend {
         out
     }
 
+    /// The group's sticky failure, if it failed: what every later call
+    /// returns, and what [`NcclBackend::shutdown`] will.
+    pub fn failed(&self) -> Option<CommError> {
+        lock(&self.shared.track).core.poisoned().cloned()
+    }
+
     /// Aborts the communicator (`ncclCommAbort`): in-flight work on every
     /// rank fails, and this backend stays failed. Safe with work in
     /// flight. Use it when a peer is known dead.
