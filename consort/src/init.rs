@@ -189,7 +189,8 @@ impl Dist {
     #[cfg(feature = "nccl")]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
         let b = Arc::new(self.nccl_backend(None).await?);
-        leave::lock(&self.nccl_groups).push(b.clone());
+        let mut held = self.nccl_groups.lock().unwrap_or_else(|p| p.into_inner());
+        held.push(b.clone());
         Ok(ProcessGroup::new(b))
     }
 

@@ -68,7 +68,8 @@ impl Dist {
     async fn destroy_process_groups(&self, abort: bool) {
         #[cfg(feature = "nccl")]
         {
-            let groups = std::mem::take(&mut *lock(&self.nccl_groups));
+            let held = &self.nccl_groups;
+            let groups = std::mem::take(&mut *held.lock().unwrap_or_else(|p| p.into_inner()));
             for b in groups {
                 // A group that failed returns its first error again: its
                 // calls reported it already.
@@ -125,10 +126,4 @@ impl Dist {
         server.shutdown().await;
         Ok(waited)
     }
-}
-
-/// A mutex's guard, whether or not a panic poisoned it.
-#[cfg(feature = "nccl")]
-pub(super) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
