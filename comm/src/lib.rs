@@ -24,10 +24,14 @@
 //! - the rules of stream-ordered communicators ([`ordered`]), on that
 //!   engine, with time as an argument: what NCCL and the emulated device
 //!   both drive, and the fingerprint check over a host side channel;
+//! - the stream-ordered driver ([`stream`]) that runs those rules on
+//!   threads for every device (NCCL's CUDA events, the emulated device's
+//!   gates), which implements only [`stream::DeviceComm`];
 //! - fault injection that the simulator and the mesh's faulty links share
 //!   ([`fault`]), and bounded waits ([`time`]).
 //!
-//! It never imports a backend, an async runtime, or a socket.
+//! It never imports a backend or a socket, and runs no async runtime: the
+//! stream driver only asks tokio which runtime a blocking wait is on.
 
 pub mod algo;
 mod backend;
@@ -48,6 +52,7 @@ mod objects;
 pub mod ordered;
 pub mod reduce;
 pub mod store;
+pub mod stream;
 mod subgroups;
 pub mod time;
 pub mod validate;
@@ -66,3 +71,12 @@ pub use subgroups::GroupOptions;
 /// Re-exported so that users name `consort_comm::half::bf16` without adding
 /// the crate themselves.
 pub use half;
+
+/// Locks `m`, taking the state over from a thread that panicked while it
+/// held it: every state consort guards so is changed by one method at a
+/// time, completed or not begun, so the panic is reported where it
+/// happened and the other threads go on (std's poisoning would turn one
+/// panic into one per thread). The one lock helper of the workspace.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

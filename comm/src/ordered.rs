@@ -47,7 +47,6 @@
 
 use std::{
     collections::{BTreeSet, VecDeque},
-    sync::{Condvar, Mutex},
     time::{Duration, Instant},
 };
 
@@ -69,13 +68,11 @@ pub struct Made {
     pub ctx: ErrorContext,
 }
 
-/// One enqueued call.
+/// One enqueued call (its deadline is the engine's timer).
 #[derive(Debug)]
 struct Queued<W> {
     id: CallId,
     ctx: ErrorContext,
-    deadline: Instant,
-    timeout: Duration,
     work: W,
 }
 
@@ -109,8 +106,8 @@ pub struct Ordered<W> {
     queue: VecDeque<Queued<W>>,
     /// Set by shutdown: every later call fails with it.
     closed: Option<String>,
-    /// Calls blocked in [`wait_turn`]: only then must a driver wake them
-    /// ([`Ordered::turn_awaited`]).
+    /// Calls blocked waiting for their turn: only then must a driver wake
+    /// them ([`Ordered::turn_awaited`]).
     turn_waiters: usize,
 }
 
@@ -182,7 +179,16 @@ impl<W> Ordered<W> {
         self.unlaunched.first().is_none_or(|first| *first >= id) || self.refused(id).is_some()
     }
 
-    /// Whether a call waits for its turn ([`wait_turn`]): a driver then
+    /// A call began (`true`) or ended (`false`) waiting for its turn.
+    pub fn turn_waiter(&mut self, waits: bool) {
+        if waits {
+            self.turn_waiters += 1;
+        } else {
+            self.turn_waiters = self.turn_waiters.saturating_sub(1);
+        }
+    }
+
+    /// Whether a call waits for its turn: a driver then
     /// wakes it when a call leaves the turn order or the group fails (a
     /// condvar notify is a syscall; with no one waiting, it is skipped).
     pub fn turn_awaited(&self) -> bool {
@@ -284,15 +290,8 @@ impl<W> Ordered<W> {
             return Some((work, self.engine.end(id, Err(e)).result));
         }
         let ctx = self.context(id);
-        self.queue.push_back(Queued {
-            id,
-            ctx,
-            deadline: now
-                .checked_add(timeout.min(crate::time::MAX_TIMEOUT))
-                .unwrap_or(now),
-            timeout,
-            work,
-        });
+        self.engine.arm(id, now, timeout, None);
+        self.queue.push_back(Queued { id, ctx, work });
         None
     }
 
@@ -357,9 +356,10 @@ impl<W> Ordered<W> {
     }
 
     /// When the driver must call [`Ordered::watch`] at the latest: the
-    /// oldest work's deadline (`None` with nothing in flight).
+    /// oldest work's deadline, the engine's timer (`None` with nothing in
+    /// flight).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.queue.front().map(|q| q.deadline)
+        self.queue.front().and_then(|q| self.engine.deadline(q.id))
     }
 
     /// Looks at the work in flight at `now`: `done(work)` says whether a
@@ -387,14 +387,12 @@ impl<W> Ordered<W> {
                     out.finished.push((q.work, ended.result));
                 }
                 Ok(false) => {
-                    let (ctx, timeout, deadline) = (front.ctx, front.timeout, front.deadline);
-                    let failed = failure(&front.work, ctx, deadline).or_else(|| {
-                        (now >= deadline).then(|| CommError::Timeout {
-                            ctx,
-                            after: timeout,
-                            waiting_on: Vec::new(),
-                        })
-                    });
+                    let (id, ctx) = (front.id, front.ctx);
+                    let deadline = self.engine.deadline(id).unwrap_or(now);
+                    // The engine's clock: a call past its deadline fails
+                    // with the one `Timeout` the engine builds.
+                    let failed = failure(&front.work, ctx, deadline)
+                        .or_else(|| (now >= deadline).then(|| self.engine.timed_out(id, &[])));
                     if let Some(e) = failed {
                         out.finished.extend(self.fail_all(e));
                         out.abort = true;
@@ -476,45 +474,6 @@ impl<W> Ordered<W> {
         self.queue.front().map(|q| (q.id, &q.work))
     }
 }
-
-/// Blocks the calling thread until call `id`'s turn has come (every call
-/// made before it enqueued, or its group failed), at most `timeout`; the
-/// error names the call it waited for ([`Ordered::turn_timed_out`]).
-/// `state` is the driver's lock around its rules (`rules` picks them out)
-/// and `turn` the condvar it notifies, with that lock, when
-/// [`Ordered::turn_awaited`]. Calls are made and enqueued within `submit`,
-/// so the call ahead is in another thread's `submit`: this waits as long
-/// as its enqueue takes.
-pub fn wait_turn<S, W>(
-    state: &Mutex<S>,
-    turn: &Condvar,
-    rules: impl Fn(&mut S) -> &mut Ordered<W>,
-    id: CallId,
-    timeout: Duration,
-) -> Result<()> {
-    let deadline = crate::time::deadline(timeout);
-    let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
-    loop {
-        let o = rules(&mut st);
-        if o.is_turn(id) {
-            return Ok(());
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(o.turn_timed_out(id, timeout));
-        }
-        o.turn_waiters += 1;
-        // Woken by the driver; the short bound is a backstop.
-        st = match turn.wait_timeout(st, left.min(TURN_LOOK)) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        };
-        rules(&mut st).turn_waiters -= 1;
-    }
-}
-
-/// How often a call waiting for its turn looks again, woken or not.
-const TURN_LOOK: Duration = Duration::from_millis(10);
 
 /// The error of a wait (`synchronize`, shutdown) on this rank that ran
 /// past `after`.

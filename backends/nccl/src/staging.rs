@@ -22,7 +22,9 @@ use std::{
 use consort_comm::{CommError, ErrorContext, Result};
 use cudarc::driver::{CudaContext, result as cu};
 
-use crate::work::{driver_error, lock};
+use consort_comm::lock;
+
+use crate::work::driver_error;
 
 /// The smallest pair allocated (small calls share sizes, and so reuse).
 const MIN_BYTES: usize = 4096;

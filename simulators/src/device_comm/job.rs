@@ -11,10 +11,9 @@ use consort_comm::{
     ReduceOp, Result, fault::Rng, ordered::check,
 };
 
-use super::{
-    EmulatedCommOptions,
-    watch::{Shared, lock},
-};
+use consort_comm::lock;
+
+use super::{EmulatedCommOptions, gates::Driver};
 use crate::device::EmulatedDevice;
 
 #[derive(Clone, Debug)]
@@ -90,6 +89,8 @@ pub(super) struct Job {
     pub(super) output: Option<Mem>,
     /// Events on the buffers' streams that the collective waits for.
     pub(super) after: Vec<EventId>,
+    /// The call's deadline, the driver's (its op timeout from its enqueue).
+    pub(super) deadline: std::time::Instant,
     /// Opened when the collective is done (its completion event).
     pub(super) gate: EventId,
     /// What the call came to, for the watchdog.
@@ -99,7 +100,7 @@ pub(super) struct Job {
     /// caller merely dropped its work), the job runs on.
     pub(super) cancelled: Option<tokio::sync::oneshot::Receiver<CommError>>,
     /// The communicator the call belongs to (its rules and its errors).
-    pub(super) comm: Arc<Shared>,
+    pub(super) comm: Arc<Driver>,
     /// The host backend of a subgroup's call (`None`: the thread's own).
     pub(super) group: Option<Arc<dyn Backend>>,
 }
@@ -136,14 +137,12 @@ pub(super) fn comm_thread(
     let mut rng = Rng::new(opts.seed ^ (inner.rank() as u64).wrapping_mul(0x9E37));
     let max = opts.max_delay.as_nanos() as u64;
     while let Ok(mut job) = jobs.recv() {
-        let timeout = job.opts.timeout_or(inner.default_timeout());
+        let timeout = kernel_timeout(job.deadline);
+        job.opts = job.opts.with_timeout(timeout);
         let skip = {
-            let st = job.comm.lock();
-            (st.aborted || st.async_error.is_some()).then(|| {
-                st.async_error
-                    .clone()
-                    .or_else(|| st.core.poisoned().cloned())
-            })
+            let gates = job.comm.device();
+            let failed = gates.async_error();
+            (gates.aborted() || failed.is_some()).then(|| failed.or_else(|| job.comm.poisoned()))
         };
         match (skip, &rt) {
             (Some(cause), Ok(rt)) => rt.block_on(tell_peers(inner, device, &mut job, cause)),
@@ -175,8 +174,18 @@ pub(super) fn comm_thread(
             device.release_event(e);
         }
         device.complete_event(job.gate);
-        job.comm.cv.notify_all();
+        job.comm.wake();
     }
+}
+
+/// How long the emulated kernel (the host call) may run: what is left of
+/// its deadline, which is the driver's, less a margin (a twentieth of it,
+/// at most 20 ms), so that its own failure, which names the ranks it
+/// waited on, reaches the watchdog before the deadline does (as NCCL's
+/// asynchronous error is looked at before a call times out).
+fn kernel_timeout(deadline: std::time::Instant) -> Duration {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    left.saturating_sub((left / 20).min(Duration::from_millis(20)))
 }
 
 /// A call whose peer was lost, under [`EmulatedCommOptions::silent_loss`]:
@@ -185,7 +194,7 @@ pub(super) fn comm_thread(
 /// kernel's stream goes on), at most `limit`.
 fn stuck_until_aborted(job: &Job, limit: Duration) {
     let deadline = consort_comm::time::deadline(limit);
-    while !job.comm.lock().aborted && std::time::Instant::now() < deadline {
+    while !job.comm.device().aborted() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -197,7 +206,7 @@ pub(super) fn settle(job: &Job, result: Result<()>) {
     match result.map_err(remote_error) {
         Ok(()) => lock(&job.slot).out = job.output.as_ref().map(|m| m.bytes().to_vec()),
         Err(e) => {
-            job.comm.lock().async_error.get_or_insert(e.clone());
+            job.comm.device().failed(e.clone());
             lock(&job.slot).err = Some(e);
         }
     }
@@ -303,21 +312,16 @@ async fn given_cause(cancelled: Option<tokio::sync::oneshot::Receiver<CommError>
 
 /// Ready with the communicator's cause once it has been aborted (looked at
 /// every millisecond).
-async fn aborted(comm: &Shared) -> CommError {
+async fn aborted(comm: &Driver) -> CommError {
     loop {
-        {
-            let st = comm.lock();
-            if st.aborted {
-                return st
-                    .core
-                    .poisoned()
-                    .cloned()
-                    .or_else(|| st.async_error.clone())
-                    .unwrap_or_else(|| CommError::Aborted {
-                        ctx: Default::default(),
-                        cause: "this rank's emulated communicator was aborted".into(),
-                    });
-            }
+        if comm.device().aborted() {
+            return comm
+                .poisoned()
+                .or_else(|| comm.device().async_error())
+                .unwrap_or_else(|| CommError::Aborted {
+                    ctx: Default::default(),
+                    cause: "this rank's emulated communicator was aborted".into(),
+                });
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }

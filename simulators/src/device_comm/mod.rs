@@ -43,30 +43,29 @@
 //! It owns no algorithm (the wrapped backend runs them) and no call rule.
 
 use std::{
-    sync::{Arc, Condvar, Mutex, OnceLock, mpsc},
+    sync::{Arc, Mutex, OnceLock, mpsc},
     thread::JoinHandle,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use async_trait::async_trait;
 use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId, Fingerprint,
-    GroupId, HostSliceMut, Op, OpKind, Result, Work,
+    GroupId, HostSliceMut, Op, Result, Work,
     device::{Device, StreamId},
-    ordered::{
-        Ordered,
-        check::{CheckTask, Checker, Report},
-    },
+    lock,
+    ordered::check::{CheckTask, Checker},
+    stream::{Call, DriverOptions, reporter},
     validate,
 };
 
 use crate::device::EmulatedDevice;
 
+mod gates;
 mod job;
-mod watch;
 
+use gates::{Driver, Gates, Tracked};
 use job::{Job, Kind, Mem, Slot, comm_thread};
-use watch::{Shared, State, Tracked, lock, watchdog};
 
 /// How an [`EmulatedComm`] behaves.
 #[derive(Clone, Debug)]
@@ -127,7 +126,8 @@ pub struct EmulatedComm {
     /// only the runtime the parent is dropped on would drop); a subgroup's
     /// later calls then fail.
     jobs: Arc<Mutex<Option<mpsc::Sender<Job>>>>,
-    shared: Arc<Shared>,
+    /// The stream-ordered driver NCCL runs, on this device's gates.
+    driver: Arc<Driver>,
     /// The communication thread (the parent's; a subgroup has none).
     worker: Mutex<Option<JoinHandle<()>>>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
@@ -154,32 +154,27 @@ fn thread_error(what: &str, e: std::io::Error) -> CommError {
     }
 }
 
-/// One communicator's rules and its watchdog thread.
+/// One communicator's driver and its watchdog thread.
 fn communicator(
     inner: &dyn Backend,
     device: &Arc<EmulatedDevice>,
-) -> Result<(Arc<Shared>, JoinHandle<()>)> {
-    let shared = Arc::new(Shared {
-        state: Mutex::new(State {
-            core: Ordered::new(inner.rank(), inner.world_size(), inner.group_id()),
-            async_error: None,
-            aborted: false,
-            lost: Default::default(),
-            stop: false,
-        }),
-        cv: Condvar::new(),
-        device: device.clone(),
-        checker: OnceLock::new(),
-        beat: OnceLock::new(),
-        turn: Condvar::new(),
-    });
-    let s = shared.clone();
-    let watchdog = std::thread::Builder::new()
-        .name(format!("consort-emulated-watchdog-{}", inner.rank()))
-        .spawn(move || watchdog(&s))
-        .map_err(|e| thread_error("watchdog", e))?;
-    Ok((shared, watchdog))
+    opts: &EmulatedCommOptions,
+) -> Result<(Arc<Driver>, JoinHandle<()>)> {
+    let driver = Arc::new(Driver::new(
+        Gates::new(device.clone()),
+        (inner.rank(), inner.world_size()),
+        inner.group_id(),
+        DriverOptions {
+            poll: WATCH_POLL,
+            stall_enqueue_at: opts.stall_enqueue_at,
+        },
+    ));
+    let watchdog = driver.spawn_watchdog(format!("consort-emulated-watchdog-{}", inner.rank()))?;
+    Ok((driver, watchdog))
 }
+
+/// How often the emulated watchdog looks at work in flight.
+const WATCH_POLL: Duration = Duration::from_micros(200);
 
 impl EmulatedComm {
     /// Wraps `inner` (a host backend) for buffers on `device`, with its own
@@ -190,7 +185,7 @@ impl EmulatedComm {
         opts: EmulatedCommOptions,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let (shared, watchdog) = communicator(&*inner, &device)?;
+        let (driver, watchdog) = communicator(&*inner, &device, &opts)?;
         let (b, d, o) = (inner.clone(), device.clone(), opts.clone());
         let worker = std::thread::Builder::new()
             .name(format!("consort-emulated-comm-{}", inner.rank()))
@@ -201,7 +196,7 @@ impl EmulatedComm {
             device,
             opts,
             jobs: Arc::new(Mutex::new(Some(tx))),
-            shared,
+            driver,
             worker: Mutex::new(Some(worker)),
             watchdog: Mutex::new(Some(watchdog)),
             group: None,
@@ -228,7 +223,7 @@ impl EmulatedComm {
                 path.display()
             ))
         })?;
-        let _ = self.shared.beat.set(b);
+        self.driver.set_heartbeat(b);
         Ok(())
     }
 
@@ -244,15 +239,14 @@ impl EmulatedComm {
                 "the side channel of the fingerprint check must have this group's ranks",
             ));
         }
-        let (checker, task) = Checker::new(host, self.default_timeout(), reporter(&self.shared));
+        let bind = Arc::new(OnceLock::new());
+        let _ = bind.set(Arc::downgrade(&self.driver));
+        let (checker, task) = Checker::new(host, self.default_timeout(), reporter(bind));
         self.start_checker(checker, task)
     }
 
     fn start_checker(&self, checker: Checker, task: CheckTask) -> Result<()> {
-        self.shared
-            .checker
-            .set(checker)
-            .map_err(|_| CommError::invalid("this communicator already checks its fingerprints"))?;
+        self.driver.set_checker(checker)?;
         std::thread::Builder::new()
             .name(format!("consort-emulated-check-{}", self.rank()))
             .spawn(move || {
@@ -315,22 +309,18 @@ impl EmulatedComm {
         output: Option<BufferMut<'a>>,
     ) -> Result<Work<'a>> {
         let args = self.args(input, output)?;
-        // The arguments are sound: the call takes its place now.
-        let made = self.make(fp)?;
-        let pending = Unlaunched {
-            shared: &self.shared,
-            id: made.id,
-            live: true,
+        let peer = match kind {
+            Kind::Send(p) | Kind::Recv(p) => Some(p),
+            _ => None,
         };
-        let o = *opts;
-        if let Err(e) = self
-            .shared
-            .wait_turn(made.id, o.timeout_or(self.default_timeout()))
-        {
-            pending.settled();
-            return Err(self.shared.failed_before_enqueue(made.id, e));
+        // The arguments are sound: the call takes its place now.
+        let timeout = opts.timeout_or(self.default_timeout());
+        let call = self.driver.make(fp, timeout, peer)?;
+        let pending = self.driver.unlaunched(&call);
+        if let Err(e) = self.driver.wait_turn(&call) {
+            return Err(pending.failed(e));
         }
-        let answer = self.launch(made, kind, &o, args);
+        let answer = self.launch(&call, kind, opts, args);
         pending.settled();
         Ok(match answer? {
             Some(a) => Work::new(answer_of(a)),
@@ -338,12 +328,13 @@ impl EmulatedComm {
         })
     }
 
-    /// Enqueues call `made` (its turn has come): device calls are then
-    /// done, as far as the host is concerned; host calls (and calls with no
-    /// buffer) return the answer to wait for and where it goes.
+    /// Enqueues `call` (its turn has come), under the driver's launch
+    /// lock: device calls are then done, as far as the host is concerned;
+    /// host calls (and calls with no buffer) return the answer to wait for
+    /// and where it goes.
     fn launch<'a>(
         &self,
-        made: consort_comm::ordered::Made,
+        call: &Call,
         kind: Kind,
         opts: &CallOptions,
         args: Args<'a>,
@@ -355,85 +346,48 @@ impl EmulatedComm {
             streams,
             device_call,
         } = args;
-        let peer = match kind {
-            Kind::Send(p) | Kind::Recv(p) => Some(p),
-            _ => None,
-        };
-        if let Some((seq, d)) = self.opts.stall_enqueue_at
-            && seq == made.fp.seq
-        {
-            std::thread::sleep(d);
-        }
-        let gate = self.device.pending_event();
-        if let Some(e) = self.injected_failure(&made) {
-            return Err(self.launch_failed(gate, made.id, e));
-        }
-        let after = match self.order_streams(&streams, gate, device_call) {
-            Ok(a) => a,
-            Err(e) => return Err(self.launch_failed(gate, made.id, e)),
-        };
         // A host call (or one with no buffer) is answered when it is done,
         // and may be cancelled with a cause until then.
         let answered = !device_call;
         let (reply, answer) = channel_if(answered);
         let (cancel, cancelled) = channel_if(answered);
-        let slot = Arc::new(Mutex::new(Slot::default()));
-        let job = Job {
-            kind,
-            opts: *opts,
-            input,
-            output,
-            after,
-            gate,
-            slot: slot.clone(),
-            cancelled,
-            comm: self.shared.clone(),
-            group: self.group.clone(),
-        };
-        self.send(job, made.id)?;
-        // The watchdog is the backstop here: the wrapped backend bounds the
-        // call itself, from when it starts on the communication thread, and
-        // its timeout names the ranks it waited for. A GPU that hangs is
-        // still failed, at twice the op's timeout from when it was made.
-        let timeout = opts.timeout_or(self.default_timeout()).saturating_mul(2);
-        let work = Tracked {
-            gate,
-            reply,
-            slot,
-            peer,
-        };
-        let late = (self.shared.lock().core).enqueued(made.id, work, Instant::now(), timeout);
-        if let Some((w, r)) = late {
-            // Aborted meanwhile: the call fails with the group's cause.
-            self.shared.finish(w, r);
-        }
-        self.shared.cv.notify_all();
-        self.shared.turn_moved();
+        self.driver.launch(call, |l| {
+            let gate = self.device.pending_event();
+            let after = match self
+                .injected_failure(call)
+                .map_or_else(|| self.order_streams(&streams, gate, device_call), Err)
+            {
+                Ok(a) => a,
+                Err(e) => {
+                    self.release_gate(gate, &[]);
+                    return Err(e);
+                }
+            };
+            let slot = Arc::new(Mutex::new(Slot::default()));
+            let job = Job {
+                kind,
+                opts: *opts,
+                input,
+                output,
+                after,
+                deadline: l.deadline,
+                gate,
+                slot: slot.clone(),
+                cancelled,
+                comm: self.driver.clone(),
+                group: self.group.clone(),
+            };
+            self.send(job)?;
+            Ok(Tracked { gate, reply, slot })
+        })?;
         Ok(answer.map(|a| (a, host_out, cancel)))
-    }
-
-    /// Makes a call: its place in the order, its heartbeat, and its
-    /// fingerprint to the checker (collectives only).
-    fn make(&self, fp: Fingerprint) -> Result<consort_comm::ordered::Made> {
-        let made = self
-            .shared
-            .lock()
-            .core
-            .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
-        self.shared.made(&made.fp);
-        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
-            && let Some(c) = self.shared.checker.get()
-        {
-            c.check(made.fp);
-        }
-        Ok(made)
     }
 
     /// The enqueue failure [`EmulatedCommOptions::fail_enqueue_at`] injects
     /// for `made`, if it is that call.
-    fn injected_failure(&self, made: &consort_comm::ordered::Made) -> Option<CommError> {
-        (self.opts.fail_enqueue_at == Some(made.fp.seq)).then(|| CommError::Backend {
-            ctx: made.ctx,
+    fn injected_failure(&self, call: &Call) -> Option<CommError> {
+        (self.opts.fail_enqueue_at == Some(call.made.fp.seq)).then(|| CommError::Backend {
+            ctx: call.made.ctx,
             backend: "NCCL (emulated)",
             code: 3,
             detail: "ncclInternalError (the enqueue failed: EmulatedCommOptions::fail_enqueue_at)"
@@ -441,47 +395,34 @@ impl EmulatedComm {
         })
     }
 
-    /// Hands call `id`'s job to the communication thread, unless its group
-    /// failed since it was made (then the streams told to wait on its gate
-    /// must not wait for ever) or the thread has stopped.
-    fn send(&self, job: Job, id: consort_comm::engine::CallId) -> Result<()> {
-        let gate = job.gate;
-        let refused = self.shared.lock().core.launchable(id);
-        if let Err(e) = refused {
-            self.shared.ended();
-            self.shared.turn_moved();
-            for &ev in &job.after {
-                self.device.release_event(ev);
-            }
-            self.device.complete_event(gate);
-            self.device.release_event(gate);
-            return Err(e);
-        }
-        let sent = match &*lock(&self.jobs) {
-            Some(tx) => tx.send(job).is_ok(),
-            None => false,
+    /// Hands a job to the communication thread (its turn has come and its
+    /// group has not failed: the driver checked, under the launch lock).
+    fn send(&self, job: Job) -> Result<()> {
+        let refused = match &*lock(&self.jobs) {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
         };
-        if !sent {
-            let e = CommError::Aborted {
-                ctx: Default::default(),
-                cause: "the emulated communication thread has stopped".into(),
-            };
-            return Err(self.launch_failed(gate, id, e));
+        match refused {
+            None => Ok(()),
+            Some(job) => {
+                self.release_gate(job.gate, &job.after);
+                Err(CommError::Aborted {
+                    ctx: Default::default(),
+                    cause: "the emulated communication thread has stopped".into(),
+                })
+            }
         }
-        Ok(())
     }
 
-    /// A call that could not be enqueued: its gate fires and goes, and the
-    /// communicator fails the call (and is aborted) as NCCL's would be.
-    fn launch_failed(
-        &self,
-        gate: EventId,
-        id: consort_comm::engine::CallId,
-        e: CommError,
-    ) -> CommError {
+    /// A call that never reached the communication thread: its gate fires
+    /// (no stream told to wait on it waits for ever) and goes, with the
+    /// events it would have waited for.
+    fn release_gate(&self, gate: EventId, after: &[EventId]) {
+        for &ev in after {
+            self.device.release_event(ev);
+        }
         self.device.complete_event(gate);
         self.device.release_event(gate);
-        self.shared.failed_before_enqueue(id, e)
     }
 
     /// A call's buffers as the communication thread holds them, with the
@@ -559,39 +500,6 @@ struct Args<'a> {
     device_call: bool,
 }
 
-/// A call made and not yet enqueued: dropped before it is (a panic between
-/// its make and its enqueue, both in `submit`), it is cancelled, as on
-/// NCCL.
-struct Unlaunched<'a> {
-    shared: &'a Shared,
-    id: consort_comm::engine::CallId,
-    live: bool,
-}
-
-impl Unlaunched<'_> {
-    /// The call was enqueued, or failed: nothing to cancel.
-    fn settled(mut self) {
-        self.live = false;
-    }
-}
-
-impl Drop for Unlaunched<'_> {
-    fn drop(&mut self) {
-        if self.live {
-            self.shared.cancel(self.id);
-        }
-    }
-}
-
-fn reporter(shared: &Arc<Shared>) -> Report {
-    let weak = Arc::downgrade(shared);
-    Arc::new(move |e| {
-        if let Some(s) = weak.upgrade() {
-            s.mismatch(e);
-        }
-    })
-}
-
 /// A one-shot channel, when `wanted`: a host call's result to come, or the
 /// cause its caller gives the communication thread when the call failed
 /// first.
@@ -645,18 +553,15 @@ impl Drop for EmulatedComm {
     fn drop(&mut self) {
         // The peers' comparisons of this rank's last calls need this
         // rank's part: leave after them (bounded), as NCCL's backend does.
-        if let Some(c) = self.shared.checker.get() {
+        if let Some(c) = self.driver.checker() {
             c.wait_drained();
         }
         if let Some(w) = lock(&self.worker).take() {
             lock(&self.jobs).take();
             let _ = w.join();
         }
-        self.shared.lock().stop = true;
-        self.shared.cv.notify_all();
-        if let Some(w) = lock(&self.watchdog).take() {
-            let _ = w.join();
-        }
+        let w = lock(&self.watchdog).take();
+        self.driver.stop(w);
     }
 }
 
@@ -727,16 +632,11 @@ impl Backend for EmulatedComm {
         // A subgroup's calls run on this rank's one communication thread,
         // in the order they are made (one stream per rank); its rules and
         // its watchdog are its own, as an NCCL subgroup's communicator's.
-        let check = match self.shared.checker.get() {
+        let check = match self.driver.checker() {
             Some(c) => {
-                let bind: Arc<OnceLock<std::sync::Weak<Shared>>> = Arc::new(OnceLock::new());
-                let b = bind.clone();
-                let report: Report = Arc::new(move |e| {
-                    if let Some(s) = b.get().and_then(std::sync::Weak::upgrade) {
-                        s.mismatch(e);
-                    }
-                });
-                c.new_group(ranks, report).await?.map(|m| (m, bind))
+                let bind = Arc::new(OnceLock::new());
+                let made = c.new_group(ranks, reporter(bind.clone())).await?;
+                made.map(|m| (m, bind))
             }
             None => None,
         };
@@ -744,19 +644,19 @@ impl Backend for EmulatedComm {
             return Ok(None);
         };
         let jobs = self.jobs.clone();
-        let (shared, watchdog) = communicator(&*inner, &self.device)?;
+        let (driver, watchdog) = communicator(&*inner, &self.device, &self.opts)?;
         let sub = EmulatedComm {
             inner: inner.clone(),
             device: self.device.clone(),
             opts: self.opts.clone(),
             jobs,
-            shared,
+            driver,
             worker: Mutex::new(None),
             watchdog: Mutex::new(Some(watchdog)),
             group: Some(inner),
         };
         if let Some(((checker, task), bind)) = check {
-            let _ = bind.set(Arc::downgrade(&sub.shared));
+            let _ = bind.set(Arc::downgrade(&sub.driver));
             sub.start_checker(checker, task)?;
         }
         Ok(Some(Arc::new(sub)))
@@ -772,20 +672,10 @@ impl Backend for EmulatedComm {
     /// The ranks the fingerprint check's side channel has seen go, as on
     /// NCCL (whose data path names none): none without a check.
     fn lost_peers(&self) -> Vec<(usize, String)> {
-        consort_comm::ordered::check::Checker::lost_peers_of(self.shared.checker.get())
+        self.driver.lost_peers()
     }
 
     async fn synchronize(&self) -> Result<()> {
-        let timeout = self.default_timeout();
-        let start = Instant::now();
-        loop {
-            if let Some(r) = self.shared.lock().core.synchronized() {
-                return r;
-            }
-            if start.elapsed() >= timeout {
-                return Err(consort_comm::ordered::wait_timeout(self.rank(), timeout));
-            }
-            futures_timer::Delay::new(Duration::from_micros(200)).await;
-        }
+        self.driver.synchronize(self.default_timeout()).await
     }
 }

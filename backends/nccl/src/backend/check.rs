@@ -8,25 +8,18 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use consort_comm::{
     Backend, CommError, Result,
-    ordered::check::{CheckTask, Checker, Report},
+    ordered::check::{CheckTask, Checker},
+    stream::reporter,
 };
 
 use super::NcclBackend;
-use crate::work::Shared;
+use crate::work::Driver;
 
 /// Where a subgroup's checker reports, once the subgroup exists.
-pub(super) type Bind = Arc<OnceLock<Weak<Shared>>>;
+pub(super) type Bind = Arc<OnceLock<Weak<Driver>>>;
 
 /// A checker made for a subgroup before its communicator.
 pub(super) type SubChecker = (Checker, CheckTask, Bind);
-
-fn reporter(bind: Bind) -> Report {
-    Arc::new(move |e: CommError| {
-        if let Some(sh) = bind.get().and_then(Weak::upgrade) {
-            sh.mismatch(e);
-        }
-    })
-}
 
 impl NcclBackend {
     /// Turns on the mismatch check: every collective's fingerprint
@@ -56,10 +49,7 @@ impl NcclBackend {
         let bind: Bind = Arc::new(OnceLock::new());
         let _ = bind.set(Arc::downgrade(&self.shared));
         let (checker, task) = Checker::new(host, self.opts.timeout, reporter(bind));
-        self.shared
-            .checker
-            .set(checker)
-            .map_err(|_| CommError::invalid("this communicator already checks its fingerprints"))?;
+        self.shared.set_checker(checker)?;
         handle.spawn(task);
         Ok(())
     }
@@ -68,7 +58,7 @@ impl NcclBackend {
     /// (every rank of this group calls it); `None` without a check, or on a
     /// rank outside the subgroup.
     pub(super) async fn subgroup_checker(&self, ranks: &[usize]) -> Result<Option<SubChecker>> {
-        let Some(parent) = self.shared.checker.get() else {
+        let Some(parent) = self.shared.checker() else {
             return Ok(None);
         };
         let bind: Bind = Arc::new(OnceLock::new());
@@ -79,7 +69,7 @@ impl NcclBackend {
     /// Starts a subgroup's checker, reporting to this communicator.
     pub(super) fn start_checker(&self, checker: Checker, task: CheckTask, bind: Bind) {
         let _ = bind.set(Arc::downgrade(&self.shared));
-        let _ = self.shared.checker.set(checker);
+        let _ = self.shared.set_checker(checker);
         if let Ok(h) = tokio::runtime::Handle::try_current() {
             h.spawn(task);
         }

@@ -7,10 +7,7 @@
 //! other calls, as torch's `new_group` requires; ranks outside the list get
 //! `None`.
 
-use std::{
-    ffi::c_int,
-    sync::{Arc, atomic::Ordering},
-};
+use std::{ffi::c_int, sync::Arc};
 
 use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, GroupId, Result};
 
@@ -23,7 +20,7 @@ use crate::{
     keys::{UNIQUE_ID_BYTES, check_unique_id},
     map::nccl_error,
     sys::{self, Comm, result},
-    work::{driver_error, lock},
+    work::driver_error,
 };
 
 impl NcclBackend {
@@ -36,12 +33,9 @@ impl NcclBackend {
         let me = ranks.iter().position(|&r| r == self.rank);
         let timeout = opts.timeout_or(self.opts.timeout);
         // Every rank of the parent numbers the subgroup alike, member or not.
-        let (parent, id, failed) = {
-            let mut t = lock(&self.shared.track);
-            let parent = t.core.group();
-            let failed = t.core.poisoned().is_some();
-            (parent, t.core.engine_mut().next_group_id(parent)?, failed)
-        };
+        let parent = self.shared.group();
+        let failed = self.shared.poisoned().is_some();
+        let id = self.shared.with_engine(|e| e.next_group_id(parent))?;
         let check = self.subgroup_checker(ranks).await?;
         let ctx0 = ErrorContext {
             rank: Some(self.rank),
@@ -50,7 +44,7 @@ impl NcclBackend {
         let comm = if failed {
             self.init_by_store(ranks, me, (parent, id), timeout, ctx0)
                 .await?
-        } else if self.shared.nccl.comm_split.is_some() {
+        } else if self.shared.device().nccl.comm_split.is_some() {
             self.split(me, timeout, ctx0).await?
         } else {
             self.init_by_broadcast(ranks, me, timeout, ctx0).await?
@@ -65,7 +59,7 @@ impl NcclBackend {
             ..self.opts.clone()
         };
         let mut sub = NcclBackend::assemble(
-            self.shared.nccl.clone(),
+            self.shared.device().nccl.clone(),
             self.ctx.clone(),
             (me, ranks.len(), self.device),
             comm,
@@ -104,8 +98,10 @@ impl NcclBackend {
         // the background), within a bound (a stuck abort is warned about),
         // before the exchange: the inits then start together, each with its
         // whole timeout.
-        self.shared
-            .aborted_within(ABORT_BEFORE_INIT.min(timeout))
+        let driver = &self.shared;
+        driver
+            .device()
+            .aborted_within(ABORT_BEFORE_INIT.min(timeout), || driver.aborting())
             .await;
         let store = self.store.get().ok_or_else(|| {
             CommError::unsupported(format!(
@@ -120,6 +116,7 @@ impl NcclBackend {
         let bytes: [u8; UNIQUE_ID_BYTES] = if me == 0 {
             let u = self
                 .shared
+                .device()
                 .nccl
                 .unique_id()
                 .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
@@ -141,7 +138,7 @@ impl NcclBackend {
             timeout,
             ..self.opts.clone()
         };
-        let (nccl, cctx) = (&self.shared.nccl, &self.ctx);
+        let (nccl, cctx) = (&self.shared.device().nccl, &self.ctx);
         tracing::debug!(
             rank = self.rank,
             me,
@@ -174,7 +171,7 @@ impl NcclBackend {
         let mut id = [0u8; UNIQUE_ID_BYTES];
         let mut made = Ok(());
         if self.rank == root {
-            match self.shared.nccl.unique_id() {
+            match self.shared.device().nccl.unique_id() {
                 Ok(u) => id = u.internal.map(|c| c as u8),
                 Err(r) => made = Err(nccl_error(ctx0, r, "ncclGetUniqueId")),
             }
@@ -193,7 +190,7 @@ impl NcclBackend {
         }
         match me {
             Some(me) => {
-                let (nccl, cctx, n) = (&self.shared.nccl, &self.ctx, ranks.len());
+                let (nccl, cctx, n) = (&self.shared.device().nccl, &self.ctx, ranks.len());
                 let opts = NcclOptions {
                     timeout,
                     ..self.opts.clone()
@@ -228,15 +225,16 @@ impl NcclBackend {
         let work = tokio::task::spawn_blocking(move || -> Result<usize> {
             cctx.bind_to_thread()
                 .map_err(|e| driver_error(ctx0, "context binding", e))?;
-            let slot = lock(&shared.slot);
-            if let Some(e) = lock(&shared.track).core.poisoned() {
+            let slot = shared.slot();
+            if let Some(e) = shared.poisoned() {
                 return Err(e.to_aborted().with_context(ctx0));
             }
-            let parent = shared.comm().ok_or_else(|| CommError::Aborted {
+            let cuda = shared.device();
+            let parent = cuda.comm().ok_or_else(|| CommError::Aborted {
                 ctx: ctx0,
                 cause: "the NCCL communicator is gone (aborted)".into(),
             })? as Comm;
-            let split = shared.nccl.comm_split.ok_or_else(|| {
+            let split = cuda.nccl.comm_split.ok_or_else(|| {
                 CommError::unsupported("this NCCL has no ncclCommSplit (it needs 2.18)")
             })?;
             // NCCL writes the child's handle here when the split completes,
@@ -246,11 +244,11 @@ impl NcclBackend {
             // lock); `made` is a valid out-pointer; a null config inherits
             // the parent's (nonblocking).
             let r = unsafe { split(parent, color, key, &mut *made, std::ptr::null_mut()) };
-            let stop = || shared.aborting.load(Ordering::SeqCst);
-            let mut r = settle(&shared.nccl, parent, r, deadline, stop);
+            let stop = || shared.aborting();
+            let mut r = settle(&cuda.nccl, parent, r, deadline, stop);
             if r == result::SUCCESS && !made.is_null() {
                 // The child is nonblocking too: ready once its own state is.
-                r = settle(&shared.nccl, *made, result::IN_PROGRESS, deadline, stop);
+                r = settle(&cuda.nccl, *made, result::IN_PROGRESS, deadline, stop);
             }
             if r == result::SUCCESS {
                 return Ok(*made as usize);
@@ -258,7 +256,7 @@ impl NcclBackend {
             let e = if r == result::TIMEOUT {
                 init_timeout(ctx0, timeout, "ncclCommSplit")
             } else {
-                nccl_error(ctx0, r, &shared.last_error(parent as usize))
+                nccl_error(ctx0, r, &cuda.last_error(parent as usize))
             };
             // NCCL may still hold the out-pointer until the abort ends it.
             std::mem::forget(made);

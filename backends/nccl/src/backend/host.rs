@@ -11,15 +11,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use consort_comm::{CommError, ErrorContext, Result};
+use consort_comm::{
+    CommError, ErrorContext, Result,
+    stream::{Call, Unlaunched},
+};
 use cudarc::driver::{result as cu, sys as cusys};
 
-use super::{Call, Enqueue, NcclBackend, Unlaunched};
-use crate::{
-    staging::Held,
-    sys::result,
-    work::{Track, lock},
-};
+use super::{Enqueue, NcclBackend};
+use crate::{staging::Held, sys::result, work::Cuda};
 
 /// A host call on the stream: its result to come, and the staging memory
 /// it lands in.
@@ -114,14 +113,14 @@ impl NcclBackend {
     /// failure before the enqueue does (`pending`).
     pub(super) fn stage(
         &self,
-        pending: Unlaunched<'_>,
+        pending: Unlaunched<'_, Cuda>,
         call: Call,
         input: Option<&[u8]>,
         output: Option<(&[u8], bool)>,
         enqueue: Enqueue<'_>,
     ) -> Result<Staged> {
         // A call its group already refuses takes no staging memory.
-        if let Err(e) = Self::launchable(&self.shared, call.made.id) {
+        if let Err(e) = self.shared.launchable(call.made.id) {
             pending.settled();
             return Err(e);
         }
@@ -131,7 +130,7 @@ impl NcclBackend {
             Ok(h) => Arc::new(h),
             // Shut down meanwhile: the call is refused, as any call made
             // before a shutdown and enqueued after it (nothing to tell).
-            Err(e) => match Self::launchable(&self.shared, call.made.id) {
+            Err(e) => match self.shared.launchable(call.made.id) {
                 Err(refused) => {
                     pending.settled();
                     return Err(refused);
@@ -176,7 +175,7 @@ impl NcclBackend {
                 r
             }
         });
-        let launched = self.launch(call, &[], (ci, co), Some((held.clone(), tx)), staged);
+        let launched = self.launch(&call, &[], (ci, co), Some((held.clone(), tx)), staged);
         pending.settled();
         launched?;
         Ok(Staged {
@@ -185,23 +184,5 @@ impl NcclBackend {
             at: in_len,
             len: out_len,
         })
-    }
-
-    /// Polls the tracked work until `done` answers, or `timeout` passes.
-    pub(super) async fn wait_for(
-        &self,
-        timeout: Duration,
-        done: impl Fn(&Track) -> Option<Result<()>>,
-    ) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            if let Some(r) = done(&lock(&self.shared.track)) {
-                return r;
-            }
-            if start.elapsed() >= timeout {
-                return Err(consort_comm::ordered::wait_timeout(self.rank, timeout));
-            }
-            tokio::time::sleep(Duration::from_micros(50)).await;
-        }
     }
 }

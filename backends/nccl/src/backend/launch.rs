@@ -12,7 +12,6 @@
 
 use std::{
     ffi::{c_int, c_void},
-    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
@@ -30,16 +29,14 @@ pub(crate) struct On<'a> {
     pub(crate) comm: Comm,
     pub(crate) stream: Stream,
     pub(crate) deadline: Instant,
-    /// Set by an abort that waits for the launch lock.
-    pub(crate) stop: &'a AtomicBool,
+    /// Whether an abort waits for the launch lock.
+    pub(crate) stop: &'a dyn Fn() -> bool,
 }
 
 impl On<'_> {
     /// The final result of an NCCL call that returned `r`; see [`settle`].
     pub(crate) fn settle(&self, r: c_int) -> c_int {
-        settle(self.nccl, self.comm, r, self.deadline, || {
-            self.stop.load(Ordering::SeqCst)
-        })
+        settle(self.nccl, self.comm, r, self.deadline, self.stop)
     }
 
     /// `f` between `ncclGroupStart` and `ncclGroupEnd`, settled.

@@ -19,7 +19,7 @@ use crate::{
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::{Shared, abort_in_background, comm_state, driver_error, last_error, lock},
+    work::{Cuda, abort_in_background, comm_state, driver_error, last_error},
 };
 
 /// How often an init or a split in progress is looked at.
@@ -211,7 +211,7 @@ async fn init_blocking(
 /// communicator is aborted instead (a peer that left mid-way must not hold
 /// the shutdown). Returns the first error.
 pub(super) fn finalize_and_destroy(
-    shared: &Shared,
+    shared: &Cuda,
     comm: usize,
     ctx: ErrorContext,
     deadline: Instant,
@@ -241,7 +241,8 @@ pub(super) fn finalize_and_destroy(
             };
             // Aborted once, instead of the destroy below (the last handle
             // waits for it, briefly, before the process may exit).
-            *lock(&shared.aborter) = abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
+            *consort_comm::lock(&shared.aborter) =
+                abort_in_background(nccl, comm, ctx.rank.unwrap_or(0));
             return Err(e);
         }
     }
@@ -262,33 +263,18 @@ impl NcclBackend {
         if self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let deadline = consort_comm::time::deadline(self.opts.timeout);
-        loop {
-            let mut t = lock(&self.shared.track);
-            if t.core.in_flight() == 0 || t.core.poisoned().is_some() {
-                t.core.close("the NCCL backend was shut down");
-                break;
-            }
-            if Instant::now() >= deadline {
-                drop(t);
-                let after = self.opts.timeout;
-                self.shared
-                    .abort(consort_comm::ordered::wait_timeout(self.rank, after));
-                break;
-            }
-            let _ = self.shared.cv.wait_timeout(t, Duration::from_millis(1));
-        }
-        self.shared.turn_moved();
+        self.shared
+            .drain_and_close(self.opts.timeout, "the NCCL backend was shut down");
         // The peers' comparisons of this rank's last calls need this
         // rank's part of the side channel: leave after them (bounded).
-        if let Some(c) = self.shared.checker.get() {
+        if let Some(c) = self.shared.checker() {
             c.wait_drained();
         }
         self.stop_watchdog();
-        let poisoned = lock(&self.shared.track).core.poisoned().cloned();
+        let poisoned = self.shared.poisoned();
         let comm = {
-            let _launches = lock(&self.shared.slot);
-            match self.shared.comm.swap(0, Ordering::SeqCst) {
+            let _launches = self.shared.slot();
+            match self.shared.device().comm.swap(0, Ordering::SeqCst) {
                 0 => None,
                 c => Some(c),
             }
@@ -304,7 +290,7 @@ impl NcclBackend {
         if let Some(c) = comm {
             let _ = self.ctx.bind_to_thread();
             let by = consort_comm::time::deadline(self.opts.timeout);
-            out = out.and(finalize_and_destroy(&self.shared, c, ctx, by));
+            out = out.and(finalize_and_destroy(self.shared.device(), c, ctx, by));
         }
         self.free_staging();
         out
@@ -313,7 +299,7 @@ impl NcclBackend {
     /// The group's sticky failure, if it failed: what every later call
     /// returns, and what [`NcclBackend::shutdown`] will.
     pub fn failed(&self) -> Option<CommError> {
-        lock(&self.shared.track).core.poisoned().cloned()
+        self.shared.poisoned()
     }
 
     /// Aborts the communicator (`ncclCommAbort`): in-flight work on every
@@ -323,9 +309,7 @@ impl NcclBackend {
         if self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        lock(&self.shared.track)
-            .core
-            .close("the NCCL communicator was aborted");
+        self.shared.close("the NCCL communicator was aborted");
         self.shared.abort(CommError::Aborted {
             ctx: ErrorContext {
                 rank: Some(self.rank),
@@ -339,7 +323,8 @@ impl NcclBackend {
     }
 
     fn stop_watchdog(&self) {
-        let w = lock(&self.watchdog).take();
+        let w = consort_comm::lock(&self.watchdog).take();
         self.shared.stop(w);
+        self.shared.device().free_events();
     }
 }

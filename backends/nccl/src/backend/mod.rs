@@ -26,13 +26,13 @@ use std::{
         atomic::{AtomicBool, Ordering},
     },
     thread::JoinHandle,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use consort_comm::{
-    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, OpKind,
-    ReduceOp, Result, Store,
-    ordered::{Made, Ordered},
+    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, ReduceOp,
+    Result, Store,
+    stream::{Call, DriverOptions, Launch, Unlaunched},
 };
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
 
@@ -42,18 +42,16 @@ mod host;
 mod launch;
 mod life;
 mod ops;
-mod turn;
 
 use launch::{On, RedOp};
 use life::init_comm;
-use turn::Unlaunched;
 
 use crate::{
     keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
     map::{nccl_dtype, nccl_error, nccl_op, premul_scalar},
     probe::{load_nccl, probe_device},
     sys::{self, Comm, Nccl, Stream, result},
-    work::{Shared, Track, Tracked, Waiter, driver_error, lock, spawn_watchdog},
+    work::{Cuda, Driver, Tracked, Waiter, driver_error},
 };
 
 /// How an [`NcclBackend`] is set up.
@@ -113,7 +111,9 @@ pub struct NcclBackend {
     device: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    shared: Arc<Shared>,
+    /// The stream-ordered driver (shared with the emulated device) on this
+    /// communicator's CUDA half.
+    shared: Arc<Driver>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     /// The staging memory of host calls.
     staging: Arc<crate::staging::Pool>,
@@ -132,7 +132,7 @@ impl std::fmt::Debug for NcclBackend {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("device", &self.device)
-            .field("nccl", &self.shared.nccl)
+            .field("nccl", &self.shared.device().nccl)
             .finish()
     }
 }
@@ -175,19 +175,6 @@ enum Args<'a> {
         input: Option<&'a [u8]>,
         output: Option<(&'a mut [u8], bool)>,
     },
-}
-
-/// What every call carries to the launch: its place in the order (fixed
-/// when it was made) and its timeout.
-#[derive(Clone, Copy)]
-struct Call {
-    made: Made,
-    timeout: Duration,
-    /// The rank a send or receive is with.
-    peer: Option<usize>,
-    /// Whether its turn had come when it was made (every call made before
-    /// it enqueued): it need not look again.
-    turn: bool,
 }
 
 /// `enqueue(on, input address, output address)`: the op's NCCL calls,
@@ -259,23 +246,22 @@ impl NcclBackend {
                 return Err(driver_error(ctx0, "stream creation", e));
             }
         };
-        let shared = Arc::new(Shared {
-            nccl,
-            rank,
-            comm: std::sync::atomic::AtomicUsize::new(comm),
-            slot: Mutex::new(()),
-            aborting: AtomicBool::new(false),
-            track: Mutex::new(Track::new(
-                Ordered::new(rank, world, group),
-                consort_comm::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),
-            )),
-            cv: std::sync::Condvar::new(),
-            turn: std::sync::Condvar::new(),
-            poll: opts.poll_interval,
-            checker: std::sync::OnceLock::new(),
-            aborter: Mutex::new(None),
-        });
-        let watchdog = match spawn_watchdog(shared.clone(), ctx.clone()) {
+        let cuda = Cuda::new(nccl, rank, ctx.clone(), comm);
+        let shared = Arc::new(Driver::new(
+            cuda,
+            (rank, world),
+            group,
+            DriverOptions {
+                poll: opts.poll_interval,
+                stall_enqueue_at: opts.stall_enqueue_at,
+            },
+        ));
+        if let Some(b) =
+            consort_comm::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank)
+        {
+            shared.set_heartbeat(b);
+        }
+        let watchdog = match shared.spawn_watchdog(format!("consort-nccl-watchdog-{rank}")) {
             Ok(w) => w,
             Err(e) => {
                 shared.abort(e.clone());
@@ -316,15 +302,15 @@ impl NcclBackend {
     /// The loaded NCCL's version (`2.28.3`) and where it came from.
     pub fn nccl_version(&self) -> (String, String) {
         (
-            self.shared.nccl.version_string(),
-            self.shared.nccl.path.clone(),
+            self.shared.device().nccl.version_string(),
+            self.shared.device().nccl.path.clone(),
         )
     }
 
     /// The loaded NCCL library (its raw entry points, for measurements
     /// and interop).
     pub fn nccl(&self) -> &Arc<Nccl> {
-        &self.shared.nccl
+        &self.shared.device().nccl
     }
 
     /// The raw `ncclComm_t`, or null once shut down or aborted.
@@ -337,6 +323,7 @@ impl NcclBackend {
     /// shutdown or abort.
     pub unsafe fn raw_comm(&self) -> *mut c_void {
         self.shared
+            .device()
             .comm()
             .map_or(std::ptr::null_mut(), |c| c as *mut c_void)
     }
@@ -353,11 +340,12 @@ impl NcclBackend {
     /// As [`NcclBackend::raw_comm`]: the communicator is live, and no
     /// consort call runs on it from another thread.
     pub unsafe fn settle_raw(&self, r: c_int) -> c_int {
-        let Some(comm) = self.shared.comm() else {
+        let cuda = self.shared.device();
+        let Some(comm) = cuda.comm() else {
             return r;
         };
         let deadline = consort_comm::time::deadline(self.opts.timeout);
-        launch::settle(&self.shared.nccl, comm as Comm, r, deadline, || false)
+        launch::settle(&cuda.nccl, comm as Comm, r, deadline, || false)
     }
 
     /// The communication stream's handle (the stream NCCL runs on).
@@ -369,105 +357,30 @@ impl NcclBackend {
         self.stream.cu_stream()
     }
 
-    /// Enqueues one call on the communication stream under the launch
-    /// lock; see the module docs for the ordering. Every failure fails the
-    /// call, poisons the group and aborts the communicator: peers may have
-    /// enqueued their part.
+    /// Enqueues one call on the communication stream under the driver's
+    /// launch lock; see the module docs for the ordering. Every failure
+    /// fails the call, poisons the group and aborts the communicator: peers
+    /// may have enqueued their part.
     fn launch(
         &self,
-        call: Call,
+        call: &Call,
         streams: &[u64],
         io: (u64, u64),
         host: Option<(Arc<crate::staging::Held>, Waiter)>,
         enqueue: Enqueue<'_>,
     ) -> Result<()> {
-        let sh = &self.shared;
-        if let Some((seq, d)) = self.opts.stall_enqueue_at
-            && seq == call.made.fp.seq
-        {
-            std::thread::sleep(d);
-        }
-        let slot = lock(&sh.slot);
-        let (id, ctx) = (call.made.id, call.made.ctx);
-        if let Err(e) = Self::launchable(sh, id) {
-            drop(slot);
-            sh.turn_moved();
-            return Err(e);
-        }
-        let fail = |e: CommError| {
-            let e = sh.named(e, call.timeout);
-            sh.failed_before_enqueue(id, e)
-        };
-        let Some(comm) = sh.comm() else {
-            drop(slot);
-            return Err(fail(CommError::Aborted {
-                ctx,
-                cause: "the NCCL communicator is gone (aborted)".into(),
-            }));
-        };
-        let deadline = consort_comm::time::deadline(call.timeout);
-        let done = match self.enqueue_ordered(ctx, (comm, deadline), streams, io, enqueue) {
-            Ok(done) => done,
-            Err(e) => {
-                drop(slot);
-                return Err(fail(e));
-            }
-        };
-        self.track(call, done, host, slot)
-    }
-
-    /// Hands an enqueued call's work (its completion event `done`, and a
-    /// host call's staging and waiter) to the watchdog, then lets the launch
-    /// lock (`slot`) go and wakes whoever must hear of it.
-    fn track(
-        &self,
-        call: Call,
-        done: crate::work::Event,
-        host: Option<(Arc<crate::staging::Held>, Waiter)>,
-        slot: std::sync::MutexGuard<'_, ()>,
-    ) -> Result<()> {
-        let (sh, id) = (&self.shared, call.made.id);
-        let (staging, waiter) = match host {
-            Some((g, w)) => (Some(g), Some(w)),
-            None => (None, None),
-        };
-        let work = Tracked {
-            done,
-            waiter,
-            staging,
-            peer: call.peer,
-        };
-        // Tracked before the launch lock goes: an abort, which takes that
-        // lock, finds the call in flight and fails it. (One that could not
-        // wait for the lock has poisoned the group: the call comes back.)
-        let (was_idle, late, waiters) = {
-            let mut t = lock(&sh.track);
-            let idle = t.core.in_flight() == 0;
-            let late = match t.core.enqueued(id, work, Instant::now(), call.timeout) {
-                Some((w, r)) => {
-                    t.finish(w, r.clone());
-                    r.err()
-                }
-                None => None,
+        self.shared.launch(call, |l| {
+            let done = self.enqueue_ordered(l, streams, io, enqueue)?;
+            let (staging, waiter) = match host {
+                Some((g, w)) => (Some(g), Some(w)),
+                None => (None, None),
             };
-            (idle, late, t.core.turn_awaited())
-        };
-        drop(slot);
-        if let Some(e) = late {
-            sh.turn_moved();
-            return Err(e);
-        }
-        // The watchdog polls while calls are in flight and sleeps long only
-        // when none is: only the first call after a lull has to wake it
-        // (a condvar notify is a syscall, on the host path of every call).
-        if was_idle {
-            sh.cv.notify_all();
-        }
-        // A call made after this one (another thread's) may wait for it.
-        if waiters {
-            sh.turn.notify_all();
-        }
-        Ok(())
+            Ok(Tracked {
+                done,
+                waiter,
+                staging,
+            })
+        })
     }
 
     /// The launch itself (the launch lock held): the communication stream
@@ -475,34 +388,40 @@ impl NcclBackend {
     /// event is recorded, and the buffers' streams wait for it.
     fn enqueue_ordered(
         &self,
-        ctx: ErrorContext,
-        (comm, deadline): (usize, Instant),
+        l: &Launch<'_>,
         streams: &[u64],
         io: (u64, u64),
         enqueue: Enqueue<'_>,
     ) -> Result<crate::work::Event> {
-        let sh = &self.shared;
+        let cuda = self.shared.device();
+        let ctx = l.call.made.ctx;
+        let Some(comm) = cuda.comm() else {
+            return Err(CommError::Aborted {
+                ctx,
+                cause: "the NCCL communicator is gone (aborted)".into(),
+            });
+        };
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver_error(ctx, "context binding", e))?;
         let own = self.cu_stream() as u64;
         let cu_err = |what: &'static str| move |e| driver_error(ctx, what, e);
         for &s in streams.iter().filter(|&&s| s != own) {
-            let ev = sh.event(ctx)?;
+            let ev = cuda.event(ctx)?;
             // SAFETY: `ev` is ours; `s` is the caller's stream handle.
             unsafe {
                 cu::event::record(ev.raw(), s as cusys::CUstream)
                     .and_then(|()| cu::stream::wait_event(self.cu_stream(), ev.raw(), WAIT))
             }
             .map_err(cu_err("stream ordering (input)"))?;
-            sh.recycle(ev);
+            cuda.recycle(ev);
         }
         let on = On {
-            nccl: &sh.nccl,
+            nccl: &cuda.nccl,
             comm: comm as Comm,
             stream: own as Stream,
-            deadline,
-            stop: &sh.aborting,
+            deadline: l.deadline,
+            stop: &|| l.stop(),
         };
         let r = enqueue(&on, io.0, io.1);
         if r == result::IN_PROGRESS {
@@ -512,9 +431,9 @@ impl NcclBackend {
             });
         }
         if r != result::SUCCESS {
-            return Err(nccl_error(ctx, r, &sh.last_error(comm)));
+            return Err(nccl_error(ctx, r, &cuda.last_error(comm)));
         }
-        let done = sh.event(ctx)?;
+        let done = cuda.event(ctx)?;
         // SAFETY: `done` is ours; the streams are ours and the caller's.
         unsafe {
             cu::event::record(done.raw(), self.cu_stream()).map_err(cu_err("completion event"))?;
@@ -524,31 +443,6 @@ impl NcclBackend {
             }
         }
         Ok(done)
-    }
-
-    /// Makes a call with fingerprint `fp` (its group and sequence number
-    /// are filled in here): its place in this rank's order is fixed now,
-    /// and a collective's fingerprint goes to the checker.
-    fn make(&self, fp: Fingerprint, opts: &CallOptions) -> Result<Call> {
-        let (made, turn) = {
-            let mut t = lock(&self.shared.track);
-            let made = t
-                .core
-                .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
-            t.made(&made.fp);
-            (made, t.core.is_turn(made.id))
-        };
-        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
-            && let Some(c) = self.shared.checker.get()
-        {
-            c.check(made.fp);
-        }
-        Ok(Call {
-            made,
-            timeout: opts.timeout_or(self.opts.timeout),
-            peer: None,
-            turn,
-        })
     }
 
     /// Makes one call and enqueues it, once its turn has come (at once,
@@ -575,12 +469,13 @@ impl NcclBackend {
         args: Args<'a>,
         (enqueue, peer): (Enqueue<'a>, Option<usize>),
     ) -> consort_comm::Work<'a> {
-        let call = match self.make(fp, opts) {
-            Ok(c) => Call { peer, ..c },
+        let timeout = opts.timeout_or(self.opts.timeout);
+        let call = match self.shared.make(fp, timeout, peer) {
+            Ok(c) => c,
             Err(e) => return consort_comm::Work::ready(Err(e)),
         };
-        let pending = self.unlaunched(call);
-        if let Err(e) = self.wait_turn(call) {
+        let pending = self.shared.unlaunched(&call);
+        if let Err(e) = self.shared.wait_turn(&call) {
             return consort_comm::Work::ready(Err(pending.failed(e)));
         }
         match args {
@@ -589,7 +484,7 @@ impl NcclBackend {
                 output,
                 streams,
             } => {
-                let r = self.launch(call, &streams, (input, output), None, enqueue);
+                let r = self.launch(&call, &streams, (input, output), None, enqueue);
                 pending.settled();
                 consort_comm::Work::ready(r)
             }
@@ -601,7 +496,7 @@ impl NcclBackend {
     /// waits for the result and copies it out.
     fn host_work<'a>(
         &'a self,
-        pending: Unlaunched<'a>,
+        pending: Unlaunched<'a, Cuda>,
         call: Call,
         input: Option<&'a [u8]>,
         output: Option<(&'a mut [u8], bool)>,
@@ -669,7 +564,7 @@ impl NcclBackend {
     /// The NCCL op of `op` on `dtype`, checked against the loaded library
     /// (`ncclAvg` arrived in NCCL 2.10, pre-multiplied sums in 2.11).
     fn op(&self, op: ReduceOp, dtype: DType) -> Result<RedOp> {
-        let nccl = &self.shared.nccl;
+        let nccl = &self.shared.device().nccl;
         let too_old = |what: &str, since: &str| {
             CommError::unsupported(format!(
                 "{what} needs NCCL {since} or newer; the loaded library ({}) is NCCL {}. Point \

@@ -10,7 +10,7 @@ use consort_comm::{
     validate,
 };
 
-use super::{Enqueue, NcclBackend};
+use super::{Args, Enqueue, NcclBackend};
 use crate::{
     map::nccl_dtype,
     sys::{self, result},
@@ -76,14 +76,13 @@ impl Backend for NcclBackend {
     }
 
     async fn synchronize(&self) -> Result<()> {
-        self.wait_for(self.opts.timeout, |t| t.core.synchronized())
-            .await
+        self.shared.synchronize(self.opts.timeout).await
     }
 
     /// The ranks the fingerprint check's side channel has seen go (NCCL
     /// itself names none): none without a check.
     fn lost_peers(&self) -> Vec<(usize, String)> {
-        consort_comm::ordered::check::Checker::lost_peers_of(self.shared.checker.get())
+        self.shared.lost_peers()
     }
 }
 
@@ -245,21 +244,17 @@ impl NcclBackend {
         // A one-byte all-reduce through the host path: the host returns only
         // once every rank has entered it, as torch's barrier does. It is
         // staged and enqueued now, as every host call is.
-        let call = match self.make(fp, &opts) {
-            Ok(c) => c,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        let pending = self.unlaunched(call);
-        if let Err(e) = self.wait_turn(call) {
-            return Work::ready(Err(pending.failed(e)));
-        }
         let (sum, dt) = (sys::op::SUM, nccl_dtype(consort_comm::DType::U8));
         let enqueue: Enqueue<'_> = Box::new(move |on, i, _| {
             let (nc, c, s) = (on.nccl, on.comm, on.stream);
             // SAFETY: one byte, in place, on our device (staging).
             on.settle(unsafe { (nc.all_reduce)(i as *const _, i as *mut _, 1, dt, sum, c, s) })
         });
-        self.host_work(pending, call, Some(&[1u8]), None, enqueue)
+        let args = Args::Host {
+            input: Some(&[1u8]),
+            output: None,
+        };
+        self.call(fp, &opts, args, enqueue)
     }
 
     fn run_send<'a>(
