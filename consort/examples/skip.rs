@@ -32,6 +32,11 @@ struct Args {
     /// Seconds the skipping rank stalls instead.
     #[arg(long, default_value_t = 30.0)]
     stall: f64,
+    /// The process group: `tcp` (consort's mesh), `emulated` (the
+    /// stream-ordered driver NCCL runs, on the emulated device) or `gloo`
+    /// (torch's Gloo wire).
+    #[arg(long, default_value = "tcp")]
+    backend: String,
 }
 
 #[tokio::main]
@@ -47,7 +52,12 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let dist = consort::init_from_env().await?;
-    let pg = dist.process_group().await?;
+    let pg = match args.backend.as_str() {
+        "tcp" => dist.process_group().await?,
+        "emulated" => dist.emulated_process_group().await?,
+        "gloo" => dist.gloo_process_group().await?,
+        other => return Err(format!("--backend {other}: expected tcp, emulated or gloo").into()),
+    };
     let me = pg.rank();
     eprintln!("rank {me}: pid {}", std::process::id());
     let mut x = vec![1.0f32; 1024];

@@ -235,8 +235,16 @@ impl Dist {
             heartbeat_file: std::env::var_os("CONSORT_HEARTBEAT_FILE")
                 .filter(|f| !f.is_empty())
                 .map(Into::into),
+            // ... and its flight records, written on a failure and on
+            // SIGUSR1.
+            flight_dir: std::env::var_os("CONSORT_FLIGHT_DIR")
+                .filter(|f| !f.is_empty())
+                .map(Into::into),
             ..Default::default()
         };
+        if opts.flight_dir.is_some() {
+            dump_on_sigusr1();
+        }
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
         }
@@ -294,6 +302,9 @@ impl Dist {
         let mut tcp = self.tcp_options().await?;
         tcp.namespace = format!("consort/tcp/{}/emulated", self.env.restart_count);
         let heartbeat = tcp.heartbeat_file.take();
+        // The emulated communicator keeps the record, as NCCL does; the
+        // host mesh under it keeps none of its own.
+        let flight = tcp.flight_dir.take();
         let host = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
         let device = consort_sim::EmulatedDevice::new(consort_sim::EmulatedOptions {
             seed: rank as u64,
@@ -309,6 +320,9 @@ impl Dist {
         )?;
         if let Some(path) = heartbeat {
             comm.set_heartbeat(&path)?;
+        }
+        if let Some(dir) = flight {
+            comm.set_flight_dir(&dir);
         }
         if world > 1 {
             comm.check_fingerprints(Arc::new(self.check_channel("emulated-check").await?))?;
@@ -452,6 +466,17 @@ impl Dist {
         let mut opts = consort_tcp::GlooOptions::default();
         if let Some(t) = seconds_var("CONSORT_TIMEOUT")? {
             opts.timeout = t;
+        }
+        // The launcher's watchdog sees a Gloo group's progress, and its
+        // ranks leave flight records, as on every other backend.
+        opts.heartbeat_file = std::env::var_os("CONSORT_HEARTBEAT_FILE")
+            .filter(|f| !f.is_empty())
+            .map(Into::into);
+        opts.flight_dir = std::env::var_os("CONSORT_FLIGHT_DIR")
+            .filter(|f| !f.is_empty())
+            .map(Into::into);
+        if opts.flight_dir.is_some() {
+            dump_on_sigusr1();
         }
         let b = consort_tcp::GlooBackend::connect(
             self.store.clone(),
@@ -716,25 +741,10 @@ async fn bind_ip(env: &DistEnv) -> Result<std::net::IpAddr, CommError> {
     Ok(local.ip())
 }
 
-/// On SIGUSR1, every group's flight record is written to its
-/// `CONSORT_FLIGHT_DIR` (installed once per process, with the first group
-/// that has a directory).
+/// On SIGUSR1, every group's flight record (mesh, NCCL, emulated device,
+/// Gloo) is written to its `CONSORT_FLIGHT_DIR`.
 fn dump_on_sigusr1() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        #[cfg(unix)]
-        if let Ok(mut sig) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
-        {
-            tokio::spawn(async move {
-                while sig.recv().await.is_some() {
-                    for path in consort_mesh::dump_flight_records("SIGUSR1") {
-                        eprintln!("flight record written to {}", path.display());
-                    }
-                }
-            });
-        }
-    });
+    consort_comm::flight::dump_on_sigusr1();
 }
 
 /// A switch from `var` (`1`/`true` or `0`/`false`), `default` when unset.

@@ -154,3 +154,63 @@ fn sigusr1_makes_a_running_worker_write_its_record() {
     assert_eq!(d.entries.len(), 3, "{d:?}");
     let _ = std::fs::remove_dir_all(logs);
 }
+
+/// A hung job on the stream-ordered driver (the emulated device, which
+/// runs NCCL's driver) and on a Gloo group: `consort run --watchdog-timeout`
+/// stops it, every rank leaves its record (SIGUSR1, or the hung rank's
+/// own), and the summary names the rank that is behind with the call it
+/// never entered.
+#[test]
+fn a_hung_job_on_every_driver_leaves_records_naming_the_rank_behind() {
+    for backend in ["emulated", "gloo"] {
+        let logs = scratch(&format!("hung-{backend}"));
+        let out = Command::new(consort_bin())
+            .args(["run", "--standalone", "--nproc-per-node", "3"])
+            .args(["--watchdog-timeout", "3", "--log-dir"])
+            .arg(&logs)
+            .arg("--")
+            .arg(skip_bin())
+            .args([
+                "--rank",
+                "2",
+                "--at",
+                "3",
+                "--stall",
+                "60",
+                "--backend",
+                backend,
+            ])
+            .env("CONSORT_TIMEOUT", "120")
+            .output()
+            .expect("consort run");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{backend}: the job should fail: {text}"
+        );
+        assert!(
+            text.contains("a hang (the watchdog stopped it)"),
+            "{backend}: {text}"
+        );
+        let verdict = "rank 2 (last entered seq 2) never entered all_reduce seq 3 (world); \
+                       ranks 0 and 1 waited in it for";
+        assert!(text.contains(verdict), "{backend}: {text}");
+        let dir = logs.join("attempt_0").join("flight");
+        for r in 0..3 {
+            let d = Dump::from_json(&std::fs::read(dir.join(format!("rank-{r}.json"))).unwrap())
+                .unwrap();
+            let last = d.entries.last().expect("entries");
+            if r == 2 {
+                assert_eq!((last.seq, last.state), (2, State::Done), "{backend}: {d:?}");
+            } else {
+                assert_eq!(
+                    (last.seq, last.state),
+                    (3, State::Issued),
+                    "{backend}: {d:?}"
+                );
+            }
+            assert!(d.entries.iter().all(|e| e.op == "all_reduce"), "{d:?}");
+        }
+        let _ = std::fs::remove_dir_all(logs);
+    }
+}

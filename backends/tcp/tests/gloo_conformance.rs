@@ -27,6 +27,7 @@ fn gloo_world_with(n: usize, timeout: Duration) -> WorldFuture {
                 let opts = GlooOptions {
                     timeout,
                     ip: Some("127.0.0.1".parse().unwrap()),
+                    ..Default::default()
                 };
                 tokio::spawn(GlooBackend::connect(store.clone(), r, n, opts))
             })

@@ -479,6 +479,7 @@ async fn join(port: u16, rank: usize, world: usize, timeout: Duration) -> GlooBa
     let opts = GlooOptions {
         timeout,
         ip: Some("127.0.0.1".parse().unwrap()),
+        ..Default::default()
     };
     GlooBackend::connect(store, rank, world, opts)
         .await

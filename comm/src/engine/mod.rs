@@ -641,6 +641,24 @@ impl<P> Engine<P> {
         Ended { result, abort }
     }
 
+    /// `call` was refused by its driver before anything of it reached a
+    /// peer (an argument that driver's transport cannot take, found after
+    /// the call was made): it ends with `e` (recorded, with context) and,
+    /// unlike [`Engine::end`], its group goes on, as after any argument
+    /// error.
+    pub fn refuse(&mut self, call: CallId, e: CommError) -> CommError {
+        let Some(c) = self.calls.remove(&call) else {
+            return e;
+        };
+        if !c.p2p {
+            self.taken
+                .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
+        }
+        let e = e.with_context(c.ctx);
+        self.flight.ended(call.0, Some(e.to_string()));
+        e
+    }
+
     /// `call`'s future was dropped before it finished: the group is
     /// poisoned with `cause` (what the dropper knew, [`crate::cancel`]) or
     /// with an error that says the call was cancelled, and the abort to

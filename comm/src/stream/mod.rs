@@ -40,6 +40,7 @@ use std::{
 use crate::{
     CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
     engine::CallId,
+    flight::{FlightOut, FlightSource},
     heartbeat::Heartbeat,
     ordered::{
         Made, Ordered,
@@ -163,6 +164,8 @@ pub struct Driver<D: DeviceComm> {
     device_aborted: AtomicBool,
     checker: OnceLock<Checker>,
     beat: OnceLock<Arc<Heartbeat>>,
+    /// Where the flight record goes, when it is kept.
+    flight: OnceLock<Arc<FlightOut>>,
     opts: DriverOptions,
 }
 
@@ -230,6 +233,7 @@ impl<D: DeviceComm> Driver<D> {
             device_aborted: AtomicBool::new(false),
             checker: OnceLock::new(),
             beat: OnceLock::new(),
+            flight: OnceLock::new(),
             opts,
         }
     }
@@ -247,6 +251,37 @@ impl<D: DeviceComm> Driver<D> {
     /// Shows this communicator's calls in the launcher's heartbeat.
     pub fn set_heartbeat(&self, beat: Arc<Heartbeat>) {
         let _ = self.beat.set(beat);
+    }
+
+    /// Keeps this communicator's flight record for `out`: every call is
+    /// stamped with the wall clock, and the record is written when the
+    /// communicator aborts (a failure of its own or a peer's, or a
+    /// shutdown's abort) and on request
+    /// ([`crate::flight::dump_flight_records`], SIGUSR1). A subgroup's
+    /// driver takes its parent's `out`: one file per rank.
+    pub fn set_flight(self: &Arc<Self>, out: Arc<FlightOut>) {
+        if self.flight.set(out.clone()).is_ok() {
+            let weak: Weak<dyn FlightSource> = Arc::downgrade(self) as Weak<dyn FlightSource>;
+            crate::flight::register(weak, &out);
+        }
+    }
+
+    /// Where this communicator's flight record goes, if it is kept.
+    pub fn flight(&self) -> Option<&Arc<FlightOut>> {
+        self.flight.get()
+    }
+
+    /// The tracking lock, with the flight recorder's clock set to now when
+    /// a record is kept (every change of a call's state happens under it).
+    fn rules(&self) -> MutexGuard<'_, Track<D::Work>> {
+        let mut t = lock(&self.track);
+        if self.flight.get().is_some() {
+            t.core
+                .engine_mut()
+                .flight_mut()
+                .set_now_us(crate::flight::now_us());
+        }
+        t
     }
 
     /// Turns on the fingerprint check: `checker`'s verdicts must reach
@@ -303,7 +338,7 @@ impl<D: DeviceComm> Driver<D> {
     /// are filled in here), whose deadline is `timeout` from its enqueue.
     pub fn make(&self, fp: Fingerprint, timeout: Duration, peer: Option<usize>) -> Result<Call> {
         let (made, turn) = {
-            let mut t = lock(&self.track);
+            let mut t = self.rules();
             let made = t
                 .core
                 .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
@@ -371,7 +406,7 @@ impl<D: DeviceComm> Driver<D> {
     /// (the call has ended with it) when its group failed or the
     /// communicator was shut down since it was made.
     pub fn launchable(&self, id: CallId) -> Result<()> {
-        let r = lock(&self.track).core.launchable(id);
+        let r = self.rules().core.launchable(id);
         if r.is_err() {
             self.ended();
         }
@@ -426,7 +461,7 @@ impl<D: DeviceComm> Driver<D> {
         // lock, finds the call in flight and fails it. (One that could not
         // wait for the lock has poisoned the group: the call comes back.)
         let (was_idle, late, waiters) = {
-            let mut t = lock(&self.track);
+            let mut t = self.rules();
             let idle = t.core.in_flight() == 0;
             let late = t
                 .core
@@ -458,7 +493,7 @@ impl<D: DeviceComm> Driver<D> {
     /// cause, and the communicator is aborted, since peers may have
     /// enqueued their part. Returns the call's error.
     pub fn failed_before_enqueue(&self, id: CallId, e: CommError) -> CommError {
-        let (e, first) = lock(&self.track).core.failed_before_enqueue(id, e);
+        let (e, first) = self.rules().core.failed_before_enqueue(id, e);
         self.ended();
         self.tell_peers(&first);
         self.abort(e.clone());
@@ -476,7 +511,7 @@ impl<D: DeviceComm> Driver<D> {
 
     /// Fails every call in flight with `e` (the first cause sticks).
     pub fn poison(&self, e: CommError) {
-        let failed = lock(&self.track).core.fail_all(e);
+        let failed = self.rules().core.fail_all(e);
         self.finish_all(failed);
         self.cv.notify_all();
         self.turn_moved();
@@ -494,7 +529,7 @@ impl<D: DeviceComm> Driver<D> {
     /// never finish). The callers hear of it once the abort has begun.
     pub fn mismatch(&self, e: CommError) {
         tracing::debug!(rank = self.rank, cause = %e, "the fingerprint check failed the calls");
-        let failed = lock(&self.track).core.mismatch(e.clone());
+        let failed = self.rules().core.mismatch(e.clone());
         self.abort(e);
         self.finish_all(failed);
     }
@@ -514,8 +549,12 @@ impl<D: DeviceComm> Driver<D> {
             return;
         }
         let slot = self.slot_within(ABORT_WAIT);
+        let reason = e.to_string();
         self.abort_under(slot, e);
         self.aborting.store(false, Ordering::SeqCst);
+        if let Some(out) = self.flight.get() {
+            crate::flight::dump(out, &reason, true);
+        }
     }
 
     /// [`Driver::abort`] by a thread that holds the launch lock (`slot`;
@@ -637,6 +676,12 @@ impl<D: DeviceComm> Driver<D> {
     }
 }
 
+impl<D: DeviceComm> FlightSource for Driver<D> {
+    fn flight_entries(&self) -> Vec<crate::flight::Entry> {
+        self.rules().core.engine().flight().entries().collect()
+    }
+}
+
 /// A call made and not yet enqueued: dropped before it is (a panic between
 /// its make and its enqueue, both in `submit`), it is cancelled: its group
 /// is poisoned (peers may run it), its peers are told, and the
@@ -673,7 +718,7 @@ impl<D: DeviceComm> Drop for Unlaunched<'_, D> {
             return;
         }
         let d = self.driver;
-        let abort = lock(&d.track).core.cancel(self.id);
+        let abort = d.rules().core.cancel(self.id);
         match abort {
             Some(e) => {
                 d.ended();

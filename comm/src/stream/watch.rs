@@ -87,7 +87,7 @@ impl<D: DeviceComm> Driver<D> {
             front
         };
         let answer = oldest.map(|(id, p)| (id, self.device.fired(&p)));
-        let mut t = lock(&self.track);
+        let mut t = self.rules();
         t.querying = None;
         let held = std::mem::take(&mut t.held);
         let super::Track { core, lost, .. } = &mut *t;

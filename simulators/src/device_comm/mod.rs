@@ -227,6 +227,15 @@ impl EmulatedComm {
         Ok(())
     }
 
+    /// Keeps this communicator's flight record (its subgroups' too) in
+    /// `dir` (`CONSORT_FLIGHT_DIR`), as NCCL does: `rank-K.json`, written
+    /// when the communicator aborts and on SIGUSR1, which the launcher's
+    /// watchdog sends before it stops a hung job.
+    pub fn set_flight_dir(&self, dir: &std::path::Path) {
+        let out = consort_comm::flight::FlightOut::new(dir, self.rank(), self.world_size());
+        self.driver.set_flight(Arc::new(out));
+    }
+
     /// Turns on the mismatch check, as
     /// `consort_nccl::NcclBackend::check_fingerprints` does on NCCL: every
     /// collective's fingerprint is compared with the peers' over `host`, a
@@ -655,6 +664,9 @@ impl Backend for EmulatedComm {
             watchdog: Mutex::new(Some(watchdog)),
             group: Some(inner),
         };
+        if let Some(out) = self.driver.flight() {
+            sub.driver.set_flight(out.clone());
+        }
         if let Some(((checker, task), bind)) = check {
             let _ = bind.set(Arc::downgrade(&sub.driver));
             sub.start_checker(checker, task)?;

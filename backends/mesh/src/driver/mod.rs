@@ -106,8 +106,8 @@ struct Inner {
     late_posts: std::sync::atomic::AtomicU64,
     /// See [`MeshOptions::single_copy_min`].
     single_copy_min: usize,
-    /// Where the flight record goes.
-    flight: flight::FlightOut,
+    /// Where the flight record goes (`None`: nowhere).
+    flight: Option<Arc<consort_comm::flight::FlightOut>>,
     /// The agent's view of this rank's progress.
     beat: Option<Arc<crate::heartbeat::Heartbeat>>,
     /// The faulty link (tests), if any.
@@ -373,7 +373,7 @@ mod poll;
 mod read;
 mod registry;
 
-pub use flight::dump_flight_records;
+pub use consort_comm::flight::dump_flight_records;
 
 use self::{drive::*, read::*, registry::*};
 

@@ -67,6 +67,10 @@ impl NcclBackend {
             sub_opts,
         )?;
         sub.subgroup = true;
+        // One record per rank: the subgroup's calls join its parent's.
+        if let Some(out) = self.shared.flight() {
+            sub.shared.set_flight(out.clone());
+        }
         if let Some(store) = self.store.get() {
             let _ = sub.store.set(store.clone());
         }

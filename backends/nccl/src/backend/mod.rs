@@ -71,6 +71,12 @@ pub struct NcclOptions {
     /// made and ended is shown there, so the watchdog sees NCCL ranks'
     /// progress and names a stopped one.
     pub heartbeat_file: Option<std::path::PathBuf>,
+    /// The job's flight record directory (`CONSORT_FLIGHT_DIR`): this
+    /// rank's calls on every communicator are written to `rank-K.json`
+    /// there when a communicator aborts and on SIGUSR1
+    /// (`consort_comm::flight::dump_flight_records`), which the launcher's
+    /// watchdog sends before it stops a hung job.
+    pub flight_dir: Option<std::path::PathBuf>,
     /// A blocking communicator (`ncclConfig_t::blocking = 1`, torch's
     /// default), instead of consort's nonblocking one. Each NCCL call then
     /// enqueues on the caller's thread rather than NCCL's, which costs less
@@ -97,6 +103,7 @@ impl Default for NcclOptions {
             counter: 0,
             poll_interval: Duration::from_micros(50),
             heartbeat_file: None,
+            flight_dir: None,
             blocking: false,
             stall_enqueue_at: None,
         }
@@ -220,7 +227,13 @@ impl NcclBackend {
             check_unique_id(&key, &v).map_err(CommError::invalid)?
         };
         let comm = init_comm(&nccl, &ctx, ctx0, id, (rank, world), &opts).await?;
-        Self::assemble(nccl, ctx, (rank, world, device), comm, GroupId::WORLD, opts)
+        let flight = opts.flight_dir.clone();
+        let b = Self::assemble(nccl, ctx, (rank, world, device), comm, GroupId::WORLD, opts)?;
+        if let Some(dir) = flight {
+            let out = consort_comm::flight::FlightOut::new(dir, rank, world);
+            b.shared.set_flight(Arc::new(out));
+        }
+        Ok(b)
     }
 
     /// A backend around a communicator that is already made (by

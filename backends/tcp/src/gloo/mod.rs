@@ -18,14 +18,16 @@
 
 pub mod connect;
 pub mod pairs;
+mod rules;
 pub mod wire;
 
 use std::{
     collections::{HashMap, VecDeque},
     net::IpAddr,
+    path::PathBuf,
     sync::{
         Arc,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicU32, Ordering},
     },
     time::Duration,
 };
@@ -41,6 +43,7 @@ use consort_comm::{
 use tokio::time::Instant;
 
 use pairs::Pairs;
+use rules::{Outs, Rules};
 
 /// torch's default timeout for a `gloo` group (`kBackendDefaultTimeout`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -53,6 +56,14 @@ pub struct GlooOptions {
     /// The address this rank listens on; `None`: as torch picks it
     /// ([`listen_ip`]).
     pub ip: Option<IpAddr>,
+    /// The launcher's heartbeat file (`CONSORT_HEARTBEAT_FILE`): each call
+    /// made and ended shows there, so `consort run --watchdog-timeout`
+    /// names a rank that stops making progress.
+    pub heartbeat_file: Option<PathBuf>,
+    /// The job's flight record directory (`CONSORT_FLIGHT_DIR`): this
+    /// rank's calls on the group and its subgroups are written to
+    /// `rank-K.json` when one fails and on SIGUSR1.
+    pub flight_dir: Option<PathBuf>,
 }
 
 impl Default for GlooOptions {
@@ -60,6 +71,8 @@ impl Default for GlooOptions {
         GlooOptions {
             timeout: DEFAULT_TIMEOUT,
             ip: None,
+            heartbeat_file: None,
+            flight_dir: None,
         }
     }
 }
@@ -143,8 +156,11 @@ pub struct GlooBackend {
     timeout: Duration,
     /// The next collective's tag (torch's `collectiveCounter_`).
     tag: AtomicU32,
-    /// Calls made, for error context.
-    seq: AtomicU64,
+    /// The engine's local rules: sequence numbers, the sticky failure,
+    /// deadlines, the flight record and the heartbeat.
+    rules: Arc<Rules>,
+    /// Where this group and its subgroups keep their heartbeat and record.
+    outs: Outs,
     group: GroupId,
     /// The job's store and listening address, for subgroups.
     job: Arc<dyn Store>,
@@ -171,18 +187,21 @@ impl GlooBackend {
             None => listen_ip().await?,
         };
         let groups = Arc::new(AtomicU32::new(1));
-        Self::join(job, "0", rank, size, ip, opts.timeout, groups, None).await
+        let outs = Outs::new(
+            opts.heartbeat_file.as_deref(),
+            opts.flight_dir.as_deref(),
+            (rank, size),
+        );
+        let at = (rank, size, ip);
+        Self::join(job, "0", at, opts.timeout, (groups, outs), None).await
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn join(
         job: Arc<dyn Store>,
         name: &str,
-        rank: usize,
-        size: usize,
-        ip: IpAddr,
+        (rank, size, ip): (usize, usize, IpAddr),
         timeout: Duration,
-        groups: Arc<AtomicU32>,
+        (groups, outs): (Arc<AtomicU32>, Outs),
         world_ranks: Option<Vec<usize>>,
     ) -> Result<GlooBackend> {
         if rank >= size {
@@ -207,7 +226,8 @@ impl GlooBackend {
             pairs: Pairs::start(rank, streams),
             timeout,
             tag: AtomicU32::new(0),
-            seq: AtomicU64::new(0),
+            rules: Rules::new(group, (rank, size), &outs),
+            outs,
             group,
             job,
             ip,
@@ -216,8 +236,15 @@ impl GlooBackend {
         })
     }
 
-    fn context(&self, op: OpKind, seq: u64) -> ErrorContext {
-        ErrorContext::new(op, self.pairs.rank(), seq, self.group)
+    /// The context of an error of a call not yet made (no sequence
+    /// number).
+    fn context(&self, op: OpKind) -> ErrorContext {
+        ErrorContext {
+            op: Some(op),
+            rank: Some(self.pairs.rank()),
+            group: (self.group != GroupId::WORLD).then_some(self.group),
+            ..Default::default()
+        }
     }
 }
 
@@ -241,11 +268,11 @@ struct CallIo<'a> {
 }
 
 impl<'a> CallIo<'a> {
-    /// A call on `pairs` that has `after` to finish, from now.
-    fn new(pairs: &'a Pairs, after: Duration) -> CallIo<'a> {
+    /// A call on `pairs` that has `after` to finish, by `deadline`.
+    fn new(pairs: &'a Pairs, deadline: std::time::Instant, after: Duration) -> CallIo<'a> {
         CallIo {
             pairs,
-            deadline: Instant::now() + after,
+            deadline: Instant::from_std(deadline),
             after,
             sends: Default::default(),
             tickets: Default::default(),
@@ -330,22 +357,21 @@ fn post_p2p(io: &CallIo<'_>, op: &Op<'_>, tag: u32) -> Result<()> {
 }
 
 /// Fails the group if a call is dropped before it finishes: its peers may
-/// be part-way through it.
+/// be part-way through it (the engine's cancel rule, with the dropper's
+/// cause), and its connections close so that torch's ranks fail too.
 struct Unfinished<'a> {
     pairs: &'a Pairs,
-    ctx: ErrorContext,
+    rules: &'a Rules,
+    id: consort_comm::engine::CallId,
     done: bool,
 }
 
 impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            self.pairs.fail(CommError::Aborted {
-                ctx: self.ctx,
-                cause: "the call was dropped before it finished (a Gloo group cannot skip a \
-                        call its peers are making)"
-                    .into(),
-            });
+        if !self.done
+            && let Some(e) = self.rules.cancel(self.id)
+        {
+            self.pairs.fail(e);
         }
     }
 }
@@ -565,29 +591,33 @@ impl Backend for GlooBackend {
 
     fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
         let kind = op.kind();
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let ctx = self.context(kind, seq);
         let (rank, size) = (self.pairs.rank(), self.pairs.size());
         if let Err(e) = consort_comm::validate::op(&op, rank, size, opts.root) {
-            return Work::ready(Err(e.with_context(ctx)));
+            return Work::ready(Err(e.with_context(self.context(kind))));
         }
         if let Some(e) = self.pairs.failure() {
-            return Work::ready(Err(e.to_aborted().with_context(ctx)));
+            return Work::ready(Err(e.to_aborted().with_context(self.context(kind))));
         }
+        let opts = *opts;
+        let timeout = opts.timeout_or(self.timeout);
+        let call = match self.rules.begin(&op, opts.root, timeout) {
+            Ok(c) => c,
+            Err(e) => return Work::ready(Err(e)),
+        };
         // Collectives take torch's next tag now, in call order; send and
         // recv use the caller's tag as their slot.
         let tag = match kind {
             OpKind::Send | OpKind::Recv => 0,
             _ => self.tag.fetch_add(1, Ordering::Relaxed),
         };
-        let opts = *opts;
-        let io = CallIo::new(&self.pairs, opts.timeout_or(self.timeout));
+        let io = CallIo::new(&self.pairs, call.deadline, timeout);
         if let Err(e) = post_p2p(&io, &op, opts.tag) {
-            return Work::ready(Err(e.with_context(ctx)));
+            return Work::ready(Err(self.rules.refuse(call.id, e)));
         }
         let guard = Unfinished {
             pairs: &self.pairs,
-            ctx,
+            rules: &self.rules,
+            id: call.id,
             done: false,
         };
         Work::new(async move {
@@ -596,16 +626,17 @@ impl Backend for GlooBackend {
                 Ok(()) => io.flush().await,
                 // Refused before a message went: the group goes on.
                 Err(e @ (CommError::InvalidArgument { .. } | CommError::Unsupported { .. })) => {
-                    Err(e)
+                    guard.done = true;
+                    return Err(self.rules.refuse(call.id, e));
                 }
                 // Part-way through: the peers cannot finish the call.
                 Err(e) => {
-                    self.pairs.fail(e.clone());
+                    self.pairs.fail(e.clone().with_context(call.ctx));
                     Err(e)
                 }
             };
             guard.done = true;
-            res.map_err(|e| e.with_context(ctx))
+            self.rules.end(call.id, res)
         })
     }
 
@@ -624,14 +655,14 @@ impl Backend for GlooBackend {
             return Ok(None);
         };
         let timeout = opts.timeout.unwrap_or(self.timeout);
+        let at = (me, ranks.len(), self.ip);
+        let shared = (self.groups.clone(), self.outs.clone());
         let b = Self::join(
             self.job.clone(),
             &name,
-            me,
-            ranks.len(),
-            self.ip,
+            at,
             timeout,
-            self.groups.clone(),
+            shared,
             Some(ranks.to_vec()),
         )
         .await?;

@@ -17,6 +17,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{DType, Fingerprint, GroupId, OpKind};
 
+mod out;
+
+pub use out::{
+    FlightOut, FlightSource, dump, dump_flight_records, dump_on_sigusr1, now_us, register,
+};
+
 /// torch's default `TORCH_FR_BUFFER_SIZE`: entries kept per rank.
 pub const DEFAULT_ENTRIES: usize = 2000;
 

@@ -1,0 +1,180 @@
+//! Where flight records go: `rank-K.json` in the job's flight directory
+//! (`CONSORT_FLIGHT_DIR`, which `consort run` sets), written by every
+//! driver alike (the mesh, the stream-ordered driver of NCCL and the
+//! emulated device, the Gloo driver) when a call of this rank fails, when a
+//! peer's failure reaches it, and on request: [`dump_flight_records`],
+//! which SIGUSR1 calls ([`dump_on_sigusr1`]) and which the launcher's
+//! watchdog sends before it stops a hung job.
+//!
+//! Every source of this process registers here. One process may hold
+//! several (a communicator per NCCL subgroup, the world's and a subgroup's
+//! engines): a dump merges every live source with the same directory and
+//! rank into the one file, oldest call first.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+};
+
+use super::{Dump, Entry};
+
+/// Wall time since the Unix epoch, µs: every rank's records share it.
+pub fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Something that keeps a flight record (a driver's engine or engines).
+pub trait FlightSource: Send + Sync {
+    /// Its calls, oldest first, stamped now.
+    fn flight_entries(&self) -> Vec<Entry>;
+}
+
+/// Where and whether one source writes its record.
+#[derive(Debug)]
+pub struct FlightOut {
+    dir: PathBuf,
+    /// This process's rank in the world (the file's name).
+    rank: usize,
+    world: usize,
+    written: AtomicBool,
+}
+
+impl FlightOut {
+    /// Records of world rank `rank` of `world` go to `dir`.
+    pub fn new(dir: impl Into<PathBuf>, rank: usize, world: usize) -> Self {
+        FlightOut {
+            dir: dir.into(),
+            rank,
+            world,
+            written: AtomicBool::new(false),
+        }
+    }
+
+    /// The directory records go to.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// One registered source and where it writes.
+struct Registered {
+    source: Weak<dyn FlightSource>,
+    out: Weak<FlightOut>,
+}
+
+/// Every source alive in this process.
+static LIVE: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+
+/// Registers `source`, whose records go to `out`, until either is dropped.
+pub fn register(source: Weak<dyn FlightSource>, out: &Arc<FlightOut>) {
+    let mut live = crate::lock(&LIVE);
+    live.retain(|r| r.source.strong_count() > 0 && r.out.strong_count() > 0);
+    live.push(Registered {
+        source,
+        out: Arc::downgrade(out),
+    });
+}
+
+/// Writes this process's record to `out`'s directory with `reason`,
+/// merging every live source that writes there as the same rank: always
+/// with `force` (a call of this rank failed, or a request), otherwise only
+/// if `out` has written none yet (a peer's failure reached it: this rank's
+/// own follows and writes again). Returns the file written.
+pub fn dump(out: &FlightOut, reason: &str, force: bool) -> Option<PathBuf> {
+    if out.written.swap(true, Ordering::SeqCst) && !force {
+        return None;
+    }
+    let sources: Vec<Arc<dyn FlightSource>> = crate::lock(&LIVE)
+        .iter()
+        .filter(|r| {
+            r.out
+                .upgrade()
+                .is_some_and(|o| o.dir == out.dir && o.rank == out.rank)
+        })
+        .filter_map(|r| r.source.upgrade())
+        .collect();
+    let mut entries: Vec<Entry> = sources.iter().flat_map(|s| s.flight_entries()).collect();
+    entries.sort_by_key(|e| (e.issued_us, e.id));
+    let record = Dump {
+        rank: out.rank,
+        world: out.world,
+        pid: std::process::id(),
+        reason: reason.to_string(),
+        dumped_us: now_us(),
+        entries,
+    };
+    write(out, &record)
+}
+
+/// Writes `record` as `rank-K.json`, through a temporary file of its own.
+fn write(out: &FlightOut, record: &Dump) -> Option<PathBuf> {
+    let path = out.dir.join(format!("rank-{}.json", out.rank));
+    // A name of its own per write: two dumps at once (a failure and a
+    // SIGUSR1, or two groups) never share a temporary file.
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = out.dir.join(format!(
+        ".rank-{}.json.tmp-{}-{n}",
+        out.rank,
+        std::process::id()
+    ));
+    let written = std::fs::create_dir_all(&out.dir)
+        .and_then(|()| crate::files::create_new(&tmp))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &record.to_json()))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    match written {
+        Ok(()) => Some(path),
+        Err(e) => {
+            tracing::warn!(
+                "rank {}: could not write the flight record {}: {e}",
+                out.rank,
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// Writes the record of every source alive in this process (one file per
+/// directory and rank), with `reason`; returns the files written.
+pub fn dump_flight_records(reason: &str) -> Vec<PathBuf> {
+    let outs: Vec<Arc<FlightOut>> = {
+        let live = crate::lock(&LIVE);
+        let mut outs: Vec<Arc<FlightOut>> = Vec::new();
+        for o in live.iter().filter_map(|r| r.out.upgrade()) {
+            if !outs.iter().any(|x| x.dir == o.dir && x.rank == o.rank) {
+                outs.push(o);
+            }
+        }
+        outs
+    };
+    outs.iter().filter_map(|o| dump(o, reason, true)).collect()
+}
+
+/// On SIGUSR1, every source's record is written
+/// ([`dump_flight_records`]). Installed once per process, on the current
+/// tokio runtime (nothing happens outside one).
+pub fn dump_on_sigusr1() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    #[cfg(unix)]
+    if tokio::runtime::Handle::try_current().is_ok() {
+        ONCE.call_once(|| {
+            if let Ok(mut sig) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+            {
+                tokio::spawn(async move {
+                    while sig.recv().await.is_some() {
+                        for path in dump_flight_records("SIGUSR1") {
+                            eprintln!("flight record written to {}", path.display());
+                        }
+                    }
+                });
+            }
+        });
+    }
+}
