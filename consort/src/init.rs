@@ -277,7 +277,7 @@ impl Dist {
     /// `MASTER_ADDR` (loopback for a single-node job).
     pub async fn process_group(&self) -> Result<ProcessGroup, CommError> {
         let opts = self.tcp_options().await?;
-        let b = TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
+        let b = consort_tcp::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
             .await?;
         Ok(ProcessGroup::new(Arc::new(b)))
     }
@@ -305,7 +305,7 @@ impl Dist {
         // The emulated communicator keeps the record, as NCCL does; the
         // host mesh under it keeps none of its own.
         let flight = tcp.flight_dir.take();
-        let host = TcpBackend::connect(self.store.clone(), rank, world, tcp).await?;
+        let host = consort_tcp::connect(self.store.clone(), rank, world, tcp).await?;
         let device = consort_sim::EmulatedDevice::new(consort_sim::EmulatedOptions {
             seed: rank as u64,
             ..Default::default()
@@ -339,7 +339,7 @@ impl Dist {
         tcp.namespace = format!("consort/tcp/{}/{name}", self.env.restart_count);
         tcp.heartbeat_file = None;
         tcp.flight_dir = None;
-        TcpBackend::connect(self.store.clone(), self.env.rank, self.env.world_size, tcp).await
+        consort_tcp::connect(self.store.clone(), self.env.rank, self.env.world_size, tcp).await
     }
 
     async fn tcp_options(&self) -> Result<TcpOptions, CommError> {
@@ -430,13 +430,8 @@ impl Dist {
         if let Some(t) = seconds_var("CONSORT_QUIC_IDLE_TIMEOUT")? {
             opts.idle_timeout = t;
         }
-        let b = consort_quic::QuicBackend::connect(
-            self.store.clone(),
-            self.env.rank,
-            self.env.world_size,
-            opts,
-        )
-        .await?;
+        let b = consort_quic::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
+            .await?;
         Ok(ProcessGroup::new(Arc::new(b)))
     }
 

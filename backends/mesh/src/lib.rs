@@ -26,7 +26,7 @@ mod options;
 pub mod rendezvous;
 
 pub use auth::Secret;
-pub use driver::{MeshBackend, dump_flight_records, finish_in_drop};
+pub use driver::{MeshBackend, MeshCloser, dump_flight_records, finish_in_drop};
 pub use link::{BoxRead, BoxWrite, LocalSetup, LocalTransport, PeerLink, PolledLink};
 pub use options::MeshOptions;
 pub use rendezvous::StreamTransport;

@@ -13,4 +13,4 @@ mod backend;
 mod net;
 pub mod tls;
 
-pub use backend::{QuicBackend, QuicOptions};
+pub use backend::{QuicBackend, QuicOptions, connect};

@@ -18,7 +18,7 @@ async fn connect_all(n: usize, driver: TcpOptions) -> Vec<QuicBackend> {
         ..QuicOptions::default()
     };
     let tasks: Vec<_> = (0..n)
-        .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, n, opts.clone())))
+        .map(|r| tokio::spawn(consort_quic::connect(store.clone(), r, n, opts.clone())))
         .collect();
     let mut out = Vec::with_capacity(n);
     for t in tasks {

@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 use consort_comm::{Backend, ProcessGroup, ReduceOp, Store, store::MemStore};
 use consort_mesh::Secret;
 use consort_quic::{
-    QuicBackend, QuicOptions,
+    QuicOptions,
     tls::{self, Identity},
 };
 use quinn::{ClientConfig, Endpoint, crypto::rustls::QuicClientConfig};
@@ -99,7 +99,7 @@ async fn certificates_are_pinned_both_ways() {
 async fn a_built_mesh_refuses_newcomers_and_keeps_working() {
     let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
     let tasks: Vec<_> = (0..3)
-        .map(|r| tokio::spawn(QuicBackend::connect(store.clone(), r, 3, opts(None))))
+        .map(|r| tokio::spawn(consort_quic::connect(store.clone(), r, 3, opts(None))))
         .collect();
     let mut pgs = Vec::new();
     for t in tasks {
@@ -140,7 +140,7 @@ async fn a_built_mesh_refuses_newcomers_and_keeps_working() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_during_the_rendezvous_is_closed_once_the_job_is_known() {
     let store: Arc<dyn Store> = Arc::new(MemStore::new(Duration::from_secs(30)));
-    let r0 = tokio::spawn(QuicBackend::connect(store.clone(), 0, 2, opts(None)));
+    let r0 = tokio::spawn(consort_quic::connect(store.clone(), 0, 2, opts(None)));
     let raw = store.get("consort/quic/world/card/0").await.unwrap();
     let text = String::from_utf8(raw).unwrap();
     let (a, f) = text.lines().nth(1).unwrap().split_once(' ').unwrap();
@@ -148,7 +148,7 @@ async fn a_stranger_during_the_rendezvous_is_closed_once_the_job_is_known() {
     let (a, f) = (a.parse().unwrap(), tls::parse_hex(f).unwrap());
     let early = tokio::spawn(async move { dial(&stranger, a, f).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let r1 = tokio::spawn(QuicBackend::connect(store.clone(), 1, 2, opts(None)));
+    let r1 = tokio::spawn(consort_quic::connect(store.clone(), 1, 2, opts(None)));
     let e = early.await.unwrap().unwrap_err();
     assert!(e.contains("not a certificate of this job"), "{e}");
     let mut sums = Vec::new();
@@ -172,8 +172,8 @@ async fn ranks_with_different_secrets_do_not_connect() {
     o.connect_timeout = Duration::from_secs(3);
     let mut bad = opts(Some("wrong"));
     bad.connect_timeout = Duration::from_secs(3);
-    let a = tokio::spawn(QuicBackend::connect(store.clone(), 0, 2, o));
-    let b = tokio::spawn(QuicBackend::connect(store.clone(), 1, 2, bad));
+    let a = tokio::spawn(consort_quic::connect(store.clone(), 0, 2, o));
+    let b = tokio::spawn(consort_quic::connect(store.clone(), 1, 2, bad));
     let (a, b) = (a.await.unwrap(), b.await.unwrap());
     assert!(a.is_err() && b.is_err(), "a secret mismatch built a mesh");
     let msg = format!("{} | {}", a.unwrap_err(), b.unwrap_err());

@@ -3,16 +3,16 @@
 //!
 //! This module owns only what is TCP's: listening, dialling, and tuning a
 //! socket ([`TcpNet`]). The rendezvous, the choice of transport per peer
-//! and the driver are consort-mesh's.
+//! and the driver are consort-mesh's: a TCP group is a [`MeshBackend`]
+//! ([`TcpBackend`]), which [`connect`] makes.
 
 use std::{
     net::{IpAddr, SocketAddr},
     sync::Arc,
-    time::Duration,
 };
 
 use async_trait::async_trait;
-use consort_comm::{Backend, CallOptions, GroupId, Op, Result, Work, store::Store};
+use consort_comm::{Result, store::Store};
 use consort_mesh::{BoxRead, BoxWrite, MeshBackend, MeshOptions, StreamTransport, rendezvous};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -75,97 +75,25 @@ impl StreamTransport for TcpNet {
     }
 }
 
-/// One rank's handle on a TCP process group: the world group, or a
-/// subgroup that shares the world's links.
-#[derive(Debug)]
-pub struct TcpBackend {
-    mesh: MeshBackend,
-}
+/// One rank's handle on a TCP process group (the world group, or a
+/// subgroup that shares the world's links): the mesh driver itself, over
+/// TCP streams. [`connect`] makes one.
+pub type TcpBackend = MeshBackend;
 
-impl TcpBackend {
-    /// Joins a group of `world` ranks as `rank`: listens, publishes this
-    /// rank's card in `store`, and connects to every other rank (shared
-    /// memory to the peers on this host when `opts.local` is set, TCP to
-    /// the rest: lower ranks are dialled, higher ranks dial in).
-    pub async fn connect(
-        store: Arc<dyn Store>,
-        rank: usize,
-        world: usize,
-        opts: TcpOptions,
-    ) -> Result<Self> {
-        let ip = opts.bind_addr.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        let net = TcpNet::bind(ip).await.map_err(|e| {
-            rendezvous::setup_err("tcp", rank, format_args!("cannot listen on {ip}: {e}"))
-        })?;
-        let mesh = rendezvous::connect(store, rank, world, opts, net).await?;
-        Ok(TcpBackend { mesh })
-    }
-
-    /// The transport that reaches each world rank ("self", "stream" for
-    /// TCP, "shm").
-    pub fn transports(&self) -> Vec<&'static str> {
-        self.mesh.transports()
-    }
-
-    /// The world ranks this rank reaches through shared memory.
-    pub fn shared_memory_peers(&self) -> Vec<usize> {
-        self.mesh.shared_memory_peers()
-    }
-
-    /// The world ranks that read this rank's large payloads from its
-    /// memory (see `consort_shm::ShmTransport::cma`).
-    pub fn single_copy_peers(&self) -> Vec<usize> {
-        self.mesh.single_copy_peers()
-    }
-
-    /// The mesh this backend drives.
-    pub fn mesh(&self) -> &MeshBackend {
-        &self.mesh
-    }
-}
-
-#[async_trait]
-impl Backend for TcpBackend {
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn rank(&self) -> usize {
-        self.mesh.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.mesh.world_size()
-    }
-
-    fn group_id(&self) -> GroupId {
-        self.mesh.group_id()
-    }
-
-    fn default_timeout(&self) -> Duration {
-        self.mesh.default_timeout()
-    }
-
-    fn submit<'a>(&'a self, op: Op<'a>, opts: &CallOptions) -> Work<'a> {
-        self.mesh.submit(op, opts)
-    }
-
-    fn lost_peers(&self) -> Vec<(usize, String)> {
-        self.mesh.lost_peers()
-    }
-
-    fn peer_aborts(&self) -> Vec<consort_comm::PeerAbort> {
-        self.mesh.peer_aborts()
-    }
-
-    async fn new_group(
-        &self,
-        ranks: &[usize],
-        opts: &CallOptions,
-    ) -> Result<Option<Arc<dyn Backend>>> {
-        Ok(self
-            .mesh
-            .subgroup(ranks, opts)?
-            .map(|mesh| Arc::new(TcpBackend { mesh }) as Arc<dyn Backend>))
-    }
+/// Joins a group of `world` ranks as `rank`: listens, publishes this
+/// rank's card in `store`, and connects to every other rank (shared memory
+/// to the peers on this host when `opts.local` is set, TCP to the rest:
+/// lower ranks are dialled, higher ranks dial in). The backend is the mesh
+/// driver's ([`MeshBackend`]); this only adds TCP's sockets.
+pub async fn connect(
+    store: Arc<dyn Store>,
+    rank: usize,
+    world: usize,
+    opts: TcpOptions,
+) -> Result<TcpBackend> {
+    let ip = opts.bind_addr.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+    let net = TcpNet::bind(ip).await.map_err(|e| {
+        rendezvous::setup_err("tcp", rank, format_args!("cannot listen on {ip}: {e}"))
+    })?;
+    rendezvous::connect(store, rank, world, opts, net).await
 }

@@ -19,7 +19,7 @@ pub mod gloo;
 pub mod iface;
 pub mod store;
 
-pub use backend::{TcpBackend, TcpNet, TcpOptions};
+pub use backend::{TcpBackend, TcpNet, TcpOptions, connect};
 /// The `CONSORT_SECRET` handshake the store and every stream share.
 pub use consort_mesh::{Secret, auth};
 pub use gloo::{GlooBackend, GlooOptions};

@@ -11,7 +11,7 @@
 use std::{sync::Arc, time::Duration};
 
 use consort_comm::{Backend, CommError, ProcessGroup, store::MemStore};
-use consort_tcp::{TcpBackend, TcpOptions};
+use consort_tcp::TcpOptions;
 
 /// Elements sent: 8 MiB, which rank 0's send buffer and rank 1's receive
 /// buffer hold between them (so rank 0's `send` ends with rank 1 reading
@@ -43,7 +43,7 @@ async fn a_rank_that_leaves_right_after_its_last_send_still_delivers_it() {
             .unwrap();
         rt.block_on(rank_one(s1))
     });
-    let b0 = TcpBackend::connect(store, 0, 2, options()).await.unwrap();
+    let b0 = consort_tcp::connect(store, 0, 2, options()).await.unwrap();
     let pg = ProcessGroup::new(Arc::new(b0) as Arc<dyn Backend>);
     let x: Vec<f32> = (0..LEN).map(|i| (i % 251) as f32).collect();
     pg.send(&x, 1, 0).await.unwrap();
@@ -66,7 +66,7 @@ async fn a_rank_that_leaves_right_after_its_last_send_still_delivers_it() {
 /// Rank 1: stalls its whole runtime for 500 ms, writes a frame to rank 0
 /// (gone by then) before its reader runs again, and receives.
 async fn rank_one(store: Arc<dyn consort_comm::Store>) -> Result<Vec<f32>, CommError> {
-    let b1 = TcpBackend::connect(store, 1, 2, options()).await?;
+    let b1 = consort_tcp::connect(store, 1, 2, options()).await?;
     let pg = ProcessGroup::new(Arc::new(b1) as Arc<dyn Backend>);
     std::thread::sleep(Duration::from_millis(500));
     let y = [1.0f32; 4];
@@ -91,7 +91,7 @@ fn world(n: usize) -> consort_tests::WorldFuture {
     Box::pin(async move {
         let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
         let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, options())))
+            .map(|r| tokio::spawn(consort_tcp::connect(store.clone(), r, n, options())))
             .collect();
         let mut out: Vec<Arc<dyn Backend>> = Vec::with_capacity(n);
         for t in tasks {

@@ -113,7 +113,7 @@ fn suite_options() -> TcpOptions {
 async fn connect_all(n: usize, opts: impl Fn(usize) -> TcpOptions) -> Vec<Arc<TcpBackend>> {
     let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
     let tasks: Vec<_> = (0..n)
-        .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts(r))))
+        .map(|r| tokio::spawn(consort_tcp::connect(store.clone(), r, n, opts(r))))
         .collect();
     let mut out = Vec::with_capacity(n);
     for t in tasks {
@@ -249,7 +249,7 @@ async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
                 local: Some(ShmTransport::default().shared()),
                 ..TcpOptions::default()
             };
-            tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts))
+            tokio::spawn(consort_tcp::connect(store.clone(), r, n, opts))
         })
         .collect();
     let mut ranks = Vec::new();
@@ -386,11 +386,11 @@ async fn late_receives(local: Option<ShmTransport>, len: usize) {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let b = TcpBackend::connect(s1, 1, 2, o1).await.expect("connect");
+            let b = consort_tcp::connect(s1, 1, 2, o1).await.expect("connect");
             late_rank(Arc::new(b), len).await
         })
     });
-    let b0 = TcpBackend::connect(store, 0, 2, opts())
+    let b0 = consort_tcp::connect(store, 0, 2, opts())
         .await
         .expect("connect");
     let got0 = late_rank(Arc::new(b0), len).await;
@@ -415,13 +415,13 @@ async fn late_rank(b: Arc<TcpBackend>, len: usize) -> (bool, u64, u64) {
         .collect();
     let mut y: Vec<f32> = (0..len).map(|i| (r * 1000 + i % 7) as f32).collect();
     late_call(r, pg.broadcast(&mut x, 0)).await;
-    let after_broadcast = b.mesh().late_receives();
+    let after_broadcast = b.late_receives();
     late_call(r, pg.all_reduce(&mut y, consort_comm::ReduceOp::Sum)).await;
     let right = x.iter().enumerate().all(|(i, &v)| v == (i % 89) as f32)
         && y.iter()
             .enumerate()
             .all(|(i, &v)| v == (1000 + 2 * (i % 7)) as f32);
-    (right, after_broadcast, b.mesh().late_receives())
+    (right, after_broadcast, b.late_receives())
 }
 
 /// Runs `call` on rank `r`. Rank 1 blocks its runtime for 60 ms, lets its

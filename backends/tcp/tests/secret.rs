@@ -7,7 +7,7 @@ use consort_comm::{
     ProcessGroup, ReduceOp,
     store::{MemStore, Store, StoreError},
 };
-use consort_tcp::{Secret, TcpBackend, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
+use consort_tcp::{Secret, TcpOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
 /// The address rank `rank` listens on: the second line of the card it
@@ -73,7 +73,7 @@ async fn the_mesh_refuses_strangers_and_works_with_the_secret() {
     // tries to pass as rank 1 without the handshake.
     let s0 = store.clone();
     let o0 = opts.clone();
-    let r0 = tokio::spawn(async move { TcpBackend::connect(s0, 0, 2, o0).await });
+    let r0 = tokio::spawn(async move { consort_tcp::connect(s0, 0, 2, o0).await });
     let addr = address(&*store, &opts.namespace, 0).await;
     let mut stranger = TcpStream::connect(&addr).await.unwrap();
     let mut hello = b"CSRH\x02".to_vec();
@@ -82,7 +82,7 @@ async fn the_mesh_refuses_strangers_and_works_with_the_secret() {
     hello.extend_from_slice(&[0u8; 64]);
     let _ = stranger.write_all(&hello).await;
 
-    let r1 = TcpBackend::connect(store.clone(), 1, 2, opts)
+    let r1 = consort_tcp::connect(store.clone(), 1, 2, opts)
         .await
         .unwrap();
     let r0 = r0.await.unwrap().unwrap();
@@ -114,8 +114,8 @@ async fn ranks_with_different_secrets_do_not_connect() {
     };
     let s0 = store.clone();
     let o0 = opts("one");
-    let r0 = tokio::spawn(async move { TcpBackend::connect(s0, 0, 2, o0).await });
-    let e1 = TcpBackend::connect(store, 1, 2, opts("two"))
+    let r0 = tokio::spawn(async move { consort_tcp::connect(s0, 0, 2, o0).await });
+    let e1 = consort_tcp::connect(store, 1, 2, opts("two"))
         .await
         .unwrap_err();
     assert!(e1.to_string().contains("authenticat"), "{e1}");
@@ -136,7 +136,7 @@ async fn the_mesh_works_over_ipv6() {
         .map(|r| {
             let (s, o) = (store.clone(), opts.clone());
             tokio::spawn(async move {
-                let pg = ProcessGroup::new(Arc::new(TcpBackend::connect(s, r, 3, o).await?));
+                let pg = ProcessGroup::new(Arc::new(consort_tcp::connect(s, r, 3, o).await?));
                 let mut v = vec![r as f32; 4];
                 pg.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v)
             })
@@ -159,12 +159,12 @@ async fn a_silent_stray_connection_does_not_block_the_mesh() {
         connect_timeout: Duration::from_secs(30),
         ..TcpOptions::default()
     };
-    let rank0 = tokio::spawn(TcpBackend::connect(store.clone(), 0, 2, opts.clone()));
+    let rank0 = tokio::spawn(consort_tcp::connect(store.clone(), 0, 2, opts.clone()));
     let addr = address(&*store, &opts.namespace, 0).await;
     // Connects first, and then sends nothing, for the whole test.
     let _stray = TcpStream::connect(addr).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let rank1 = tokio::spawn(TcpBackend::connect(store.clone(), 1, 2, opts));
+    let rank1 = tokio::spawn(consort_tcp::connect(store.clone(), 1, 2, opts));
     let pgs = [rank0.await.unwrap(), rank1.await.unwrap()]
         .map(|b| ProcessGroup::new(Arc::new(b.expect("mesh despite a silent stray connection"))));
     let [a, b] = pgs;

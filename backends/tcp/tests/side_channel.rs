@@ -40,7 +40,7 @@ fn checkers(rt: &tokio::runtime::Runtime, n: usize) -> (Vec<Checker>, Reports) {
     };
     let hosts: Vec<TcpBackend> = rt.block_on(async {
         let tasks: Vec<_> = (0..n)
-            .map(|r| tokio::spawn(TcpBackend::connect(store.clone(), r, n, opts.clone())))
+            .map(|r| tokio::spawn(consort_tcp::connect(store.clone(), r, n, opts.clone())))
             .collect();
         let mut out = Vec::new();
         for t in tasks {

@@ -5,8 +5,8 @@
 //! the agent can read even when the worker is stopped or wedged.
 //!
 //! A worker is watched from its first heartbeat (its comm layer's first
-//! group) until its groups are gone; TCP and QUIC groups keep one, NCCL
-//! groups do not yet. Only a stall that holds someone up counts: some
+//! group) until its groups are gone; every driver keeps one (the mesh,
+//! NCCL and the emulated device, Gloo). Only a stall that holds someone up counts: some
 //! watched worker must be waiting in a call.
 //!
 //! When a rank stops, its peers stop with it (they wait for it in their
@@ -96,8 +96,8 @@ impl Watchdog {
             s.beat = beat;
         }
         // A worker is watched from its first heartbeat until its groups are
-        // gone: one whose comm layer keeps none (NCCL groups, for now), or
-        // that is done with collectives, is never called hung.
+        // gone: one whose comm layer keeps none, or that is done with
+        // collectives, is never called hung.
         let watched = |i: usize| alive[i] && self.seen[i].beat.is_some_and(|b| !b.detached);
         let stalled: Vec<usize> = (0..self.seen.len())
             .filter(|&i| watched(i) && now.duration_since(self.seen[i].since) >= self.timeout)

@@ -78,6 +78,7 @@ impl MeshBackend {
             members: (0..world).collect(),
             me: rank,
             owner: true,
+            closer: None,
         })
     }
 }

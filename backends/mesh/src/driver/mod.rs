@@ -202,6 +202,21 @@ pub struct MeshBackend {
     me: usize,
     /// Whether this is the world handle, whose drop closes the mesh.
     owner: bool,
+    /// What the transport does last when the world handle closes the mesh
+    /// (QUIC: wait for the peers' acknowledgements, close the endpoint).
+    closer: Option<Arc<dyn MeshCloser>>,
+}
+
+/// A transport's last step when the world handle closes the mesh, after
+/// the parting aborts and every stream's shutdown (within the linger),
+/// before the readers stop.
+pub trait MeshCloser: Send + Sync + 'static {
+    /// The step, bounded by [`MeshCloser::budget`].
+    fn closed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+    /// At most how long [`MeshCloser::closed`] takes.
+    fn budget(&self) -> Duration;
+    /// No runtime to wait on (a drop outside one): close at once.
+    fn close_now(&self);
 }
 
 impl std::fmt::Debug for MeshBackend {
@@ -220,10 +235,20 @@ impl Drop for MeshBackend {
             return;
         }
         let inner = self.inner.clone();
-        // The parting aborts, then the linger: bounded, with room to spare.
-        let limit = self.opts.linger.saturating_add(Duration::from_secs(5));
-        if !finish_in_drop(close(inner, self.opts.linger), limit) {
+        let closer = self.closer.take();
+        // The parting aborts, then the linger, then the transport's last
+        // step: bounded, with room to spare.
+        let budget = closer.as_ref().map_or(Duration::ZERO, |c| c.budget());
+        let limit = self
+            .opts
+            .linger
+            .saturating_add(budget)
+            .saturating_add(Duration::from_secs(5));
+        if !finish_in_drop(close(inner, self.opts.linger, closer.clone()), limit) {
             stop_readers(&self.inner);
+            if let Some(c) = closer {
+                c.close_now();
+            }
         }
     }
 }
@@ -235,7 +260,7 @@ impl Drop for MeshBackend {
 /// reading meanwhile, so that nothing arrives at a closed socket, which
 /// would reset the connection and throw away what its send buffer still
 /// held; then the readers stop.
-async fn close(inner: Arc<Inner>, linger: Duration) {
+async fn close(inner: Arc<Inner>, linger: Duration, closer: Option<Arc<dyn MeshCloser>>) {
     part(&inner).await;
     let mut shutdowns: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = inner
         .links
@@ -260,6 +285,9 @@ async fn close(inner: Arc<Inner>, linger: Duration) {
         }
     });
     let _ = before(Instant::now() + linger, all).await;
+    if let Some(c) = closer {
+        let _ = before(Instant::now() + c.budget(), c.closed()).await;
+    }
     stop_readers(&inner);
 }
 
@@ -272,14 +300,12 @@ async fn part(inner: &Arc<Inner>) {
 }
 
 impl MeshBackend {
-    /// What the world handle's drop sends first: each failed group's first
-    /// cause, to the group's other members, so that a peer still waiting on
-    /// this rank learns why before it sees the connection close. For a
-    /// transport whose own drop ends its streams before this handle's drop
-    /// runs (QUIC), to await first.
-    pub fn parting(&self) -> impl Future<Output = ()> + Send + 'static {
-        let inner = self.inner.clone();
-        async move { part(&inner).await }
+    /// Gives the world handle the transport's last step when it closes the
+    /// mesh ([`MeshCloser`]); ignored on a subgroup's handle.
+    pub fn set_closer(&mut self, closer: Arc<dyn MeshCloser>) {
+        if self.owner {
+            self.closer = Some(closer);
+        }
     }
 }
 
@@ -501,15 +527,16 @@ impl MeshBackend {
         self.name
     }
 
-    /// The transport that reaches each world rank: "self", "stream" (TCP
-    /// or QUIC), or a local transport's name ("shm").
+    /// The transport that reaches each world rank: "self", the stream
+    /// transport's name ("tcp", "quic"), or a local transport's name
+    /// ("shm").
     pub fn transports(&self) -> Vec<&'static str> {
         self.inner
             .links
             .iter()
             .map(|l| match l {
                 Link::Me => "self",
-                Link::Streams(_) => "stream",
+                Link::Streams(_) => self.name,
                 Link::Polled(p) => p.link.name(),
             })
             .collect()
@@ -560,6 +587,7 @@ impl MeshBackend {
             members: members.into(),
             me,
             owner: false,
+            closer: None,
         }))
     }
 }
