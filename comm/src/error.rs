@@ -225,9 +225,116 @@ pub enum CommError {
     Aborted {
         /// Where.
         ctx: ErrorContext,
-        /// The first failure, as text (it may have come from another rank).
-        cause: String,
+        /// The first failure: one of a few kinds, or its text (it may have
+        /// come from another rank).
+        cause: AbortCause,
     },
+}
+
+/// Why a group was aborted: one of a few kinds, each message built here
+/// (as rustls keeps its alerts), or a failure's text where it came from
+/// elsewhere (an earlier error, a peer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AbortCause {
+    /// An earlier failure of the group, this rank's or a peer's, as text.
+    Earlier(String),
+    /// Rank `rank` failed with `message`, and its abort reached this rank.
+    Peer {
+        /// The failed rank (in the world).
+        rank: usize,
+        /// What it said.
+        message: String,
+    },
+    /// A call of the group was cancelled: its future was dropped before it
+    /// finished.
+    Cancelled {
+        /// The call.
+        op: OpKind,
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// This rank's communicator was shut down or aborted (`how`).
+    Closed(String),
+    /// A call made before this one on this rank did not reach the stream
+    /// within `after` (a stream-ordered group enqueues in the order calls
+    /// were made).
+    TurnTimedOut {
+        /// How long the call waited.
+        after: std::time::Duration,
+        /// The call ahead of it, if it is known.
+        ahead: Option<(OpKind, u64)>,
+    },
+    /// A thread or runtime the backend needs could not start.
+    Spawn {
+        /// What (`"the NCCL watchdog thread"`).
+        what: &'static str,
+        /// The system's error.
+        error: String,
+    },
+    /// A part of the backend stopped before the call ended.
+    Stopped(&'static str),
+    /// A device (CUDA) call failed.
+    Device {
+        /// Which (`"event creation"`).
+        what: &'static str,
+        /// The driver's error.
+        error: String,
+    },
+    /// Anything else, as text.
+    Other(String),
+}
+
+impl fmt::Display for AbortCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AbortCause::Earlier(t) | AbortCause::Closed(t) | AbortCause::Other(t) => f.write_str(t),
+            AbortCause::Peer { rank, message } => write!(f, "rank {rank} failed: {message}"),
+            AbortCause::Cancelled { op, seq } => write!(
+                f,
+                "a {} call (seq {seq}) was cancelled: its future was dropped before it \
+                 finished. Peers may be part-way through it, so the group cannot continue; make \
+                 a new group, or await every call to the end",
+                op.name()
+            ),
+            AbortCause::TurnTimedOut { after, ahead } => {
+                let which = match ahead {
+                    Some((op, seq)) => format!("the {} call (seq {seq})", op.name()),
+                    None => "a call".into(),
+                };
+                write!(
+                    f,
+                    "waited {after:?} for its turn: {which} made before it on this rank has not \
+                     reached the stream. A stream-ordered group (NCCL) enqueues a rank's calls \
+                     in the order they were made, and the one ahead, made on another thread, is \
+                     stuck in its enqueue"
+                )
+            }
+            AbortCause::Spawn { what, error } => write!(f, "could not start {what}: {error}"),
+            AbortCause::Stopped(what) => write!(f, "{what} stopped before the call ended"),
+            AbortCause::Device { what, error } => write!(f, "CUDA {what} failed: {error}"),
+        }
+    }
+}
+
+impl AbortCause {
+    /// Whether the message contains `text` (for matching in tests and
+    /// tools).
+    pub fn contains(&self, text: &str) -> bool {
+        self.to_string().contains(text)
+    }
+}
+
+impl From<String> for AbortCause {
+    fn from(t: String) -> Self {
+        AbortCause::Other(t)
+    }
+}
+
+impl From<&str> for AbortCause {
+    fn from(t: &str) -> Self {
+        AbortCause::Other(t.to_string())
+    }
 }
 
 impl CommError {
@@ -267,6 +374,14 @@ impl CommError {
         self
     }
 
+    /// An `Aborted` with no context yet.
+    pub fn aborted(cause: impl Into<AbortCause>) -> Self {
+        CommError::Aborted {
+            ctx: ErrorContext::default(),
+            cause: cause.into(),
+        }
+    }
+
     /// An `InvalidArgument` with no context yet.
     pub fn invalid(reason: impl Into<String>) -> Self {
         CommError::InvalidArgument {
@@ -298,7 +413,7 @@ impl CommError {
             CommError::Aborted { .. } => self.clone(),
             other => CommError::Aborted {
                 ctx: ErrorContext::default(),
-                cause: other.to_string(),
+                cause: AbortCause::Earlier(other.to_string()),
             },
         }
     }

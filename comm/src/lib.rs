@@ -61,7 +61,7 @@ pub use backend::{Backend, CallOptions, Op, PeerAbort, Work};
 pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
 pub use device::{Device, Event, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};
-pub use error::{CommError, ErrorContext, Result};
+pub use error::{AbortCause, CommError, ErrorContext, Result};
 pub use fingerprint::{Fingerprint, GroupId, OpKind};
 pub use group::ProcessGroup;
 pub use reduce::ReduceOp;

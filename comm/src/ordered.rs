@@ -51,7 +51,7 @@ use std::{
 };
 
 use crate::{
-    CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
+    AbortCause, CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
     engine::{CallId, Engine},
 };
 
@@ -157,7 +157,7 @@ impl<W> Ordered<W> {
             };
             return Err(CommError::Aborted {
                 ctx,
-                cause: why.clone(),
+                cause: AbortCause::Closed(why.clone()),
             });
         }
         let b = self
@@ -205,23 +205,11 @@ impl<W> Ordered<W> {
             .unlaunched
             .first()
             .filter(|first| **first < id)
-            .and_then(|first| self.engine.context(*first));
-        let which = match ahead {
-            Some(ErrorContext {
-                op: Some(op),
-                seq: Some(seq),
-                ..
-            }) => format!("the {} call (seq {seq})", op.name()),
-            _ => "a call".to_string(),
-        };
+            .and_then(|first| self.engine.context(*first))
+            .and_then(|c| c.op.zip(c.seq));
         CommError::Aborted {
             ctx: self.context(id),
-            cause: format!(
-                "waited {after:?} for its turn: {which} made before it on this rank has not \
-                 reached the stream. A stream-ordered group (NCCL) enqueues a rank's calls in \
-                 the order they were made, and the one ahead, made on another thread, is stuck \
-                 in its enqueue"
-            ),
+            cause: AbortCause::TurnTimedOut { after, ahead },
         }
     }
 
@@ -243,10 +231,7 @@ impl<W> Ordered<W> {
     fn refused(&self, id: CallId) -> Option<CommError> {
         match (&self.closed, self.engine.poisoned(self.group)) {
             (_, Some(e)) => Some(self.named_or_aborted(id, e)),
-            (Some(why), None) => Some(CommError::Aborted {
-                ctx: ErrorContext::default(),
-                cause: why.clone(),
-            }),
+            (Some(why), None) => Some(CommError::aborted(AbortCause::Closed(why.clone()))),
             (None, None) => None,
         }
     }
@@ -315,9 +300,8 @@ impl<W> Ordered<W> {
         };
         self.unlaunched.remove(&id);
         let out = self.engine.end(id, Err(e)).result;
-        out.err().unwrap_or_else(|| CommError::Aborted {
-            ctx: ErrorContext::default(),
-            cause: "internal: a failed launch ended without an error".into(),
+        out.err().unwrap_or_else(|| {
+            CommError::aborted("internal: a failed launch ended without an error")
         })
     }
 

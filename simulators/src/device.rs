@@ -531,14 +531,11 @@ impl Device for EmulatedDevice {
                     Some(_) => "has runnable work the device worker never ran".to_string(),
                     None => "is running its last operation".to_string(),
                 };
-                return Err(CommError::Aborted {
-                    ctx: Default::default(),
-                    cause: format!(
-                        "emulated device: stream {stream} did not drain within {timeout:?}: it \
+                return Err(CommError::aborted(format!(
+                    "emulated device: stream {stream} did not drain within {timeout:?}: it \
                          {head} ({} operations queued; a collective that never finished?)",
-                        q.len()
-                    ),
-                });
+                    q.len()
+                )));
             }
             st = match self.shared.cv.wait_timeout(st, left) {
                 Ok((g, _)) => g,

@@ -43,11 +43,8 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
-fn err(what: &str, e: cu::DriverError) -> CommError {
-    CommError::Aborted {
-        ctx: ErrorContext::default(),
-        cause: format!("CUDA {what} failed: {e:?}"),
-    }
+fn err(what: &'static str, e: cu::DriverError) -> CommError {
+    crate::work::driver_error(ErrorContext::default(), what, e)
 }
 
 impl CudaDevice {
@@ -299,14 +296,11 @@ impl Device for CudaDevice {
                 Ok(true) => break Ok(()),
                 Err(x) => break Err(x),
                 Ok(false) if Instant::now() >= deadline => {
-                    break Err(CommError::Aborted {
-                        ctx: ErrorContext::default(),
-                        cause: format!(
-                            "CUDA stream {s} of GPU {} did not drain within {:?}: a kernel on it \
-                             (a collective whose peer is gone or stopped?) never finished",
-                            self.ordinal, self.sync_timeout
-                        ),
-                    });
+                    break Err(CommError::aborted(format!(
+                        "CUDA stream {s} of GPU {} did not drain within {:?}: a kernel on it (a \
+                         collective whose peer is gone or stopped?) never finished",
+                        self.ordinal, self.sync_timeout
+                    )));
                 }
                 Ok(false) if spins < 1000 => {
                     spins += 1;

@@ -117,12 +117,12 @@ impl Pairs {
         let held = self.live - self.idle.len() - self.failed.len();
         CommError::Aborted {
             ctx,
-            cause: format!(
+            cause: consort_comm::AbortCause::Other(format!(
                 "no staging memory for a host call of {bytes} bytes ({e}); {held} staging \
                  buffers are held by host calls in flight, or whose works were neither awaited \
                  nor dropped yet. Await (or drop) host calls' works before making many more, or \
                  pass device buffers"
-            ),
+            )),
         }
     }
 }
@@ -172,7 +172,9 @@ impl Pool {
             if p.closed {
                 return Err(CommError::Aborted {
                     ctx,
-                    cause: "the NCCL communicator was shut down or aborted".into(),
+                    cause: consort_comm::AbortCause::Closed(
+                        "the NCCL communicator was shut down or aborted".into(),
+                    ),
                 });
             }
             // Not a pair far larger than the call needs: a small call

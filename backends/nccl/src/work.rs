@@ -66,10 +66,13 @@ pub(crate) struct Cuda {
     pub(crate) aborter: Mutex<Option<JoinHandle<()>>>,
 }
 
-pub(crate) fn driver_error(ctx: ErrorContext, what: &str, e: cu::DriverError) -> CommError {
+pub(crate) fn driver_error(ctx: ErrorContext, what: &'static str, e: cu::DriverError) -> CommError {
     CommError::Aborted {
         ctx,
-        cause: format!("CUDA {what} failed: {e:?}"),
+        cause: consort_comm::AbortCause::Device {
+            what,
+            error: format!("{e:?}"),
+        },
     }
 }
 

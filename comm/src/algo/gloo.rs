@@ -83,16 +83,13 @@ async fn recv_into(
 ) -> Result<()> {
     let data = io.wait_recv(peer, slot).await?;
     if data.len() != dst.len() {
-        return Err(crate::CommError::Aborted {
-            ctx: Default::default(),
-            cause: format!(
-                "rank {peer} sent {} bytes where rank {} expected {}: the two ranks called \
+        return Err(crate::CommError::aborted(format!(
+            "rank {peer} sent {} bytes where rank {} expected {}: the two ranks called \
                  collectives of different sizes at this point",
-                data.len(),
-                io.rank(),
-                dst.len()
-            ),
-        });
+            data.len(),
+            io.rank(),
+            dst.len()
+        )));
     }
     match combine {
         Some(c) => c(dst, &data)?,

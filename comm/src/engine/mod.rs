@@ -669,15 +669,11 @@ impl<P> Engine<P> {
         cause: Option<CommError>,
     ) -> Option<(AbortInfo, Fingerprint, Vec<usize>)> {
         let c = self.calls.get(&call)?;
-        let e = cause.unwrap_or_else(|| CommError::Aborted {
-            ctx: ErrorContext::default(),
-            cause: format!(
-                "a {} call (seq {}) was cancelled: its future was dropped before it finished. \
-                 Peers may be part-way through it, so the group cannot continue; make a new \
-                 group, or await every call to the end",
-                c.fp.op.name(),
-                c.fp.seq
-            ),
+        let e = cause.unwrap_or_else(|| {
+            CommError::aborted(crate::AbortCause::Cancelled {
+                op: c.fp.op,
+                seq: c.fp.seq,
+            })
         });
         self.end(call, Err(e)).abort
     }
@@ -785,7 +781,10 @@ pub fn from_abort(
         },
         AbortInfo::Other { message } => CommError::Aborted {
             ctx,
-            cause: format!("rank {peer} failed: {message}"),
+            cause: crate::AbortCause::Peer {
+                rank: peer,
+                message: message.clone(),
+            },
         },
     }
 }

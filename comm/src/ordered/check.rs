@@ -235,11 +235,11 @@ impl Checker {
         report: Report,
     ) -> Result<Option<(Checker, CheckTask)>> {
         let (reply, answer) = oneshot::channel();
-        let gone = || CommError::Aborted {
-            ctx: ErrorContext::default(),
-            cause: "the fingerprint checker has stopped (its host side channel failed); make \
-                    the subgroup on a new communicator"
-                .into(),
+        let gone = || {
+            CommError::aborted(
+                "the fingerprint checker has stopped (its host side channel failed); make the \
+                 subgroup on a new communicator",
+            )
         };
         self.tx
             .send(Msg::NewGroup {
@@ -573,11 +573,11 @@ fn side_channel_failed(host: &dyn Backend, e: &CommError) -> bool {
 fn peer_failed(ctx: ErrorContext, rank: usize, said: &str, when: &str) -> CommError {
     CommError::Aborted {
         ctx,
-        cause: format!(
+        cause: crate::AbortCause::Other(format!(
             "rank {rank}'s communicator failed, so it will not run its part of this call; it \
              said: {said} (heard on the fingerprint check's side channel{when}). Fix rank \
              {rank}'s failure, then make a new group or restart the job"
-        ),
+        )),
     }
 }
 

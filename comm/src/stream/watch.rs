@@ -35,9 +35,11 @@ impl<D: DeviceComm> Driver<D> {
                 me.device.watchdog_started();
                 me.watchdog();
             })
-            .map_err(|e| CommError::Aborted {
-                ctx: ErrorContext::default(),
-                cause: format!("could not start the watchdog thread: {e}"),
+            .map_err(|e| {
+                CommError::aborted(crate::AbortCause::Spawn {
+                    what: "the watchdog thread",
+                    error: e.to_string(),
+                })
             })
     }
 

@@ -7,8 +7,8 @@ use std::{
 };
 
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, EventId, HostSlice, HostSliceMut,
-    ReduceOp, Result, fault::Rng, ordered::check,
+    AbortCause, Backend, Buffer, BufferMut, CallOptions, CommError, DType, EventId, HostSlice,
+    HostSliceMut, ReduceOp, Result, fault::Rng, ordered::check,
 };
 
 use consort_comm::lock;
@@ -154,10 +154,10 @@ pub(super) fn comm_thread(
                 }
                 let result = match (rt, waited) {
                     (Ok(rt), true) => rt.block_on(run_or_cancel(inner, device, &mut job)),
-                    (Err(e), _) => Err(CommError::Aborted {
-                        ctx: Default::default(),
-                        cause: format!("could not start the emulated communication runtime: {e}"),
-                    }),
+                    (Err(e), _) => Err(CommError::aborted(AbortCause::Spawn {
+                        what: "the emulated communication runtime",
+                        error: e.to_string(),
+                    })),
                     (_, false) => Err(CommError::Timeout {
                         ctx: Default::default(),
                         after: timeout,
@@ -255,9 +255,10 @@ async fn tell_peers(
     cause: Option<CommError>,
 ) {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let _ = tx.send(cause.unwrap_or_else(|| CommError::Aborted {
-        ctx: Default::default(),
-        cause: "this rank's emulated communicator was aborted before the call ran".into(),
+    let _ = tx.send(cause.unwrap_or_else(|| {
+        CommError::aborted(AbortCause::Closed(
+            "this rank's emulated communicator was aborted before the call ran".into(),
+        ))
     }));
     job.cancelled = Some(rx);
     // The call is made on the host copies alone: device memory is neither
@@ -318,9 +319,10 @@ async fn aborted(comm: &Driver) -> CommError {
             return comm
                 .poisoned()
                 .or_else(|| comm.device().async_error())
-                .unwrap_or_else(|| CommError::Aborted {
-                    ctx: Default::default(),
-                    cause: "this rank's emulated communicator was aborted".into(),
+                .unwrap_or_else(|| {
+                    CommError::aborted(AbortCause::Closed(
+                        "this rank's emulated communicator was aborted".into(),
+                    ))
                 });
         }
         tokio::time::sleep(Duration::from_millis(1)).await;

@@ -50,8 +50,8 @@ use std::{
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId, Fingerprint,
-    GroupId, HostSliceMut, Op, Result, Work,
+    AbortCause, Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId,
+    Fingerprint, GroupId, HostSliceMut, Op, Result, Work,
     device::{Device, StreamId},
     lock,
     ordered::check::{CheckTask, Checker},
@@ -147,11 +147,11 @@ impl std::fmt::Debug for EmulatedComm {
     }
 }
 
-fn thread_error(what: &str, e: std::io::Error) -> CommError {
-    CommError::Aborted {
-        ctx: Default::default(),
-        cause: format!("could not start the emulated {what} thread: {e}"),
-    }
+fn thread_error(what: &'static str, e: std::io::Error) -> CommError {
+    CommError::aborted(AbortCause::Spawn {
+        what,
+        error: e.to_string(),
+    })
 }
 
 /// One communicator's driver and its watchdog thread.
@@ -190,7 +190,7 @@ impl EmulatedComm {
         let worker = std::thread::Builder::new()
             .name(format!("consort-emulated-comm-{}", inner.rank()))
             .spawn(move || comm_thread(&*b, &d, &o, rx))
-            .map_err(|e| thread_error("communication", e))?;
+            .map_err(|e| thread_error("the emulated communication thread", e))?;
         Ok(EmulatedComm {
             inner,
             device,
@@ -268,7 +268,7 @@ impl EmulatedComm {
                 }
             })
             .map(drop)
-            .map_err(|e| thread_error("fingerprint check", e))
+            .map_err(|e| thread_error("the emulated fingerprint check thread", e))
     }
 
     fn device_arg(&self, d: &DeviceBuffer) -> Result<Mem> {
@@ -415,10 +415,9 @@ impl EmulatedComm {
             None => Ok(()),
             Some(job) => {
                 self.release_gate(job.gate, &job.after);
-                Err(CommError::Aborted {
-                    ctx: Default::default(),
-                    cause: "the emulated communication thread has stopped".into(),
-                })
+                Err(CommError::aborted(AbortCause::Stopped(
+                    "the emulated communication thread",
+                )))
             }
         }
     }
@@ -538,10 +537,9 @@ type Answer<'a> = (
 /// abort) cancels it there with that error as the cause.
 async fn answer_of((answer, host_out, cancel): Answer<'_>) -> Result<()> {
     let out = answer.await.unwrap_or_else(|_| {
-        Err(CommError::Aborted {
-            ctx: Default::default(),
-            cause: "the emulated watchdog stopped during the call".into(),
-        })
+        Err(CommError::aborted(AbortCause::Stopped(
+            "the emulated watchdog",
+        )))
     });
     let out = match (out, cancel) {
         (Ok(out), _) => out,

@@ -207,7 +207,7 @@ impl SimRank {
         if s.ranks[r].status != Status::Alive {
             return Err(CommError::Aborted {
                 ctx: self.ctx(req.op),
-                cause: "this rank has stopped".into(),
+                cause: consort_comm::AbortCause::Closed("this rank has stopped".into()),
             });
         }
         let spec = req.spec(self.me, n);

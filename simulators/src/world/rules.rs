@@ -486,10 +486,7 @@ impl State {
             .chain(rank.queue.drain(..))
             .collect();
         for call in calls {
-            let e = CommError::Aborted {
-                ctx: ErrorContext::default(),
-                cause: why.to_string(),
-            };
+            let e = CommError::aborted(why.to_string());
             let ended = rank.engine.end(call.eid, Err(e));
             rank.outcomes
                 .insert(call.id, ended.result.map(|()| Owned::default()));

@@ -186,10 +186,10 @@ impl NcclBackend {
         if id.iter().all(|&b| b == 0) {
             return Err(CommError::Aborted {
                 ctx: ctx0,
-                cause: format!(
-                    "rank {root}, the subgroup's first rank, could not make an NCCL unique \
-                     id; its log has the cause"
-                ),
+                cause: consort_comm::AbortCause::Other(format!(
+                    "rank {root}, the subgroup's first rank, could not make an NCCL unique id; \
+                     its log has the cause"
+                )),
             });
         }
         match me {
@@ -236,7 +236,9 @@ impl NcclBackend {
             let cuda = shared.device();
             let parent = cuda.comm().ok_or_else(|| CommError::Aborted {
                 ctx: ctx0,
-                cause: "the NCCL communicator is gone (aborted)".into(),
+                cause: consort_comm::AbortCause::Closed(
+                    "the NCCL communicator is gone (aborted)".into(),
+                ),
             })? as Comm;
             let split = cuda.nccl.comm_split.ok_or_else(|| {
                 CommError::unsupported("this NCCL has no ncclCommSplit (it needs 2.18)")
@@ -269,7 +271,7 @@ impl NcclBackend {
         });
         work.await.map_err(|e| CommError::Aborted {
             ctx: ctx0,
-            cause: format!("the ncclCommSplit thread failed: {e}"),
+            cause: consort_comm::AbortCause::Other(format!("the ncclCommSplit thread failed: {e}")),
         })?
     }
 }

@@ -12,7 +12,7 @@ use std::{
 };
 
 use consort_comm::{
-    CommError, ErrorContext, Result,
+    CommError, Result,
     stream::{Call, Unlaunched},
 };
 use cudarc::driver::{result as cu, sys as cusys};
@@ -33,9 +33,8 @@ pub(super) struct Staged {
 impl Staged {
     /// Waits for the call's work and copies its output into `output`.
     pub(super) async fn finish(self, output: Option<&mut [u8]>) -> Result<()> {
-        self.done.await.map_err(|_| CommError::Aborted {
-            ctx: ErrorContext::default(),
-            cause: "the NCCL watchdog stopped before the call finished".into(),
+        self.done.await.map_err(|_| {
+            CommError::aborted(consort_comm::AbortCause::Stopped("the NCCL watchdog"))
         })??;
         if let Some(o) = output {
             // SAFETY: the work completed (its copy back is done), and the

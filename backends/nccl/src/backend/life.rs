@@ -194,13 +194,16 @@ async fn init_blocking(
         })
         .map_err(|e| CommError::Aborted {
             ctx: ctx0,
-            cause: format!("could not start the NCCL init thread: {e}"),
+            cause: consort_comm::AbortCause::Spawn {
+                what: "the NCCL init thread",
+                error: e.to_string(),
+            },
         })?;
     match tokio::time::timeout(timeout, rx).await {
         Ok(Ok(out)) => out,
         Ok(Err(_)) => Err(CommError::Aborted {
             ctx: ctx0,
-            cause: "the NCCL init thread ended without an answer".into(),
+            cause: consort_comm::AbortCause::Stopped("the NCCL init thread"),
         }),
         Err(_) => Err(init_timeout(ctx0, timeout, "ncclCommInitRank")),
     }
@@ -315,7 +318,7 @@ impl NcclBackend {
                 rank: Some(self.rank),
                 ..Default::default()
             },
-            cause: "the communicator was aborted".into(),
+            cause: consort_comm::AbortCause::Closed("the communicator was aborted".into()),
         });
         self.stop_watchdog();
         self.free_staging();

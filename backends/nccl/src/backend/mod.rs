@@ -411,7 +411,9 @@ impl NcclBackend {
         let Some(comm) = cuda.comm() else {
             return Err(CommError::Aborted {
                 ctx,
-                cause: "the NCCL communicator is gone (aborted)".into(),
+                cause: consort_comm::AbortCause::Closed(
+                    "the NCCL communicator is gone (aborted)".into(),
+                ),
             });
         };
         self.ctx
@@ -440,7 +442,9 @@ impl NcclBackend {
         if r == result::IN_PROGRESS {
             return Err(CommError::Aborted {
                 ctx,
-                cause: "the communicator was aborted while this call was being enqueued".into(),
+                cause: consort_comm::AbortCause::Closed(
+                    "the communicator was aborted while this call was being enqueued".into(),
+                ),
             });
         }
         if r != result::SUCCESS {

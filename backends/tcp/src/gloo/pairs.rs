@@ -549,14 +549,10 @@ fn pop<T>(m: &mut HashMap<u64, VecDeque<T>>, slot: u64) -> Option<T> {
 }
 
 fn too_long(from: usize, to: usize, len: usize, room: u64, slot: u64) -> CommError {
-    CommError::Aborted {
-        ctx: Default::default(),
-        cause: format!(
-            "rank {from} sends {len} bytes on Gloo slot {slot:#x} but rank {to} posted a \
-             receive of {room}: the two ranks called collectives of different sizes at this \
-             point"
-        ),
-    }
+    CommError::aborted(format!(
+        "rank {from} sends {len} bytes on Gloo slot {slot:#x} but rank {to} posted a receive of \
+         {room}: the two ranks called collectives of different sizes at this point"
+    ))
 }
 
 /// Reads `peer`'s messages until the connection ends or breaks a rule.
