@@ -142,12 +142,19 @@ impl Op<'_> {
         }
     }
 
-    /// The call's fingerprint as call `seq` of `group` with root `root`:
-    /// the count is the input's length where input and output differ (the
-    /// output's for scatter and reduce_scatter, none for all_to_all), and
-    /// the root counts only for rooted ops. Backends that cannot carry it
-    /// in a frame (NCCL) compare it over a side channel.
+    /// The call's fingerprint as call `seq` of `group` with root `root`
+    /// ([`Op::shape`] placed in its group's sequence).
     pub fn fingerprint(&self, group: GroupId, seq: u64, root: usize) -> Fingerprint {
+        self.shape(root).at(group, seq)
+    }
+
+    /// What the call is, for its fingerprint (the one place it is
+    /// computed): the count is the input's length where input and output
+    /// differ (the output's for scatter and reduce_scatter, none for
+    /// all_to_all), and the root counts only for rooted ops. Backends that
+    /// cannot carry the fingerprint in a frame (NCCL) compare it over a
+    /// side channel.
+    pub fn shape(&self, root: usize) -> crate::Shape {
         let (dtype, count, reduce) = match self {
             Op::AllReduce { buf, op } | Op::Reduce { buf, op } => {
                 (buf.dtype(), buf.len(), Some(*op))
@@ -163,9 +170,7 @@ impl Op<'_> {
             Op::Send { buf, .. } => (buf.dtype(), buf.len(), None),
         };
         let op = self.kind();
-        Fingerprint {
-            group,
-            seq,
+        crate::Shape {
             op,
             dtype,
             count: count as u64,

@@ -171,6 +171,39 @@ pub struct Fingerprint {
     pub reduce_op: Option<ReduceOp>,
 }
 
+/// What a call is, apart from where it stands: the fields of its
+/// [`Fingerprint`] that its arguments fix. Computed once per call, from its
+/// op ([`crate::Op::shape`]), and placed in its group's sequence by the
+/// engine ([`Shape::at`]) when the call is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// Which op.
+    pub op: OpKind,
+    /// Element type.
+    pub dtype: DType,
+    /// Element count as this rank sees it (see [`Fingerprint::count`]).
+    pub count: u64,
+    /// Root rank for rooted ops, 0 otherwise.
+    pub root: u32,
+    /// The reduce op as compared (see [`ReduceOp::compared`]).
+    pub reduce_op: Option<ReduceOp>,
+}
+
+impl Shape {
+    /// The fingerprint of this call as call `seq` of `group`.
+    pub fn at(self, group: GroupId, seq: u64) -> Fingerprint {
+        Fingerprint {
+            group,
+            seq,
+            op: self.op,
+            dtype: self.dtype,
+            count: self.count,
+            root: self.root,
+            reduce_op: self.reduce_op,
+        }
+    }
+}
+
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

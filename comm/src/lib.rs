@@ -62,7 +62,7 @@ pub use buffer::{Buffer, BufferMut, DeviceBuffer, HostSlice, HostSliceMut};
 pub use device::{Device, Event, EventId, Placement, StreamId};
 pub use dtype::{DType, Element};
 pub use error::{AbortCause, CommError, ErrorContext, Result};
-pub use fingerprint::{Fingerprint, GroupId, OpKind};
+pub use fingerprint::{Fingerprint, GroupId, OpKind, Shape};
 pub use group::ProcessGroup;
 pub use reduce::ReduceOp;
 pub use store::{MemStore, PrefixStore, Store, StoreError, StoreResult};

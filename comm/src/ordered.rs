@@ -51,7 +51,7 @@ use std::{
 };
 
 use crate::{
-    AbortCause, CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
+    AbortCause, CommError, ErrorContext, Fingerprint, GroupId, Result, Shape,
     engine::{CallId, Engine},
 };
 
@@ -140,14 +140,11 @@ impl<W> Ordered<W> {
         &mut self.engine
     }
 
-    /// Makes a call: fixes its sequence number and fingerprint now. Fails
-    /// fast with the first cause when the group is poisoned or shut down.
-    pub fn make(
-        &mut self,
-        op: OpKind,
-        fingerprint: impl FnOnce(GroupId, u64) -> Fingerprint,
-    ) -> Result<Made> {
-        let group = self.group;
+    /// Makes a call of `shape`: fixes its sequence number and fingerprint
+    /// now. Fails fast with the first cause when the group is poisoned or
+    /// shut down.
+    pub fn make(&mut self, shape: Shape) -> Result<Made> {
+        let (group, op) = (self.group, shape.op);
         if let Some(why) = &self.closed {
             let ctx = ErrorContext {
                 op: Some(op),
@@ -160,9 +157,7 @@ impl<W> Ordered<W> {
                 cause: AbortCause::Closed(why.clone()),
             });
         }
-        let b = self
-            .engine
-            .begin(group, op, |seq| fingerprint(group, seq))?;
+        let b = self.engine.begin(group, shape)?;
         self.unlaunched.insert(b.id);
         Ok(Made {
             id: b.id,

@@ -118,7 +118,7 @@ impl CallBuffers<'_> {
 }
 
 use crate::{
-    Buffer, BufferMut, CallOptions, ErrorContext, Fingerprint, GroupId, Op, OpKind, validate,
+    Buffer, BufferMut, CallOptions, ErrorContext, Fingerprint, GroupId, Op, OpKind, Shape, validate,
 };
 
 use super::CallSpec;
@@ -134,10 +134,9 @@ pub struct Call<'a> {
     pub reduce: Option<ReduceOp>,
     /// Element type.
     pub dtype: DType,
-    /// The fingerprint's count.
-    pub count: u64,
-    /// The fingerprint's root (0 for unrooted ops).
-    pub root: usize,
+    /// What the call is, for its fingerprint ([`Op::shape`], computed
+    /// once in [`Call::from_op`]).
+    pub shape: Shape,
     /// The schedule's count (see [`CallSpec::count`]).
     pub spec_count: usize,
     /// The root, or the peer of send/recv.
@@ -175,8 +174,13 @@ impl<'a> Call<'a> {
             op,
             reduce: None,
             dtype,
-            count: len as u64,
-            root: 0,
+            shape: Shape {
+                op,
+                dtype,
+                count: len as u64,
+                root: 0,
+                reduce_op: None,
+            },
             spec_count: len,
             peer_or_root: 0,
             tag: 0,
@@ -207,6 +211,7 @@ impl<'a> Call<'a> {
     ) -> Result<Self> {
         validate::op(&op, rank, world, opts.root)?;
         let c = ctx(op.kind(), rank);
+        let shape = op.shape(opts.root);
         let call = match op {
             Op::AllReduce { buf, op } => Call::all_reduce(backend, world, buf, op),
             Op::Broadcast { buf } => Call::broadcast(backend, buf, opts),
@@ -227,7 +232,8 @@ impl<'a> Call<'a> {
             Op::Send { buf, dst } => Call::send(backend, buf, dst, opts),
             Op::Recv { buf, src } => Call::recv(backend, buf, src, opts),
         };
-        call.map_err(|e| e.with_context(c))
+        call.map(|call| Call { shape, ..call })
+            .map_err(|e| e.with_context(c))
     }
 
     /// Whether this is a point-to-point call.
@@ -237,15 +243,7 @@ impl<'a> Call<'a> {
 
     /// The call's fingerprint at sequence number `seq` of `group`.
     pub fn fingerprint(&self, group: GroupId, seq: u64) -> Fingerprint {
-        Fingerprint {
-            group,
-            seq,
-            op: self.op,
-            dtype: self.dtype,
-            count: self.count,
-            root: self.root as u32,
-            reduce_op: self.reduce.map(ReduceOp::compared),
-        }
+        self.shape.at(group, seq)
     }
 
     /// What the schedule builder needs.
@@ -282,7 +280,6 @@ impl<'a> Call<'a> {
         let b = buf.host(backend)?;
         let (dtype, len) = (b.dtype(), b.len());
         Ok(Call {
-            root: opts.root,
             peer_or_root: opts.root,
             output: b.into_bytes_mut(),
             ..Call::new(OpKind::Broadcast, dtype, len)
@@ -305,7 +302,6 @@ impl<'a> Call<'a> {
         op.prescale_bytes(dtype, output, world)?;
         Ok(Call {
             reduce: Some(op),
-            root: opts.root,
             peer_or_root: opts.root,
             output,
             finalize: rank == opts.root,
@@ -340,7 +336,6 @@ impl<'a> Call<'a> {
             None => &mut [],
         };
         Ok(Call {
-            root: opts.root,
             peer_or_root: opts.root,
             input: i.bytes(),
             output: out,
@@ -365,7 +360,6 @@ impl<'a> Call<'a> {
         };
         let (dtype, len) = (o.dtype(), o.len());
         Ok(Call {
-            root: opts.root,
             peer_or_root: opts.root,
             input: inp,
             output: o.into_bytes_mut(),
@@ -416,7 +410,6 @@ impl<'a> Call<'a> {
         let ins = validate::splits(input_split_sizes, i.len(), world, "input")?;
         let outs = validate::splits(output_split_sizes, o.len(), world, "output")?;
         Ok(Call {
-            count: 0,
             input: i.bytes(),
             output: o.into_bytes_mut(),
             input_splits: ins,

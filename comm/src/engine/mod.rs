@@ -335,16 +335,11 @@ impl<P> Engine<P> {
         Ok(me)
     }
 
-    /// Makes a call on `group`: fixes its sequence number now and registers
-    /// it as in flight. `fingerprint` builds the call's fingerprint from its
-    /// sequence number. Fails fast, without registering, when the group is
-    /// poisoned.
-    pub fn begin(
-        &mut self,
-        group: GroupId,
-        op: OpKind,
-        fingerprint: impl FnOnce(u64) -> Fingerprint,
-    ) -> Result<Begun> {
+    /// Makes a call of `shape` on `group`: fixes its sequence number now,
+    /// and so its fingerprint, and registers it as in flight. Fails fast,
+    /// without registering, when the group is poisoned.
+    pub fn begin(&mut self, group: GroupId, shape: crate::Shape) -> Result<Begun> {
+        let op = shape.op;
         let p2p = matches!(op, OpKind::Send | OpKind::Recv);
         let g = self.groups.get_mut(&group).ok_or_else(|| {
             CommError::invalid(format!(
@@ -372,7 +367,7 @@ impl<P> Engine<P> {
         }
         self.next_call += 1;
         let id = CallId(self.next_call);
-        let fp = fingerprint(seq);
+        let fp = shape.at(group, seq);
         if !p2p {
             self.latest.insert(group, fp);
         }

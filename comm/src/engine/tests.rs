@@ -14,7 +14,15 @@ fn fp(group: GroupId, seq: u64, op: OpKind, count: u64) -> Fingerprint {
 }
 
 fn begin(e: &mut Engine<u32>, group: GroupId, op: OpKind, count: u64) -> Result<Begun> {
-    e.begin(group, op, |seq| fp(group, seq, op, count))
+    let f = fp(group, 0, op, count);
+    let shape = crate::Shape {
+        op: f.op,
+        dtype: f.dtype,
+        count: f.count,
+        root: f.root,
+        reduce_op: f.reduce_op,
+    };
+    e.begin(group, shape)
 }
 
 #[test]

@@ -2,14 +2,12 @@ use std::time::{Duration, Instant};
 
 use super::{Ordered, check::first_difference};
 use crate::{
-    CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp,
+    CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp, Shape,
     frame::{FrameHeader, HEADER_LEN},
 };
 
-fn fp(op: OpKind) -> impl FnOnce(GroupId, u64) -> Fingerprint {
-    move |group, seq| Fingerprint {
-        group,
-        seq,
+fn fp(op: OpKind) -> Shape {
+    Shape {
         op,
         dtype: DType::F32,
         count: 4,
@@ -29,9 +27,9 @@ fn far(t0: Instant) -> Instant {
 fn calls_are_numbered_per_group_when_made_and_name_their_group() {
     let sub = GroupId(0x1234);
     let mut o = Ordered::<u32>::new(1, 3, sub);
-    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let b = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
-    let p = o.make(OpKind::Send, fp(OpKind::Send)).unwrap();
+    let a = o.make(fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(fp(OpKind::Broadcast)).unwrap();
+    let p = o.make(fp(OpKind::Send)).unwrap();
     assert_eq!((a.fp.seq, b.fp.seq, p.fp.seq), (0, 1, 0));
     assert_eq!(a.ctx.group, Some(sub));
     assert_eq!(a.fp.group, sub);
@@ -41,8 +39,8 @@ fn calls_are_numbered_per_group_when_made_and_name_their_group() {
 #[test]
 fn a_call_waits_for_the_turns_of_calls_made_before_it() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let a = o.make(fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(fp(OpKind::AllReduce)).unwrap();
     assert!(o.is_turn(a.id) && !o.is_turn(b.id));
     o.launchable(a.id).unwrap();
     assert!(o.enqueued(a.id, 1, Instant::now(), SEC).is_none());
@@ -53,15 +51,15 @@ fn a_call_waits_for_the_turns_of_calls_made_before_it() {
 #[test]
 fn a_call_dropped_before_its_turn_poisons_the_group_and_frees_the_turn() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let a = o.make(fp(OpKind::AllReduce)).unwrap();
+    let b = o.make(fp(OpKind::AllReduce)).unwrap();
     let abort = o.cancel(a.id).expect("the driver is told to abort");
     assert!(abort.to_string().contains("cancelled"), "{abort}");
     assert!(o.cancel(a.id).is_none(), "a call is cancelled once");
     assert!(o.is_turn(b.id));
     let e = o.launchable(b.id).unwrap_err();
     assert!(e.to_string().contains("cancelled"), "{e}");
-    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    let later = o.make(fp(OpKind::Barrier)).unwrap_err();
     assert!(later.to_string().contains("cancelled"), "{later}");
     assert!(o.is_idle());
 }
@@ -69,7 +67,7 @@ fn a_call_dropped_before_its_turn_poisons_the_group_and_frees_the_turn() {
 #[test]
 fn a_cancel_with_a_cause_poisons_the_group_with_that_cause() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let a = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let a = o.make(fp(OpKind::AllReduce)).unwrap();
     let why = CommError::invalid("the side channel said so");
     struct Guard<'a>(
         &'a mut Ordered<u32>,
@@ -94,9 +92,9 @@ fn a_cancel_with_a_cause_poisons_the_group_with_that_cause() {
 #[test]
 fn a_call_that_times_out_behind_a_stuck_enqueue_names_it_and_poisons_the_group() {
     let mut o = Ordered::<u32>::new(1, 2, GroupId::WORLD);
-    let a = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
-    let b = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let c = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let a = o.make(fp(OpKind::Broadcast)).unwrap();
+    let b = o.make(fp(OpKind::AllReduce)).unwrap();
+    let c = o.make(fp(OpKind::AllReduce)).unwrap();
     assert!(!o.is_turn(b.id));
     let e = o.turn_timed_out(b.id, SEC);
     let said = e.to_string();
@@ -122,7 +120,7 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     let t0 = Instant::now();
     for w in 0..3 {
-        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        let m = o.make(fp(OpKind::AllReduce)).unwrap();
         o.launchable(m.id).unwrap();
         assert!(o.enqueued(m.id, w, t0, SEC).is_none());
     }
@@ -144,7 +142,7 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
     assert!(matches!(errs[0], CommError::Timeout { .. }), "{}", errs[0]);
     assert_eq!(errs[0].context().and_then(|c| c.seq), Some(1));
     assert!(matches!(errs[1], CommError::Aborted { .. }), "{}", errs[1]);
-    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    let later = o.make(fp(OpKind::Barrier)).unwrap_err();
     assert!(later.to_string().contains("timed out"), "{later}");
     assert_eq!(o.poll_timeout(), None);
     assert!(o.synchronized().unwrap().is_err());
@@ -153,7 +151,7 @@ fn work_completes_in_order_and_a_passed_deadline_fails_everything_in_flight() {
 #[test]
 fn an_asynchronous_error_aborts_and_sticks() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
     assert!(o.enqueued(m.id, 0, Instant::now(), SEC).is_none());
     let w = o.watch(
         Instant::now(),
@@ -175,14 +173,14 @@ fn an_asynchronous_error_aborts_and_sticks() {
 #[test]
 fn a_mismatch_found_after_its_call_ended_still_poisons() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
     assert!(o.enqueued(m.id, 0, Instant::now(), SEC).is_none());
     let _ = o.watch(Instant::now(), |_| Ok(true), |_, _, _| None);
     assert_eq!(o.synchronized().map(|r| r.is_ok()), Some(true));
-    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let other = fp(OpKind::Broadcast).at(GroupId::WORLD, 0);
     let e = first_difference(m.fp, 0, &both(m.fp, other)).unwrap();
     assert!(o.mismatch(e).is_empty());
-    let later = o.make(OpKind::Barrier, fp(OpKind::Barrier)).unwrap_err();
+    let later = o.make(fp(OpKind::Barrier)).unwrap_err();
     assert!(later.to_string().contains("mismatch"), "{later}");
     // A second verdict does not replace the first cause.
     assert!(o.mismatch(CommError::invalid("x")).is_empty());
@@ -194,9 +192,9 @@ fn a_mismatch_found_before_its_call_reaches_the_stream_is_that_calls_error() {
     // channel can answer first (seen on an H100: the call got "aborted by
     // an earlier failure" instead of the mismatch that named it).
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let next = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
+    let next = o.make(fp(OpKind::AllReduce)).unwrap();
+    let other = fp(OpKind::Broadcast).at(GroupId::WORLD, 0);
     let e = first_difference(m.fp, 0, &both(m.fp, other)).unwrap();
     assert!(o.mismatch(e).is_empty());
     let got = o.launchable(m.id).unwrap_err();
@@ -214,10 +212,10 @@ fn a_mismatch_found_while_its_call_is_being_enqueued_is_that_calls_error() {
     // abort it starts stops that enqueue (seen on an H100: the call got
     // "the communicator was aborted while this call was being enqueued").
     let mut o = Ordered::<u32>::new(1, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let next = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
+    let next = o.make(fp(OpKind::AllReduce)).unwrap();
     o.launchable(m.id).unwrap();
-    let other = fp(OpKind::Broadcast)(GroupId::WORLD, 0);
+    let other = fp(OpKind::Broadcast).at(GroupId::WORLD, 0);
     let e = first_difference(m.fp, 1, &both(m.fp, other)).unwrap();
     assert!(o.mismatch(e).is_empty());
     let stopped = || CommError::Aborted {
@@ -233,9 +231,9 @@ fn a_mismatch_found_while_its_call_is_being_enqueued_is_that_calls_error() {
     assert!(got.to_string().contains("mismatch"), "{got}");
     // In a group that had not failed, the call's own error stands.
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
-    let later = o.make(OpKind::Broadcast, fp(OpKind::Broadcast)).unwrap();
-    let last = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
+    let later = o.make(fp(OpKind::Broadcast)).unwrap();
+    let last = o.make(fp(OpKind::AllReduce)).unwrap();
     let (got, _) = o.failed_before_enqueue(m.id, stopped());
     assert!(got.to_string().contains("being enqueued"), "{got}");
     // So does a failure that is not an abort's, in a failed group; and a
@@ -261,8 +259,8 @@ fn both(a: Fingerprint, b: Fingerprint) -> Vec<u8> {
 
 #[test]
 fn the_comparison_names_both_sides_and_refuses_garbage() {
-    let a = fp(OpKind::AllReduce)(GroupId::WORLD, 3);
-    let b = fp(OpKind::Broadcast)(GroupId::WORLD, 3);
+    let a = fp(OpKind::AllReduce).at(GroupId::WORLD, 3);
+    let b = fp(OpKind::Broadcast).at(GroupId::WORLD, 3);
     assert!(first_difference(a, 0, &both(a, a)).is_none());
     let e = first_difference(a, 0, &both(a, b)).unwrap();
     match &e {
@@ -322,12 +320,12 @@ impl crate::Backend for Side {
         let said = self.said.lock().unwrap().clone();
         let other = crate::PeerAbort {
             rank: 1,
-            call: fp(OpKind::AllGather)(GroupId::WORLD, 3),
+            call: fp(OpKind::AllGather).at(GroupId::WORLD, 3),
             said: "timed out comparing".into(),
         };
         let told = said.into_iter().map(|(rank, said)| crate::PeerAbort {
             rank,
-            call: fp(OpKind::Barrier)(GroupId::WORLD, 4),
+            call: fp(OpKind::Barrier).at(GroupId::WORLD, 4),
             said,
         });
         std::iter::once(other).chain(told).collect()
@@ -492,7 +490,7 @@ fn a_held_failure_stands_when_the_calls_deadline_passes_inside_the_grace() {
     // while the failure is held, and every call fails with the failure.
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
     for w in 0..2 {
-        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        let m = o.make(fp(OpKind::AllReduce)).unwrap();
         o.launchable(m.id).unwrap();
         assert!(o.enqueued(m.id, w, t0, LOST_PEER_GRACE / 4).is_none());
     }
@@ -528,7 +526,7 @@ fn a_checker_is_drained_only_when_its_subgroups_are() {
     let (child, child_task) =
         Checker::in_tree(side, SEC, std::sync::Arc::new(|_| {}), parent.tree.clone());
     assert!(parent.is_drained());
-    child.check(fp(OpKind::AllReduce)(GroupId(7), 0));
+    child.check(fp(OpKind::AllReduce).at(GroupId(7), 0));
     assert!(!parent.is_drained(), "the subgroup's comparison is pending");
     assert!(!child.is_drained());
     // Its task is gone: nothing more will be compared there.
@@ -549,7 +547,7 @@ fn bench_call_rules_per_call() {
     let t = Instant::now();
     for w in 0..calls {
         let mut o = track.lock().unwrap();
-        let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+        let m = o.make(fp(OpKind::AllReduce)).unwrap();
         assert!(o.is_turn(m.id));
         o.launchable(m.id).unwrap();
         assert!(o.enqueued(m.id, w, Instant::now(), SEC).is_none());
@@ -566,7 +564,7 @@ fn bench_call_rules_per_call() {
 #[test]
 fn a_call_enqueued_after_its_group_failed_comes_back_failed() {
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
     o.launchable(m.id).unwrap();
     let cause = CommError::PeerLost {
         ctx: crate::ErrorContext::default(),
@@ -648,7 +646,7 @@ fn a_collective_stalled_on_a_lost_rank_fails_naming_it_after_the_grace() {
     );
     // Through the call rules: the pending collective fails with it.
     let mut o = Ordered::<u32>::new(0, 2, GroupId::WORLD);
-    let m = o.make(OpKind::AllReduce, fp(OpKind::AllReduce)).unwrap();
+    let m = o.make(fp(OpKind::AllReduce)).unwrap();
     o.launchable(m.id).unwrap();
     assert!(o.enqueued(m.id, 0, t0, 60 * SEC).is_none());
     let mut rule = LostPeer::default();

@@ -38,7 +38,7 @@ use std::{
 };
 
 use crate::{
-    CommError, ErrorContext, Fingerprint, GroupId, OpKind, Result,
+    CommError, ErrorContext, GroupId, OpKind, Result, Shape,
     engine::CallId,
     flight::{FlightOut, FlightSource},
     heartbeat::Heartbeat,
@@ -334,20 +334,19 @@ impl<D: DeviceComm> Driver<D> {
         self.turn_moved();
     }
 
-    /// Makes a call with fingerprint `fp` (its group and sequence number
-    /// are filled in here), whose deadline is `timeout` from its enqueue.
-    pub fn make(&self, fp: Fingerprint, timeout: Duration, peer: Option<usize>) -> Result<Call> {
+    /// Makes a call of `shape` (its fingerprint is fixed here, with its
+    /// group and sequence number), whose deadline is `timeout` from its
+    /// enqueue.
+    pub fn make(&self, shape: Shape, timeout: Duration, peer: Option<usize>) -> Result<Call> {
         let (made, turn) = {
             let mut t = self.rules();
-            let made = t
-                .core
-                .make(fp.op, |group, seq| Fingerprint { group, seq, ..fp })?;
+            let made = t.core.make(shape)?;
             (made, t.core.is_turn(made.id))
         };
         if let Some(b) = self.beat.get() {
             b.made(&made.fp, crate::heartbeat::now_us());
         }
-        if !matches!(fp.op, OpKind::Send | OpKind::Recv)
+        if !matches!(shape.op, OpKind::Send | OpKind::Recv)
             && let Some(c) = self.checker.get()
         {
             c.check(made.fp);

@@ -16,7 +16,7 @@ use std::{sync::Arc, time::Duration};
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 
 use super::{DeviceComm, Driver, DriverOptions};
-use crate::{CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp, Result};
+use crate::{CommError, DType, GroupId, OpKind, ReduceOp, Result, Shape};
 
 /// A stand-in device that checks the driver's promises to devices: a
 /// work is finished once, never while it is being queried, and the device
@@ -72,10 +72,8 @@ impl DeviceComm for Model {
     }
 }
 
-fn fp() -> Fingerprint {
-    Fingerprint {
-        group: GroupId::WORLD,
-        seq: 0,
+fn fp() -> Shape {
+    Shape {
         op: OpKind::AllReduce,
         dtype: DType::F32,
         count: 1,

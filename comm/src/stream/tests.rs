@@ -11,7 +11,7 @@ use std::{
 };
 
 use super::{DeviceComm, Driver, DriverOptions, watch::Pass};
-use crate::{CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp, Result};
+use crate::{CommError, DType, GroupId, OpKind, ReduceOp, Result, Shape};
 
 /// A stand-in device: each work is a flag the test sets; its outcome goes
 /// to a channel.
@@ -59,10 +59,8 @@ impl DeviceComm for Fake {
     }
 }
 
-fn fp(op: OpKind) -> Fingerprint {
-    Fingerprint {
-        group: GroupId::WORLD,
-        seq: 0,
+fn fp(op: OpKind) -> Shape {
+    Shape {
         op,
         dtype: DType::F32,
         count: 4,

@@ -50,8 +50,8 @@ use std::{
 
 use async_trait::async_trait;
 use consort_comm::{
-    AbortCause, Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId,
-    Fingerprint, GroupId, HostSliceMut, Op, Result, Work,
+    AbortCause, Backend, Buffer, BufferMut, CallOptions, CommError, DeviceBuffer, EventId, GroupId,
+    HostSliceMut, Op, Result, Shape, Work,
     device::{Device, StreamId},
     lock,
     ordered::check::{CheckTask, Checker},
@@ -312,7 +312,7 @@ impl EmulatedComm {
     fn call<'a>(
         &'a self,
         kind: Kind,
-        fp: Fingerprint,
+        shape: Shape,
         opts: &CallOptions,
         input: Option<Buffer<'a>>,
         output: Option<BufferMut<'a>>,
@@ -324,7 +324,7 @@ impl EmulatedComm {
         };
         // The arguments are sound: the call takes its place now.
         let timeout = opts.timeout_or(self.default_timeout());
-        let call = self.driver.make(fp, timeout, peer)?;
+        let call = self.driver.make(shape, timeout, peer)?;
         let pending = self.driver.unlaunched(&call);
         if let Err(e) = self.driver.wait_turn(&call) {
             return Err(pending.failed(e));
@@ -600,7 +600,7 @@ impl Backend for EmulatedComm {
         if let Err(e) = validate::op(&op, self.rank(), self.world_size(), o.root) {
             return Work::ready(Err(e));
         }
-        let fp = op.fingerprint(self.group_id(), 0, o.root);
+        let shape = op.shape(o.root);
         let (kind, input, output) = match op {
             Op::AllReduce { buf, op } => (Kind::AllReduce(op), None, Some(buf)),
             Op::Broadcast { buf } => (Kind::Broadcast, None, Some(buf)),
@@ -627,7 +627,7 @@ impl Backend for EmulatedComm {
             Op::Send { buf, dst } => (Kind::Send(dst), Some(buf), None),
             Op::Recv { buf, src } => (Kind::Recv(src), None, Some(buf)),
         };
-        self.call(kind, fp, &o, input, output)
+        self.call(kind, shape, &o, input, output)
             .unwrap_or_else(|e| Work::ready(Err(e)))
     }
 

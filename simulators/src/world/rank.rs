@@ -217,9 +217,7 @@ impl SimRank {
         let rank = &mut s.ranks[r];
         let now_us = rank.clock.max(rank.host) / 1000;
         rank.engine.flight_mut().set_now_us(now_us);
-        let begun = rank
-            .engine
-            .begin(self.group, req.op, |seq| req.fingerprint(self.group, seq))?;
+        let begun = rank.engine.begin(self.group, req.shape)?;
         rank.calls += 1;
         let id = rank.calls;
         rank.queue.push_back(Call {

@@ -287,7 +287,7 @@ impl MeshBackend {
         let begun = {
             let mut engine = lock(&self.inner.engine);
             engine.flight_mut().set_now_us(now);
-            engine.begin(group, req.op, |seq| req.fingerprint(group, seq))
+            engine.begin(group, req.shape)
         };
         if let (Ok(b), Some(beat)) = (&begun, &self.inner.beat) {
             beat.made(&b.fp, now);

@@ -30,8 +30,8 @@ use std::{
 };
 
 use consort_comm::{
-    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, ReduceOp,
-    Result, Store,
+    Buffer, BufferMut, CallOptions, CommError, DType, ErrorContext, GroupId, ReduceOp, Result,
+    Shape, Store,
     stream::{Call, DriverOptions, Launch, Unlaunched},
 };
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys as cusys};
@@ -469,7 +469,7 @@ impl NcclBackend {
     /// result and copies it back.
     fn call<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         opts: &CallOptions,
         args: Args<'a>,
         enqueue: Enqueue<'a>,
@@ -481,7 +481,7 @@ impl NcclBackend {
     /// watchdog names if that rank is lost while the call waits.
     fn call_with<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         opts: &CallOptions,
         args: Args<'a>,
         (enqueue, peer): (Enqueue<'a>, Option<usize>),
@@ -621,7 +621,7 @@ impl NcclBackend {
     /// dtype)` enqueues it.
     fn in_place<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: BufferMut<'a>,
         opts: &CallOptions,
         f: impl FnOnce(&On<'_>, u64, usize, c_int) -> c_int + Send + 'a,

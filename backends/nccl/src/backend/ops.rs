@@ -6,8 +6,7 @@ use std::{ffi::c_int, time::Duration};
 
 use async_trait::async_trait;
 use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, Fingerprint, GroupId, Op, ReduceOp, Result, Work,
-    validate,
+    Backend, Buffer, BufferMut, CallOptions, Op, ReduceOp, Result, Shape, Work, validate,
 };
 
 use super::{Args, Enqueue, NcclBackend};
@@ -43,7 +42,7 @@ impl Backend for NcclBackend {
         if let Err(e) = validate::op(&op, self.rank, self.world, o.root) {
             return Work::ready(Err(e));
         }
-        let fp = op.fingerprint(GroupId::WORLD, 0, o.root);
+        let fp = op.shape(o.root);
         let made = match op {
             Op::AllReduce { buf, op } => self.run_all_reduce(fp, buf, op, &o),
             Op::Broadcast { buf } => self.run_broadcast(fp, buf, &o),
@@ -91,7 +90,7 @@ impl Backend for NcclBackend {
 impl NcclBackend {
     fn run_all_reduce<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: BufferMut<'a>,
         op: ReduceOp,
         opts: &CallOptions,
@@ -108,7 +107,7 @@ impl NcclBackend {
 
     fn run_broadcast<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: BufferMut<'a>,
         opts: &CallOptions,
     ) -> Result<Work<'a>> {
@@ -122,7 +121,7 @@ impl NcclBackend {
 
     fn run_reduce<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: BufferMut<'a>,
         op: ReduceOp,
         opts: &CallOptions,
@@ -139,7 +138,7 @@ impl NcclBackend {
 
     fn run_all_gather<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         opts: &CallOptions,
@@ -156,7 +155,7 @@ impl NcclBackend {
 
     fn run_gather<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         output: Option<BufferMut<'a>>,
         input: Buffer<'a>,
         opts: &CallOptions,
@@ -171,7 +170,7 @@ impl NcclBackend {
 
     fn run_scatter<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         output: BufferMut<'a>,
         input: Option<Buffer<'a>>,
         opts: &CallOptions,
@@ -186,7 +185,7 @@ impl NcclBackend {
 
     fn run_reduce_scatter<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         op: ReduceOp,
@@ -207,7 +206,7 @@ impl NcclBackend {
 
     fn run_all_to_all_single<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         output: BufferMut<'a>,
         input: Buffer<'a>,
         output_split_sizes: Option<&[usize]>,
@@ -240,7 +239,7 @@ impl NcclBackend {
         Ok(self.call(fp, opts, args, enqueue))
     }
 
-    fn run_barrier(&self, fp: Fingerprint, opts: CallOptions) -> Work<'_> {
+    fn run_barrier(&self, fp: Shape, opts: CallOptions) -> Work<'_> {
         // A one-byte all-reduce through the host path: the host returns only
         // once every rank has entered it, as torch's barrier does. It is
         // staged and enqueued now, as every host call is.
@@ -259,7 +258,7 @@ impl NcclBackend {
 
     fn run_send<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: Buffer<'a>,
         dst: usize,
         opts: &CallOptions,
@@ -272,7 +271,7 @@ impl NcclBackend {
 
     fn run_recv<'a>(
         &'a self,
-        fp: Fingerprint,
+        fp: Shape,
         buf: BufferMut<'a>,
         src: usize,
         opts: &CallOptions,

@@ -89,7 +89,7 @@ impl Rules {
     pub(super) fn begin(&self, op: &Op<'_>, root: usize, timeout: Duration) -> Result<Begun> {
         let group = self.group;
         let mut e = self.engine();
-        let b = e.begin(group, op.kind(), |seq| op.fingerprint(group, seq, root))?;
+        let b = e.begin(group, op.shape(root))?;
         let now = Instant::now();
         e.arm(b.id, now, timeout, None);
         let deadline = e.deadline(b.id).unwrap_or(now);
