@@ -160,9 +160,10 @@ pub fn dump_flight_records(reason: &str) -> Vec<PathBuf> {
 /// ([`dump_flight_records`]). Installed once per process, on the current
 /// tokio runtime (nothing happens outside one).
 pub fn dump_on_sigusr1() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    #[cfg(unix)]
+    // (tokio has no signals in its loom build.)
+    #[cfg(all(unix, not(loom)))]
     if tokio::runtime::Handle::try_current().is_ok() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
             if let Ok(mut sig) =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
