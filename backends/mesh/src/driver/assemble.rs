@@ -35,6 +35,8 @@ impl MeshBackend {
             engine: Mutex::new(Engine::new(rank, world)),
             notify: Notify::new(),
             bell: bell.clone(),
+            pump: Arc::new(Notify::new()),
+            pump_parked: std::sync::atomic::AtomicBool::new(false),
             readers: Mutex::new(Vec::new()),
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),
@@ -66,9 +68,8 @@ impl MeshBackend {
             .into_iter()
             .map(|(peer, r)| tokio::spawn(read_loop(inner.clone(), peer, r)))
             .collect();
-        if !inner.polled.is_empty() {
-            handles.push(tokio::spawn(poll::idle(Arc::downgrade(&inner), bell)));
-        }
+        let pump = inner.pump.clone();
+        handles.push(tokio::spawn(poll::pump(Arc::downgrade(&inner), bell, pump)));
         *lock(&inner.readers) = handles;
         Ok(MeshBackend {
             name,

@@ -62,6 +62,7 @@ impl MeshBackend {
             engine.arm(begun.id, Instant::now(), timeout, stall);
             engine.deadline(begun.id)
         };
+        inner.wake_pump();
         // Dropped (revoking what was not read) before the call's buffers
         // can go, however the call ends.
         let mut pulls = Pulls {
@@ -286,41 +287,29 @@ impl CallRun<'_> {
         Ok(progressed)
     }
 
-    /// Nothing arrived: moves the engine's clock (failing past the
-    /// deadline, sending the stall probes it asks for), spins on the polled
-    /// links, then sleeps until a frame is filed or the engine's next
-    /// timeout.
+    /// Nothing arrived: the call fails if the engine says so (a cause, a
+    /// mismatch a stall probe found) or its own deadline has passed; else
+    /// it spins on the polled links, then sleeps until a frame is filed,
+    /// the pump wakes it, or its deadline. The engine's clock, and the
+    /// stall probes, are the pump's alone ([`super::poll::pump`]).
     async fn wait(&mut self, woken: std::pin::Pin<&mut super::Woken<'_>>) -> Result<()> {
         let inner = &self.b.inner;
         let waiting = self.schedule.waiting_on();
-        let (probes, wake) = {
+        {
             let mut engine = lock(&inner.engine);
-            let (probes, expired) = engine.handle_timeout(Instant::now());
-            if expired {
-                // Another call's deadline may have passed: its waiter fails.
-                inner.notify.notify_waiters();
-            }
             if let Some(e) = engine.failure(self.begun.id, &waiting) {
                 return Err(e);
             }
-            (probes, engine.poll_timeout())
-        };
-        // To every peer at once, under one deadline (one at a time, a full
-        // socket per peer would hold the call up a second each).
-        let frames: Vec<_> = probes
-            .iter()
-            .map(|p| (p.to, inbound::probe_frame(FrameKind::Probe, Some(p.fp))))
-            .collect();
-        let sends = frames
-            .iter()
-            .map(|(to, f)| inner.send_frame(*to, 0, f, &[]));
-        super::all_before(Instant::now() + Duration::from_secs(1), sends).await;
+            if Instant::now() >= self.deadline {
+                return Err(engine.timed_out(self.begun.id, &waiting));
+            }
+        }
         // Same-host peers write into shared queues: take what they wrote,
         // spinning a little before sleeping.
         if inner.spin() {
             return Ok(());
         }
-        let _ = before(wake.unwrap_or(self.deadline), woken).await;
+        let _ = before(self.deadline, woken).await;
         Ok(())
     }
 }

@@ -22,6 +22,23 @@
 //! borrows the caller's buffers and a hand-off to a driver task would cost
 //! every call two cross-task wake-ups (see DESIGN.md).
 //!
+//! # Driving order
+//!
+//! 1. A call begins in the engine ([`drive`]: its sequence number and
+//!    fingerprint), arms its timer, and wakes the pump if it sleeps.
+//! 2. It runs its schedule: sends, and takes what the readers filed (or
+//!    applied in place); each step that moves on tells the engine
+//!    (`progressed`).
+//! 3. When nothing arrived it asks the engine for a failure, fails at its
+//!    own deadline (`Engine::timed_out`), spins on the polled links, then
+//!    sleeps until a frame is filed, the pump wakes it, or its deadline.
+//! 4. The pump ([`poll::pump`], one task per rank) alone moves the
+//!    engine's clock: `handle_timeout` at `poll_timeout` (at most every
+//!    10 ms while calls are in flight), the stall probes it asks for, and
+//!    a wake-up of the calls when one passed its deadline.
+//! 5. The call ends in the engine (`end`, its abort sent), or is cancelled
+//!    when dropped.
+//!
 //! This file holds the types they share, the `Backend` impl and subgroups.
 
 use std::{
@@ -87,6 +104,10 @@ struct Inner {
     notify: Notify,
     /// What the polled links ring (see [`Inner::woken`]).
     bell: Arc<Notify>,
+    /// Wakes the pump ([`poll::pump`]) when a call starts while it sleeps
+    /// with no timer (`pump_parked`).
+    pump: Arc<Notify>,
+    pump_parked: std::sync::atomic::AtomicBool,
     readers: Mutex<Vec<JoinHandle<()>>>,
     /// Payload buffers handed back after use: large frames would otherwise
     /// cost an mmap, page faults and an munmap each.

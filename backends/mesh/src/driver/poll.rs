@@ -329,32 +329,61 @@ impl Drop for CutGuard<'_> {
 /// (a ring comes sooner).
 const IDLE_POLL: Duration = Duration::from_millis(10);
 
-/// The polled links' background task, a stream reader's counterpart:
+/// The rank's pump, one task per mesh: the one owner of the engine's
+/// clock.
 ///
-/// - it relays the bell: when a peer rings (this rank armed its links and
-///   sleeps), it wakes the sleeping calls (which also wake on the bell
-///   themselves). It takes nothing while a call is in flight: the calls
-///   poll, and a relay copying a large frame while the call it belongs to
-///   waits for the link made them take turns (the 4-rank broadcast's first
-///   hop: 8 ms, or 16 when they did);
-/// - outside calls, it looks at the links every [`IDLE_POLL`] and arms
-///   them, so that a peer's abort still reaches this rank at once (and its
-///   flight record is written), a probe is answered, and a lost peer is
-///   reported, though no call is waiting.
-pub(super) async fn idle(inner: std::sync::Weak<Inner>, bell: Arc<Notify>) {
+/// - **Time.** It alone calls `Engine::handle_timeout`, at the engine's
+///   `poll_timeout` or every [`IDLE_POLL`] while calls are in flight: it
+///   sends the stall probes the engine asks for (on a task of their own,
+///   bounded) and wakes the calls when one passed its deadline. Calls lock
+///   the engine, change its state (begin, arm, file, end) and, when
+///   nothing arrived, fail on the engine's verdict or on their own
+///   deadline (`Engine::timed_out`); they never move the clock.
+/// - **The polled links' bell.** When a peer rings (this rank armed its
+///   links and sleeps), it wakes the sleeping calls (which also wake on
+///   the bell themselves). It takes nothing while a call is in flight: the
+///   calls poll, and a relay copying a large frame while the call it
+///   belongs to waits for the link made them take turns (the 4-rank
+///   broadcast's first hop: 8 ms, or 16 when they did).
+/// - **Outside calls**, it looks at the polled links every [`IDLE_POLL`]
+///   and arms them, so that a peer's abort still reaches this rank at once
+///   (and its flight record is written), a probe is answered, and a lost
+///   peer is reported, though no call is waiting. A mesh with no polled
+///   link and no call in flight sleeps until a call starts
+///   ([`Inner::wake_pump`]).
+pub(super) async fn pump(inner: std::sync::Weak<Inner>, bell: Arc<Notify>, pump: Arc<Notify>) {
     let mut rung = false;
     loop {
         let ring = bell.notified();
         let mut ring = std::pin::pin!(ring);
         ring.as_mut().enable();
-        {
+        let started = pump.notified();
+        let mut started = std::pin::pin!(started);
+        started.as_mut().enable();
+        let wait = {
             let Some(inner) = inner.upgrade() else {
                 return;
             };
             if rung {
                 inner.notify.notify_waiters();
             }
-            if lock(&inner.engine).in_flight() == 0 {
+            // Parked until a call starts, unless the engine has a timer:
+            // set before the engine is looked at, so a call armed after
+            // that look sees it and wakes the pump.
+            inner.pump_parked.store(true, Ordering::SeqCst);
+            let (probes, next, idle) = {
+                let mut engine = lock(&inner.engine);
+                let (probes, expired) = engine.handle_timeout(Instant::now());
+                if expired {
+                    // A call's deadline passed: its waiter fails.
+                    inner.notify.notify_waiters();
+                }
+                (probes, engine.poll_timeout(), engine.in_flight() == 0)
+            };
+            if !probes.is_empty() {
+                tokio::spawn(send_probes(inner.clone(), probes));
+            }
+            if idle {
                 for &p in &inner.polled {
                     if let Link::Polled(l) = &inner.links[p] {
                         l.link.arm();
@@ -362,12 +391,54 @@ pub(super) async fn idle(inner: std::sync::Weak<Inner>, bell: Arc<Notify>) {
                 }
                 inner.poll_links();
             }
-        }
-        rung = tokio::time::timeout(IDLE_POLL, ring).await.is_ok();
+            let wait = match next {
+                Some(at) => Some(at.saturating_duration_since(Instant::now()).min(IDLE_POLL)),
+                None if !inner.polled.is_empty() => Some(IDLE_POLL),
+                None => None,
+            };
+            if wait.is_some() {
+                inner.pump_parked.store(false, Ordering::SeqCst);
+            }
+            wait
+        };
+        rung = match wait {
+            Some(w) => tokio::select! {
+                _ = &mut ring => true,
+                _ = &mut started => false,
+                _ = tokio::time::sleep(w) => false,
+            },
+            None => tokio::select! {
+                _ = &mut ring => true,
+                _ = &mut started => false,
+            },
+        };
     }
 }
 
+/// Sends stall probes to every peer at once, under one deadline (one at a
+/// time, a full socket per peer would hold the others up a second each).
+async fn send_probes(inner: Arc<Inner>, probes: Vec<consort_comm::engine::Probe>) {
+    let frames: Vec<_> = probes
+        .iter()
+        .map(|p| {
+            let f = super::inbound::probe_frame(consort_comm::frame::FrameKind::Probe, Some(p.fp));
+            (p.to, f)
+        })
+        .collect();
+    let sends = frames
+        .iter()
+        .map(|(to, f)| inner.send_frame(*to, 0, f, &[]));
+    super::all_before(Instant::now() + Duration::from_secs(1), sends).await;
+}
+
 impl Inner {
+    /// A call armed its timer: wakes the pump if it sleeps with none.
+    pub(super) fn wake_pump(&self) {
+        if self.pump_parked.swap(false, Ordering::SeqCst) {
+            self.pump.notify_one();
+        }
+    }
+
     /// Takes what the polled links hold; returns the bytes taken. A link
     /// whose peer is gone, once drained, reports the peer lost.
     pub(super) fn poll_links(self: &Arc<Self>) -> usize {
