@@ -332,3 +332,16 @@ pub(crate) fn abort_in_background(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// NCCL's driver is the one the emulated device runs: only `Cuda`, its
+    /// `DeviceComm`, is NCCL's own.
+    #[test]
+    fn nccl_runs_the_shared_stream_driver() {
+        fn same(d: &super::Driver) -> &consort_comm::stream::Driver<super::Cuda> {
+            d
+        }
+        let _ = same;
+    }
+}

@@ -597,7 +597,10 @@ impl<D: DeviceComm> Driver<D> {
     /// include the side channel's readers, it only looks once.
     pub fn named(&self, e: CommError, limit: Duration) -> CommError {
         let checker = self.checker.get();
-        if !may_be_lost_peer(&e) {
+        let CommError::Backend { code, .. } = &e else {
+            return e;
+        };
+        if !crate::ordered::check::may_be_lost_peer(*code) {
             return LostPeer::named_now(checker, e);
         }
         match runtime() {

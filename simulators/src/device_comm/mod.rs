@@ -689,3 +689,20 @@ impl Backend for EmulatedComm {
         self.driver.synchronize(self.default_timeout()).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{EmulatedComm, gates::Gates};
+
+    /// The emulated device has no shell of its own: its communicator is
+    /// the stream-ordered driver NCCL runs (`consort_comm::stream::Driver`),
+    /// over the gates' `DeviceComm`. A copy of the shell here would not
+    /// compile against this.
+    #[test]
+    fn the_emulated_device_runs_the_driver_nccl_runs() {
+        fn driver(c: &EmulatedComm) -> &consort_comm::stream::Driver<Gates> {
+            &c.driver
+        }
+        let _ = driver;
+    }
+}

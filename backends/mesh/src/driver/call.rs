@@ -1,9 +1,9 @@
-//! One call, driven: the schedule's actions against the links and the
+//! One call, run: the schedule's actions against the links and the
 //! engine. [`CallRun`] holds the call's state; its methods are the steps
-//! of [`MeshBackend::drive`]'s loop: act on what the schedule asks, take
-//! what has arrived, and wait (moving the engine's clock and sending the
-//! stall probes it asks for, spinning on polled links, then sleeping until
-//! a frame is filed or the engine's next timeout).
+//! of [`MeshBackend::run_call`]'s loop: act on what the schedule asks, take
+//! what has arrived, and wait (failing on the engine's verdict or at the
+//! call's deadline, spinning on polled links, then sleeping until a frame
+//! is filed, the pump wakes it, or its deadline).
 
 use super::*;
 
@@ -30,8 +30,8 @@ struct CallRun<'c> {
 }
 
 impl MeshBackend {
-    /// Drives one call to its end.
-    pub(super) async fn drive(
+    /// Runs one call to its end.
+    pub(super) async fn run_call(
         &self,
         req: &mut Call<'_>,
         opts: &CallOptions,

@@ -1,6 +1,7 @@
-//! The sending side and the driver of one call: frames out (vectored,
-//! never cut in half by a deadline, or into a polled link), the schedule's
-//! actions against the engine, and stall probes.
+//! The sending side and a call's start and end: frames out (vectored,
+//! never cut in half by a deadline, or into a polled link), a call begun
+//! in the engine and ended there (its record, its heartbeat, its abort).
+//! The call's own loop is [`super::call`]'s.
 
 use std::sync::atomic::Ordering;
 
@@ -307,7 +308,7 @@ impl MeshBackend {
             // the field): dropping this future cancels the call.
             let mut guard = guard;
             let mut req = req;
-            let result = self.drive(&mut req, &opts, &begun).await;
+            let result = self.run_call(&mut req, &opts, &begun).await;
             guard.armed = false;
             let now = super::flight::now_us();
             let ended = {

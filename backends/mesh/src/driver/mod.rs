@@ -11,7 +11,8 @@
 //!   the calls that wait on them;
 //! - [`inbound`] files a decoded frame: in place into a posted receive, with
 //!   the engine, or as a probe or an abort;
-//! - [`drive`] sends frames and starts calls; [`call`] drives one;
+//! - [`drive`] sends frames, starts and ends calls; [`call`] runs one;
+//!   [`poll::pump`] owns the engine's clock;
 //! - [`registry`] holds the receives links may fill in place, and the rule
 //!   that keeps that sound when a caller leaks a call.
 //!
