@@ -335,7 +335,9 @@ const IDLE_POLL: Duration = Duration::from_millis(10);
 /// - **Time.** It alone calls `Engine::handle_timeout`, at the engine's
 ///   `poll_timeout` or every [`IDLE_POLL`] while calls are in flight: it
 ///   sends the stall probes the engine asks for (on a task of their own,
-///   bounded) and wakes the calls when one passed its deadline. Calls lock
+///   bounded) and wakes the calls when one stalled or passed its deadline
+///   (a stalled call polls its links again: a same-host peer that is gone
+///   rings no bell). Calls lock
 ///   the engine, change its state (begin, arm, file, end) and, when
 ///   nothing arrived, fail on the engine's verdict or on their own
 ///   deadline (`Engine::timed_out`); they never move the clock.
@@ -374,8 +376,11 @@ pub(super) async fn pump(inner: std::sync::Weak<Inner>, bell: Arc<Notify>, pump:
             let (probes, next, idle) = {
                 let mut engine = lock(&inner.engine);
                 let (probes, expired) = engine.handle_timeout(Instant::now());
-                if expired {
-                    // A call's deadline passed: its waiter fails.
+                if expired || !probes.is_empty() {
+                    // A call's deadline passed (its waiter fails), or a
+                    // call stalled: the waiting calls look again, and
+                    // poll their links (a same-host peer that is gone is
+                    // found there; it rings no bell).
                     inner.notify.notify_waiters();
                 }
                 (probes, engine.poll_timeout(), engine.in_flight() == 0)
