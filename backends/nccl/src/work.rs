@@ -64,6 +64,9 @@ pub(crate) struct Cuda {
     events: Mutex<Vec<Event>>,
     /// The thread running this communicator's `ncclCommAbort`, once aborted.
     pub(crate) aborter: Mutex<Option<JoinHandle<()>>>,
+    /// A handle cleared by an abort under the launch lock, which
+    /// `ncclCommAbort` frees once the lock is released.
+    pending_abort: AtomicUsize,
 }
 
 pub(crate) fn driver_error(ctx: ErrorContext, what: &'static str, e: cu::DriverError) -> CommError {
@@ -85,6 +88,7 @@ impl Cuda {
             comm: AtomicUsize::new(comm),
             events: Mutex::new(Vec::new()),
             aborter: Mutex::new(None),
+            pending_abort: AtomicUsize::new(0),
         }
     }
 
@@ -201,6 +205,8 @@ impl DeviceComm for Cuda {
         if c == 0 {
             return;
         }
+        self.pending_abort
+            .store(c, std::sync::atomic::Ordering::SeqCst);
         if !locked {
             tracing::warn!(
                 rank = self.rank,
@@ -209,9 +215,18 @@ impl DeviceComm for Cuda {
                 consort_comm::stream::ABORT_WAIT
             );
         }
+    }
+
+    fn aborted(&self) {
+        let c = self
+            .pending_abort
+            .swap(0, std::sync::atomic::Ordering::SeqCst);
+        if c == 0 {
+            return;
+        }
         // Nobody can reach the handle any more (it was cleared under the
-        // lock, and whoever read it before did so under the lock too).
-        // Started before the calls fail: their callers may make the
+        // launch lock, and whoever read it before did so under the lock
+        // too). Started before the calls fail: their callers may make the
         // survivors' group at once, which waits for this abort.
         *lock(&self.aborter) = abort_in_background(&self.nccl, c, self.rank);
     }

@@ -98,7 +98,11 @@ pub fn dump(out: &FlightOut, reason: &str, force: bool) -> Option<PathBuf> {
         })
         .filter_map(|r| r.source.upgrade())
         .collect();
-    let mut entries: Vec<Entry> = sources.iter().flat_map(|s| s.flight_entries()).collect();
+    let mut entries: Vec<Entry> = Vec::new();
+    for s in sources {
+        entries.extend(s.flight_entries());
+        release(s);
+    }
     entries.sort_by_key(|e| (e.issued_us, e.id));
     let record = Dump {
         rank: out.rank,
@@ -109,6 +113,17 @@ pub fn dump(out: &FlightOut, reason: &str, force: bool) -> Option<PathBuf> {
         entries,
     };
     write(out, &record)
+}
+
+/// Lets go of a source the dump held: if it was the last handle (its
+/// backend went meanwhile), its drop, which may wait for a device, runs on
+/// a thread of its own, not on the dumping one (a watchdog, a signal task).
+fn release(s: Arc<dyn FlightSource>) {
+    if Arc::strong_count(&s) == 1 {
+        let _ = std::thread::Builder::new()
+            .name("consort-flight-release".into())
+            .spawn(move || drop(s));
+    }
 }
 
 /// Writes `record` as `rank-K.json`, through a temporary file of its own.

@@ -85,10 +85,16 @@ pub trait DeviceComm: Send + Sync + 'static {
     /// (the communicator is gone). Called with the launch lock held.
     fn async_error(&self, work: &Self::Work) -> Option<Result<()>>;
 
-    /// Aborts the communicator (`ncclCommAbort`), once: the device's calls
-    /// in flight end. `locked`: the launch lock is held (false when a launch
-    /// kept it past [`ABORT_WAIT`]).
+    /// Aborts the communicator, once, under the launch lock: whatever must
+    /// happen while no launch runs (NCCL clears its handle). `locked`: the
+    /// launch lock is held (false when a launch kept it past
+    /// [`ABORT_WAIT`]).
     fn abort(&self, locked: bool);
+
+    /// The rest of the abort, once, after the launch lock is released
+    /// (NCCL starts `ncclCommAbort` on a thread of its own): the device's
+    /// calls in flight end.
+    fn aborted(&self) {}
 
     /// A finished call's outcome: to its waiter, and its handles back.
     /// Never called while the watchdog queries the work.
@@ -548,22 +554,33 @@ impl<D: DeviceComm> Driver<D> {
             return;
         }
         let slot = self.slot_within(ABORT_WAIT);
-        let reason = e.to_string();
         self.abort_under(slot, e);
         self.aborting.store(false, Ordering::SeqCst);
-        if let Some(out) = self.flight.get() {
-            crate::flight::dump(out, &reason, true);
-        }
     }
 
     /// [`Driver::abort`] by a thread that holds the launch lock (`slot`;
-    /// `None`: it could not be had), released before the calls fail.
+    /// `None`: it could not be had), released before the device's
+    /// after-abort step and before the calls fail. This rank's flight
+    /// record is written once the calls in flight have failed, before
+    /// their callers hear of it (only the first abort's replaces a record
+    /// written before).
     pub fn abort_under(&self, slot: Option<MutexGuard<'_, ()>>, e: CommError) {
-        if !self.device_aborted.swap(true, Ordering::SeqCst) {
+        let first = !self.device_aborted.swap(true, Ordering::SeqCst);
+        if first {
             self.device.abort(slot.is_some());
         }
         drop(slot);
-        self.poison(e);
+        if first {
+            self.device.aborted();
+        }
+        let reason = e.to_string();
+        let failed = self.rules().core.fail_all(e);
+        if let Some(out) = self.flight.get() {
+            crate::flight::dump(out, &reason, first);
+        }
+        self.finish_all(failed);
+        self.cv.notify_all();
+        self.turn_moved();
     }
 
     /// The launch lock: the right to use the communicator's handle.

@@ -61,10 +61,21 @@ impl<D: DeviceComm> Driver<D> {
 
     fn watchdog(&self) {
         while let Pass::Again(wait) = self.watch_once() {
+            // Looked at again under the lock the calls take to be tracked:
+            // a call enqueued since the pass (its caller woken by it, say)
+            // notified no one, so the wait is the poll interval, not the
+            // idle one; and a stop that can end the watchdog is not
+            // slept through.
             let t = lock(&self.track);
-            if t.stop {
+            let in_flight = t.core.in_flight();
+            if t.stop && (in_flight == 0 || t.core.poisoned().is_some()) {
                 continue;
             }
+            let wait = if in_flight > 0 {
+                wait.min(self.opts.poll)
+            } else {
+                wait
+            };
             let _ = self.cv.wait_timeout(t, wait);
         }
     }

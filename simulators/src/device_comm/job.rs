@@ -138,7 +138,6 @@ pub(super) fn comm_thread(
     let max = opts.max_delay.as_nanos() as u64;
     while let Ok(mut job) = jobs.recv() {
         let timeout = kernel_timeout(job.deadline);
-        job.opts = job.opts.with_timeout(timeout);
         let skip = {
             let gates = job.comm.device();
             let failed = gates.async_error();
@@ -148,6 +147,10 @@ pub(super) fn comm_thread(
             (Some(cause), Ok(rt)) => rt.block_on(tell_peers(inner, device, &mut job, cause)),
             (Some(_), Err(_)) => {}
             (None, rt) => {
+                // Only a call that runs is bound by its deadline: one made
+                // to tell the peers keeps its own timeout (it is cancelled
+                // at once).
+                job.opts = job.opts.with_timeout(timeout);
                 let waited = job.after.iter().all(|&e| device.wait_event(e, timeout));
                 if max > 0 {
                     std::thread::sleep(Duration::from_nanos(rng.next_u64() % (max + 1)));
