@@ -62,7 +62,7 @@ impl Heartbeat {
     pub fn shared(path: &Path) -> std::io::Result<std::sync::Arc<Self>> {
         static ONE: std::sync::Mutex<Option<(std::path::PathBuf, std::sync::Weak<Heartbeat>)>> =
             std::sync::Mutex::new(None);
-        let mut one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut one = crate::lock(&ONE);
         if let Some((p, w)) = one.as_ref()
             && p == path
             && let Some(b) = w.upgrade()

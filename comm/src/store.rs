@@ -314,7 +314,7 @@ impl MemStore {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
         // A panic while holding the lock cannot leave the map half-written
         // (every update is a single insert or remove), so poison is ignored.
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.map)
     }
 
     fn changed(&self) {
@@ -324,7 +324,7 @@ impl MemStore {
     fn queues(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<String, std::collections::VecDeque<Vec<u8>>>> {
-        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.queues)
     }
 }
 

@@ -189,7 +189,7 @@ impl Dist {
     #[cfg(feature = "nccl")]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
         let b = Arc::new(self.nccl_backend(None).await?);
-        let mut held = self.nccl_groups.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = consort_comm::lock(&self.nccl_groups);
         held.push(b.clone());
         Ok(ProcessGroup::new(b))
     }

@@ -177,7 +177,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        consort_comm::lock(&self.state)
     }
 }
 
@@ -354,7 +354,7 @@ impl Drop for EmulatedDevice {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
         self.shared.cv.notify_all();
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let worker = consort_comm::lock(&self.worker).take();
         if let Some(w) = worker {
             let _ = w.join();
         }

@@ -144,7 +144,7 @@ impl CudaDevice {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
+        let streams = std::mem::take(&mut *consort_comm::lock(&self.streams));
         for s in streams {
             // SAFETY: created by `new_stream`, destroyed once; pending work
             // completes before the driver releases it.

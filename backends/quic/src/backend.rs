@@ -153,6 +153,4 @@ impl MeshCloser for Closer {
     }
 }
 
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use consort_comm::lock;

@@ -123,7 +123,7 @@ impl Checker {
         let (tx, rx) = mpsc::unbounded_channel();
         let progress = Arc::new(Progress::default());
         {
-            let mut t = tree.lock().unwrap_or_else(|p| p.into_inner());
+            let mut t = crate::lock(&tree);
             // Checkers whose task has ended compare nothing more.
             t.retain(|p| !p.ended.load(Ordering::SeqCst));
             t.push(progress.clone());
@@ -210,7 +210,7 @@ impl Checker {
     /// so that its peers' last comparisons (a subgroup's included) find it
     /// still there.
     pub fn is_drained(&self) -> bool {
-        let tree = self.tree.lock().unwrap_or_else(|p| p.into_inner());
+        let tree = crate::lock(&self.tree);
         tree.iter().all(|p| p.drained())
     }
 

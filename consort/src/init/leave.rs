@@ -69,7 +69,7 @@ impl Dist {
         #[cfg(feature = "nccl")]
         {
             let held = &self.nccl_groups;
-            let groups = std::mem::take(&mut *held.lock().unwrap_or_else(|p| p.into_inner()));
+            let groups = std::mem::take(&mut *consort_comm::lock(held));
             for b in groups {
                 // A group that failed returns its first error again: its
                 // calls reported it already.

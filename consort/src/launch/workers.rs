@@ -139,7 +139,7 @@ pub(super) async fn pump<R: tokio::io::AsyncRead + Unpin>(
         if let Some(f) = file.as_mut() {
             let _ = writeln!(f, "{line}");
         }
-        let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+        let mut t = consort_comm::lock(&tail);
         t.push_back(line);
         if t.len() > TAIL_LINES {
             t.pop_front();

@@ -18,7 +18,7 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -46,9 +46,7 @@ impl Drop for Pending {
     }
 }
 
-fn lock(m: &Mutex<Pending>) -> MutexGuard<'_, Pending> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use consort_comm::lock;
 
 /// The cap of one sharded model (`None` inside: host memory).
 pub(super) struct GatherLimit(Option<Arc<Mutex<Pending>>>);

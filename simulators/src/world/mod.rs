@@ -587,7 +587,7 @@ impl SimWorld {
 fn lock(shared: &Shared) -> MutexGuard<'_, State> {
     // A panic under the lock leaves the world in an unknown state; the
     // panic itself is the report, so later users just proceed.
-    shared.state.lock().unwrap_or_else(|p| p.into_inner())
+    consort_comm::lock(&shared.state)
 }
 
 fn wake(shared: &Shared, s: &mut State) {

@@ -44,7 +44,7 @@
 
 use std::{
     io::IoSlice,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -205,9 +205,7 @@ impl Inner {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+pub(crate) use consort_comm::lock;
 
 /// One rank's handle on a mesh process group (TCP, QUIC, shared memory, or
 /// a mix per peer): the world group, or a subgroup that shares the world's

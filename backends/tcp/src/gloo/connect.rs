@@ -241,7 +241,7 @@ async fn accept_loop(listener: TcpListener, waiting: HashMap<i64, oneshot::Sende
                 _ => return,
             }
             let seq = i64::from_ne_bytes(seq);
-            let tx = waiting.lock().expect("waiting pairs").remove(&seq);
+            let tx = consort_comm::lock(&waiting).remove(&seq);
             match tx {
                 Some(tx) => {
                     tune(&s);

@@ -281,7 +281,7 @@ impl<'a> CallIo<'a> {
 
     /// Waits for every send this call posted to be written.
     async fn flush(&self) -> Result<()> {
-        let sends = std::mem::take(&mut *self.sends.lock().expect("sends"));
+        let sends = std::mem::take(&mut *consort_comm::lock(&self.sends));
         self.pairs
             .wait_sent(&sends, self.deadline, self.after)
             .await
@@ -298,18 +298,18 @@ impl GlooIo for CallIo<'_> {
     }
     fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<()> {
         let id = self.pairs.post_send(peer, slot, data)?;
-        self.sends.lock().expect("sends").push(id);
+        consort_comm::lock(&self.sends).push(id);
         Ok(())
     }
     fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<()> {
         let ticket = self.pairs.post_recv(peer, slot, len)?;
-        let mut t = self.tickets.lock().expect("tickets");
+        let mut t = consort_comm::lock(&self.tickets);
         t.entry((peer, slot)).or_default().push_back(ticket);
         Ok(())
     }
     async fn wait_recv(&self, peer: usize, slot: u64) -> Result<Vec<u8>> {
         let ticket = {
-            let mut t = self.tickets.lock().expect("tickets");
+            let mut t = consort_comm::lock(&self.tickets);
             let q = t.get_mut(&(peer, slot));
             let ticket = q.and_then(VecDeque::pop_front);
             if t.get(&(peer, slot)).is_some_and(VecDeque::is_empty) {

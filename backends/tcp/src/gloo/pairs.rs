@@ -142,7 +142,7 @@ impl Pool {
     /// An empty buffer with room for `len` bytes.
     pub fn take(&self, len: usize) -> Vec<u8> {
         if len >= Self::MIN_BYTES {
-            let mut free = self.free.lock().expect("pool");
+            let mut free = consort_comm::lock(&self.free);
             if let Some(i) = free.iter().position(|v| v.capacity() >= len) {
                 let mut v = free.swap_remove(i);
                 v.clear();
@@ -164,7 +164,7 @@ impl Pool {
         if v.capacity() < Self::MIN_BYTES {
             return;
         }
-        let mut free = self.free.lock().expect("pool");
+        let mut free = consort_comm::lock(&self.free);
         let held: usize = free.iter().map(Vec::capacity).sum();
         if held + v.capacity() <= Self::MAX_BYTES {
             free.push(v);
@@ -210,7 +210,7 @@ impl Pairs {
         {
             // Spawned under the lock, so that a failure in a task that has
             // just started finds every task to abort.
-            let mut tasks = pairs.tasks.lock().expect("tasks");
+            let mut tasks = consort_comm::lock(&pairs.tasks);
             for (peer, h) in halves.into_iter().enumerate() {
                 if let Some((r, w, rx)) = h {
                     tasks.push(tokio::spawn(read_loop(pairs.clone(), peer, r)));
@@ -233,13 +233,13 @@ impl Pairs {
 
     /// The first failure, if any.
     pub fn failure(&self) -> Option<CommError> {
-        self.state.lock().expect("gloo state").failed.clone()
+        consort_comm::lock(&self.state).failed.clone()
     }
 
     /// Fails the context with `why` (the first failure wins) and closes
     /// every connection.
     pub fn fail(&self, why: CommError) {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         self.fail_locked(&mut st, why);
     }
 
@@ -250,7 +250,7 @@ impl Pairs {
         }
         tracing::debug!(rank = self.rank, %why, "gloo context failed");
         st.failed = Some(why.clone());
-        for t in self.tasks.lock().expect("tasks").drain(..) {
+        for t in consort_comm::lock(&self.tasks).drain(..) {
             t.abort();
         }
         self.changed.notify_waiters();
@@ -259,7 +259,7 @@ impl Pairs {
 
     /// `peer`'s connection ended: calls that need it fail from now on.
     fn lose(&self, peer: usize, why: CommError) {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         let ps = &mut st.peers[peer];
         if ps.gone.is_none() {
             tracing::debug!(rank = self.rank, peer, %why, "gloo peer gone");
@@ -294,7 +294,7 @@ impl Pairs {
     pub fn post_send(&self, peer: usize, slot: u64, data: &[u8]) -> Result<SendId> {
         // Copied before the lock: every pair's tasks take it.
         let copy = self.pool.copy(data);
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         self.usable(&mut st, peer)?;
         let id = SendId(st.next_send);
         st.next_send += 1;
@@ -336,7 +336,7 @@ impl Pairs {
             tokio::pin!(changed);
             changed.as_mut().enable();
             let waiting_on = {
-                let mut st = self.state.lock().expect("gloo state");
+                let mut st = consort_comm::lock(&self.state);
                 let left: Vec<Unsent> = sends
                     .iter()
                     .filter_map(|id| st.unsent.get(id).copied())
@@ -380,14 +380,14 @@ impl Pairs {
     }
 
     fn sent(&self, id: SendId) {
-        self.state.lock().expect("gloo state").unsent.remove(&id);
+        consort_comm::lock(&self.state).unsent.remove(&id);
         self.changed.notify_waiters();
     }
 
     /// Posts a receive of up to `len` bytes from `peer` on `slot` (Gloo's
     /// `UnboundBuffer::recv`); [`Pairs::wait_recv`] takes the payload.
     pub fn post_recv(&self, peer: usize, slot: u64, len: usize) -> Result<RecvTicket> {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         self.usable(&mut st, peer)?;
         let ps = &mut st.peers[peer];
         ps.posted_recvs.entry(slot).or_default().push_back(len);
@@ -415,7 +415,7 @@ impl Pairs {
             tokio::pin!(changed);
             changed.as_mut().enable();
             {
-                let mut st = self.state.lock().expect("gloo state");
+                let mut st = consort_comm::lock(&self.state);
                 // What arrived before the peer left is still its part.
                 if st.failed.is_none()
                     && let Some(data) = st.peers[peer].take(slot, ticket)
@@ -438,7 +438,7 @@ impl Pairs {
 
     /// A payload header arrived from `peer`: which receive it fills.
     fn begin_payload(&self, peer: usize, head: &Preamble) -> Result<()> {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         let posted = st.peers[peer]
             .posted_recvs
             .get_mut(&head.slot)
@@ -463,7 +463,7 @@ impl Pairs {
     }
 
     fn deliver(&self, peer: usize, slot: u64, data: Vec<u8>) {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         let ps = &mut st.peers[peer];
         let t = ps.tickets.entry(slot).or_default();
         let ticket = t.arrived;
@@ -476,7 +476,7 @@ impl Pairs {
 
     /// `peer` is ready to receive up to `room` bytes on `slot`.
     fn recv_ready(&self, peer: usize, slot: u64, room: u64) -> Result<()> {
-        let mut st = self.state.lock().expect("gloo state");
+        let mut st = consort_comm::lock(&self.state);
         let ps = &mut st.peers[peer];
         match pop(&mut ps.pending_sends, slot) {
             Some((_, data)) if data.len() as u64 > room => {
@@ -511,7 +511,7 @@ impl Pairs {
     /// Closes every connection: the group's handle is gone. Its calls have
     /// all ended, so every payload they sent is written already.
     pub fn close(&self) {
-        for t in self.tasks.lock().expect("tasks").drain(..) {
+        for t in consort_comm::lock(&self.tasks).drain(..) {
             t.abort();
         }
     }
@@ -656,7 +656,7 @@ async fn write_loop(
                 peer,
                 reason: format!("rank {} could not write to it: {e}", pairs.rank),
             };
-            pairs.state.lock().expect("gloo state").peers[peer].write_failed = Some(why.clone());
+            consort_comm::lock(&pairs.state).peers[peer].write_failed = Some(why.clone());
             pairs.lose(peer, why);
             return;
         }

@@ -277,7 +277,7 @@ async fn serve_client(
         request: opts.request_timeout,
     };
     let ended = requests::handle_requests(&mut r, id, &out, &state, deadlines).await;
-    state.lock().unwrap_or_else(|p| p.into_inner()).forget(id);
+    consort_comm::lock(&state).forget(id);
     drop(out);
     match ended {
         Ok(()) => tracing::trace!(%peer, "TCPStore client disconnected"),

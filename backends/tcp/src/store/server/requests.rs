@@ -131,11 +131,9 @@ async fn validate<R: AsyncRead + Unpin>(r: &mut R) -> Result<(), Closed> {
     Ok(())
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    // Every update leaves the state consistent before it can panic, so a
-    // poisoned lock is still usable.
-    state.lock().unwrap_or_else(|p| p.into_inner())
-}
+// Every update leaves the state consistent before it can panic, so a
+// poisoned lock is still usable.
+use consort_comm::lock;
 
 /// One request, by command.
 async fn request<R: AsyncRead + Unpin + Send>(
@@ -373,7 +371,7 @@ pub fn feed(bytes: &[u8], validated: bool) -> Fed {
             .is_ok()
     });
     drop(out);
-    state.lock().unwrap_or_else(|p| p.into_inner()).forget(1);
+    consort_comm::lock(&state).forget(1);
     let mut replies = Vec::new();
     while let Ok((reply, _lease)) = rx.try_recv() {
         replies.push(reply);
