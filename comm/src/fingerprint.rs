@@ -204,6 +204,18 @@ impl Shape {
     }
 }
 
+/// A call of `op` on 4 `f32`s (an all_reduce sums), for tests.
+#[cfg(test)]
+pub(crate) fn test_shape(op: OpKind) -> Shape {
+    Shape {
+        op,
+        dtype: DType::F32,
+        count: 4,
+        root: 0,
+        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
+    }
+}
+
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -2,19 +2,11 @@ use std::time::{Duration, Instant};
 
 use super::{Ordered, check::first_difference};
 use crate::{
-    CommError, DType, Fingerprint, GroupId, OpKind, ReduceOp, Shape,
+    CommError, Fingerprint, GroupId, OpKind,
     frame::{FrameHeader, HEADER_LEN},
 };
 
-fn fp(op: OpKind) -> Shape {
-    Shape {
-        op,
-        dtype: DType::F32,
-        count: 4,
-        root: 0,
-        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
-    }
-}
+use crate::fingerprint::test_shape as fp;
 
 const SEC: Duration = Duration::from_secs(1);
 

@@ -16,7 +16,7 @@ use std::{sync::Arc, time::Duration};
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 
 use super::{DeviceComm, Driver, DriverOptions};
-use crate::{CommError, DType, GroupId, OpKind, ReduceOp, Result, Shape};
+use crate::{CommError, GroupId, OpKind, Result, Shape};
 
 /// A stand-in device that checks the driver's promises to devices: a
 /// work is finished once, never while it is being queried, and the device
@@ -73,13 +73,7 @@ impl DeviceComm for Model {
 }
 
 fn fp() -> Shape {
-    Shape {
-        op: OpKind::AllReduce,
-        dtype: DType::F32,
-        count: 1,
-        root: 0,
-        reduce_op: Some(ReduceOp::Sum),
-    }
+    crate::fingerprint::test_shape(OpKind::AllReduce)
 }
 
 fn driver() -> Arc<Driver<Model>> {

@@ -11,7 +11,7 @@ use std::{
 };
 
 use super::{DeviceComm, Driver, DriverOptions, watch::Pass};
-use crate::{CommError, DType, GroupId, OpKind, ReduceOp, Result, Shape};
+use crate::{CommError, GroupId, OpKind, Result};
 
 /// A stand-in device: each work is a flag the test sets; its outcome goes
 /// to a channel.
@@ -59,15 +59,7 @@ impl DeviceComm for Fake {
     }
 }
 
-fn fp(op: OpKind) -> Shape {
-    Shape {
-        op,
-        dtype: DType::F32,
-        count: 4,
-        root: 0,
-        reduce_op: (op == OpKind::AllReduce).then_some(ReduceOp::Sum),
-    }
-}
+use crate::fingerprint::test_shape as fp;
 
 fn driver() -> Arc<Driver<Fake>> {
     Arc::new(Driver::new(
