@@ -607,16 +607,12 @@ impl<P> Engine<P> {
     /// first cause sticks) and, unless a peer's abort caused it, names the
     /// abort to send to the group's other members.
     pub fn end(&mut self, call: CallId, result: Result<()>) -> Ended {
-        let Some(c) = self.calls.remove(&call) else {
+        let Some(c) = self.remove(call) else {
             return Ended {
                 result,
                 abort: None,
             };
         };
-        if !c.p2p {
-            self.taken
-                .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
-        }
         let result = result.map_err(|e| e.with_context(c.ctx));
         self.flight
             .ended(call.0, result.as_ref().err().map(ToString::to_string));
@@ -636,19 +632,26 @@ impl<P> Engine<P> {
         Ended { result, abort }
     }
 
+    /// Takes `call` out of the calls in flight, and a collective's frames
+    /// taken out of the record of taken ones.
+    fn remove(&mut self, call: CallId) -> Option<Running> {
+        let c = self.calls.remove(&call)?;
+        if !c.p2p {
+            self.taken
+                .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
+        }
+        Some(c)
+    }
+
     /// `call` was refused by its driver before anything of it reached a
     /// peer (an argument that driver's transport cannot take, found after
     /// the call was made): it ends with `e` (recorded, with context) and,
     /// unlike [`Engine::end`], its group goes on, as after any argument
     /// error.
     pub fn refuse(&mut self, call: CallId, e: CommError) -> CommError {
-        let Some(c) = self.calls.remove(&call) else {
+        let Some(c) = self.remove(call) else {
             return e;
         };
-        if !c.p2p {
-            self.taken
-                .retain(|(g, _, seq, _)| !(*g == c.group && *seq == c.fp.seq));
-        }
         let e = e.with_context(c.ctx);
         self.flight.ended(call.0, Some(e.to_string()));
         e

@@ -194,3 +194,66 @@ pub fn dump_on_sigusr1() {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex, Weak};
+
+    use super::{FlightOut, FlightSource, dump, dump_flight_records, register};
+    use crate::{GroupId, OpKind, engine::Engine, fingerprint::test_shape, flight::Dump};
+
+    /// An engine with one call made, as a driver keeps its record.
+    struct Source(Mutex<Engine<()>>);
+
+    impl Source {
+        fn new(group: GroupId, (rank, world): (usize, usize), op: OpKind) -> Arc<Self> {
+            let mut e = Engine::for_group(group, rank, world);
+            e.begin(group, test_shape(op)).unwrap();
+            Arc::new(Source(Mutex::new(e)))
+        }
+    }
+
+    impl FlightSource for Source {
+        fn flight_entries(&self) -> Vec<super::Entry> {
+            crate::lock(&self.0).flight().entries().collect()
+        }
+    }
+
+    fn read(path: &std::path::Path) -> Dump {
+        Dump::from_json(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    /// One file per rank: a rank's communicators (a world's and a
+    /// subgroup's, sharing one `FlightOut`) are merged into its
+    /// `rank-K.json`, and another rank in the same directory keeps its own.
+    #[test]
+    fn a_ranks_communicators_share_one_file_and_ranks_keep_theirs() {
+        let dir = std::env::temp_dir().join(format!("consort-flight-out-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mine = Arc::new(FlightOut::new(&dir, 0, 2));
+        let world = Source::new(GroupId::WORLD, (0, 2), OpKind::AllReduce);
+        let sub = Source::new(GroupId(0x77), (0, 1), OpKind::Broadcast);
+        let peer_out = Arc::new(FlightOut::new(&dir, 1, 2));
+        let peer = Source::new(GroupId::WORLD, (1, 2), OpKind::Barrier);
+        for (s, out) in [(&world, &mine), (&sub, &mine), (&peer, &peer_out)] {
+            let weak: Weak<dyn FlightSource> = Arc::downgrade(s) as Weak<dyn FlightSource>;
+            register(weak, out);
+        }
+        let path = dump(&mine, "a test", true).expect("written");
+        let d = read(&path);
+        assert_eq!((d.rank, d.world, d.reason.as_str()), (0, 2, "a test"));
+        let mut ops: Vec<&str> = d.entries.iter().map(|e| e.op.as_str()).collect();
+        ops.sort_unstable();
+        assert_eq!(ops, ["all_reduce", "broadcast"], "{d:?}");
+        // Not forced, after a write: left as it is.
+        assert!(dump(&mine, "later", false).is_none());
+        // On request, every rank's file (the peer's has only its call).
+        let written = dump_flight_records("SIGUSR1");
+        assert!(written.contains(&dir.join("rank-1.json")), "{written:?}");
+        let p = read(&dir.join("rank-1.json"));
+        assert_eq!(p.entries.len(), 1);
+        assert_eq!(p.entries[0].op, "barrier");
+        assert_eq!(read(&path).entries.len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -38,7 +38,7 @@ use std::{
 };
 
 use crate::{
-    CommError, ErrorContext, GroupId, OpKind, Result, Shape,
+    CommError, GroupId, OpKind, Result, Shape,
     engine::CallId,
     flight::{FlightOut, FlightSource},
     heartbeat::Heartbeat,
@@ -516,7 +516,19 @@ impl<D: DeviceComm> Driver<D> {
 
     /// Fails every call in flight with `e` (the first cause sticks).
     pub fn poison(&self, e: CommError) {
+        self.fail_in_flight(e, None);
+    }
+
+    /// Fails every call in flight with `e`, writes this rank's flight
+    /// record when `dump` says so (`Some(force)`: see
+    /// [`crate::flight::dump`]) before their callers hear of it, and wakes
+    /// whoever waits on the group.
+    fn fail_in_flight(&self, e: CommError, dump: Option<bool>) {
+        let reason = dump.map(|_| e.to_string());
         let failed = self.rules().core.fail_all(e);
+        if let (Some(force), Some(reason), Some(out)) = (dump, reason, self.flight.get()) {
+            crate::flight::dump(out, &reason, force);
+        }
         self.finish_all(failed);
         self.cv.notify_all();
         self.turn_moved();
@@ -573,14 +585,7 @@ impl<D: DeviceComm> Driver<D> {
         if first {
             self.device.aborted();
         }
-        let reason = e.to_string();
-        let failed = self.rules().core.fail_all(e);
-        if let Some(out) = self.flight.get() {
-            crate::flight::dump(out, &reason, first);
-        }
-        self.finish_all(failed);
-        self.cv.notify_all();
-        self.turn_moved();
+        self.fail_in_flight(e, Some(first));
     }
 
     /// The launch lock: the right to use the communicator's handle.
@@ -811,13 +816,5 @@ fn sync_sleep(d: Duration) {
     {
         let _ = d;
         loom::thread::yield_now();
-    }
-}
-
-/// Context for an error about this rank only.
-pub fn rank_context(rank: usize) -> ErrorContext {
-    ErrorContext {
-        rank: Some(rank),
-        ..Default::default()
     }
 }
