@@ -288,7 +288,7 @@ fn read_error(addr: &str, during: &str, e: ReadError) -> StoreError {
             during: during.to_string(),
             source: Arc::new(e),
         },
-        e @ (ReadError::TooLarge { .. } | ReadError::Refused(_)) => {
+        e @ ReadError::TooLarge { .. } => {
             StoreError::Protocol(format!("reply to {during} from {addr}: {e}"))
         }
     }

@@ -15,7 +15,7 @@ use std::{
 
 use consort_comm::store::{StoreError, StoreResult};
 use tokio::{
-    io::{AsyncWriteExt, BufReader},
+    io::{AsyncWriteExt, BufReader, BufWriter},
     net::{TcpListener, TcpStream, ToSocketAddrs},
     sync::mpsc,
     task::JoinSet,
@@ -24,12 +24,14 @@ use tokio::{
 use super::wire::ReadError;
 use crate::auth::{self, HANDSHAKE_TIMEOUT, Secret};
 
+mod budget;
 mod requests;
 #[doc(hidden)]
 pub use requests::{Fed, feed};
 mod state;
 
-use state::{Budget, ClientId, Out, State};
+use budget::{Budget, ClientId, Conn, Phase, Value};
+use state::{Out, Reply, State};
 
 /// The default limit on what a store holds: 1 GiB of keys and values.
 /// Rendezvous data (addresses, NCCL ids, counters) is a few KiB per rank.
@@ -192,31 +194,35 @@ impl TcpStoreServer {
 }
 
 async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: ServerOptions) {
+    let budget = consort_comm::lock(&state).budget.clone();
     let mut clients = JoinSet::new();
     let mut next_id: ClientId = 0;
     let mut refused = 0u64;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) if clients.len() >= opts.max_clients => {
-                    // Closed at once: a flood of connections costs a socket
-                    // each, briefly, and one log line per thousand.
-                    drop(stream);
-                    if refused % 1000 == 0 {
-                        tracing::warn!(
-                            %peer,
-                            "TCPStore refused a connection: {} clients are connected, its cap \
-                             (CONSORT_STORE_MAX_CLIENTS, or consort store --max-clients); {} \
-                             refused so far",
-                            opts.max_clients,
-                            refused + 1
-                        );
-                    }
-                    refused += 1;
-                }
                 Ok((stream, peer)) => {
+                    if clients.len() >= opts.max_clients && !make_room(&budget, peer) {
+                        // Closed at once: a flood of connections costs a
+                        // socket each, briefly, and one log line per
+                        // thousand.
+                        drop(stream);
+                        if refused % 1000 == 0 {
+                            tracing::warn!(
+                                %peer,
+                                "TCPStore refused a connection: {} clients are connected and \
+                                 at work, its cap (CONSORT_STORE_MAX_CLIENTS, or consort store \
+                                 --max-clients); {} refused so far",
+                                opts.max_clients,
+                                refused + 1
+                            );
+                        }
+                        refused += 1;
+                        continue;
+                    }
                     next_id += 1;
-                    clients.spawn(serve_client(stream, peer, next_id, state.clone(), opts.clone()));
+                    let conn = Conn::new(next_id, peer);
+                    clients.spawn(serve_client(stream, conn, state.clone(), opts.clone()));
                 }
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
@@ -229,73 +235,142 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
     }
 }
 
+/// The server is full of connections: closes the oldest that has not
+/// proved itself (no handshake or VALIDATE yet), else the oldest that has
+/// sent no request, to admit `peer`; false if every connection is a client
+/// at work.
+fn make_room(budget: &Budget, peer: SocketAddr) -> bool {
+    let victim = budget
+        .conns()
+        .into_iter()
+        .filter(|c| c.phase() < Phase::Active && !c.is_closed())
+        .min_by_key(|c| (c.phase(), c.opened));
+    let Some(v) = victim else {
+        return false;
+    };
+    let what = match v.phase() {
+        Phase::Pending => {
+            "had not passed the handshake (VALIDATE, or the CONSORT_SECRET challenge)"
+        }
+        _ => "had sent no request",
+    };
+    tracing::warn!(
+        peer = %v.peer,
+        "TCPStore closed a connection that {what} after {:?}, to admit {peer}: it is at its cap \
+         of clients",
+        v.opened.elapsed()
+    );
+    v.close(format!(
+        "the store was full of connections and this one {what}; a new client took its place"
+    ));
+    true
+}
+
 async fn serve_client(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    id: ClientId,
+    stream: TcpStream,
+    conn: Arc<Conn>,
     state: Arc<Mutex<State>>,
     opts: ServerOptions,
 ) {
+    let budget = consort_comm::lock(&state).budget.clone();
+    budget.register(&conn);
+    let peer = conn.peer;
+    let ended = tokio::select! {
+        ended = serve(stream, &conn, &state, &opts) => ended,
+        why = conn.closed() => Err(Closed::Refused(why)),
+    };
+    consort_comm::lock(&state).forget(conn.id);
+    budget.unregister(conn.id);
+    match ended {
+        Ok(()) | Err(Closed::Eof) => tracing::trace!(%peer, "TCPStore client disconnected"),
+        Err(Closed::Refused(why)) => {
+            tracing::warn!(%peer, "TCPStore closed a client connection: {why}");
+        }
+    }
+}
+
+/// A client's connection from its handshake to its end. A client that
+/// broke a rule (or was shed) gets no more of its replies: dropping this
+/// future drops them with their leases. One that left still gets what was
+/// answered, if it reads it within the request timeout.
+async fn serve(
+    mut stream: TcpStream,
+    conn: &Arc<Conn>,
+    state: &Arc<Mutex<State>>,
+    opts: &ServerOptions,
+) -> Result<(), Closed> {
     let _ = stream.set_nodelay(true);
     if let Some(k) = &opts.secret {
         match tokio::time::timeout(opts.validate_timeout, auth::accept(&mut stream, k)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(%peer, "TCPStore refused a client: {e}");
-                return;
-            }
+            Ok(Err(e)) => return Err(Closed::Refused(format!("refused a client: {e}"))),
             Err(_) => {
-                tracing::warn!(%peer, "TCPStore refused a client: no answer to the CONSORT_SECRET challenge");
-                return;
+                return Err(Closed::Refused(
+                    "refused a client: no answer to the CONSORT_SECRET challenge".into(),
+                ));
             }
         }
     }
-    let (r, mut w) = stream.into_split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<u8>, state::Lease)>();
-    let budget = state
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .budget
-        .clone();
-    let out = Out { tx, budget };
-    // Each reply gives its bytes back to the budget once written (or
-    // dropped, when the client is closed).
-    // A client that does not read what it asked for is cut off after the
-    // request timeout, and its queued replies (with their bytes) go.
-    let write_timeout = opts.request_timeout;
-    let mut writer = tokio::spawn(async move {
-        while let Some((buf, _lease)) = rx.recv().await {
-            match tokio::time::timeout(write_timeout, w.write_all(&buf)).await {
-                Ok(Ok(())) => {}
-                _ => break,
-            }
-        }
-    });
-    let mut r = BufReader::new(r);
+    let (r, w) = stream.into_split();
+    let (tx, rx) = mpsc::unbounded_channel::<Reply>();
+    let budget = consort_comm::lock(state).budget.clone();
+    let out = Out {
+        tx,
+        budget,
+        conn: conn.clone(),
+    };
+    let mut writer = AbortOnDrop(tokio::spawn(write_replies(w, rx, opts.request_timeout)));
+    let mut r = BufReader::with_capacity(BUFFER, r);
     let deadlines = requests::Deadlines {
         validate: opts.validate_timeout,
         request: opts.request_timeout,
     };
-    let ended = requests::handle_requests(&mut r, id, &out, &state, deadlines).await;
-    consort_comm::lock(&state).forget(id);
+    let ended = requests::handle_requests(&mut r, &out, state, deadlines).await;
     drop(out);
-    match ended {
-        Ok(()) => tracing::trace!(%peer, "TCPStore client disconnected"),
-        Err(Closed::Eof) => tracing::trace!(%peer, "TCPStore client disconnected"),
-        Err(Closed::Refused(why)) => {
-            tracing::warn!(%peer, "TCPStore closed a client connection: {why}");
-            // A client that broke a rule gets no more of its replies: they
-            // are dropped with their leases.
-            writer.abort();
+    if ended.is_ok() || matches!(ended, Err(Closed::Eof)) {
+        let _ = tokio::time::timeout(opts.request_timeout, &mut writer.0).await;
+    }
+    ended
+}
+
+/// What each connection buffers for reading and for writing.
+const BUFFER: usize = 2048;
+
+/// Writes a client's replies in order; a client that does not read what it
+/// asked for is cut off after the request timeout, and its queued replies
+/// (with their bytes) go.
+async fn write_replies(
+    w: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Reply>,
+    timeout: Duration,
+) {
+    let mut w = BufWriter::with_capacity(BUFFER, w);
+    while let Some(reply) = rx.recv().await {
+        let write = async {
+            w.write_all(&reply.head).await?;
+            for v in &reply.values {
+                let b = v.as_deref().map_or(&[][..], Value::bytes);
+                w.write_all(&(b.len() as u64).to_le_bytes()).await?;
+                w.write_all(b).await?;
+            }
+            if rx.is_empty() {
+                w.flush().await?;
+            }
+            std::io::Result::Ok(())
+        };
+        match tokio::time::timeout(timeout, write).await {
+            Ok(Ok(())) => {}
+            _ => break,
         }
     }
-    // A client that left still gets what was answered, if it reads it in
-    // time; one that never reads holds no task or memory past that.
-    if tokio::time::timeout(opts.request_timeout, &mut writer)
-        .await
-        .is_err()
-    {
-        writer.abort();
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

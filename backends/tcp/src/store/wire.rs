@@ -25,6 +25,8 @@ pub(crate) mod cmd {
     pub(crate) const QUEUE_PUSH: u8 = 14;
     pub(crate) const QUEUE_POP: u8 = 15;
     pub(crate) const QUEUE_LEN: u8 = 16;
+    pub(crate) const LIST_KEYS: u8 = 17;
+    pub(crate) const BARRIER: u8 = 18;
 }
 
 /// CHECK replies (torch's `CheckResponseType`).
@@ -57,8 +59,6 @@ pub(crate) enum ReadError {
         len: u64,
         max: u64,
     },
-    /// The reader's budget refused the bytes (the server's memory limit).
-    Refused(String),
 }
 
 impl From<std::io::Error> for ReadError {
@@ -74,15 +74,9 @@ impl std::fmt::Display for ReadError {
             ReadError::TooLarge { what, len, max } => {
                 write!(f, "{what} of {len} bytes is over the limit of {max}")
             }
-            ReadError::Refused(why) => f.write_str(why),
         }
     }
 }
-
-/// What a reader pays for the bytes it is about to allocate: `Err` refuses
-/// them (the server's memory budget); clients pay nothing.
-pub(crate) type Charge<'a> =
-    &'a mut (dyn FnMut(usize, &'static str) -> Result<(), ReadError> + Send);
 
 /// Reads a length-prefixed byte string of at most `max` bytes, refusing
 /// larger ones before allocating.
@@ -91,21 +85,10 @@ pub(crate) async fn read_bytes<R: AsyncRead + Unpin>(
     max: u64,
     what: &'static str,
 ) -> Result<Vec<u8>, ReadError> {
-    read_bytes_charged(r, max, what, &mut |_, _| Ok(())).await
-}
-
-/// [`read_bytes`], paying `charge` for the bytes before allocating them.
-pub(crate) async fn read_bytes_charged<R: AsyncRead + Unpin>(
-    r: &mut R,
-    max: u64,
-    what: &'static str,
-    charge: Charge<'_>,
-) -> Result<Vec<u8>, ReadError> {
     let len = r.read_u64_le().await?;
     if len > max {
         return Err(ReadError::TooLarge { what, len, max });
     }
-    charge(len as usize, what)?;
     let mut v = vec![0u8; len as usize];
     r.read_exact(&mut v).await?;
     Ok(v)

@@ -1,11 +1,14 @@
-//! One client's requests, decoded and answered. Every byte a request reads
-//! is paid for from the memory budget before it is allocated, every reply
-//! before it is queued, and a request must arrive whole within the request
-//! timeout once its first byte has come (an idle client may wait between
-//! requests for as long as it likes, as torch's clients do for a whole
-//! job). Generic over the reader, so the decoder can be fed any bytes.
+//! One client's requests, decoded and answered. Every byte a request
+//! reads is paid for from the client's share of the budget before it is
+//! allocated (a value as it arrives, not as its header announces), every
+//! reply before it is queued, and every change either completes with its
+//! reply or changes nothing. A request must arrive whole within the
+//! request timeout once its first byte has come (an idle client may wait
+//! between requests for as long as it likes, as torch's clients do for a
+//! whole job). Generic over the reader, so the decoder can be fed any
+//! bytes.
 
-use std::{sync::Mutex, time::Duration};
+use std::{sync::Arc, sync::Mutex, time::Duration};
 
 use consort_comm::store::{
     MAX_KEY_LEN, MAX_KEYS_PER_REQUEST, MAX_VALUE_LEN, add_to_value, compare_set_rule,
@@ -14,7 +17,8 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::super::wire::{self, ReadError, cmd};
 use super::Closed;
-use super::state::{ClientId, Lease, OVERHEAD, Out, State};
+use super::budget::{Lease, Phase, Tier, Value, block};
+use super::state::{Out, Reply, State, wait_cost};
 
 /// How long a client may take: to send VALIDATE after connecting, and to
 /// finish a request it has started.
@@ -24,6 +28,11 @@ pub(super) struct Deadlines {
     pub(super) request: Duration,
 }
 
+/// The first bytes of a value paid for before they arrive; the rest is
+/// paid for as it comes, doubling, so a header announcing 8 MiB costs 4 KiB
+/// until the bytes are sent.
+const FIRST: usize = 4096;
+
 /// A request's reader: what it reads is charged to its lease.
 struct Reader<'a, R> {
     r: &'a mut R,
@@ -32,13 +41,29 @@ struct Reader<'a, R> {
 
 impl<R: AsyncRead + Unpin + Send> Reader<'_, R> {
     async fn bytes(&mut self, max: usize, what: &'static str) -> Result<Vec<u8>, Closed> {
-        let lease = &mut self.lease;
-        let mut charge = |n: usize, what: &'static str| {
-            lease
-                .grow(n, what)
-                .map_err(|c| ReadError::Refused(c.to_string()))
-        };
-        Ok(wire::read_bytes_charged(self.r, max as u64, what, &mut charge).await?)
+        let len = self.r.read_u64_le().await?;
+        if len > max as u64 {
+            return Err(ReadError::TooLarge {
+                what,
+                len,
+                max: max as u64,
+            }
+            .into());
+        }
+        let len = len as usize;
+        let mut v = Vec::new();
+        while v.len() < len {
+            let want = len.min((v.capacity() * 2).max(FIRST));
+            // The old and the new buffer are both alive while it grows.
+            self.lease.grow_or_shed(block(want), what).await?;
+            let had = v.capacity();
+            v.reserve_exact(want - v.len());
+            self.lease.shrink(block(had));
+            let filled = v.len();
+            v.resize(want, 0);
+            self.r.read_exact(&mut v[filled..]).await?;
+        }
+        Ok(v)
     }
 
     async fn key(&mut self) -> Result<Vec<u8>, Closed> {
@@ -62,13 +87,40 @@ impl<R: AsyncRead + Unpin + Send> Reader<'_, R> {
         Ok(n as usize)
     }
 
+    /// Makes room for one more of `total` items in `v`, paying for the
+    /// larger buffer (and the old one, alive while it grows) first.
+    async fn room<T>(&mut self, v: &mut Vec<T>, total: usize) -> Result<(), Closed> {
+        if v.len() < v.capacity() {
+            return Ok(());
+        }
+        let size = std::mem::size_of::<T>();
+        let want = total.min((v.capacity() * 2).max(16));
+        self.lease
+            .grow_or_shed(block(want * size), "a request's list")
+            .await?;
+        let had = v.capacity();
+        v.reserve_exact(want - v.len());
+        self.lease.shrink(block(had * size));
+        Ok(())
+    }
+
     async fn keys(&mut self) -> Result<Vec<Vec<u8>>, Closed> {
         let n = self.count().await?;
-        let mut keys = Vec::with_capacity(n.min(1024));
+        let mut keys = Vec::new();
         for _ in 0..n {
-            keys.push(self.key().await?);
+            self.room(&mut keys, n).await?;
+            let k = self.key().await?;
+            keys.push(k);
         }
         Ok(keys)
+    }
+
+    /// A value read, paid for as held: its transient charge is given back
+    /// first, then the store is asked.
+    async fn held_value(&mut self, s: &Mutex<State>) -> Result<Arc<Value>, Closed> {
+        let v = self.value().await?;
+        self.lease.shrink(block(v.capacity()));
+        lock(s).value(v, "a value")
     }
 }
 
@@ -76,7 +128,6 @@ impl<R: AsyncRead + Unpin + Send> Reader<'_, R> {
 /// leaves (`Ok`) or breaks a rule (`Err`, with why).
 pub(super) async fn handle_requests<R: AsyncRead + Unpin + Send>(
     r: &mut R,
-    id: ClientId,
     out: &Out,
     state: &Mutex<State>,
     deadlines: Deadlines,
@@ -89,6 +140,7 @@ pub(super) async fn handle_requests<R: AsyncRead + Unpin + Send>(
                 deadlines.validate
             ))
         })??;
+    out.conn.advance(Phase::Validated);
     loop {
         if out.tx.is_closed() {
             return Err(Closed::Refused(
@@ -102,9 +154,9 @@ pub(super) async fn handle_requests<R: AsyncRead + Unpin + Send>(
         };
         let rd = Reader {
             r: &mut *r,
-            lease: out.budget.reserve(0, "a request")?,
+            lease: out.budget.zero(Some(&out.conn)),
         };
-        tokio::time::timeout(deadlines.request, request(command, rd, id, out, state))
+        tokio::time::timeout(deadlines.request, request(command, rd, out, state))
             .await
             .map_err(|_| {
                 Closed::Refused(format!(
@@ -113,6 +165,7 @@ pub(super) async fn handle_requests<R: AsyncRead + Unpin + Send>(
                     deadlines.request
                 ))
             })??;
+        out.conn.advance(Phase::Active);
     }
 }
 
@@ -139,72 +192,88 @@ use consort_comm::lock;
 async fn request<R: AsyncRead + Unpin + Send>(
     command: u8,
     mut rd: Reader<'_, R>,
-    id: ClientId,
     out: &Out,
     state: &Mutex<State>,
 ) -> Result<(), Closed> {
     match command {
         cmd::PING => {
             let nonce = rd.r.read_u32_le().await?;
-            out.send(nonce.to_le_bytes().to_vec())
+            out.control(nonce.to_le_bytes().to_vec())
         }
-        cmd::SET | cmd::COMPARE_SET | cmd::ADD | cmd::APPEND | cmd::DELETE_KEY => {
+        cmd::SET | cmd::COMPARE_SET | cmd::ADD | cmd::APPEND | cmd::DELETE_KEY | cmd::BARRIER => {
             write(command, rd, out, state).await
         }
         cmd::MULTI_SET => {
             let n = rd.count().await?;
-            let mut pairs = Vec::with_capacity(n.min(1024));
+            let mut pairs = Vec::new();
             for _ in 0..n {
                 // Each pair is paid for as it is read: a request past the
                 // limit is refused before the rest of it is read.
-                pairs.push((rd.key().await?, rd.value().await?));
+                rd.room(&mut pairs, n).await?;
+                let k = rd.key().await?;
+                let v = rd.held_value(state).await?;
+                pairs.push((k, v));
             }
-            // The bytes move from the request to the store: counted once.
-            drop(rd);
             lock(state).put_all(pairs)
         }
-        cmd::GET | cmd::MULTI_GET | cmd::CHECK | cmd::GETNUMKEYS => {
+        cmd::GET | cmd::MULTI_GET | cmd::CHECK | cmd::GETNUMKEYS | cmd::LIST_KEYS => {
             read(command, rd, out, state).await
         }
         cmd::WAIT => {
             let keys = rd.keys().await?;
+            let lease = out
+                .budget
+                .owe_or_shed(&out.conn, wait_cost(&keys), "a wait")
+                .await?;
             drop(rd);
             let mut s = lock(state);
             let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !s.has(k)).collect();
             if missing.is_empty() {
-                return out.send(vec![wire::STOP_WAITING]);
+                drop(s);
+                return out.control(vec![wire::STOP_WAITING]);
             }
-            s.forget(id);
-            // The keys it waits for stay until it is woken or leaves.
-            let bytes = missing.iter().map(|k| k.len() + OVERHEAD).sum();
-            s.charge(bytes, 0)?;
-            s.awaited.insert(id, (missing.len(), out.clone(), bytes));
-            for k in missing {
-                s.waiting.entry(k).or_default().push(id);
-            }
+            s.wait(out, missing, lease);
             Ok(())
         }
         cmd::CANCEL_WAIT => {
-            lock(state).forget(id);
-            out.send(vec![wire::WAIT_CANCELED])
+            lock(state).forget(out.conn.id);
+            out.control(vec![wire::WAIT_CANCELED])
         }
         cmd::QUEUE_PUSH => {
-            let (key, value) = (rd.key().await?, rd.value().await?);
-            drop(rd);
+            let key = rd.key().await?;
+            let value = rd.held_value(state).await?;
             lock(state).push(key, value)
         }
         cmd::QUEUE_POP => {
             let key = rd.key().await?;
-            let reply = lock(state).pop(&key);
-            out.send(reply)
+            // Paid for before the queue changes: a refused reply loses
+            // nothing.
+            let lease = out.budget.owe(
+                &out.conn,
+                Reply::cost(8, 1),
+                Tier::Control,
+                "a queue_pop reply",
+            )?;
+            let (before, value) = lock(state).pop(&key);
+            out.send(
+                before.to_le_bytes().to_vec(),
+                value.into_iter().map(Some).collect(),
+                lease,
+            );
+            Ok(())
         }
         cmd::QUEUE_LEN => {
             let key = rd.key().await?;
-            let n = lock(state).queues.get(&key).map_or(0, |q| q.len()) as i64;
-            out.send(n.to_le_bytes().to_vec())
+            let n = lock(state).queue_len(&key) as i64;
+            out.control(n.to_le_bytes().to_vec())
         }
         other => Err(Closed::Refused(format!("unknown command byte {other}"))),
     }
+}
+
+/// Which of COMPARE_SET's three byte strings its reply is.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && std::ptr::eq(a.as_ptr(), b.as_ptr())
 }
 
 /// The requests that change the map.
@@ -217,105 +286,179 @@ async fn write<R: AsyncRead + Unpin + Send>(
     let key = rd.key().await?;
     match command {
         cmd::SET => {
-            let value = rd.value().await?;
-            drop(rd); // the bytes move from the request to the store
+            let value = rd.held_value(state).await?;
             lock(state).put(key, value)
         }
         cmd::COMPARE_SET => {
             let expected = rd.value().await?;
-            let desired = rd.value().await?;
-            drop(rd);
+            let desired = rd.held_value(state).await?;
+            let reply = out
+                .budget
+                .owe(&out.conn, Reply::cost(0, 1), Tier::Control, "a reply")?;
             let mut s = lock(state);
-            let (reply, store) =
-                compare_set_rule(s.map.get(&key).map(Vec::as_slice), &expected, &desired);
-            let mut bytes = Vec::with_capacity(8 + reply.len());
-            wire::put_bytes(&mut bytes, reply);
-            if let Some(v) = store {
-                let v = v.to_vec();
-                s.put(key, v)?;
+            let current = s.get(&key).cloned();
+            let (said, store) = compare_set_rule(
+                current.as_deref().map(Value::bytes),
+                &expected,
+                desired.bytes(),
+            );
+            let stores = store.is_some();
+            let (is_desired, is_expected) = (same(said, desired.bytes()), same(said, &expected));
+            let answer = if is_desired {
+                desired.clone()
+            } else if is_expected {
+                // The request's bytes answer: its lease pays for them.
+                Value::new(
+                    expected,
+                    std::mem::replace(&mut rd.lease, out.budget.zero(None)),
+                )
+            } else {
+                current.clone().unwrap_or_else(|| desired.clone())
+            };
+            if stores {
+                s.put(key, desired)?;
             }
-            out.send(bytes)
+            drop(s);
+            out.send(Vec::new(), vec![Some(answer)], reply);
+            Ok(())
         }
-        cmd::ADD => {
-            let delta = rd.r.read_i64_le().await?;
-            let mut s = lock(state);
-            let name = String::from_utf8_lossy(&key).into_owned();
-            // torch's server drops the client here (no error reply exists
-            // in the protocol); we do the same, with a clear log line.
-            let (new, bytes) = add_to_value(&name, s.map.get(&key).map(Vec::as_slice), delta)
-                .map_err(|e| Closed::Refused(e.to_string()))?;
-            s.put(key, bytes)?;
-            out.send(new.to_le_bytes().to_vec())
+        cmd::ADD | cmd::BARRIER => {
+            let n = rd.r.read_i64_le().await?;
+            count(command, key, n, out, state).await
         }
         cmd::APPEND => {
-            let value = rd.value().await?;
-            drop(rd);
+            let more = rd.value().await?;
             let mut s = lock(state);
-            let fresh = if s.map.contains_key(&key) {
-                0
-            } else {
-                key.len() + OVERHEAD
-            };
-            s.charge(fresh + value.len(), 0)?;
-            s.map
-                .entry(key.clone())
-                .or_default()
-                .extend_from_slice(&value);
-            s.wake(&key);
-            Ok(())
+            let old = s.get(&key).map_or(&[][..], |v| v.bytes());
+            // The old value, the appended bytes and the new value are all
+            // alive until the new one replaces the old: all paid for.
+            let total = old.len() + more.len();
+            let lease = s.budget.hold(Value::cost(total), "an append")?;
+            let mut bytes = Vec::with_capacity(total);
+            bytes.extend_from_slice(old);
+            bytes.extend_from_slice(&more);
+            s.put(key, Value::new(bytes, lease))
         }
         _ => {
             // DELETE_KEY
-            let mut s = lock(state);
-            let held = s.held(&key);
-            s.free(held);
-            let n = i64::from(s.map.remove(&key).is_some());
-            out.send(n.to_le_bytes().to_vec())
+            let n = i64::from(lock(state).delete(&key));
+            out.control(n.to_le_bytes().to_vec())
         }
     }
 }
 
-/// The requests that read the map. A reply's bytes are reserved before it
-/// is built: one MULTI_GET naming a large value many times is refused, not
-/// copied.
+/// ADD (reply: the new count) and BARRIER (add one; reply once the count
+/// reaches the world size), torch's rules: the value is an ASCII decimal.
+async fn count(
+    command: u8,
+    key: Vec<u8>,
+    n: i64,
+    out: &Out,
+    state: &Mutex<State>,
+) -> Result<(), Closed> {
+    let barrier = command == cmd::BARRIER;
+    let delta = if barrier { 1 } else { n };
+    // A barrier short of its count waits on its key: paid for first.
+    let wait = if barrier {
+        Some(
+            out.budget
+                .owe_or_shed(&out.conn, wait_cost(&[&key]), "a barrier")
+                .await?,
+        )
+    } else {
+        None
+    };
+    let mut s = lock(state);
+    let name = String::from_utf8_lossy(&key).into_owned();
+    // torch's server drops the client here (no error reply exists in the
+    // protocol); we do the same, with a clear log line.
+    let (new, bytes) = add_to_value(&name, s.get(&key).map(|v| v.bytes()), delta)
+        .map_err(|e| Closed::Refused(e.to_string()))?;
+    let value = s.value(bytes, "a counter")?;
+    match wait {
+        None => {
+            s.put(key, value)?;
+            drop(s);
+            out.control(new.to_le_bytes().to_vec())
+        }
+        Some(_) if new >= n => {
+            s.put(key, value)?;
+            drop(s);
+            out.control(vec![wire::STOP_WAITING])
+        }
+        Some(lease) => {
+            s.put_quiet(key.clone(), value)?;
+            s.wait(out, vec![key], lease);
+            Ok(())
+        }
+    }
+}
+
+/// The requests that read the map. A reply shares the values it sends and
+/// pays for the rest before it is built.
 async fn read<R: AsyncRead + Unpin + Send>(
     command: u8,
     mut rd: Reader<'_, R>,
     out: &Out,
     state: &Mutex<State>,
 ) -> Result<(), Closed> {
-    let keys = match command {
-        cmd::GETNUMKEYS => Vec::new(),
-        cmd::GET => vec![rd.key().await?],
-        _ => rd.keys().await?,
-    };
-    let s = lock(state);
     match command {
-        cmd::GETNUMKEYS => out.send((s.map.len() as i64).to_le_bytes().to_vec()),
+        cmd::GETNUMKEYS => {
+            let n = lock(state).num_keys() as i64;
+            out.control(n.to_le_bytes().to_vec())
+        }
         cmd::CHECK => {
-            let ready = keys.iter().all(|k| s.has(k));
-            out.send(vec![if ready {
+            let keys = rd.keys().await?;
+            let ready = {
+                let s = lock(state);
+                keys.iter().all(|k| s.has(k))
+            };
+            out.control(vec![if ready {
                 wire::CHECK_READY
             } else {
                 wire::CHECK_NOT_READY
             }])
         }
+        cmd::LIST_KEYS => {
+            let s = lock(state);
+            let size = 8 + s.keys().map(|k| 8 + k.len()).sum::<usize>();
+            let lease = out.budget.owe(
+                &out.conn,
+                Reply::cost(size, 0),
+                Tier::Normal,
+                "a list_keys reply",
+            )?;
+            let mut head = Vec::with_capacity(size);
+            head.extend_from_slice(&(s.num_keys() as u64).to_le_bytes());
+            for k in s.keys() {
+                wire::put_bytes(&mut head, k);
+            }
+            drop(s);
+            out.send(head, Vec::new(), lease);
+            Ok(())
+        }
         _ => {
             // GET and MULTI_GET: a missing key reads as empty, as in
             // torch's server.
-            let value = |k: &Vec<u8>| s.map.get(k).map_or(&[][..], Vec::as_slice);
-            let size = keys.iter().map(|k| 8 + value(k).len()).sum::<usize>();
-            let what = if command == cmd::GET {
-                "a get reply"
+            let keys = if command == cmd::GET {
+                vec![rd.key().await?]
             } else {
-                "a multi_get reply"
+                rd.keys().await?
             };
-            let lease = out.budget.reserve(size + OVERHEAD, what)?;
-            let mut bytes = Vec::with_capacity(size);
-            for k in &keys {
-                wire::put_bytes(&mut bytes, value(k));
+            let lease = if command == cmd::GET {
+                out.budget
+                    .owe(&out.conn, Reply::cost(0, 1), Tier::Control, "a get reply")?
+            } else {
+                out.budget
+                    .owe_or_shed(&out.conn, Reply::cost(0, keys.len()), "a multi_get reply")
+                    .await?
+            };
+            let mut values = Vec::with_capacity(keys.len());
+            {
+                let s = lock(state);
+                values.extend(keys.iter().map(|k| s.get(k).cloned()));
             }
-            out.send_reserved(bytes, lease);
+            out.send(Vec::new(), values, lease);
             Ok(())
         }
     }
@@ -341,7 +484,7 @@ pub struct Fed {
 /// does; then drops the client as the server does when one leaves.
 #[doc(hidden)]
 pub fn feed(bytes: &[u8], validated: bool) -> Fed {
-    use super::state::Budget;
+    use super::budget::{Budget, Conn};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -353,11 +496,14 @@ pub fn feed(bytes: &[u8], validated: bool) -> Fed {
     }
     input.extend_from_slice(bytes);
     let budget = Budget::new(1 << 20);
+    let conn = Conn::new(1, std::net::SocketAddr::from(([127, 0, 0, 1], 1)));
+    budget.register(&conn);
     let state = Mutex::new(State::new(budget.clone()));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let out = Out {
         tx,
         budget: budget.clone(),
+        conn: conn.clone(),
     };
     let deadlines = Deadlines {
         validate: Duration::from_secs(1),
@@ -365,31 +511,21 @@ pub fn feed(bytes: &[u8], validated: bool) -> Fed {
     };
     let ended = rt.block_on(async {
         let mut r = &input[..];
-        let run = handle_requests(&mut r, 1, &out, &state, deadlines);
+        let run = handle_requests(&mut r, &out, &state, deadlines);
         tokio::time::timeout(Duration::from_secs(5), run)
             .await
             .is_ok()
     });
     drop(out);
-    consort_comm::lock(&state).forget(1);
+    lock(&state).forget(1);
     let mut replies = Vec::new();
-    while let Ok((reply, _lease)) = rx.try_recv() {
-        replies.push(reply);
+    while let Ok(reply) = rx.try_recv() {
+        replies.push(reply.encode());
     }
-    let state = state.into_inner().unwrap_or_else(|p| p.into_inner());
-    let held: usize = state
-        .map
-        .iter()
-        .map(|(k, v)| k.len() + v.len() + OVERHEAD)
-        .sum::<usize>()
-        + state
-            .queues
-            .iter()
-            .map(|(k, q)| k.len() + OVERHEAD + q.iter().map(|v| v.len() + OVERHEAD).sum::<usize>())
-            .sum::<usize>();
+    let held = lock(&state).audit();
     Fed {
         ended,
-        leaked: budget.used().saturating_sub(held),
+        leaked: budget.used().saturating_sub(held) + conn.used(),
         replies,
     }
 }
