@@ -334,6 +334,31 @@ async fn unreachable_master_is_a_clear_error() {
     assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
 }
 
+/// A MASTER_ADDR that does not resolve is said at once and fails after a
+/// short grace, not after the whole store timeout (it used to retry for
+/// 300 s with the DNS error at debug level only).
+#[tokio::test]
+async fn an_unresolvable_master_fails_soon_naming_the_lookup() {
+    let start = std::time::Instant::now();
+    let e = tokio::time::timeout(
+        Duration::from_secs(60),
+        TcpStore::connect(
+            "no-such-host.invalid:29500",
+            TcpStoreOptions {
+                timeout: Duration::from_secs(300),
+                connect_timeout: Duration::from_secs(300),
+                secret: None,
+            },
+        ),
+    )
+    .await
+    .expect("still retrying after 60 s")
+    .unwrap_err();
+    assert!(e.to_string().contains("does not resolve"), "{e}");
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(60));
+}
+
 #[tokio::test]
 async fn port_in_use_is_a_clear_error() {
     let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();

@@ -347,25 +347,53 @@ async fn open(addr: &str, opts: &TcpStoreOptions) -> StoreResult<ConnBox> {
     Ok(ConnBox(c))
 }
 
-/// A TCP connection to `addr`, retried with backoff until `within`.
+/// How long a name that does not resolve is retried (DNS for a pod that
+/// just started may lag) before the connection fails, whatever the store
+/// timeout.
+const DNS_GRACE: Duration = Duration::from_secs(10);
+
+/// A TCP connection to `addr`, retried with backoff until `within`. A host
+/// name that does not resolve is said at once (warn), retried for at most
+/// [`DNS_GRACE`], and then fails naming MASTER_ADDR.
 async fn dial(addr: &str, within: Duration) -> StoreResult<TcpStream> {
     let deadline = Instant::from_std(consort_comm::time::deadline(within));
+    let dns_deadline = Instant::from_std(consort_comm::time::deadline(within.min(DNS_GRACE)));
     let mut backoff = Duration::from_millis(10);
+    let mut dns_said = false;
     loop {
-        let attempt = timeout(
-            deadline.saturating_duration_since(Instant::now()),
-            TcpStream::connect(addr),
-        )
-        .await;
-        let reason = match attempt {
-            Ok(Ok(s)) => return Ok(s),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "connection attempt timed out".to_string(),
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (reason, unresolved) = match timeout(left, tokio::net::lookup_host(addr)).await {
+            Ok(Ok(addrs)) => {
+                let addrs: Vec<_> = addrs.collect();
+                let attempt = timeout(
+                    deadline.saturating_duration_since(Instant::now()),
+                    TcpStream::connect(&addrs[..]),
+                )
+                .await;
+                match attempt {
+                    Ok(Ok(s)) => return Ok(s),
+                    Ok(Err(e)) => (e.to_string(), false),
+                    Err(_) => ("connection attempt timed out".to_string(), false),
+                }
+            }
+            Ok(Err(e)) => {
+                let reason = format!(
+                    "the host name does not resolve ({e}); check MASTER_ADDR (or the address \
+                     given to the store)"
+                );
+                if !dns_said {
+                    tracing::warn!(%addr, "store address: {reason}; retrying for up to {DNS_GRACE:?}");
+                    dns_said = true;
+                }
+                (reason, true)
+            }
+            Err(_) => ("name lookup timed out".to_string(), true),
         };
-        if Instant::now() + backoff >= deadline {
+        let give_up = if unresolved { dns_deadline } else { deadline };
+        if Instant::now() + backoff >= give_up {
             return Err(StoreError::Connect {
                 addr: addr.to_string(),
-                after: within,
+                after: within.min(if unresolved { DNS_GRACE } else { within }),
                 reason,
             });
         }
