@@ -281,8 +281,21 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// The number of elements in the queue under `key` (torch's
     /// `queue_len`).
     async fn queue_len(&self, key: &str) -> StoreResult<i64>;
+    /// Every key of the key/value map (not queues), in no set order
+    /// (torch's `list_keys`).
+    async fn list_keys(&self) -> StoreResult<Vec<String>>;
+    /// torch's `barrier`: adds one to the counter under `key` and waits,
+    /// up to `timeout`, until it reaches `world_size`.
+    async fn barrier(&self, key: &str, world_size: i64, timeout: Duration) -> StoreResult<()>;
     /// The timeout `get` and `multi_get` wait for.
     fn timeout(&self) -> Duration;
+}
+
+/// Whether the counter `value` (an ASCII decimal, as `add` stores it) has
+/// reached `world_size`: torch's barrier rule.
+pub fn barrier_reached(key: &str, value: Option<&[u8]>, world_size: i64) -> StoreResult<bool> {
+    let (count, _) = add_to_value(key, value, 0)?;
+    Ok(count >= world_size)
 }
 
 /// An in-process store: a world of one, unit tests, and the simulator.
@@ -490,6 +503,29 @@ impl Store for MemStore {
         Ok(self.queues().get(key).map_or(0, |q| q.len() as i64))
     }
 
+    async fn list_keys(&self) -> StoreResult<Vec<String>> {
+        Ok(self.lock().keys().cloned().collect())
+    }
+
+    async fn barrier(&self, key: &str, world_size: i64, timeout: Duration) -> StoreResult<()> {
+        self.add(key, 1).await?;
+        let deadline = crate::time::deadline(timeout);
+        loop {
+            let mut notified = pin!(self.changed.notified());
+            notified.as_mut().enable();
+            let value = self.lock().get(key).cloned();
+            if barrier_reached(key, value.as_deref(), world_size)? {
+                return Ok(());
+            }
+            if crate::time::before(deadline, notified).await.is_none() {
+                return Err(StoreError::Timeout {
+                    keys: vec![key.to_string()],
+                    after: timeout,
+                });
+            }
+        }
+    }
+
     fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -598,6 +634,22 @@ impl Store for PrefixStore {
     }
     async fn queue_len(&self, key: &str) -> StoreResult<i64> {
         self.inner.queue_len(&self.key(key)).await
+    }
+    /// The inner store's keys under this prefix, without it.
+    async fn list_keys(&self) -> StoreResult<Vec<String>> {
+        let under = self.key("");
+        Ok(self
+            .inner
+            .list_keys()
+            .await?
+            .into_iter()
+            .filter_map(|k| k.strip_prefix(&under).map(str::to_string))
+            .collect())
+    }
+    async fn barrier(&self, key: &str, world_size: i64, timeout: Duration) -> StoreResult<()> {
+        self.inner
+            .barrier(&self.key(key), world_size, timeout)
+            .await
     }
     fn timeout(&self) -> Duration {
         self.inner.timeout()

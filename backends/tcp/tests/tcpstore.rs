@@ -359,6 +359,50 @@ async fn an_unresolvable_master_fails_soon_naming_the_lookup() {
     assert!(start.elapsed() < Duration::from_secs(60));
 }
 
+/// torch 2.15's LIST_KEYS (17) and BARRIER (18) through our client and
+/// server: the map's keys without queues; a barrier of two released when
+/// the second arrives, one that times out cancelled cleanly, its counter
+/// left as torch leaves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_keys_and_barrier_as_torch() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr().to_string();
+    let a = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let b = TcpStore::connect(&addr, opts(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    a.set("x", b"1").await.unwrap();
+    a.set("y", b"2").await.unwrap();
+    a.queue_push("q", b"3").await.unwrap();
+    // SET has no reply: a round trip makes sure the keys are stored.
+    assert!(a.check(&["x", "y", "q"]).await.unwrap());
+    let mut keys = b.list_keys().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, ["x", "y"]);
+    let e = a
+        .barrier("lonely", 2, Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
+    // The connection is still usable after the cancel.
+    assert_eq!(a.get("lonely").await.unwrap(), b"1");
+    let (ra, rb) = tokio::join!(
+        a.barrier("both", 2, Duration::from_secs(5)),
+        async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            b.barrier("both", 2, Duration::from_secs(5)).await
+        }
+    );
+    ra.unwrap();
+    rb.unwrap();
+    assert_eq!(a.get("both").await.unwrap(), b"2");
+    // A barrier whose count is already past its size returns at once.
+    b.barrier("both", 2, Duration::from_secs(5)).await.unwrap();
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn port_in_use_is_a_clear_error() {
     let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();

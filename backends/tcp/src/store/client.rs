@@ -5,8 +5,8 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use consort_comm::store::{
-    DEFAULT_STORE_TIMEOUT, Store, StoreError, StoreResult, check_key, check_keys, check_multi_set,
-    check_value,
+    DEFAULT_STORE_TIMEOUT, MAX_KEY_LEN, Store, StoreError, StoreResult, check_key, check_keys,
+    check_multi_set, check_value,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt, BufReader},
@@ -64,6 +64,8 @@ enum Shape {
     ManyBytes(usize),
     /// QUEUE_POP: the queue's length, then its front value if it had one.
     Popped,
+    /// LIST_KEYS: a count, then that many keys.
+    Keys,
 }
 
 enum Reply {
@@ -90,6 +92,14 @@ async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
             } else {
                 Reply::Popped(None)
             }
+        }
+        Shape::Keys => {
+            let n = c.r.read_u64_le().await?;
+            let mut v = Vec::new();
+            for _ in 0..n {
+                v.push(wire::read_bytes(&mut c.r, MAX_KEY_LEN as u64, "key").await?);
+            }
+            Reply::ManyBytes(v)
         }
         Shape::ManyBytes(n) => {
             let mut v = Vec::with_capacity(n);
@@ -234,6 +244,18 @@ impl TcpStore {
         let mut req = vec![cmd::WAIT];
         wire::put_keys(&mut req, keys);
         let during = format!("wait({names:?})");
+        self.wait_on(req, &during, names, limit).await
+    }
+
+    /// Sends a request answered by STOP_WAITING (WAIT, BARRIER); if the
+    /// deadline passes first, cancels it as [`TcpStore::wait_raw`] says.
+    async fn wait_on(
+        &self,
+        req: Vec<u8>,
+        during: &str,
+        names: &[&str],
+        limit: Duration,
+    ) -> StoreResult<()> {
         let mut slot = self.conn.lock().await;
         let mut c = self.take(&mut slot).await?;
         let first = timeout(limit, async {
@@ -242,7 +264,7 @@ impl TcpStore {
         })
         .await;
         if let Ok(r) = first {
-            let reply = self.settle(&mut slot, c, &during, Ok(r.map_err(ReadError::Io)))?;
+            let reply = self.settle(&mut slot, c, during, Ok(r.map_err(ReadError::Io)))?;
             if reply != wire::STOP_WAITING {
                 let e = StoreError::Protocol(format!("WAIT answered with {reply}"));
                 return self.fail(&mut slot, e);
@@ -264,7 +286,7 @@ impl TcpStore {
             let keys = names.iter().map(|k| k.to_string()).collect();
             return self.fail(&mut slot, StoreError::Timeout { keys, after: bound });
         };
-        let b = self.settle(&mut slot, c, &during, Ok(cancel.map_err(ReadError::Io)))?;
+        let b = self.settle(&mut slot, c, during, Ok(cancel.map_err(ReadError::Io)))?;
         if b != wire::WAIT_CANCELED {
             let e = StoreError::Protocol(format!("CANCEL_WAIT answered with {b}"));
             return self.fail(&mut slot, e);
@@ -590,6 +612,36 @@ impl Store for TcpStore {
             Reply::I64(n) => Ok(n),
             _ => Err(unexpected(&during)),
         }
+    }
+
+    /// torch's `list_keys`: the server's keys, without the `/` torch's
+    /// client puts before each.
+    async fn list_keys(&self) -> StoreResult<Vec<String>> {
+        match self
+            .call("list_keys()", &[cmd::LIST_KEYS], Shape::Keys)
+            .await?
+        {
+            Reply::ManyBytes(keys) => Ok(keys
+                .into_iter()
+                .map(|k| {
+                    let k = String::from_utf8_lossy(&k).into_owned();
+                    k.strip_prefix('/').map(str::to_string).unwrap_or(k)
+                })
+                .collect()),
+            _ => Err(unexpected("list_keys()")),
+        }
+    }
+
+    /// torch's `barrier`: one request; on the deadline, CANCEL_WAIT as
+    /// torch's client does.
+    async fn barrier(&self, key: &str, world_size: i64, timeout: Duration) -> StoreResult<()> {
+        let k = user_key(key);
+        check_key(&k)?;
+        let mut req = vec![cmd::BARRIER];
+        wire::put_bytes(&mut req, &k);
+        req.extend_from_slice(&world_size.to_le_bytes());
+        let during = format!("barrier({key:?}, {world_size})");
+        self.wait_on(req, &during, &[key], timeout).await
     }
 
     fn timeout(&self) -> Duration {
