@@ -53,6 +53,8 @@ fn chunk(n: usize) -> usize {
     ((n + 8 + 15) & !15).max(32)
 }
 
+// SAFETY: every block comes from `System` with a layout at least as large
+// and as aligned as asked, and goes back to it with the same layout.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         let align = l.align().max(HEADER);
