@@ -29,7 +29,7 @@ use tokio::{
 
 /// What one connection may cost beyond the budget: its two tasks, its
 /// read and write buffers, its reply channel and its socket's registration.
-const PER_CONNECTION: usize = 24 << 10;
+const PER_CONNECTION: usize = 16 << 10;
 /// What the server may hold beyond the budget and its connections: one
 /// request's working copies under the global lock, the runtime's own
 /// growth.
@@ -508,4 +508,33 @@ fn set_headers_without_values_stay_within_the_bound() {
         b.extend_from_slice(&(8u64 << 20).to_le_bytes());
         b
     });
+}
+
+/// What a connection costs at rest (after VALIDATE and a PING, as torch's
+/// client leaves it): within [`PER_CONNECTION`], the figure the bound
+/// states.
+#[test]
+fn a_connection_at_rest_costs_less_than_the_stated_figure() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let srv = Counted::start(1 << 30);
+    let rt = clients();
+    let n = 500;
+    let per = rt.block_on(async {
+        let mut conns = Vec::new();
+        for _ in 0..n {
+            let mut s = raw(&srv.addr).await;
+            let mut ping = vec![PING];
+            ping.extend_from_slice(&7u32.to_le_bytes());
+            s.write_all(&ping).await.unwrap();
+            let mut back = [0u8; 4];
+            s.read_exact(&mut back).await.unwrap();
+            conns.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let per = NOW.load(Ordering::Relaxed).saturating_sub(srv.base) / n;
+        drop(conns);
+        per
+    });
+    eprintln!("a connection at rest: {per} bytes");
+    assert!(per <= PER_CONNECTION, "{per} bytes per connection");
 }
