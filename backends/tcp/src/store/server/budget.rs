@@ -322,8 +322,15 @@ impl Budget {
         what: &str,
     ) -> Result<Lease, Closed> {
         let give_up = Instant::now() + SHED_WAIT;
+        // A client owing little (a key being read, a small request) may use
+        // the reserve: a store full of data still reads a GET.
+        let tier = if conn.used().saturating_add(n) <= SMALL {
+            Tier::Control
+        } else {
+            Tier::Normal
+        };
         loop {
-            match self.take(Some(conn), n, Tier::Normal) {
+            match self.take(Some(conn), n, tier) {
                 Ok(()) => {
                     return Ok(Lease {
                         budget: self.clone(),
@@ -378,6 +385,9 @@ impl Budget {
 /// The least one connection may owe, whatever the limit: enough to read
 /// one value of torch's largest size (8 MiB) while its buffer grows.
 const MIN_QUOTA: usize = 16 << 20;
+
+/// What a client may owe and still dip into the reserve: a small request.
+const SMALL: usize = 16 << 10;
 
 /// How long a request waits for shed connections to give their bytes back.
 const SHED_WAIT: Duration = Duration::from_millis(500);
@@ -506,15 +516,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_store_sheds_the_largest_debtor_for_a_small_asker() {
-        let b = Budget::new(16_000);
+        // 1 MiB: 960 KiB for all but control replies.
+        let b = Budget::new(1 << 20);
         let (hog, small) = (conn(1), conn(2));
         b.register(&hog);
         b.register(&small);
-        let _held = b.hold(13_000, "data").unwrap();
+        let _held = b.hold(900 << 10, "data").unwrap();
         let hog_lease = b
-            .owe(&hog, 2000, Tier::Normal, "a stalled request")
+            .owe(&hog, 40 << 10, Tier::Normal, "a stalled request")
             .unwrap();
-        assert!(b.owe(&small, 100, Tier::Normal, "x").is_err());
+        assert!(b.owe(&small, 30 << 10, Tier::Normal, "x").is_err());
         let freed = tokio::spawn({
             let hog = hog.clone();
             async move {
@@ -523,20 +534,33 @@ mod tests {
                 why
             }
         });
-        let got = b.owe_or_shed(&small, 100, "a small request").await;
+        let got = b.owe_or_shed(&small, 30 << 10, "a request").await;
         assert!(got.is_ok());
         assert!(freed.await.unwrap().contains("owed it the most"));
     }
 
     #[tokio::test]
     async fn nobody_is_shed_for_a_larger_asker() {
-        let b = Budget::new(16_000);
+        let b = Budget::new(1 << 20);
         let (small, big) = (conn(1), conn(2));
         b.register(&small);
         b.register(&big);
-        let _held = b.hold(14_000, "data").unwrap();
-        let _s = b.owe(&small, 100, Tier::Normal, "x").unwrap();
-        assert!(b.owe_or_shed(&big, 1000, "a big request").await.is_err());
-        assert!(!small.killed.load(Ordering::Relaxed));
+        let _held = b.hold(920 << 10, "data").unwrap();
+        let _s = b.owe(&small, 20 << 10, Tier::Normal, "x").unwrap();
+        assert!(
+            b.owe_or_shed(&big, 30 << 10, "a big request")
+                .await
+                .is_err()
+        );
+        assert!(!small.is_closed());
+    }
+
+    #[tokio::test]
+    async fn a_small_request_may_use_the_reserve() {
+        let b = Budget::new(1 << 20);
+        let c = conn(1);
+        let _held = b.hold(960 << 10, "data").unwrap();
+        assert!(b.owe_or_shed(&c, 100, "a key").await.is_ok());
+        assert!(b.owe_or_shed(&c, 32 << 10, "a value").await.is_err());
     }
 }
