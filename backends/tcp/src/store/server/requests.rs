@@ -236,8 +236,10 @@ async fn request<R: AsyncRead + Unpin + Send>(
             Ok(())
         }
         cmd::CANCEL_WAIT => {
+            let lease = out.small(1)?;
             lock(state).forget(out.conn.id);
-            out.control(vec![wire::WAIT_CANCELED])
+            out.send(vec![wire::WAIT_CANCELED], Vec::new(), lease);
+            Ok(())
         }
         cmd::QUEUE_PUSH => {
             let key = rd.key().await?;
@@ -341,8 +343,10 @@ async fn write<R: AsyncRead + Unpin + Send>(
         }
         _ => {
             // DELETE_KEY
+            let lease = out.small(8)?;
             let n = i64::from(lock(state).delete(&key));
-            out.control(n.to_le_bytes().to_vec())
+            out.send(n.to_le_bytes().to_vec(), Vec::new(), lease);
+            Ok(())
         }
     }
 }
@@ -368,6 +372,7 @@ async fn count(
     } else {
         None
     };
+    let reply = out.small(8)?;
     let mut s = lock(state);
     let name = String::from_utf8_lossy(&key).into_owned();
     // torch's server drops the client here (no error reply exists in the
@@ -379,12 +384,14 @@ async fn count(
         None => {
             s.put(key, value)?;
             drop(s);
-            out.control(new.to_le_bytes().to_vec())
+            out.send(new.to_le_bytes().to_vec(), Vec::new(), reply);
+            Ok(())
         }
         Some(_) if new >= n => {
             s.put(key, value)?;
             drop(s);
-            out.control(vec![wire::STOP_WAITING])
+            out.send(vec![wire::STOP_WAITING], Vec::new(), reply);
+            Ok(())
         }
         Some(lease) => {
             s.put_quiet(key.clone(), value)?;

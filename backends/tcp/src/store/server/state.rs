@@ -54,14 +54,16 @@ impl Out {
     /// may use the reserve, so it is refused only to a client that owes
     /// its whole share.
     pub(super) fn control(&self, head: Vec<u8>) -> Result<(), Closed> {
-        let lease = self.budget.owe(
-            &self.conn,
-            Reply::cost(head.len(), 0),
-            Tier::Control,
-            "a reply",
-        )?;
+        let lease = self.small(head.len())?;
         self.send(head, Vec::new(), lease);
         Ok(())
+    }
+
+    /// Pays for a small reply of `len` bytes before the request changes
+    /// anything: a refused reply then leaves the store as it was.
+    pub(super) fn small(&self, len: usize) -> Result<Lease, Closed> {
+        self.budget
+            .owe(&self.conn, Reply::cost(len, 0), Tier::Control, "a reply")
     }
 
     /// Queues a reply whose bytes were paid for before it was built.
