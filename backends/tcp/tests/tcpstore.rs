@@ -388,13 +388,10 @@ async fn list_keys_and_barrier_as_torch() {
     assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
     // The connection is still usable after the cancel.
     assert_eq!(a.get("lonely").await.unwrap(), b"1");
-    let (ra, rb) = tokio::join!(
-        a.barrier("both", 2, Duration::from_secs(5)),
-        async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            b.barrier("both", 2, Duration::from_secs(5)).await
-        }
-    );
+    let (ra, rb) = tokio::join!(a.barrier("both", 2, Duration::from_secs(5)), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.barrier("both", 2, Duration::from_secs(5)).await
+    });
     ra.unwrap();
     rb.unwrap();
     assert_eq!(a.get("both").await.unwrap(), b"2");
