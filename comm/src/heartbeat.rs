@@ -190,7 +190,7 @@ impl Beat {
 
 /// Reads `path` (`None` if it is missing or not a heartbeat file yet).
 pub fn read(path: &Path) -> Option<Beat> {
-    let bytes = std::fs::read(path).ok()?;
+    let bytes = crate::files::read_regular(path, 1 << 20).ok()?;
     let slot = |i: usize| {
         let b: [u8; 8] = bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?;
         Some(u64::from_le_bytes(b))

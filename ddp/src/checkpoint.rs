@@ -124,12 +124,18 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointEr
     result
 }
 
+/// The largest safetensors file [`load_safetensors`] reads: 1 TiB.
+pub const MAX_CHECKPOINT: u64 = 1 << 40;
+
 /// Reads a safetensors file: its tensors and its `__metadata__`.
 pub fn load_safetensors(
     path: impl AsRef<Path>,
 ) -> Result<(StateDict, BTreeMap<String, String>), CheckpointError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(io("reading", path))?;
+    // A regular file only, read with a bound: a link to /dev/zero or a
+    // FIFO is an error, not a hang.
+    let bytes =
+        consort_comm::files::read_regular(path, MAX_CHECKPOINT).map_err(io("reading", path))?;
     from_safetensors_bytes(&bytes).map_err(|reason| CheckpointError::Format {
         path: path.to_path_buf(),
         reason,

@@ -269,7 +269,7 @@ fn resume(
     if say {
         println!("resuming from {} at step {start}", ckpt.display());
     }
-    let mut history: History = std::fs::read(metrics)
+    let mut history: History = consort_comm::files::read_regular(metrics, 64 << 20)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();

@@ -299,17 +299,62 @@ fn read_checkpoint(args: &Args, model: &mut PlainModel) -> Result<(usize, Vec<Ep
     }
     let (sd, meta) = load_safetensors(&path)?;
     model.load_state_dict(&sd)?;
-    let epoch = meta
+    let epoch: usize = meta
         .get("epoch")
         .and_then(|e| e.parse().ok())
         .ok_or_else(|| format!("{} has no epoch in its metadata", path.display()))?;
-    let history = meta
+    if epoch > args.epochs {
+        return Err(format!(
+            "{} is at epoch {epoch}, past --epochs {}: raise --epochs to train on, or start \
+             afresh without --resume",
+            path.display(),
+            args.epochs
+        )
+        .into());
+    }
+    let history: Vec<Epoch> = meta
         .get("history")
         .map(|h| serde_json::from_str(h))
         .transpose()?
         .unwrap_or_default();
+    check_history(&history, epoch).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok((epoch, history))
 }
+
+/// Figures read back from a checkpoint are checked before use: epochs in
+/// order and within the checkpoint's, losses finite and not negative,
+/// accuracies between 0 and 100.
+fn check_history(history: &[Epoch], epoch: usize) -> Result<(), String> {
+    if history.len() > epoch {
+        return Err(format!(
+            "its history holds {} epochs, more than its epoch {epoch}",
+            history.len()
+        ));
+    }
+    for (i, e) in history.iter().enumerate() {
+        let bad = |what: &str| format!("history entry {i} (epoch {}): {what}", e.epoch);
+        if e.epoch == 0 || e.epoch > epoch || (i > 0 && e.epoch <= history[i - 1].epoch) {
+            return Err(bad("epoch out of order or past the checkpoint's"));
+        }
+        if !e.train_loss.is_finite() || e.train_loss < 0.0 || e.train_loss > MAX_LOSS {
+            return Err(bad(&format!(
+                "training loss {} is not a loss (finite, 0 to {MAX_LOSS:e})",
+                e.train_loss
+            )));
+        }
+        if !(0.0..=100.0).contains(&e.test_accuracy) {
+            return Err(bad(&format!(
+                "test accuracy {} is not a percentage",
+                e.test_accuracy
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The largest loss a checkpoint's history may hold (cross-entropy of a
+/// real run is far below it).
+const MAX_LOSS: f64 = 1e12;
 
 struct Bars {
     multi: MultiProgress,
@@ -555,10 +600,13 @@ impl Job {
                 self.world, args.batch_size
             ),
         )?;
-        std::fs::write(
-            args.out.join("metrics.json"),
-            serde_json::to_string_pretty(&self.history)?,
-        )?;
+        // Never through a link planted in the output directory.
+        let metrics = args.out.join("metrics.json");
+        consort_comm::files::write_replacing(
+            &metrics,
+            serde_json::to_string_pretty(&self.history)?.as_bytes(),
+        )
+        .map_err(|e| format!("writing {}: {e}", metrics.display()))?;
         let last = self.history.last();
         b.println(&format!(
             "done: test accuracy {:.2}%, checkpoint {}, plot {}",

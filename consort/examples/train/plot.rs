@@ -15,8 +15,27 @@ pub(crate) struct Epoch {
     pub(crate) test_accuracy: f64,
 }
 
-/// Draws training loss (left) and test accuracy (right) against epochs.
+/// Draws training loss (left) and test accuracy (right) against epochs,
+/// into a new file renamed over `path` (never through a link planted
+/// there).
 pub(crate) fn draw(path: &Path, history: &[Epoch], title: &str) -> Result<(), String> {
+    consort_comm::files::with_replacing(path, |tmp| {
+        draw_to(tmp, history, title).map_err(std::io::Error::other)
+    })
+    .map_err(|e| format!("drawing {}: {e}", path.display()))
+}
+
+/// The top of an axis for values up to `max`: finite and above zero
+/// whatever the figures (plotters never ends on an infinite range).
+fn top(max: f64) -> f64 {
+    if max.is_finite() {
+        (max.clamp(1e-3, 1e12)) * 1.1
+    } else {
+        1.0
+    }
+}
+
+fn draw_to(path: &Path, history: &[Epoch], title: &str) -> Result<(), String> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
         .map_err(|_| "the embedded font does not load".to_string())?;
     let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
@@ -27,12 +46,11 @@ pub(crate) fn draw(path: &Path, history: &[Epoch], title: &str) -> Result<(), St
         .map_err(|e| err(&e))?;
     let (left, right) = root.split_horizontally(550);
     let last = history.last().map_or(1, |e| e.epoch).max(1);
-    let max_loss = history
+    let max_loss = top(history
         .iter()
         .map(|e| e.train_loss)
-        .fold(0.0, f64::max)
-        .max(1e-3)
-        * 1.1;
+        .filter(|l| l.is_finite())
+        .fold(0.0, f64::max));
 
     let mut c = ChartBuilder::on(&left)
         .caption("training loss", ("sans-serif", 18))
@@ -55,8 +73,9 @@ pub(crate) fn draw(path: &Path, history: &[Epoch], title: &str) -> Result<(), St
     let lo = history
         .iter()
         .map(|e| e.test_accuracy)
+        .filter(|a| a.is_finite())
         .fold(100.0, f64::min)
-        .min(90.0)
+        .clamp(0.0, 90.0)
         .floor();
     let mut c = ChartBuilder::on(&right)
         .caption("test accuracy", ("sans-serif", 18))

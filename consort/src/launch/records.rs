@@ -21,7 +21,7 @@ pub fn read_records(dir: &Path) -> Result<Vec<Dump>, String> {
         if !(name.starts_with("rank-") && name.ends_with(".json")) {
             continue;
         }
-        let bytes = std::fs::read(e.path())
+        let bytes = consort_comm::files::read_regular(&e.path(), 256 << 20)
             .map_err(|err| format!("cannot read {}: {err}", e.path().display()))?;
         // One damaged file (a worker killed mid-write) must not cost the
         // verdict on the others.

@@ -339,8 +339,8 @@ impl Round {
                 .collect();
             f.tail.extend(found);
             let file = &self.error_files[local];
-            if let Ok(text) = std::fs::read_to_string(file) {
-                let text: String = text.chars().take(4000).collect();
+            if let Ok(bytes) = consort_comm::files::read_regular(file, 1 << 20) {
+                let text: String = String::from_utf8_lossy(&bytes).chars().take(4000).collect();
                 f.tail
                     .push(format!("error file {}: {text}", file.display()));
             }

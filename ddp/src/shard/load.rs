@@ -85,7 +85,7 @@ impl Sharded {
     /// Reads and checks the index, then fills fresh buffers.
     fn read_sharded(&self, dir: &Path) -> Result<(Index, Fresh), String> {
         let at = dir.join("index.json");
-        let text = std::fs::read(&at).map_err(|e| {
+        let text = consort_comm::files::read_regular(&at, 64 << 20).map_err(|e| {
             format!(
                 "cannot read {}: {e} (no complete sharded checkpoint there; save_sharded writes \
                  it last)",

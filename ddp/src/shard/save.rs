@@ -352,7 +352,7 @@ fn next_id(dir: &Path) -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let old = std::fs::read(dir.join("index.json"))
+    let old = consort_comm::files::read_regular(&dir.join("index.json"), 64 << 20)
         .ok()
         .and_then(|t| serde_json::from_slice::<Index>(&t).ok())
         .and_then(|i| u64::from_str_radix(&i.id, 16).ok());
