@@ -7,8 +7,8 @@ use clap::Subcommand;
 use super::{
     bench, collective, ddp_bench, ddp_device_bench,
     parse::{
-        DTypeList, OpList, SizeList, parse_count, parse_dtypes, parse_iters, parse_mode,
-        parse_op_list, parse_sizes,
+        DTypeList, OpList, SizeList, check_memory, parse_count, parse_dtypes, parse_iters,
+        parse_mode, parse_op_list, parse_sizes,
     },
     sharded_bench, sharded_device_bench,
     table::Table,
@@ -189,6 +189,8 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            let largest = sizes.0.iter().copied().max().unwrap_or(0) as u128;
+            check_memory("bench reduce", largest * 3, "choose smaller --sizes")?;
             let t: Table =
                 tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
                     .await?;
@@ -200,6 +202,28 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            if world_size == 0 || world_size > consort::MAX_LOCAL_WORLD_SIZE {
+                return Err(format!(
+                    "--world-size {world_size}: expected 1 to {} (simulated ranks in this process)",
+                    consort::MAX_LOCAL_WORLD_SIZE
+                )
+                .into());
+            }
+            for &b in &size.0 {
+                if b == 0 || b % 4 != 0 {
+                    return Err(format!(
+                        "--size {b}: expected a whole number of f32 elements (a positive \
+                         multiple of 4 bytes), like 64M"
+                    )
+                    .into());
+                }
+            }
+            let largest = size.0.iter().copied().max().unwrap_or(0) as u128;
+            check_memory(
+                "bench sim-all-reduce",
+                largest * world_size as u128 * 2,
+                "choose a smaller --size or --world-size",
+            )?;
             let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
             print!("{}", t.render(json));
         }
@@ -210,6 +234,13 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             json,
         }) => {
             let mode = parse_mode(&mode)?;
+            if mode == consort::sampler::Mode::Exact {
+                check_memory(
+                    "bench sampler --mode exact",
+                    u128::from(len) * 16,
+                    "choose a smaller --len, or --mode streaming (constant memory)",
+                )?;
+            }
             let t = tokio::task::spawn_blocking(move || {
                 bench::sampler(len, num_replicas, mode).map_err(|e| e.to_string())
             })
@@ -224,6 +255,8 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            // Parameters, gradients, buckets and a reference copy, in f32.
+            check_memory("bench ddp", params as u128 * 16, "choose fewer --params")?;
             let t = if device == "cpu" {
                 ddp_bench::run(params, layers, work, iters).await?
             } else {
@@ -242,12 +275,24 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            // Parameters, gradients, AdamW's two moments and a copy, in f32,
+            // for every simulated world of the memory table.
+            check_memory(
+                "bench sharded",
+                params as u128 * 20 * 8,
+                "choose fewer --params",
+            )?;
             if let Some(t) = sharded(&device, &mixed, (params, layers, work, iters)).await? {
                 print!("{}", t.render(json));
             }
         }
         Some(BenchCommand::Loopback { size, json }) => {
             let bytes = size.0.first().copied().unwrap_or(1 << 30);
+            check_memory(
+                "bench loopback",
+                bytes as u128 * 2,
+                "choose a smaller --size",
+            )?;
             let t = tokio::task::spawn_blocking(move || {
                 bench::loopback(bytes).map_err(|e| e.to_string())
             })
@@ -269,6 +314,16 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
             consort::MAX_LOCAL_WORLD_SIZE
         )
         .into());
+    }
+    // Every rank runs on this host: a send and a receive buffer each, and
+    // a reference to check against.
+    let largest = a.sizes.0.iter().copied().max().unwrap_or(0) as u128;
+    if a.backend != "nccl" {
+        check_memory(
+            &format!("bench --world-size {}", a.world_size),
+            largest * a.world_size as u128 * 3,
+            "choose smaller --sizes or a smaller --world-size",
+        )?;
     }
     let spec = collective::BenchSpec {
         backend: a.backend,

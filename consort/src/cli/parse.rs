@@ -107,3 +107,42 @@ mod tests {
         assert!(parse_dtypes("f8").unwrap_err().contains("unknown dtype"));
     }
 }
+
+/// Refuses a run that would need more memory than this machine has
+/// available (`MemAvailable` in /proc/meminfo), before anything is
+/// allocated: `what` needs `bytes`. Where the figure cannot be read, only
+/// what cannot be addressed at all is refused.
+pub(crate) fn check_memory(what: &str, bytes: u128, smaller: &str) -> Result<(), String> {
+    let gib = |b: u128| b as f64 / (1u128 << 30) as f64;
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+            .map(|kib| kib * 1024)
+    });
+    let limit = available.unwrap_or(isize::MAX as u128);
+    if bytes > limit {
+        return Err(format!(
+            "{what} needs about {:.1} GiB of memory, and this machine has {:.1} GiB available: \
+             {smaller}",
+            gib(bytes),
+            gib(limit)
+        ));
+    }
+    Ok(())
+}
+
+/// A figure given on the command line that must be finite and above zero
+/// (a bandwidth), or at least zero with `zero_ok` (a latency, a cost).
+pub(crate) fn check_positive(flag: &str, v: f64, zero_ok: bool) -> Result<(), String> {
+    let ok = v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0));
+    if ok {
+        return Ok(());
+    }
+    let want = if zero_ok {
+        "a finite number, 0 or more"
+    } else {
+        "a finite number above 0"
+    };
+    Err(format!("{flag} {v}: expected {want}"))
+}

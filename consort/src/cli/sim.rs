@@ -164,8 +164,33 @@ pub(crate) struct SimCmd {
     json: bool,
 }
 
+/// Refuses figures the cost model cannot run on: a zero, negative, NaN or
+/// infinite bandwidth, latency or cost, no cores, a zero segment.
+fn check(a: &SimCmd) -> Result<(), String> {
+    use super::parse::check_positive;
+    check_positive("--bw-intra-gbs", a.bw_intra_gbs, false)?;
+    check_positive("--bw-inter-gbs", a.bw_inter_gbs, false)?;
+    check_positive("--alpha-intra-us", a.alpha_intra_us, true)?;
+    check_positive("--alpha-inter-us", a.alpha_inter_us, true)?;
+    check_positive("--overhead-us", a.overhead_us, true)?;
+    check_positive("--gamma-ns", a.gamma_ns, true)?;
+    if a.cores == Some(0) {
+        return Err("--cores 0: expected at least one core".into());
+    }
+    if a.ranks_per_node == Some(0) {
+        return Err("--ranks-per-node 0: expected at least one rank per node".into());
+    }
+    if let Some(s) = &a.segment
+        && s.0.iter().any(|&b| b == 0)
+    {
+        return Err("--segment 0: expected a segment of at least one byte, like 256K".into());
+    }
+    Ok(())
+}
+
 /// Runs `consort sim`.
 pub(crate) async fn command(a: SimCmd) -> Result<(), Box<dyn std::error::Error>> {
+    check(&a)?;
     let fit = a.fitted_crosshost;
     let inter = if fit {
         Link::fitted_crosshost(a.bw_inter_gbs)

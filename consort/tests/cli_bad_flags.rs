@@ -1,0 +1,93 @@
+//! `consort bench` and `consort sim` on flags they cannot run (issue 49):
+//! each is refused at once with an error naming the flag and what fits,
+//! never a panic, an abort on allocation or a loop. Each run is a child
+//! with a deadline.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+fn consort() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_consort"))
+}
+
+/// Runs `consort args`; (ended by itself, success, stderr).
+fn run(args: &[&str]) -> (bool, bool, String) {
+    let mut child = Command::new(consort())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            use std::io::Read;
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (true, status.success(), err);
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return (false, false, String::new());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn flags_that_cannot_run_are_refused_with_a_reason() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["bench", "sim-all-reduce", "--size", "3"],
+            "multiple of 4 bytes",
+        ),
+        (
+            &["bench", "sim-all-reduce", "--size", "4096G"],
+            "GiB of memory",
+        ),
+        (
+            &["bench", "sim-all-reduce", "--world-size", "100000"],
+            "--world-size 100000",
+        ),
+        (
+            &["bench", "--backend", "sim", "--sizes", "4096G"],
+            "GiB of memory",
+        ),
+        (&["bench", "reduce", "--sizes", "4096G"], "GiB of memory"),
+        (&["bench", "loopback", "--size", "4096G"], "GiB of memory"),
+        (
+            &["bench", "sampler", "--len", "100000000000000"],
+            "--mode streaming",
+        ),
+        (
+            &["bench", "ddp", "--params", "100000000M"],
+            "fewer --params",
+        ),
+        (&["sim", "--segment", "0", "--sizes", "4K"], "--segment 0"),
+        (&["sim", "--bw-intra-gbs", "0"], "--bw-intra-gbs 0"),
+        (&["sim", "--bw-inter-gbs", "NaN"], "--bw-inter-gbs NaN"),
+        (&["sim", "--alpha-intra-us=-1"], "0 or more"),
+        (&["sim", "--gamma-ns", "inf"], "--gamma-ns inf"),
+        (&["sim", "--cores", "0"], "--cores 0"),
+        (&["sim", "--ranks-per-node", "0"], "--ranks-per-node 0"),
+    ];
+    for (args, want) in cases {
+        let (ended, ok, err) = run(args);
+        assert!(ended, "consort {args:?} did not end");
+        assert!(!ok, "consort {args:?} succeeded");
+        assert!(err.contains(want), "consort {args:?}: {err}");
+        assert!(
+            !err.contains("panicked"),
+            "consort {args:?} panicked: {err}"
+        );
+    }
+}
