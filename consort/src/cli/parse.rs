@@ -90,24 +90,6 @@ pub(crate) fn parse_mode(s: &str) -> Result<consort::sampler::Mode, String> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_and_dtypes_parse() {
-        assert_eq!(parse_sizes("4K,1G,7").unwrap().0, vec![4096, 1 << 30, 7]);
-        assert!(parse_sizes("4X").is_err());
-        assert!(parse_sizes("").is_err());
-        assert!(parse_sizes("99999999999999999G").is_err());
-        assert_eq!(
-            parse_dtypes("f32,bfloat16").unwrap().0,
-            vec![DType::F32, DType::BF16]
-        );
-        assert!(parse_dtypes("f8").unwrap_err().contains("unknown dtype"));
-    }
-}
-
 /// Refuses a run that would need more memory than this machine has
 /// available (`MemAvailable` in /proc/meminfo), before anything is
 /// allocated: `what` needs `bytes`. Where the figure cannot be read, only
@@ -145,4 +127,22 @@ pub(crate) fn check_positive(flag: &str, v: f64, zero_ok: bool) -> Result<(), St
         "a finite number above 0"
     };
     Err(format!("{flag} {v}: expected {want}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_dtypes_parse() {
+        assert_eq!(parse_sizes("4K,1G,7").unwrap().0, vec![4096, 1 << 30, 7]);
+        assert!(parse_sizes("4X").is_err());
+        assert!(parse_sizes("").is_err());
+        assert!(parse_sizes("99999999999999999G").is_err());
+        assert_eq!(
+            parse_dtypes("f32,bfloat16").unwrap().0,
+            vec![DType::F32, DType::BF16]
+        );
+        assert!(parse_dtypes("f8").unwrap_err().contains("unknown dtype"));
+    }
 }

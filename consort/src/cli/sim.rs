@@ -181,7 +181,7 @@ fn check(a: &SimCmd) -> Result<(), String> {
         return Err("--ranks-per-node 0: expected at least one rank per node".into());
     }
     if let Some(s) = &a.segment
-        && s.0.iter().any(|&b| b == 0)
+        && s.0.contains(&0)
     {
         return Err("--segment 0: expected a segment of at least one byte, like 256K".into());
     }
