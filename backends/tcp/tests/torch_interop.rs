@@ -72,6 +72,15 @@ async fn torch_client_uses_our_server() {
     assert_eq!(v["delete_again"], false);
     assert_eq!(v["wait_timeout"], true);
     assert_eq!(v["after_timeout"], "two");
+    assert_eq!(v["queue_len"], 2);
+    assert_eq!(v["queue_pop"], serde_json::json!(["q1", "q2"]));
+    assert_eq!(v["queue_empty"], true);
+    let keys: Vec<String> = serde_json::from_value(v["list_keys"].clone()).unwrap();
+    assert_eq!(v["num_keys"], keys.len());
+    assert!(keys.contains(&"t/alpha".to_string()), "{keys:?}");
+    assert!(!keys.iter().any(|k| k == "t/q"), "a queue listed: {keys:?}");
+    assert_eq!(v["barrier_timeout"], true);
+    assert_eq!(v["after_barrier"], "1");
     assert_eq!(v["from_rust"], "hi from consort");
     server.shutdown().await;
 }
@@ -121,6 +130,11 @@ async fn our_client_uses_torch_server() {
     assert_eq!(reply["from_rust"], "hello from consort");
     assert_eq!(reply["counter"], "42");
     assert_eq!(c.get("r/from_torch").await.unwrap(), b"hello from torch");
+    let keys = c.list_keys().await.unwrap();
+    assert!(keys.contains(&"r/from_rust".to_string()), "{keys:?}");
+    c.barrier("r/bar", 2, Duration::from_secs(20))
+        .await
+        .unwrap();
     c.set("r/done", b"1").await.unwrap();
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await

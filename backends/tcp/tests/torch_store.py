@@ -35,6 +35,26 @@ def client(port):
         out["wait_timeout"] = True
     # the connection still works after a cancelled wait
     out["after_timeout"] = s.get("t/alpha").decode()
+    # torch 2.15's whole client API: queues, list_keys (17), barrier (18)
+    s.queue_push("t/q", b"q1")
+    s.queue_push("t/q", b"q2")
+    out["queue_len"] = s.queue_len("t/q")
+    out["queue_pop"] = [s.queue_pop("t/q", block=True).decode(),
+                        s.queue_pop("t/q", block=False).decode()]
+    try:
+        s.queue_pop("t/q", block=False)
+        out["queue_empty"] = False
+    except Exception:
+        out["queue_empty"] = True
+    out["num_keys"] = s.num_keys()
+    out["list_keys"] = sorted(s.list_keys())
+    s.barrier("t/bar1", 1)
+    try:
+        s.barrier("t/bar2", 2, timedelta(milliseconds=300))
+        out["barrier_timeout"] = False
+    except Exception:
+        out["barrier_timeout"] = True
+    out["after_barrier"] = s.get("t/bar2").decode()
     # a key the Rust side sets while we block
     s.set("t/torch_ready", b"1")
     out["from_rust"] = s.get("t/from_rust").decode()
@@ -49,6 +69,8 @@ def server():
     print(json.dumps({"from_rust": s.get("r/from_rust").decode(),
                       "counter": s.get("r/n").decode()}), flush=True)
     s.set("r/from_torch", b"hello from torch")
+    # a barrier of two with the Rust side
+    s.barrier("r/bar", 2)
     s.wait(["r/done"])
 
 
