@@ -538,3 +538,18 @@ fn a_connection_at_rest_costs_less_than_the_stated_figure() {
     eprintln!("a connection at rest: {per} bytes");
     assert!(per <= PER_CONNECTION, "{per} bytes per connection");
 }
+
+/// Many clients each waiting on a full request of never-set keys, more
+/// than the store can hold: registrations are refused or shed, and the
+/// bytes stay within the bound.
+#[test]
+fn a_crowd_of_large_waits_stays_within_the_bound() {
+    attack(64 << 20, 40, |c| {
+        let mut b = vec![WAIT];
+        b.extend_from_slice(&131_071u64.to_le_bytes());
+        for i in 0..131_071 {
+            put(&mut b, format!("/never-{c}-{i}").as_bytes());
+        }
+        b
+    });
+}
