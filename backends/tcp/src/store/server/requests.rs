@@ -207,14 +207,21 @@ async fn request<R: AsyncRead + Unpin + Send>(
             let n = rd.count().await?;
             let mut pairs = Vec::new();
             for _ in 0..n {
-                // Each pair is paid for as it is read: a request past the
-                // limit is refused before the rest of it is read.
+                // Each pair is paid for by this client as it is read (a
+                // request past its share is refused before the rest of it
+                // is read); the store pays once all of it is stored.
                 rd.room(&mut pairs, n).await?;
                 let k = rd.key().await?;
-                let v = rd.held_value(state).await?;
+                let v = rd.value().await?;
                 pairs.push((k, v));
             }
-            lock(state).put_all(pairs)
+            let mut s = lock(state);
+            let mut values = Vec::with_capacity(pairs.len());
+            for (k, v) in pairs {
+                rd.lease.shrink(block(v.capacity()));
+                values.push((k, s.value(v, "a multi_set value")?));
+            }
+            s.put_all(values)
         }
         cmd::GET | cmd::MULTI_GET | cmd::CHECK | cmd::GETNUMKEYS | cmd::LIST_KEYS => {
             read(command, rd, out, state).await
