@@ -198,8 +198,14 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
     let mut clients = JoinSet::new();
     let mut next_id: ClientId = 0;
     let mut refused = 0u64;
+    let mut trim = tokio::time::interval(Duration::from_secs(1));
+    trim.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            _ = trim.tick() => {
+                let b = budget.clone();
+                let _ = tokio::task::spawn_blocking(move || b.trim()).await;
+            }
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     if clients.len() >= opts.max_clients && !make_room(&budget, peer) {

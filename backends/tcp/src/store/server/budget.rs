@@ -160,6 +160,9 @@ pub(super) struct Budget {
     transient: AtomicUsize,
     /// The connections, to choose whom to shed.
     conns: Mutex<BTreeMap<ClientId, Arc<Conn>>>,
+    /// Bytes given back since the allocator was last asked to return
+    /// free pages ([`Budget::trim`]).
+    freed: AtomicUsize,
 }
 
 /// Why a charge was refused.
@@ -180,6 +183,7 @@ impl Budget {
             held: AtomicUsize::new(0),
             transient: AtomicUsize::new(0),
             conns: Mutex::new(BTreeMap::new()),
+            freed: AtomicUsize::new(0),
         })
     }
 
@@ -243,7 +247,24 @@ impl Budget {
         Ok(())
     }
 
+    /// Asks the allocator to return free pages to the system once more
+    /// than 16 MiB were given back since the last time: what the server
+    /// frees leaves its resident set, instead of staying as fragments that
+    /// later allocations of other sizes cannot use (glibc only).
+    pub(super) fn trim(&self) {
+        if self.freed.load(Ordering::Relaxed) < TRIM_AFTER {
+            return;
+        }
+        self.freed.store(0, Ordering::Relaxed);
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only walks the allocator's own free lists.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+
     fn give(&self, conn: Option<&Conn>, n: usize) {
+        self.freed.fetch_add(n, Ordering::Relaxed);
         match conn {
             Some(c) => {
                 c.used.fetch_sub(n, Ordering::Relaxed);
@@ -385,6 +406,10 @@ impl Budget {
 /// The least one connection may owe, whatever the limit: enough to read
 /// one value of torch's largest size (8 MiB) while its buffer grows.
 const MIN_QUOTA: usize = 16 << 20;
+
+/// Bytes given back before [`Budget::trim`] asks the allocator to return
+/// free pages.
+const TRIM_AFTER: usize = 16 << 20;
 
 /// What a client may owe and still dip into the reserve: a small request.
 const SMALL: usize = 16 << 10;
