@@ -77,20 +77,43 @@ fn kind(t: &std::fs::FileType) -> &'static str {
 /// planted at `path` is replaced, never written through; a reader never
 /// sees half a file.
 pub fn write_replacing(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    with_replacing(path, |tmp| create_new(tmp)?.write_all(bytes))
+    with_replacing(path, |f| f.write_all(bytes))
 }
 
-/// Runs `write` on a fresh temporary path beside `path` (created new, so
-/// not a link), then renames it over `path`; the temporary file goes if
+/// Runs `write` on a fresh temporary file beside `path`, created new
+/// (`O_EXCL | O_NOFOLLOW`) and handed over open, so nothing reopens it by
+/// name (a name another writer of the directory could swap for a link in
+/// the meantime); then renames it over `path`. The temporary file goes if
 /// `write` fails.
-pub fn with_replacing(path: &Path, write: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+pub fn with_replacing(
+    path: &Path,
+    write: impl FnOnce(&mut File) -> io::Result<()>,
+) -> io::Result<()> {
     let tmp = temp_beside(path);
-    create_new(&tmp)?;
-    let done = write(&tmp).and_then(|()| std::fs::rename(&tmp, path));
+    let done = create_new(&tmp)
+        .and_then(|mut f| write(&mut f).map(|()| f))
+        .and_then(|f| still_ours(&f, &tmp))
+        .and_then(|()| std::fs::rename(&tmp, path));
     if done.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     done
+}
+
+/// Whether `name` is still the file `f` was opened as: a temporary name
+/// swapped for something else while it was written is not renamed into
+/// place (what was written went to our file, never through the swap).
+fn still_ours(f: &File, name: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let (ours, there) = (f.metadata()?, std::fs::symlink_metadata(name)?);
+    if ours.dev() == there.dev() && ours.ino() == there.ino() {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "{} was replaced by another file while it was written; is another process writing \
+         this directory?",
+        name.display()
+    )))
 }
 
 fn temp_beside(path: &Path) -> PathBuf {
@@ -101,8 +124,7 @@ fn temp_beside(path: &Path) -> PathBuf {
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    // The name ends as the target's does: writers that pick a format by
-    // extension (an image encoder) still see it.
+    // Hidden, and named after the target, so a leftover says whose it is.
     path.with_file_name(format!(".tmp-{}-{nonce}-{name}", std::process::id()))
 }
 
@@ -196,6 +218,36 @@ mod tests {
         let e = read_regular(&big, 99).unwrap_err();
         assert!(e.to_string().contains("over the 99 bytes"), "{e}");
         assert_eq!(read_regular(&big, 100).unwrap().len(), 100);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_temporary_file_swapped_for_a_link_is_not_written_through() {
+        let dir = scratch("swap");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        let target = dir.join("training.png");
+        let e = with_replacing(&target, |f| {
+            // Another writer of the directory swaps our temporary file for
+            // a link to the victim while we write.
+            let tmp = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_string_lossy()
+                        .starts_with(".tmp-")
+                })
+                .unwrap();
+            std::fs::remove_file(&tmp).unwrap();
+            std::os::unix::fs::symlink(&victim, &tmp).unwrap();
+            f.write_all(b"ours")
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("was replaced"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        assert!(!target.exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

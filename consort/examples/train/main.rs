@@ -15,6 +15,7 @@
 //! `OUT/checkpoint.safetensors` every epoch and `OUT/training.png` and
 //! `OUT/metrics.json` at the end.
 
+mod canvas;
 mod data;
 #[cfg(feature = "nccl")]
 mod gpu;
