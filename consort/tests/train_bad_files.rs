@@ -150,3 +150,29 @@ fn metrics_and_plot_are_never_written_through_planted_links() {
     let _ = std::fs::remove_dir_all(d);
     let _ = std::fs::remove_dir_all(victims);
 }
+
+#[test]
+fn figures_the_trainer_cannot_use_are_refused_before_it_allocates() {
+    let d = out_dir("flags");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--hidden", "10000000000"], "--hidden 10000000000"),
+        (&["--world-size", "100000"], "--world-size 100000"),
+        (&["--world-size", "4096", "--hidden", "4096"], "GiB"),
+        (&["--lr", "NaN"], "--lr NaN"),
+        (
+            &["--momentum", "inf", "--strategy", "zero1"],
+            "--momentum inf",
+        ),
+        (&["--epochs", "0"], "--epochs 0"),
+    ];
+    for (args, want) in cases {
+        let (done, ok, err) = run(&d, args, Duration::from_secs(60));
+        assert!(done, "the trainer hung on {args:?}");
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("memory allocation"),
+            "{args:?}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(d);
+}

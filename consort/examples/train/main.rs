@@ -137,8 +137,67 @@ fn main() -> ExitCode {
     }
 }
 
+/// The largest `--hidden`: a 64-65536-10 MLP has 4.9M parameters, far
+/// more than the digits need.
+const MAX_HIDDEN: usize = 1 << 16;
+
+/// What the simulated ranks' models may take together (each rank holds
+/// its parameters, gradients, DDP's buckets and checkpoint copies: about
+/// 32 bytes a parameter): 8 GiB.
+const MAX_SIM_MODEL_BYTES: u128 = 8 << 30;
+
+/// Figures from the command line, checked before anything is allocated:
+/// a NaN learning rate would train NaNs into a checkpoint that a resume
+/// then refuses; a huge model or world would abort on allocation.
+fn check_figures(args: &Args, backend: &str) -> Result<(), BoxError> {
+    if args.epochs == 0 {
+        return Err("--epochs 0: expected at least 1 epoch".into());
+    }
+    if !(args.lr.is_finite() && args.lr >= 0.0) {
+        return Err(format!(
+            "--lr {}: expected a finite rate, 0 or more, like 0.2",
+            args.lr
+        )
+        .into());
+    }
+    if !(args.momentum.is_finite() && args.momentum >= 0.0) {
+        return Err(format!(
+            "--momentum {}: expected a finite number, 0 or more",
+            args.momentum
+        )
+        .into());
+    }
+    if args.hidden == 0 || args.hidden > MAX_HIDDEN {
+        return Err(format!("--hidden {}: expected 1 to {MAX_HIDDEN} units", args.hidden).into());
+    }
+    if backend != "sim" {
+        return Ok(());
+    }
+    let world = args.world_size;
+    if world == 0 || world > consort::MAX_LOCAL_WORLD_SIZE {
+        return Err(format!(
+            "--world-size {world}: expected 1 to {} simulated ranks",
+            consort::MAX_LOCAL_WORLD_SIZE
+        )
+        .into());
+    }
+    let bytes = world as u128 * (75 * args.hidden as u128 + 10) * 32;
+    if bytes > MAX_SIM_MODEL_BYTES {
+        return Err(format!(
+            "--world-size {world} with --hidden {} needs about {:.1} GiB for the simulated \
+             ranks' models, over this example's {} GiB: choose fewer ranks or hidden units",
+            args.hidden,
+            bytes as f64 / (1u64 << 30) as f64,
+            MAX_SIM_MODEL_BYTES >> 30
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// The options that only make sense together (CPU and GPU runs).
 fn check_options(args: &Args, backend: &str) -> Result<(), BoxError> {
+    check_figures(args, backend)?;
     if !matches!(args.on_peer_lost.as_str(), "fail" | "shrink") {
         return Err(format!(
             "unknown --on-peer-lost {:?}: expected fail or shrink",
