@@ -111,6 +111,42 @@ fn a_crash_without_restarts_passes_the_exit_code_through() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A reused `--log-dir` where a worker's log is now a link (a worker of
+/// the last job, or anyone who could write there, planted it): the new
+/// log replaces the link, and its target keeps what it held.
+#[test]
+fn a_worker_log_is_never_written_through_a_planted_link() {
+    let base = std::env::temp_dir().join(format!("consort-launcher-link-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (dir, victim) = (base.join("logs"), base.join("victim"));
+    std::fs::create_dir_all(dir.join("attempt_0/0")).unwrap();
+    std::fs::write(&victim, "keep").unwrap();
+    let log = dir.join("attempt_0/0/stdout.log");
+    std::os::unix::fs::symlink(&victim, &log).unwrap();
+    let d = dir.to_str().unwrap();
+    let out = finish(
+        consort(&[
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--log-dir",
+            d,
+            "--",
+            "sh",
+            "-c",
+            "echo logged",
+        ]),
+        "consort run",
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    let meta = std::fs::symlink_metadata(&log).unwrap();
+    assert!(meta.file_type().is_file(), "the log is still a link");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "logged\n");
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn two_agents_form_one_world() {
     let port = free_port().to_string();

@@ -124,7 +124,14 @@ pub(super) async fn pump<R: tokio::io::AsyncRead + Unpin>(
     log: Option<PathBuf>,
 ) {
     use std::io::Write;
-    let mut file = log.and_then(|path| std::fs::File::create(path).ok());
+    // Created new, never through a link planted where the log goes.
+    let mut file = log.and_then(|path| match consort_comm::files::create_new(&path) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!("rank {rank}: cannot write the log {}: {e}", path.display());
+            None
+        }
+    });
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         let text = format!("[rank{rank}]: {line}\n");
