@@ -636,3 +636,169 @@ async fn a_late_reply_to_a_dropped_request_is_never_read_as_the_next() {
         "the next check read the dropped request's late reply"
     );
 }
+
+/// A raw connection that has sent VALIDATE.
+async fn validated(addr: std::net::SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut hello = vec![0u8];
+    hello.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+    s.write_all(&hello).await.unwrap();
+    s
+}
+
+/// A request: the command byte, then each argument as a string.
+fn raw_req(command: u8, args: &[&[u8]]) -> Vec<u8> {
+    let mut b = vec![command];
+    for a in args {
+        b.extend_from_slice(&(a.len() as u64).to_le_bytes());
+        b.extend_from_slice(a);
+    }
+    b
+}
+
+/// BARRIER: the key, then the world size as an i64.
+fn raw_barrier(key: &[u8], world: i64) -> Vec<u8> {
+    let mut b = raw_req(18, &[key]);
+    b.extend_from_slice(&world.to_le_bytes());
+    b
+}
+
+/// Exactly `n` bytes within `within`; `None` if they did not all come.
+async fn raw_reply(s: &mut TcpStream, n: usize, within: Duration) -> Option<Vec<u8>> {
+    let mut b = vec![0u8; n];
+    match tokio::time::timeout(within, s.read_exact(&mut b)).await {
+        Ok(Ok(_)) => Some(b),
+        _ => None,
+    }
+}
+
+/// Nothing more arrives within 200 ms.
+async fn raw_quiet(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    tokio::time::timeout(Duration::from_millis(200), s.read(&mut b))
+        .await
+        .is_err()
+}
+
+async fn raw_get(s: &mut TcpStream, key: &[u8]) -> Vec<u8> {
+    s.write_all(&raw_req(3, &[key])).await.unwrap();
+    let n = raw_reply(s, 8, Duration::from_secs(5)).await.unwrap();
+    let n = u64::from_le_bytes(n.try_into().unwrap()) as usize;
+    raw_reply(s, n, Duration::from_secs(5)).await.unwrap()
+}
+
+/// torch 2.15's LIST_KEYS (17) and BARRIER (18) in raw bytes, answered as
+/// torch's own libuv server answers them (each exchange here was checked
+/// against it). LIST_KEYS: a u64 count, then the map's keys as stored
+/// (with their `/`, or without one when the client sent none), never a
+/// queue's; torch's order is its hash map's, so they compare as a set.
+/// BARRIER: adds one to the decimal counter under its key and answers 0
+/// once the count reaches the world size; cancelled, it answers 1 alone,
+/// and its arrival still counts (a retry on the same connection counts
+/// again and, at world 2, releases itself); a world size of 0 or less
+/// answers at once; a counter that is not a number closes the connection;
+/// CANCEL_WAIT with nothing to cancel answers 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_keys_and_barrier_bytes_as_torchs_server_sends_them() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr();
+    let within = Duration::from_secs(5);
+    let mut a = validated(addr).await;
+    let mut b = validated(addr).await;
+    a.write_all(&raw_req(1, &[b"/a", b"1"])).await.unwrap();
+    a.write_all(&raw_req(14, &[b"/q", b"x"])).await.unwrap();
+    a.write_all(&raw_req(1, &[b"b-noslash", b""]))
+        .await
+        .unwrap();
+    a.write_all(&[17]).await.unwrap();
+    let count = raw_reply(&mut a, 8, within).await.unwrap();
+    assert_eq!(count, 2u64.to_le_bytes(), "LIST_KEYS count");
+    let mut keys = Vec::new();
+    for _ in 0..2 {
+        let n = raw_reply(&mut a, 8, within).await.unwrap();
+        let n = u64::from_le_bytes(n.try_into().unwrap()) as usize;
+        keys.push(raw_reply(&mut a, n, within).await.unwrap());
+    }
+    keys.sort();
+    assert_eq!(keys, [b"/a".to_vec(), b"b-noslash".to_vec()]);
+    assert!(raw_quiet(&mut a).await, "LIST_KEYS sent more than its keys");
+
+    a.write_all(&raw_barrier(b"/bar1", 1)).await.unwrap();
+    assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [0]);
+    assert_eq!(raw_get(&mut a, b"/bar1").await, b"1");
+
+    // Alone at world 2: no answer; cancelled: 1 alone; the arrival counts.
+    a.write_all(&raw_barrier(b"/bar2", 2)).await.unwrap();
+    assert!(raw_quiet(&mut a).await, "a barrier of two released one");
+    a.write_all(&[12]).await.unwrap();
+    assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [1]);
+    assert!(raw_quiet(&mut a).await, "CANCEL_WAIT answered more than 1");
+    assert_eq!(raw_get(&mut a, b"/bar2").await, b"1");
+    a.write_all(&raw_barrier(b"/bar2", 2)).await.unwrap();
+    assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [0]);
+    assert_eq!(raw_get(&mut a, b"/bar2").await, b"2");
+
+    // Two connections: the second arrival releases both.
+    a.write_all(&raw_barrier(b"/bar3", 2)).await.unwrap();
+    assert!(raw_quiet(&mut a).await);
+    b.write_all(&raw_barrier(b"/bar3", 2)).await.unwrap();
+    assert_eq!(raw_reply(&mut b, 1, within).await.unwrap(), [0]);
+    assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [0]);
+    assert_eq!(raw_get(&mut a, b"/bar3").await, b"2");
+
+    for (key, world) in [(&b"/bar4"[..], 0), (b"/bar5", -1)] {
+        a.write_all(&raw_barrier(key, world)).await.unwrap();
+        assert_eq!(
+            raw_reply(&mut a, 1, within).await.unwrap(),
+            [0],
+            "world {world}"
+        );
+    }
+    a.write_all(&[12]).await.unwrap();
+    assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [1]);
+
+    a.write_all(&raw_req(1, &[b"/word", b"hi"])).await.unwrap();
+    let mut c = validated(addr).await;
+    c.write_all(&raw_barrier(b"/word", 2)).await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(within, c.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0))),
+        "a barrier on a counter that is not a number: {closed:?}"
+    );
+    server.shutdown().await;
+}
+
+/// A WAIT that names the same key twice (torch's `wait(["a", "a"])` sends
+/// both) is answered 0 once the key is set, as torch's server answers it;
+/// and at once when the key already exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_naming_a_key_twice_is_woken_when_it_is_set() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let addr = server.local_addr();
+    let mut waiter = validated(addr).await;
+    let mut wait = vec![6u8];
+    wait.extend_from_slice(&2u64.to_le_bytes());
+    for _ in 0..2 {
+        wait.extend_from_slice(&3u64.to_le_bytes());
+        wait.extend_from_slice(b"/w1");
+    }
+    waiter.write_all(&wait).await.unwrap();
+    assert!(raw_quiet(&mut waiter).await, "woken before the key was set");
+    let mut setter = validated(addr).await;
+    setter
+        .write_all(&raw_req(1, &[b"/w1", b"1"]))
+        .await
+        .unwrap();
+    assert_eq!(
+        raw_reply(&mut waiter, 1, Duration::from_secs(5)).await,
+        Some(vec![0]),
+        "a WAIT naming /w1 twice was not woken when /w1 was set"
+    );
+    waiter.write_all(&wait).await.unwrap();
+    assert_eq!(
+        raw_reply(&mut waiter, 1, Duration::from_secs(5)).await,
+        Some(vec![0])
+    );
+    server.shutdown().await;
+}
