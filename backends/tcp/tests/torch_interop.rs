@@ -141,3 +141,111 @@ async fn our_client_uses_torch_server() {
         .unwrap();
     assert!(status.success());
 }
+
+/// Runs the helper script with `args` and parses the last line it prints.
+async fn torch_json(args: Vec<String>) -> Value {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python())
+            .arg(SCRIPT)
+            .args(&args)
+            .output()
+            .expect("start python")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("python printed {line:?}: {e}"))
+}
+
+/// torch 2.15's whole client API from two torch clients (threads for the
+/// calls that block): barriers of one and of two, a barrier that times out
+/// and retries, queue_push, queue_pop with and without block (and one
+/// woken by the other client's push), queue_len, list_keys, num_keys,
+/// multi_get, multi_set, compare_set, append, delete_key, check and wait.
+/// Against our server and against torch's own, the answers are the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs torch: set CONSORT_TORCH_PYTHON and pass --ignored"]
+async fn torch_client_api_answers_as_on_torchs_server() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.unwrap();
+    let port = server.local_addr().port();
+    let ours = torch_json(vec!["api".into(), port.to_string()]).await;
+    let torchs = torch_json(vec!["api-master".into()]).await;
+    for (k, want) in torchs.as_object().unwrap() {
+        assert_eq!(&ours[k], want, "{k}: ours, then torch's server's");
+    }
+    assert_eq!(ours, torchs);
+    // What they agree on, spelled out.
+    assert_eq!(ours["blocking_pop"], serde_json::json!([true, "late"]));
+    assert_eq!(ours["barrier"], serde_json::json!(["1", true, true, "2"]));
+    assert_eq!(ours["barrier_retry"], serde_json::json!([true, "1", "3"]));
+    server.shutdown().await;
+}
+
+/// A torch client on a store that another client filled to its limit and
+/// left: it connects (VALIDATE and PING), reads what was set before,
+/// CHECKs, deletes four 1 MiB values and then writes 1 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs torch: set CONSORT_TORCH_PYTHON and pass --ignored"]
+async fn a_torch_client_is_served_by_a_store_filled_to_its_limit() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = TcpStoreServer::bind_opts(
+        "127.0.0.1:0",
+        consort_tcp::ServerOptions {
+            max_bytes: 16 << 20,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let addr = server.local_addr();
+    let ours = TcpStore::connect(addr.to_string(), opts()).await.unwrap();
+    ours.set("before", b"precious").await.unwrap();
+    assert!(ours.check(&["before"]).await.unwrap());
+    // Values of 1 MiB, 4 KiB, then none, each size until the server closes
+    // the filler's connection; a PING after each batch shows it stored.
+    for (size, batch) in [(1usize << 20, 2usize), (4096, 64), (0, 1024)] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut hello = vec![0u8];
+        hello.extend_from_slice(&consort_tcp::store::VALIDATION_MAGIC.to_le_bytes());
+        s.write_all(&hello).await.unwrap();
+        for round in 0..100_000 {
+            let mut b = Vec::new();
+            for i in 0..batch {
+                let key = format!("/fill-{size}-{}", round * batch + i);
+                b.push(1);
+                b.extend_from_slice(&(key.len() as u64).to_le_bytes());
+                b.extend_from_slice(key.as_bytes());
+                b.extend_from_slice(&(size as u64).to_le_bytes());
+                b.extend_from_slice(&vec![5u8; size]);
+            }
+            b.extend_from_slice(&[13, 7, 0, 0, 0]);
+            let mut echo = [0u8; 4];
+            let sent = async {
+                s.write_all(&b).await?;
+                s.read_exact(&mut echo).await
+            };
+            if !matches!(
+                tokio::time::timeout(Duration::from_secs(10), sent).await,
+                Ok(Ok(_))
+            ) {
+                break;
+            }
+        }
+    }
+    let v = torch_json(vec!["full".into(), addr.port().to_string()]).await;
+    eprintln!(
+        "torch's client connected in {} ms, all done in {} ms",
+        v["connect_ms"], v["ms"]
+    );
+    assert_eq!(v["before"], "precious");
+    assert_eq!(v["check"], true);
+    assert_eq!(v["deleted"], serde_json::json!([true, true, true, true]));
+    assert_eq!(v["after"], 1 << 20);
+    server.shutdown().await;
+}
