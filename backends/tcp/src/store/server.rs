@@ -281,10 +281,7 @@ async fn serve_client(
     let budget = consort_comm::lock(&state).budget.clone();
     budget.register(&conn);
     let peer = conn.peer;
-    let ended = tokio::select! {
-        ended = serve(stream, &conn, &state, &opts) => ended,
-        why = conn.closed() => Err(Closed::Refused(why)),
-    };
+    let ended = serve(stream, &conn, &state, &opts).await;
     consort_comm::lock(&state).forget(conn.id);
     budget.unregister(conn.id);
     match ended {
@@ -295,10 +292,10 @@ async fn serve_client(
     }
 }
 
-/// A client's connection from its handshake to its end. A client that
-/// broke a rule (or was shed) gets no more of its replies: dropping this
-/// future drops them with their leases. One that left still gets what was
-/// answered, if it reads it within the request timeout.
+/// A client's connection from its handshake to its end, or until it is
+/// closed from outside (shed, or its slot given to a new client). However
+/// it ends, the replies to the requests it made are still written: a
+/// change the store made reaches a client that reads.
 async fn serve(
     mut stream: TcpStream,
     conn: &Arc<Conn>,
@@ -307,14 +304,16 @@ async fn serve(
 ) -> Result<(), Closed> {
     let _ = stream.set_nodelay(true);
     if let Some(k) = &opts.secret {
-        match tokio::time::timeout(opts.validate_timeout, auth::accept(&mut stream, k)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(Closed::Refused(format!("refused a client: {e}"))),
-            Err(_) => {
+        let shake = tokio::time::timeout(opts.validate_timeout, auth::accept(&mut stream, k));
+        match tokio::select! { r = shake => Some(r), _ = conn.closed() => None } {
+            Some(Ok(Ok(()))) => {}
+            Some(Ok(Err(e))) => return Err(Closed::Refused(format!("refused a client: {e}"))),
+            Some(Err(_)) => {
                 return Err(Closed::Refused(
                     "refused a client: no answer to the CONSORT_SECRET challenge".into(),
                 ));
             }
+            None => return Err(Closed::Refused(conn.closed().await)),
         }
     }
     let (r, w) = stream.into_split();
@@ -331,11 +330,21 @@ async fn serve(
         validate: opts.validate_timeout,
         request: opts.request_timeout,
     };
-    let ended = requests::handle_requests(&mut r, &out, state, deadlines).await;
+    let ended = tokio::select! {
+        ended = requests::handle_requests(&mut r, &out, state, deadlines) => ended,
+        why = conn.closed() => Err(Closed::Refused(why)),
+    };
+    // A client that left reads what it was answered within the request
+    // timeout; one closed by the server (a broken rule, its share spent,
+    // shed) gets a second, so that what it holds comes back soon.
+    let drain = match ended {
+        Ok(()) | Err(Closed::Eof) => opts.request_timeout,
+        Err(Closed::Refused(_)) => Duration::from_secs(1).min(opts.request_timeout),
+    };
+    // What was answered is written; the request being read (and its
+    // bytes) went with the future above.
     drop(out);
-    if ended.is_ok() || matches!(ended, Err(Closed::Eof)) {
-        let _ = tokio::time::timeout(opts.request_timeout, &mut writer.0).await;
-    }
+    let _ = tokio::time::timeout(drain, &mut writer.0).await;
     ended
 }
 

@@ -370,6 +370,26 @@ impl Budget {
         }
     }
 
+    /// Waits briefly until `n` more held bytes fit, closing the
+    /// connections that owe more than `asker` would, the largest first:
+    /// a crowd of half-written requests cannot keep a small write out. It
+    /// does not charge: the store does, under its lock, and may still
+    /// refuse.
+    pub(super) async fn room_to_hold(&self, asker: &Conn, n: usize) {
+        let give_up = Instant::now() + SHED_WAIT;
+        let ceiling = self.ceiling(Tier::Normal);
+        loop {
+            if self.used().saturating_add(n) <= ceiling
+                || Instant::now() >= give_up
+                || self.transient.load(Ordering::Relaxed) == 0
+                || !self.shed(asker, n)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// Closes the connection owing the most, if it owes more than `asker`
     /// would after taking `n`; false if there is none to close.
     fn shed(&self, asker: &Conn, n: usize) -> bool {

@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::super::wire::{self, ReadError, cmd};
 use super::Closed;
-use super::budget::{Lease, Phase, Tier, Value, block};
+use super::budget::{ENTRY, Lease, Phase, Tier, Value, block};
 use super::state::{Out, Reply, State, wait_cost};
 
 /// How long a client may take: to send VALIDATE after connecting, and to
@@ -117,9 +117,17 @@ impl<R: AsyncRead + Unpin + Send> Reader<'_, R> {
 
     /// A value read, paid for as held: its transient charge is given back
     /// first, then the store is asked.
-    async fn held_value(&mut self, s: &Mutex<State>) -> Result<Arc<Value>, Closed> {
+    async fn held_value(
+        &mut self,
+        s: &Mutex<State>,
+        out: &Out,
+        key: &[u8],
+    ) -> Result<Arc<Value>, Closed> {
         let v = self.value().await?;
         self.lease.shrink(block(v.capacity()));
+        // Room for the value and, if the key is new, its entry.
+        let need = Value::cost(v.len()) + ENTRY + block(key.len());
+        out.budget.room_to_hold(&out.conn, need).await;
         lock(s).value(v, "a value")
     }
 }
@@ -234,7 +242,11 @@ async fn request<R: AsyncRead + Unpin + Send>(
                 .await?;
             drop(rd);
             let mut s = lock(state);
-            let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !s.has(k)).collect();
+            let mut missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !s.has(k)).collect();
+            // A key named twice is awaited once (torch counts it twice and
+            // wakes it twice: the same).
+            missing.sort_unstable();
+            missing.dedup();
             if missing.is_empty() {
                 drop(s);
                 return out.control(vec![wire::STOP_WAITING]);
@@ -250,7 +262,7 @@ async fn request<R: AsyncRead + Unpin + Send>(
         }
         cmd::QUEUE_PUSH => {
             let key = rd.key().await?;
-            let value = rd.held_value(state).await?;
+            let value = rd.held_value(state, out, &key).await?;
             lock(state).push(key, value)
         }
         cmd::QUEUE_POP => {
@@ -295,12 +307,12 @@ async fn write<R: AsyncRead + Unpin + Send>(
     let key = rd.key().await?;
     match command {
         cmd::SET => {
-            let value = rd.held_value(state).await?;
+            let value = rd.held_value(state, out, &key).await?;
             lock(state).put(key, value)
         }
         cmd::COMPARE_SET => {
             let expected = rd.value().await?;
-            let desired = rd.held_value(state).await?;
+            let desired = rd.held_value(state, out, &key).await?;
             let reply = out
                 .budget
                 .owe(&out.conn, Reply::cost(0, 1), Tier::Control, "a reply")?;
