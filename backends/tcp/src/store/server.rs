@@ -201,12 +201,21 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
     let mut trim = tokio::time::interval(Duration::from_secs(1));
     trim.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // At the cap, a new connection waits in the listen backlog (a
+        // queue the kernel keeps in arrival order) until a connection
+        // that has not proved itself is old enough to give up its slot;
+        // if every connection is a client at work, it is closed at once.
+        let full = clients.len() >= opts.max_clients;
+        let room_at = if full { room_at(&budget) } else { None };
+        let now = tokio::time::Instant::now();
+        let accepting = !full || room_at.is_none_or(|t| t <= now);
+        let wait_until = room_at.filter(|t| *t > now).unwrap_or(now);
         tokio::select! {
             _ = trim.tick() => {
                 let b = budget.clone();
                 let _ = tokio::task::spawn_blocking(move || b.trim()).await;
             }
-            accepted = listener.accept() => match accepted {
+            accepted = listener.accept(), if accepting => match accepted {
                 Ok((stream, peer)) => {
                     if clients.len() >= opts.max_clients && !make_room(&budget, peer) {
                         // Closed at once: a flood of connections costs a
@@ -228,6 +237,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
                     }
                     next_id += 1;
                     let conn = Conn::new(next_id, peer);
+                    budget.register(&conn);
                     clients.spawn(serve_client(stream, conn, state.clone(), opts.clone()));
                 }
                 Err(e) => {
@@ -236,20 +246,42 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
+            _ = tokio::time::sleep_until(wait_until), if !accepting => {}
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
     }
 }
 
-/// The server is full of connections: closes the oldest that has not
-/// proved itself (no handshake or VALIDATE yet), else the oldest that has
-/// sent no request, to admit `peer`; false if every connection is a client
-/// at work.
-fn make_room(budget: &Budget, peer: SocketAddr) -> bool {
-    let victim = budget
+/// How long a new connection keeps its slot, at the cap, before one that
+/// has proved itself may take it: long enough for a client's handshake
+/// (VALIDATE, or the secret's challenge) across a slow network, short
+/// enough that a client waiting behind a flood is let in within a second.
+const GRACE: Duration = Duration::from_millis(100);
+
+/// The connections that may give up their slot: not yet at work, not
+/// already closed.
+fn idle_conns(budget: &Budget) -> impl Iterator<Item = Arc<Conn>> {
+    budget
         .conns()
         .into_iter()
         .filter(|c| c.phase() < Phase::Active && !c.is_closed())
+}
+
+/// When, at the cap, a slot can next be made: when the oldest connection
+/// not yet at work is [`GRACE`] old; `None` if every connection is at work.
+fn room_at(budget: &Budget) -> Option<tokio::time::Instant> {
+    idle_conns(budget)
+        .map(|c| tokio::time::Instant::from_std(c.opened + GRACE))
+        .min()
+}
+
+/// The server is full of connections: closes the oldest that has not
+/// proved itself (no handshake or VALIDATE yet), else the oldest that has
+/// sent no request, once [`GRACE`] old, to admit `peer`; false if none
+/// may be closed.
+fn make_room(budget: &Budget, peer: SocketAddr) -> bool {
+    let victim = idle_conns(budget)
+        .filter(|c| c.opened.elapsed() >= GRACE)
         .min_by_key(|c| (c.phase(), c.opened));
     let Some(v) = victim else {
         return false;
@@ -260,14 +292,20 @@ fn make_room(budget: &Budget, peer: SocketAddr) -> bool {
         }
         _ => "had sent no request",
     };
-    tracing::warn!(
-        peer = %v.peer,
-        "TCPStore closed a connection that {what} after {:?}, to admit {peer}: it is at its cap \
-         of clients",
-        v.opened.elapsed()
-    );
+    // One line per thousand: a flood must not flood the log too.
+    static EVICTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = EVICTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if n % 1000 == 0 {
+        tracing::warn!(
+            peer = %v.peer,
+            "TCPStore closed a connection that {what} after {:?}, to admit {peer}: it is at its \
+             cap of clients ({} such so far)",
+            v.opened.elapsed(),
+            n + 1
+        );
+    }
     v.close(format!(
-        "the store was full of connections and this one {what}; a new client took its place"
+        "{FULL_OF_CONNECTIONS} and this one {what}; a new client took its place"
     ));
     true
 }
@@ -279,18 +317,24 @@ async fn serve_client(
     opts: ServerOptions,
 ) {
     let budget = consort_comm::lock(&state).budget.clone();
-    budget.register(&conn);
     let peer = conn.peer;
     let ended = serve(stream, &conn, &state, &opts).await;
     consort_comm::lock(&state).forget(conn.id);
     budget.unregister(conn.id);
     match ended {
         Ok(()) | Err(Closed::Eof) => tracing::trace!(%peer, "TCPStore client disconnected"),
+        // Said once per thousand by make_room.
+        Err(Closed::Refused(why)) if why.starts_with(FULL_OF_CONNECTIONS) => {
+            tracing::debug!(%peer, "TCPStore closed a client connection: {why}");
+        }
         Err(Closed::Refused(why)) => {
             tracing::warn!(%peer, "TCPStore closed a client connection: {why}");
         }
     }
 }
+
+/// How a connection closed to make room is told so.
+const FULL_OF_CONNECTIONS: &str = "the store was full of connections";
 
 /// A client's connection from its handshake to its end, or until it is
 /// closed from outside (shed, or its slot given to a new client). However
