@@ -259,7 +259,30 @@ pub fn simulate(
     topo: &Topology,
     cfg: &AlgoConfig,
 ) -> Result<CostReport> {
-    simulate_with_fold(op, algo, bytes, topo, cfg, fold_for(algo, topo))
+    simulate_with_fold(op, algo, bytes, topo, cfg, fold_for(algo, topo), u64::MAX)
+}
+
+/// [`simulate`], refused (an invalid-argument error, before the run)
+/// where it would take more than `max_actions` schedule actions (segments
+/// sent, received and copied, over the ranks it simulates): a bound on its
+/// time and memory whatever the world, the sizes and the segment.
+pub fn simulate_within(
+    op: OpKind,
+    algo: Algorithm,
+    bytes: usize,
+    topo: &Topology,
+    cfg: &AlgoConfig,
+    max_actions: u64,
+) -> Result<CostReport> {
+    simulate_with_fold(
+        op,
+        algo,
+        bytes,
+        topo,
+        cfg,
+        fold_for(algo, topo),
+        max_actions,
+    )
 }
 
 /// A message on its way: when its first and last bytes arrive, and what
@@ -369,6 +392,66 @@ impl CostSim<'_> {
     }
 }
 
+/// The schedules of the `reps` ranks simulated, refused once they hold
+/// more than `max_actions` actions. One schedule holds a lane per segment
+/// or per peer at most, so that figure is checked before any is built.
+fn schedules(
+    op: OpKind,
+    algo: Algorithm,
+    (bytes, n, reps): (usize, usize, usize),
+    cfg: &AlgoConfig,
+    max_actions: u64,
+) -> Result<Vec<Schedule>> {
+    let too_many = |what: String| {
+        CommError::invalid(format!(
+            "simulating {op} with {algo} on {bytes} bytes over {n} ranks ({segment} B segments) \
+             takes {what}, over the {max_actions} allowed",
+            segment = cfg.segment_bytes
+        ))
+    };
+    let lanes = bytes.div_ceil(cfg.segment_bytes.max(1)).saturating_add(n) as u64;
+    if lanes > max_actions || reps as u64 > max_actions {
+        return Err(too_many(format!("{lanes} segments and peers a rank")));
+    }
+    // Cost mode counts bytes: one "element" is one byte.
+    let per_rank = match op {
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::Gather | OpKind::Scatter => bytes / n,
+        _ => bytes,
+    };
+    let mut splits = Vec::new();
+    if op == OpKind::AllToAll {
+        splits
+            .try_reserve_exact(n)
+            .map_err(|_| too_many(format!("{n} splits, more than memory holds")))?;
+        splits.resize(n, bytes / n);
+    }
+    let mut scheds = Vec::with_capacity(reps);
+    let mut actions = 0u64;
+    for r in 0..reps {
+        let spec = CallSpec {
+            op,
+            rank: r,
+            world: n,
+            count: per_rank,
+            elem_size: 1,
+            root: 0,
+            tag: 0,
+            input_splits: &splits,
+            output_splits: &splits,
+        };
+        let s = build(&spec, algo, cfg)?;
+        actions = actions.saturating_add(s.actions() as u64);
+        if actions > max_actions {
+            return Err(too_many(format!(
+                "over {actions} actions in the first {} of the {reps} ranks simulated",
+                r + 1
+            )));
+        }
+        scheds.push(s);
+    }
+    Ok(scheds)
+}
+
 fn simulate_with_fold(
     op: OpKind,
     algo: Algorithm,
@@ -376,6 +459,7 @@ fn simulate_with_fold(
     topo: &Topology,
     cfg: &AlgoConfig,
     fold: Fold,
+    max_actions: u64,
 ) -> Result<CostReport> {
     let n = topo.world_size();
     if n == 0 {
@@ -390,31 +474,7 @@ fn simulate_with_fold(
         Fold::None => n,
         Fold::Translate(p) | Fold::Xor(p) => p,
     };
-    // Cost mode counts bytes: one "element" is one byte.
-    let per_rank = match op {
-        OpKind::AllGather | OpKind::ReduceScatter | OpKind::Gather | OpKind::Scatter => bytes / n,
-        _ => bytes,
-    };
-    let splits = vec![bytes / n; if op == OpKind::AllToAll { n } else { 0 }];
-    let scheds: Vec<Schedule> = (0..reps)
-        .map(|r| {
-            build(
-                &CallSpec {
-                    op,
-                    rank: r,
-                    world: n,
-                    count: per_rank,
-                    elem_size: 1,
-                    root: 0,
-                    tag: 0,
-                    input_splits: &splits,
-                    output_splits: &splits,
-                },
-                algo,
-                cfg,
-            )
-        })
-        .collect::<Result<_>>()?;
+    let scheds = schedules(op, algo, (bytes, n, reps), cfg, max_actions)?;
     let mut sim = CostSim {
         topo,
         n,
@@ -523,7 +583,8 @@ mod tests {
         ] {
             let folded = simulate(op, algo, 1 << 20, &topo, &cfg).unwrap();
             assert_eq!(folded.ranks_simulated, 4, "{op} {algo} folds to one node");
-            let full = simulate_with_fold(op, algo, 1 << 20, &topo, &cfg, Fold::None).unwrap();
+            let full =
+                simulate_with_fold(op, algo, 1 << 20, &topo, &cfg, Fold::None, u64::MAX).unwrap();
             assert_eq!(full.ranks_simulated, 16);
             let err = (folded.time - full.time).abs() / full.time;
             assert!(

@@ -303,6 +303,14 @@ impl Schedule {
         self.posted.get(&(from, tag)).map(|(_, r)| r)
     }
 
+    /// Actions over every lane, done or not (saturating): the work the
+    /// schedule is, for a driver that bounds what it will run.
+    pub fn actions(&self) -> usize {
+        (0..self.lanes.len())
+            .map(|l| self.program.lane_len(l))
+            .fold(0, usize::saturating_add)
+    }
+
     /// Whether every action of every lane has completed.
     pub fn is_done(&self) -> bool {
         self.active.is_empty() && self.next_lane >= self.lanes.len()

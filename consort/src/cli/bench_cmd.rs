@@ -255,6 +255,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            check_model(params, layers)?;
             // Parameters, gradients, buckets and a reference copy, in f32.
             check_memory("bench ddp", params as u128 * 16, "choose fewer --params")?;
             let t = if device == "cpu" {
@@ -275,6 +276,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
+            check_model(params, layers)?;
             // Parameters, gradients, AdamW's two moments and a copy, in f32,
             // for every simulated world of the memory table.
             check_memory(
@@ -300,6 +302,22 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             print!("{}", t.render(json));
         }
         None => collectives(args).await?,
+    }
+    Ok(())
+}
+
+/// The synthetic model of `bench ddp` and `bench sharded`: at least one
+/// parameter, and every layer at least one (a layer a parameter is a vector
+/// per layer, so `--layers` past `--params` only allocates).
+fn check_model(params: usize, layers: usize) -> Result<(), String> {
+    if params == 0 {
+        return Err("--params 0: expected at least 1 parameter, like 25M".into());
+    }
+    if layers == 0 || layers > params {
+        return Err(format!(
+            "--layers {layers}: expected 1 to --params ({params}) layers, each of at least one \
+             parameter"
+        ));
     }
     Ok(())
 }

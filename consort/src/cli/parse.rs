@@ -96,13 +96,7 @@ pub(crate) fn parse_mode(s: &str) -> Result<consort::sampler::Mode, String> {
 /// what cannot be addressed at all is refused.
 pub(crate) fn check_memory(what: &str, bytes: u128, smaller: &str) -> Result<(), String> {
     let gib = |b: u128| b as f64 / (1u128 << 30) as f64;
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
-            .map(|kib| kib * 1024)
-    });
-    let limit = available.unwrap_or(isize::MAX as u128);
+    let limit = available_memory().unwrap_or(isize::MAX as u128);
     if bytes > limit {
         return Err(format!(
             "{what} needs about {:.1} GiB of memory, and this machine has {:.1} GiB available: \
@@ -112,6 +106,16 @@ pub(crate) fn check_memory(what: &str, bytes: u128, smaller: &str) -> Result<(),
         ));
     }
     Ok(())
+}
+
+/// This machine's `MemAvailable` (/proc/meminfo) in bytes, if it can be
+/// read.
+pub(crate) fn available_memory() -> Option<u128> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    m.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+        .map(|kib| kib * 1024)
 }
 
 /// A figure given on the command line that must be finite and above zero

@@ -2,7 +2,7 @@
 //! with the closed-form α–β time beside every row.
 
 use consort_comm::{OpKind, algo::AlgoConfig, algo::Algorithm};
-use consort_sim::cost::{Link, Topology, simulate};
+use consort_sim::cost::{Link, Topology, simulate_within};
 use serde_json::json;
 
 use super::{
@@ -27,10 +27,32 @@ pub(crate) struct SimArgs {
     pub(crate) cpu_share: f64,
 }
 
+/// The largest world `consort sim` simulates: a gather's root there runs
+/// 65,536 lanes, which the schedule engine polls in turn (its cost grows
+/// as the square of the world).
+pub(crate) const MAX_SIM_WORLD: usize = 1 << 16;
+
+/// The most schedule actions (segments sent, received and copied, over
+/// the ranks simulated) one row may take: about 20 s and 2 GiB in a debug
+/// build (the simulator keeps some 120 bytes an action), and less where
+/// less memory is available. A chain broadcast of 1 GiB over 65,536 ranks
+/// in 256 KiB segments would take half a billion, for minutes and 4 GiB.
+pub(crate) const MAX_SIM_ACTIONS: u64 = 1 << 24;
+
+/// [`MAX_SIM_ACTIONS`], or fewer where a quarter of the available memory
+/// holds fewer at 128 bytes each.
+fn action_budget() -> u64 {
+    let fits = super::parse::available_memory().map_or(u128::MAX, |b| b / 4 / 128);
+    MAX_SIM_ACTIONS.min(u64::try_from(fits).unwrap_or(u64::MAX))
+}
+
 /// Runs the sweep.
 pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
-    if a.world == 0 {
-        return Err("--world-size must be at least 1".into());
+    if a.world == 0 || a.world > MAX_SIM_WORLD {
+        return Err(format!(
+            "--world-size {}: expected 1 to {MAX_SIM_WORLD} ranks",
+            a.world
+        ));
     }
     let rpn = a.ranks_per_node.unwrap_or(a.world);
     if rpn == 0 || a.world % rpn != 0 {
@@ -62,6 +84,7 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
         "busbw_gbs",
         "closed_form_us",
     ]);
+    let budget = action_budget();
     for &bytes in &a.sizes {
         let algo = a.algo.unwrap_or_else(|| cfg.select(a.op, bytes, a.world));
         if !algo.supports(a.op) {
@@ -75,7 +98,9 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
                     .join(", ")
             ));
         }
-        let r = simulate(a.op, algo, bytes, &topo, &cfg).map_err(|e| e.to_string())?;
+        let r = simulate_within(a.op, algo, bytes, &topo, &cfg, budget).map_err(|e| {
+            format!("{e}: choose a smaller --world-size, smaller --sizes or a larger --segment")
+        })?;
         t.push(vec![
             json!(a.op.name()),
             json!(algo.name()),
