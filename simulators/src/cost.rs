@@ -597,6 +597,31 @@ mod tests {
     }
 
     #[test]
+    fn a_run_past_its_action_budget_is_refused_before_it_runs() {
+        let cfg = AlgoConfig {
+            segment_bytes: 1024,
+            ..AlgoConfig::default()
+        };
+        let topo = flat(64);
+        // Within the budget: the same report as unbounded.
+        let (op, algo) = (OpKind::Broadcast, Algorithm::Chain);
+        let free = simulate(op, algo, 1 << 20, &topo, &cfg).unwrap();
+        let bounded = simulate_within(op, algo, 1 << 20, &topo, &cfg, 1 << 20).unwrap();
+        assert_eq!(free, bounded);
+        // 64 ranks forwarding 1,024 segments each: over 100,000 actions.
+        let e = simulate_within(op, algo, 1 << 20, &topo, &cfg, 100_000).unwrap_err();
+        assert!(e.to_string().contains("over the 100000 allowed"), "{e}");
+        // One schedule's segments alone past the budget: refused before
+        // any is built (64 GiB in 1-byte segments would not fit).
+        let one = AlgoConfig {
+            segment_bytes: 1,
+            ..AlgoConfig::default()
+        };
+        let e = simulate_within(op, algo, 64 << 30, &topo, &one, 1 << 24).unwrap_err();
+        assert!(e.to_string().contains("segments and peers a rank"), "{e}");
+    }
+
+    #[test]
     fn a_65536_rank_ring_of_1_gib_is_fast_to_simulate() {
         let topo = Topology {
             nodes: 8192,
