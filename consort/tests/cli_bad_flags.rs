@@ -72,6 +72,12 @@ fn flags_that_cannot_run_are_refused_with_a_reason() {
             &["bench", "ddp", "--params", "100000000M"],
             "fewer --params",
         ),
+        (&["bench", "ddp", "--params", "0"], "--params 0"),
+        (&["bench", "ddp", "--layers", "0"], "--layers 0"),
+        (
+            &["bench", "sharded", "--layers", "100000000000"],
+            "--layers 100000000000",
+        ),
         (&["sim", "--segment", "0", "--sizes", "4K"], "--segment 0"),
         (&["sim", "--world-size", "100000"], "--world-size 100000"),
         (&["sim", "--segment", "1", "--sizes", "1G"], "allowed"),
