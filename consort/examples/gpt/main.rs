@@ -21,6 +21,8 @@
 //! burn's format) and each parameter's burn id by module path, which the
 //! new module adopts (burn keys optimizer state by parameter id).
 
+#[path = "../train/canvas.rs"]
+mod canvas;
 mod data;
 mod model;
 
@@ -34,7 +36,7 @@ use consort::{
         burn::{
             Tensor,
             optim::{AdamConfig, GradientsParams, ModuleOptimizer, OptimizerRecord},
-            tensor::{Device, Int, TensorData},
+            tensor::{Bytes, Device, Int, TensorData},
         },
     },
     ddp::{Ddp, DdpOptions, load_safetensors, save_safetensors},
@@ -152,13 +154,13 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         args.out.join("checkpoint.safetensors"),
         args.out.join("metrics.json"),
     );
-    let (start, mut history, saved) = resume(&mut host, &ckpt, &metrics, r == 0)?;
+    let (start, mut history, saved) = resume(&mut host, (&ckpt, &metrics), args.steps, r == 0)?;
     let mut ddp = Ddp::new(rank.clone(), &mut host, DdpOptions::default()).await?;
     let mut net = host.push_values(net)?;
     let mut optim = AdamConfig::new().init();
     if let Some((record, ids)) = saved {
         net = host.adopt_ids(net, &ids)?;
-        optim = optim.load_record(OptimizerRecord::load(args.out.join(record))?);
+        optim = optim.load_record(load_record(&args.out.join(record))?);
     }
     let mut windows = Windows::new(&args, world, r)?;
     let bar = (r == 0).then(|| {
@@ -189,7 +191,9 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
                 // host copy's starting ones, go in the checkpoint.
                 host.pull_values(&net)?;
                 save(&args.out, &ckpt, step + 1, &host, &optim)?;
-                std::fs::write(&metrics, serde_json::to_vec(&history)?)?;
+                // Never through a link planted in the output directory.
+                consort_comm::files::write_replacing(&metrics, &serde_json::to_vec(&history)?)
+                    .map_err(|e| format!("writing {}: {e}", metrics.display()))?;
             }
             // No rank leaves a step before the checkpoint of it exists.
             pg.barrier().await?;
@@ -221,7 +225,11 @@ fn save(
     optim: &ModuleOptimizer,
 ) -> Result<(), BoxError> {
     let record = format!("optimizer-{step}.bpk");
-    optim.to_record().save(out.join(&record))?;
+    // In memory, then written new and renamed into place: burn's own
+    // `save` would open the path by name, through a planted link.
+    let at = out.join(&record);
+    consort_comm::files::write_replacing(&at, &optim.to_record().into_bytes()?)
+        .map_err(|e| format!("writing {}: {e}", at.display()))?;
     let meta = BTreeMap::from([
         ("step".to_string(), step.to_string()),
         ("optimizer".to_string(), record.clone()),
@@ -249,11 +257,13 @@ type History = Vec<(usize, f64)>;
 
 /// The step to start from, the loss so far and the optimizer state: from
 /// the checkpoint and metrics of an earlier run, if there are any (its
-/// values go into `host`).
+/// values go into `host`). What the files say is checked before use: the
+/// step within `--steps`, the optimizer record the one written beside the
+/// checkpoint, the losses finite.
 fn resume(
     host: &mut BurnModel,
-    ckpt: &std::path::Path,
-    metrics: &std::path::Path,
+    (ckpt, metrics): (&std::path::Path, &std::path::Path),
+    steps: usize,
     say: bool,
 ) -> Result<(usize, History, Saved), BoxError> {
     if !ckpt.exists() {
@@ -261,20 +271,63 @@ fn resume(
     }
     let (sd, meta) = load_safetensors(ckpt)?;
     host.load_torch_state_dict(&sd)?;
-    let start = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let bad = |what: String| format!("{}: {what}; remove it to start afresh", ckpt.display());
+    let start: usize = meta
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("no step in its metadata".into()))?;
+    if start > steps {
+        return Err(bad(format!("it is at step {start}, past --steps {steps}")).into());
+    }
     let saved = match (meta.get("optimizer"), meta.get("param_ids")) {
-        (Some(record), Some(ids)) => Some((record.clone(), serde_json::from_str(ids)?)),
+        (Some(record), Some(ids)) => {
+            // Only the record this run writes beside the checkpoint: the
+            // name comes from a file, and must not lead anywhere else.
+            if *record != format!("optimizer-{start}.bpk") {
+                return Err(bad(format!("it names the optimizer record {record:?}")).into());
+            }
+            Some((record.clone(), serde_json::from_str(ids)?))
+        }
         _ => None,
     };
     if say {
         println!("resuming from {} at step {start}", ckpt.display());
     }
-    let mut history: History = consort_comm::files::read_regular(metrics, 64 << 20)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
+    let mut history = read_history(metrics)?;
     history.retain(|h| h.0 <= start);
     Ok((start, history, saved))
+}
+
+/// The largest optimizer record a resume reads (this model's is a few MB).
+const MAX_RECORD: u64 = 1 << 30;
+
+/// burn's optimizer record at `path`: a regular file, read with a bound.
+fn load_record(path: &std::path::Path) -> Result<OptimizerRecord, BoxError> {
+    let bytes = consort_comm::files::read_regular(path, MAX_RECORD)
+        .map_err(|e| format!("reading the optimizer record {}: {e}", path.display()))?;
+    OptimizerRecord::from_bytes(Bytes::from_bytes_vec(bytes))
+        .map_err(|e| format!("{} is not an optimizer record: {e:?}", path.display()).into())
+}
+
+/// The loss so far from `metrics` (none if it is absent), checked: steps
+/// in order, losses finite and not negative.
+fn read_history(metrics: &std::path::Path) -> Result<History, BoxError> {
+    if !metrics.exists() {
+        return Ok(Vec::new());
+    }
+    let bad = |what: String| format!("{}: {what}; remove it to start afresh", metrics.display());
+    let bytes =
+        consort_comm::files::read_regular(metrics, 64 << 20).map_err(|e| bad(e.to_string()))?;
+    let history: History = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    for (i, &(step, loss)) in history.iter().enumerate() {
+        if step == 0 || (i > 0 && step <= history[i - 1].0) {
+            return Err(bad(format!("entry {i}: step {step} is out of order")).into());
+        }
+        if !(loss.is_finite() && (0.0..=1e12).contains(&loss)) {
+            return Err(bad(format!("entry {i}: loss {loss} is not a loss (0 to 1e12)")).into());
+        }
+    }
+    Ok(history)
 }
 
 /// One line every 20 steps (shown with or without a terminal: the bar
@@ -345,38 +398,47 @@ impl Windows {
 }
 
 mod plot {
-    //! The loss curve as a PNG, with the trainer's embedded font.
+    //! The loss curve as a PNG, with the trainer's embedded font, drawn in
+    //! memory and written new (never through a link planted at `path`).
 
     use plotters::prelude::*;
+
+    use crate::canvas::{on_axis, save_png, top};
 
     const FONT: &[u8] = include_bytes!("../train/assets/DejaVuSans.ttf");
 
     pub(crate) fn draw(path: &std::path::Path, history: &[(usize, f64)]) -> Result<(), String> {
         plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
             .map_err(|_| "the embedded font does not load".to_string())?;
-        let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
-        let root = BitMapBackend::new(path, (800, 450)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(&e))?;
-        let first = history.first().map_or(0, |h| h.0);
-        let last = history.last().map_or(1, |h| h.0).max(first + 1);
-        let top = history.iter().map(|h| h.1).fold(0.0, f64::max).max(1e-3) * 1.1;
-        let mut c = ChartBuilder::on(&root)
-            .caption(
-                "GPT on burn, consort DDP: training loss",
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(50)
-            .build_cartesian_2d(first..last, 0.0..top)
-            .map_err(|e| err(&e))?;
-        c.configure_mesh()
-            .x_desc("step")
-            .y_desc("cross entropy")
-            .draw()
-            .map_err(|e| err(&e))?;
-        c.draw_series(LineSeries::new(history.iter().copied(), &BLUE))
-            .map_err(|e| err(&e))?;
-        root.present().map_err(|e| err(&e))
+        let err = |e: &dyn std::fmt::Display| e.to_string();
+        save_png(path, (800, 450), |root| {
+            root.fill(&WHITE).map_err(|e| err(&e))?;
+            let first = history.first().map_or(0, |h| h.0);
+            let last = history
+                .last()
+                .map_or(1, |h| h.0)
+                .max(first.saturating_add(1));
+            let losses = history.iter().map(|h| h.1).filter(|l| l.is_finite());
+            let top = top(losses.fold(0.0, f64::max));
+            let mut c = ChartBuilder::on(root)
+                .caption(
+                    "GPT on burn, consort DDP: training loss",
+                    ("sans-serif", 20),
+                )
+                .margin(15)
+                .x_label_area_size(40)
+                .y_label_area_size(50)
+                .build_cartesian_2d(first..last, 0.0..top)
+                .map_err(|e| err(&e))?;
+            c.configure_mesh()
+                .x_desc("step")
+                .y_desc("cross entropy")
+                .draw()
+                .map_err(|e| err(&e))?;
+            let points = on_axis(history.iter().copied(), (0.0, top));
+            c.draw_series(LineSeries::new(points, &BLUE))
+                .map_err(|e| err(&e))?;
+            Ok(())
+        })
     }
 }
