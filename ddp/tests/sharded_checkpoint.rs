@@ -359,3 +359,60 @@ fn a_crafted_index_is_refused_not_followed() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// Files that are not regular files (issue 49): an index that is a FIFO
+/// (reading it blocked for ever), a shard or a full checkpoint that is a
+/// link to `/dev/zero` (read without a bound). Each is refused at once,
+/// naming what it is; a deadline turns a hang into a failure.
+#[test]
+fn an_index_or_shard_that_is_a_fifo_or_a_device_is_refused_at_once() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(fifo_and_device_errors()));
+    let errs = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("a load hung on a FIFO or a device");
+    let [fifo, zero, full] = errs.as_slice() else {
+        panic!("{errs:?}");
+    };
+    assert!(
+        fifo.contains("index.json") && fifo.contains("a FIFO"),
+        "{fifo}"
+    );
+    assert!(zero.contains("a device"), "{zero}");
+    assert!(full.contains("a device"), "{full}");
+}
+
+fn fifo_and_device_errors() -> Vec<String> {
+    let tmp = std::env::temp_dir().join(format!("consort-special-{}", std::process::id()));
+    let c = Arc::new(fixed(1));
+    let dir = tmp.clone();
+    let (out, _) = run_sim(SimConfig::new(1), move |rank| {
+        let (c, dir) = (c.clone(), dir.clone());
+        async move {
+            let rank: Arc<dyn Backend> = rank;
+            let mut model = model_for(&c, 0);
+            let o = ShardOptions::new(Strategy::Fsdp);
+            let mut sh = Sharded::new(rank, &mut model, AdamW::new(0.1), o)
+                .await
+                .unwrap();
+            sh.save_sharded(&dir, &BTreeMap::new()).await.unwrap();
+            let index = dir.join("index.json");
+            let good = std::fs::read(&index).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&good).unwrap();
+            std::fs::remove_file(&index).unwrap();
+            let made = std::process::Command::new("mkfifo").arg(&index).status();
+            assert!(made.unwrap().success());
+            let fifo = sh.load_sharded(&dir).await.unwrap_err().to_string();
+            std::fs::remove_file(&index).unwrap();
+            std::fs::write(&index, &good).unwrap();
+            let shard = dir.join(v["files"][0].as_str().unwrap());
+            std::fs::remove_file(&shard).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", &shard).unwrap();
+            let zero = sh.load_sharded(&dir).await.unwrap_err().to_string();
+            let full = load_safetensors(&shard).unwrap_err().to_string();
+            vec![fifo, zero, full]
+        }
+    });
+    let _ = std::fs::remove_dir_all(&tmp);
+    out.into_iter().next().unwrap()
+}
