@@ -29,10 +29,29 @@ fn median_secs(iters: usize, mut f: impl FnMut()) -> f64 {
     t[t.len() / 2]
 }
 
-fn bench_dtype<T: Element>(bytes: usize, iters: usize, from: impl Fn(f32) -> T) -> (f64, f64) {
+/// `n` elements made by `f`, or an error naming the bytes when memory
+/// refuses them (the sizes come from the command line; the caller checked
+/// them against the available memory, and this catches what that missed).
+fn filled<T>(n: usize, f: impl FnMut(usize) -> T) -> Result<Vec<T>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        format!(
+            "cannot allocate a benchmark buffer of {} bytes: choose smaller sizes",
+            n.saturating_mul(size_of::<T>())
+        )
+    })?;
+    v.extend((0..n).map(f));
+    Ok(v)
+}
+
+fn bench_dtype<T: Element>(
+    bytes: usize,
+    iters: usize,
+    from: impl Fn(f32) -> T,
+) -> Result<(f64, f64), String> {
     let n = bytes / size_of::<T>();
-    let mut dst: Vec<T> = (0..n).map(|i| from((i % 7) as f32)).collect();
-    let src: Vec<T> = (0..n).map(|i| from((i % 5) as f32 * 0.5)).collect();
+    let mut dst: Vec<T> = filled(n, |i| from((i % 7) as f32))?;
+    let src: Vec<T> = filled(n, |i| from((i % 5) as f32 * 0.5))?;
     let sum = median_secs(iters, || {
         ReduceOp::Sum
             .apply(black_box(&mut dst[..]), black_box(&src[..]))
@@ -41,25 +60,25 @@ fn bench_dtype<T: Element>(bytes: usize, iters: usize, from: impl Fn(f32) -> T) 
     let copy = median_secs(iters, || {
         black_box(&mut dst[..]).copy_from_slice(black_box(&src[..]));
     });
-    (bytes as f64 / sum / 1e9, bytes as f64 / copy / 1e9)
+    Ok((bytes as f64 / sum / 1e9, bytes as f64 / copy / 1e9))
 }
 
 /// Runs the sweep and returns the table.
-pub(crate) fn reduce(sizes: &[usize], dtypes: &[DType], iters: usize) -> Table {
+pub(crate) fn reduce(sizes: &[usize], dtypes: &[DType], iters: usize) -> Result<Table, String> {
     let mut t = Table::new(&["dtype", "bytes", "sum_gbs", "memcpy_gbs", "ratio"]);
     for &bytes in sizes {
         for &dtype in dtypes {
             let (sum, copy) = match dtype {
-                DType::F32 => bench_dtype::<f32>(bytes, iters, |x| x),
-                DType::F16 => bench_dtype::<f16>(bytes, iters, f16::from_f32),
-                DType::BF16 => bench_dtype::<bf16>(bytes, iters, bf16::from_f32),
-                DType::F64 => bench_dtype::<f64>(bytes, iters, f64::from),
-                DType::I32 => bench_dtype::<i32>(bytes, iters, |x| x as i32),
-                DType::I64 => bench_dtype::<i64>(bytes, iters, |x| x as i64),
-                DType::U32 => bench_dtype::<u32>(bytes, iters, |x| x as u32),
-                DType::U64 => bench_dtype::<u64>(bytes, iters, |x| x as u64),
-                DType::I8 => bench_dtype::<i8>(bytes, iters, |x| x as i8),
-                DType::U8 => bench_dtype::<u8>(bytes, iters, |x| x as u8),
+                DType::F32 => bench_dtype::<f32>(bytes, iters, |x| x)?,
+                DType::F16 => bench_dtype::<f16>(bytes, iters, f16::from_f32)?,
+                DType::BF16 => bench_dtype::<bf16>(bytes, iters, bf16::from_f32)?,
+                DType::F64 => bench_dtype::<f64>(bytes, iters, f64::from)?,
+                DType::I32 => bench_dtype::<i32>(bytes, iters, |x| x as i32)?,
+                DType::I64 => bench_dtype::<i64>(bytes, iters, |x| x as i64)?,
+                DType::U32 => bench_dtype::<u32>(bytes, iters, |x| x as u32)?,
+                DType::U64 => bench_dtype::<u64>(bytes, iters, |x| x as u64)?,
+                DType::I8 => bench_dtype::<i8>(bytes, iters, |x| x as i8)?,
+                DType::U8 => bench_dtype::<u8>(bytes, iters, |x| x as u8)?,
             };
             t.push(vec![
                 json!(dtype.name()),
@@ -70,7 +89,7 @@ pub(crate) fn reduce(sizes: &[usize], dtypes: &[DType], iters: usize) -> Table {
             ]);
         }
     }
-    t
+    Ok(t)
 }
 
 /// Functional-mode all_reduce of `bytes` of f32 per rank across `world`
@@ -101,7 +120,9 @@ pub(crate) async fn sim_all_reduce(
             let mut cfg = SimConfig::new(world);
             cfg.record_trace = false;
             let sim = SimWorld::new(cfg)?;
-            let bufs: Vec<Vec<f32>> = (0..world).map(|r| vec![r as f32; n]).collect();
+            let bufs: Vec<Vec<f32>> = (0..world)
+                .map(|r| filled(n, |_| r as f32))
+                .collect::<Result<_, _>>()?;
             let start = Instant::now();
             let tasks: Vec<_> = sim
                 .ranks()
@@ -130,8 +151,8 @@ pub(crate) async fn sim_all_reduce(
         let secs = times[times.len() / 2];
         let algbw = bytes as f64 / secs / 1e9;
         let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
-        let src = vec![1u8; bytes];
-        let mut dst = vec![0u8; bytes];
+        let src = filled(bytes, |_| 1u8)?;
+        let mut dst = filled(bytes, |_| 0u8)?;
         let copy = median_secs(iters.max(3), || dst.copy_from_slice(black_box(&src)));
         t.push(vec![
             json!(world),
@@ -298,4 +319,19 @@ pub(crate) fn sampler(
         json!(peak_rss() as f64 / (1 << 20) as f64),
     ]);
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_memory_refuses_is_an_error_not_an_abort() {
+        let e = filled::<u64>(usize::MAX / 4, |_| 0).unwrap_err();
+        assert!(
+            e.contains("cannot allocate") && e.contains("smaller sizes"),
+            "{e}"
+        );
+        assert_eq!(filled(3, |i| i as u8).unwrap(), vec![0, 1, 2]);
+    }
 }

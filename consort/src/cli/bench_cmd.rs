@@ -193,7 +193,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             check_memory("bench reduce", largest * 3, "choose smaller --sizes")?;
             let t: Table =
                 tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
-                    .await?;
+                    .await??;
             print!("{}", t.render(json));
         }
         Some(BenchCommand::SimAllReduce {
