@@ -3,11 +3,7 @@
 //! never a panic, an abort on allocation or a loop. Each run is a child
 //! with a deadline.
 
-use std::{
-    path::PathBuf,
-    process::{Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::{path::PathBuf, process::Command, time::Duration};
 
 fn consort() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_consort"))
@@ -15,32 +11,10 @@ fn consort() -> PathBuf {
 
 /// Runs `consort args`; (ended by itself, success, stderr).
 fn run(args: &[&str]) -> (bool, bool, String) {
-    let mut child = Command::new(consort())
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            use std::io::Read;
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            return (true, status.success(), err);
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (false, false, String::new());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut cmd = Command::new(consort());
+    cmd.args(args);
+    let e = consort_tests::child::run_within(&mut cmd, Duration::from_secs(30));
+    (e.by_itself, e.ok, e.stderr)
 }
 
 #[test]

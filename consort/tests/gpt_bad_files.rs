@@ -12,8 +12,8 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Command, Stdio},
-    time::{Duration, Instant},
+    process::Command,
+    time::Duration,
 };
 
 use consort::ddp::{load_safetensors, save_safetensors};
@@ -43,37 +43,19 @@ fn out_dir(name: &str) -> PathBuf {
 /// `dir`; kills the run after a minute. (finished by itself, success,
 /// stderr)
 fn run(dir: &Path, steps: &str) -> (bool, bool, String) {
-    let mut child = Command::new(gpt_bin())
-        .args([
-            "--world-size",
-            "2",
-            "--batch-size",
-            "2",
-            "--checkpoint-every",
-        ])
-        .args(["2", "--steps", steps, "--out"])
-        .arg(dir)
-        .env_remove("RANK")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            use std::io::Read;
-            let mut stderr = child.stderr.take().unwrap();
-            stderr.read_to_string(&mut err).unwrap();
-            return (true, status.success(), err);
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (false, false, String::new());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut cmd = Command::new(gpt_bin());
+    cmd.args([
+        "--world-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--checkpoint-every",
+    ])
+    .args(["2", "--steps", steps, "--out"])
+    .arg(dir)
+    .env_remove("RANK");
+    let e = consort_tests::child::run_within(&mut cmd, Duration::from_secs(60));
+    (e.by_itself, e.ok, e.stderr)
 }
 
 /// A 2-step run's output, then `spoil` applied to its directory.

@@ -11,8 +11,8 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
-    time::{Duration, Instant},
+    process::Command,
+    time::Duration,
 };
 
 use consort::ddp::{load_safetensors, save_safetensors};
@@ -41,35 +41,10 @@ fn out_dir(name: &str) -> PathBuf {
 /// Runs the trainer with `args` on `dir`; kills it after `within`.
 /// Returns (finished by itself, success, stderr).
 fn run(dir: &Path, args: &[&str], within: Duration) -> (bool, bool, String) {
-    let mut child = Command::new(train_bin())
-        .args(args)
-        .arg("--out")
-        .arg(dir)
-        .env_remove("RANK")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            use std::io::Read;
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            return (true, status.success(), err);
-        }
-        if start.elapsed() > within {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (false, false, String::new());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut cmd = Command::new(train_bin());
+    cmd.args(args).arg("--out").arg(dir).env_remove("RANK");
+    let e = consort_tests::child::run_within(&mut cmd, within);
+    (e.by_itself, e.ok, e.stderr)
 }
 
 /// A one-epoch run's checkpoint with `edit` applied to its metadata.

@@ -19,6 +19,7 @@ use consort_comm::{
     half::{bf16, f16},
 };
 
+pub mod child;
 pub mod faults;
 pub use proptest;
 

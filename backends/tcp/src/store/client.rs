@@ -384,7 +384,9 @@ async fn dial(addr: &str, within: Duration) -> StoreResult<TcpStream> {
     let mut dns_said = false;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let (reason, unresolved) = match timeout(left.min(DNS_GRACE), tokio::net::lookup_host(addr)).await {
+        let (reason, unresolved) = match timeout(left.min(DNS_GRACE), tokio::net::lookup_host(addr))
+            .await
+        {
             Ok(Ok(addrs)) => {
                 let addrs: Vec<_> = addrs.collect();
                 let attempt = timeout(
