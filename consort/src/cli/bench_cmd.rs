@@ -202,28 +202,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             iters,
             json,
         }) => {
-            if world_size == 0 || world_size > consort::MAX_LOCAL_WORLD_SIZE {
-                return Err(format!(
-                    "--world-size {world_size}: expected 1 to {} (simulated ranks in this process)",
-                    consort::MAX_LOCAL_WORLD_SIZE
-                )
-                .into());
-            }
-            for &b in &size.0 {
-                if b == 0 || b % 4 != 0 {
-                    return Err(format!(
-                        "--size {b}: expected a whole number of f32 elements (a positive \
-                         multiple of 4 bytes), like 64M"
-                    )
-                    .into());
-                }
-            }
-            let largest = size.0.iter().copied().max().unwrap_or(0) as u128;
-            check_memory(
-                "bench sim-all-reduce",
-                largest * world_size as u128 * 2,
-                "choose a smaller --size or --world-size",
-            )?;
+            check_sim_all_reduce(&size.0, world_size)?;
             let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
             print!("{}", t.render(json));
         }
@@ -288,22 +267,47 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
                 print!("{}", t.render(json));
             }
         }
-        Some(BenchCommand::Loopback { size, json }) => {
-            let bytes = size.0.first().copied().unwrap_or(1 << 30);
-            check_memory(
-                "bench loopback",
-                bytes as u128 * 2,
-                "choose a smaller --size",
-            )?;
-            let t = tokio::task::spawn_blocking(move || {
-                bench::loopback(bytes).map_err(|e| e.to_string())
-            })
-            .await??;
-            print!("{}", t.render(json));
-        }
+        Some(BenchCommand::Loopback { size, json }) => loopback(&size, json).await?,
         None => collectives(args).await?,
     }
     Ok(())
+}
+
+/// `consort bench loopback`: the loopback TCP ceiling, once its buffers fit.
+async fn loopback(size: &SizeList, json: bool) -> Result<(), BoxError> {
+    let bytes = size.0.first().copied().unwrap_or(1 << 30);
+    check_memory(
+        "bench loopback",
+        bytes as u128 * 2,
+        "choose a smaller --size",
+    )?;
+    let t = tokio::task::spawn_blocking(move || bench::loopback(bytes).map_err(|e| e.to_string()))
+        .await??;
+    print!("{}", t.render(json));
+    Ok(())
+}
+
+/// `bench sim-all-reduce`'s world and sizes, and whether its buffers fit:
+/// every simulated rank holds each size in this process, as f32.
+fn check_sim_all_reduce(sizes: &[usize], world_size: usize) -> Result<(), String> {
+    if world_size == 0 || world_size > consort::MAX_LOCAL_WORLD_SIZE {
+        return Err(format!(
+            "--world-size {world_size}: expected 1 to {} (simulated ranks in this process)",
+            consort::MAX_LOCAL_WORLD_SIZE
+        ));
+    }
+    if let Some(b) = sizes.iter().find(|&&b| b == 0 || b % 4 != 0) {
+        return Err(format!(
+            "--size {b}: expected a whole number of f32 elements (a positive multiple of 4 \
+             bytes), like 64M"
+        ));
+    }
+    let largest = sizes.iter().copied().max().unwrap_or(0) as u128;
+    check_memory(
+        "bench sim-all-reduce",
+        largest * world_size as u128 * 2,
+        "choose a smaller --size or --world-size",
+    )
 }
 
 /// The synthetic model of `bench ddp` and `bench sharded`: at least one
