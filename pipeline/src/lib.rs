@@ -14,6 +14,8 @@
 //!
 //! This crate depends on `consort-comm` alone.
 
+pub mod runtime;
 pub mod schedule;
 
+pub use runtime::{PipelineError, PipelineRuntime, Stage, StepOutput, Tensor};
 pub use schedule::{Action, Kind, Schedule, ScheduleError, ScheduleKind, Step};
