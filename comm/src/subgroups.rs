@@ -113,12 +113,26 @@ impl ProcessGroup {
     /// (not sorted); the lists must not overlap. Ranks no list names get
     /// `None`.
     pub async fn split_group(&self, split_ranks: &[Vec<usize>]) -> Result<Option<ProcessGroup>> {
+        let opts = GroupOptions {
+            sort_ranks: false,
+            timeout: None,
+        };
+        self.split_group_with(split_ranks, &opts).await
+    }
+
+    /// `split_group` with [`GroupOptions`]: `sort_ranks` sorts each list
+    /// (as `new_group` would), `timeout` is every new group's default.
+    pub async fn split_group_with(
+        &self,
+        split_ranks: &[Vec<usize>],
+        opts: &GroupOptions,
+    ) -> Result<Option<ProcessGroup>> {
         self.own_calls("split_group")?;
-        let lists = self.check_disjoint(split_ranks, false)?;
+        let lists = self.check_disjoint(split_ranks, opts.sort_ranks)?;
         self.agree("split_group", &lists).await?;
         let mut mine = None;
         for l in &lists {
-            if let Some(g) = self.make(l, None).await? {
+            if let Some(g) = self.make(l, opts.timeout).await? {
                 mine = Some(g);
             }
         }
