@@ -14,6 +14,7 @@
 //!
 //! This crate depends on `consort-comm` alone.
 
+pub mod cost;
 pub mod runtime;
 pub mod schedule;
 

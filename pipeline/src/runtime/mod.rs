@@ -96,6 +96,14 @@ pub trait Stage<T: Element>: Send {
         async { Ok(()) }
     }
 
+    /// After each of this stage's actions, before its results move on: a
+    /// stage whose compute runs elsewhere (a device stream, a simulated
+    /// clock) waits for it here. The default does nothing.
+    fn settle(&mut self, action: &Action) -> impl Future<Output = Result<(), StageError>> + Send {
+        let _ = action;
+        async { Ok(()) }
+    }
+
     /// After the stage's last backward in a step (torch's `REDUCE_GRAD`):
     /// multiply the accumulated gradients by `scale` (`1 / microbatches`,
     /// so that they are the batch mean when the loss is a microbatch
@@ -504,6 +512,16 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
         })
     }
 
+    /// The stage's [`Stage::settle`] after `a`.
+    async fn settle(&mut self, a: &Action) -> Result<(), PipelineError> {
+        let stage = self
+            .stages
+            .get_mut(&a.stage)
+            .expect("a rank's list names only its stages");
+        let r = stage.settle(a).await;
+        r.map_err(|e| self.stage_err(describe(a), e))
+    }
+
     async fn act(&mut self, a: &Action, d: &mut StepData<T>) -> Result<(), PipelineError> {
         let (s, mb) = (a.stage, a.microbatch);
         let last = self.schedule.num_stages() - 1;
@@ -520,6 +538,7 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
                     .expect("a rank's list names only its stages");
                 let outs = stage.forward(mb, inputs);
                 let outs = outs.map_err(|e| self.stage_err(describe(a), e))?;
+                self.settle(a).await?;
                 d.out_shapes
                     .insert((s, mb), outs.iter().map(|t| t.shape.clone()).collect());
                 if s == last {
@@ -546,6 +565,7 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
                     stage.backward_input(mb, grads)
                 };
                 let input_grads = r.map_err(|e| self.stage_err(describe(a), e))?;
+                self.settle(a).await?;
                 if s > 0 {
                     self.deliver(Msg::Grad { stage: s - 1, mb }, input_grads, a)?;
                 }
@@ -554,6 +574,7 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
                 let stage = self.stages.get_mut(&s).expect("held");
                 let r = stage.backward_weight(mb);
                 r.map_err(|e| self.stage_err(describe(a), e))?;
+                self.settle(a).await?;
             }
         }
         Ok(())

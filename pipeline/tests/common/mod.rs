@@ -141,6 +141,11 @@ impl MlpStage {
         self.grads = zeroed(&self.layers);
     }
 
+    /// Microbatches whose activations this stage keeps.
+    pub fn held(&self) -> usize {
+        self.saved.len() + self.owed.len()
+    }
+
     /// The full parameters (gathered for FSDP by the caller).
     pub fn params(&self) -> Vec<f64> {
         flat(&self.layers)

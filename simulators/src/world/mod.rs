@@ -206,6 +206,9 @@ struct Call {
     /// Whether the call's start event has been processed (before that,
     /// arriving frames wait in the engine's mailbox).
     started: bool,
+    /// The host time it was made at: it starts no earlier (nor before the
+    /// call ahead of it on the stream ends).
+    issued: u64,
     group: GroupId,
     /// World rank of each group rank.
     members: Arc<[usize]>,

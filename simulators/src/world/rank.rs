@@ -220,10 +220,12 @@ impl SimRank {
         let begun = rank.engine.begin(self.group, req.shape)?;
         rank.calls += 1;
         let id = rank.calls;
+        let issued = rank.host;
         rank.queue.push_back(Call {
             id,
             eid: begun.id,
             started: false,
+            issued,
             group: self.group,
             members: self.members.clone(),
             fp: begun.fp,

@@ -396,7 +396,9 @@ impl State {
         let Some(call) = rank.queue.pop_front() else {
             return;
         };
-        let start = t.max(rank.clock).max(rank.host);
+        // A call made before the host computed on (a send queued behind
+        // another) starts when it was made, not after that computation.
+        let start = t.max(rank.clock).max(call.issued);
         let (id, eid, timeout) = (call.id, call.eid, call.timeout);
         rank.call = Some(call);
         // The engine's clock, on virtual time: the call probes its group
