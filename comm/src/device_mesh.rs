@@ -47,8 +47,10 @@ pub use layout::MeshLayout;
 
 use crate::{CommError, ErrorContext, GroupOptions, ProcessGroup, Result, lock};
 
-/// A flattened dim registered on the root mesh: its name and its mesh.
-type Flattened = Vec<(String, DeviceMesh)>;
+/// A flattened dim registered on the root mesh: its name, its layout and
+/// this rank's group along it (not its `DeviceMesh`, which would hold the
+/// root and never be freed).
+type Flattened = Vec<(String, MeshLayout, ProcessGroup)>;
 
 /// What a root mesh and every mesh made from it share.
 #[derive(Debug)]
@@ -239,16 +241,25 @@ impl DeviceMesh {
         Ok(self.get_group(name)?.rank())
     }
 
+    /// The dim flattened on the root mesh under `name`, as a 1-D mesh.
     fn flattened(&self, name: &str) -> Option<DeviceMesh> {
         let map = lock(&self.root.flattened);
-        map.iter().find(|(n, _)| n == name).map(|(_, m)| m.clone())
+        let (_, layout, group) = map.iter().find(|(n, ..)| n == name)?;
+        Some(DeviceMesh {
+            parent: self.parent.clone(),
+            layout: layout.clone(),
+            names: vec![name.to_string()],
+            groups: vec![group.clone()],
+            root: self.root.clone(),
+            is_root: false,
+        })
     }
 
     fn dim_of(&self, name: &str) -> Result<usize> {
         self.names.iter().position(|n| n == name).ok_or_else(|| {
             let flat: Vec<String> = lock(&self.root.flattened)
                 .iter()
-                .map(|(n, _)| n.clone())
+                .map(|(n, ..)| n.clone())
                 .collect();
             refuse(
                 self.rank(),
@@ -305,7 +316,7 @@ impl DeviceMesh {
     fn slice_unknown(&self, name: &str) -> CommError {
         let flat: Vec<String> = lock(&self.root.flattened)
             .iter()
-            .map(|(n, _)| n.clone())
+            .map(|(n, ..)| n.clone())
             .collect();
         let extra = if self.is_root {
             format!(" and the flattened {flat:?}")
@@ -357,7 +368,8 @@ impl DeviceMesh {
             root: self.root.clone(),
             is_root: false,
         };
-        lock(&self.root.flattened).push((name, flat.clone()));
+        let entry = (name, flat.layout.clone(), flat.groups[0].clone());
+        lock(&self.root.flattened).push(entry);
         Ok(flat)
     }
 
