@@ -74,3 +74,21 @@ fn bad_shapes_ranks_and_names_are_refused() {
     let e = check_names(3, 2, &["a", "a"], &[]).unwrap_err().to_string();
     assert!(e.contains("rank 3") && e.contains("unique"), "{e}");
 }
+
+#[test]
+fn hsdps_mesh_has_the_hand_made_groups() {
+    // HSDP's [world / g, g] ("replicate", "shard"): shard groups are the
+    // blocks of g consecutive ranks, replica groups every g-th rank.
+    for world in 1..=12 {
+        for g in (1..=world).filter(|g| world % g == 0) {
+            let l = MeshLayout::row_major(&[world / g, g]).unwrap();
+            let blocks: Vec<Vec<usize>> = (0..world / g)
+                .map(|b| (b * g..(b + 1) * g).collect())
+                .collect();
+            let strided: Vec<Vec<usize>> =
+                (0..g).map(|j| (j..world).step_by(g).collect()).collect();
+            assert_eq!(l.groups(1).unwrap(), blocks, "world {world} g {g}");
+            assert_eq!(l.groups(0).unwrap(), strided, "world {world} g {g}");
+        }
+    }
+}

@@ -53,7 +53,9 @@ pub(crate) mod vals;
 
 use std::{collections::HashMap, fmt, sync::Arc, time::Duration};
 
-use consort_comm::{Backend, CallOptions, DType, Placement};
+use consort_comm::{
+    Backend, CallOptions, DType, DeviceMesh, GroupOptions, Placement, ProcessGroup,
+};
 
 pub use kernels::{DeviceStep, ShardKernels, StagedKernels, staged_cast, staged_unscale};
 pub use layout::{Flat, Layout, Segment};
@@ -566,7 +568,11 @@ async fn agree_placed(
 }
 
 /// The group the shards live on: the world, or (HSDP) this rank's group of
-/// `shard_size` consecutive ranks, with its replica group beside it.
+/// `shard_size` consecutive ranks, with its replica group beside it: the
+/// two dims of a 2-D [`DeviceMesh`] `[world / shard_size, shard_size]`
+/// named `("replicate", "shard")`, as torch's HSDP takes them from
+/// `init_device_mesh(..., (replicas, shard_size), mesh_dim_names=("replicate",
+/// "shard"))`.
 async fn make_groups(
     backend: &Arc<dyn Backend>,
     strategy: Strategy,
@@ -582,34 +588,31 @@ async fn make_groups(
             replicas: None,
         });
     };
-    let mut shard = None;
-    for start in (0..world).step_by(g) {
-        let ranks: Vec<usize> = (start..start + g).collect();
-        let made = backend.new_group(&ranks, call).await.map_err(comm(
-            rank,
-            strategy,
-            format!("new_group of shard group {ranks:?}"),
-        ))?;
-        shard = shard.or(made);
-    }
-    let mut replicas = None;
-    for j in 0..g {
-        let ranks: Vec<usize> = (j..world).step_by(g).collect();
-        let made = backend.new_group(&ranks, call).await.map_err(comm(
-            rank,
-            strategy,
-            format!("new_group of replica group {ranks:?}"),
-        ))?;
-        replicas = replicas.or(made);
-    }
-    let missing = || DdpError::Usage {
-        rank,
-        reason: "the backend made no HSDP group holding this rank".into(),
+    let opts = GroupOptions {
+        timeout: call.timeout,
+        ..GroupOptions::default()
     };
+    let shape = [world / g, g];
+    let pg = ProcessGroup::new(backend.clone());
+    let mesh = DeviceMesh::init_with(&pg, &shape, &["replicate", "shard"], &opts)
+        .await
+        .map_err(comm(
+            rank,
+            strategy,
+            format!("the HSDP device mesh {shape:?}"),
+        ))?;
+    let group = |name: &str| {
+        (mesh.get_group(name)).map_err(comm(
+            rank,
+            strategy,
+            format!("the HSDP mesh's {name} group"),
+        ))
+    };
+    let shard = group("shard")?;
     Ok(ShardGroup {
-        pg: shard.ok_or_else(missing)?,
-        index: rank % g,
-        replicas: Some(replicas.ok_or_else(missing)?),
+        index: shard.rank(),
+        pg: shard.backend().clone(),
+        replicas: Some(group("replicate")?.backend().clone()),
     })
 }
 
