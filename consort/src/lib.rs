@@ -25,9 +25,9 @@ mod init;
 pub mod launch;
 
 pub use consort_comm::{
-    Backend, Buffer, BufferMut, CallOptions, CommError, DType, Device, DeviceBuffer, Element,
-    ErrorContext, Fingerprint, GroupId, OpKind, Placement, ProcessGroup, ReduceOp, Result, dtype,
-    half, store, with_dtype,
+    Backend, Buffer, BufferMut, CallOptions, CommError, DType, Device, DeviceBuffer, DeviceMesh,
+    Element, ErrorContext, Fingerprint, GroupId, OpKind, Placement, ProcessGroup, ReduceOp, Result,
+    dtype, half, store, with_dtype,
 };
 pub use consort_tcp::{Secret, ServerOptions, TcpStore, TcpStoreOptions, TcpStoreServer};
 
@@ -43,6 +43,9 @@ pub use consort_ddp as ddp;
 /// The NCCL backend (feature `nccl`).
 #[cfg(feature = "nccl")]
 pub use consort_nccl as nccl;
+/// Pipeline parallelism: torch's seven schedules, their cost model, and a
+/// runtime that runs a rank's stages over any backend.
+pub use consort_pipeline as pipeline;
 /// The QUIC backend (feature `quic`, off by default).
 #[cfg(feature = "quic")]
 pub use consort_quic as quic;

@@ -25,6 +25,7 @@
 mod canvas;
 mod data;
 mod model;
+mod pipe;
 
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Instant};
 
@@ -74,6 +75,24 @@ struct Args {
     /// Steps between checkpoints.
     #[arg(long, default_value_t = 50)]
     checkpoint_every: usize,
+    /// Pipeline stages' ranks: split the model's blocks into a pipeline
+    /// (with `--dp`, on a (dp, pp) mesh). Without it: DDP.
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Pipeline replicas (data parallel across pipelines), with `--pp`.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Microbatches per step, with `--pp`.
+    #[arg(long, default_value_t = 4)]
+    microbatches: usize,
+    /// Pipeline schedule, with `--pp` (torch's names: GPipe, 1F1B,
+    /// Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+    /// DualPipeV; multi-stage ones hold two stages per rank).
+    #[arg(long, default_value = "1F1B")]
+    schedule: consort::pipeline::ScheduleKind,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
 }
 
 fn main() -> std::process::ExitCode {
@@ -98,12 +117,16 @@ fn run(args: Args) -> Result<(), BoxError> {
         args.context,
         args.world_size,
         args.checkpoint_every,
+        args.dp,
+        args.microbatches,
+        args.layers,
+        args.pp.unwrap_or(1),
     ]
     .contains(&0)
     {
         return Err(
-            "--steps, --batch-size, --context, --world-size and --checkpoint-every must be at \
-             least 1"
+            "--steps, --batch-size, --context, --world-size, --checkpoint-every, --pp, --dp, \
+             --microbatches and --layers must be at least 1"
                 .into(),
         );
     }
@@ -117,7 +140,8 @@ fn run(args: Args) -> Result<(), BoxError> {
     rt.block_on(async move {
         match backend.as_str() {
             "sim" => {
-                let world = SimWorld::new(SimConfig::new(args.world_size))?;
+                let n = args.pp.map_or(args.world_size, |pp| pp * args.dp);
+                let world = SimWorld::new(SimConfig::new(n))?;
                 for t in world.spawn_each(|r| train(Arc::new(r), args.clone())) {
                     t.await??;
                 }
@@ -139,15 +163,18 @@ fn run(args: Args) -> Result<(), BoxError> {
 /// One rank's training.
 async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
     let (r, world) = (rank.rank(), rank.world_size());
-    let pg = ProcessGroup::new(rank.clone());
-    let device = Device::default().autodiff();
     let sizes = model::Sizes {
         vocab: data::VOCAB.len(),
         context: args.context,
         d_model: 64,
         heads: 4,
-        layers: 2,
+        layers: args.layers,
     };
+    if args.pp.is_some() {
+        return pipe::train(rank, args, sizes).await;
+    }
+    let pg = ProcessGroup::new(rank.clone());
+    let device = Device::default().autodiff();
     let net = model::Gpt::new(sizes, &device);
     let mut host = BurnModel::from_module(&net)?;
     let (ckpt, metrics) = (
@@ -374,13 +401,9 @@ impl Windows {
         })
     }
 
-    /// Step `step`'s inputs and targets, `[batch, context]` token ids.
-    fn batch(
-        &mut self,
-        step: usize,
-        args: &Args,
-        device: &Device,
-    ) -> Result<(Tensor<2, Int>, Tensor<2, Int>), BoxError> {
+    /// Step `step`'s inputs and targets, `[batch, context]` token ids,
+    /// row-major.
+    fn raw(&mut self, step: usize, args: &Args) -> Result<(Vec<i64>, Vec<i64>), BoxError> {
         if step / self.per_epoch != self.epoch {
             self.epoch = step / self.per_epoch;
             self.sampler.set_epoch(self.epoch as u64);
@@ -388,7 +411,17 @@ impl Windows {
         }
         let k = step % self.per_epoch * args.batch_size;
         let picks = &self.picks[k..k + args.batch_size];
-        let (x, y) = data::batch(&self.corpus, picks, args.context, self.stride);
+        Ok(data::batch(&self.corpus, picks, args.context, self.stride))
+    }
+
+    /// Step `step`'s inputs and targets, `[batch, context]` token ids.
+    fn batch(
+        &mut self,
+        step: usize,
+        args: &Args,
+        device: &Device,
+    ) -> Result<(Tensor<2, Int>, Tensor<2, Int>), BoxError> {
+        let (x, y) = self.raw(step, args)?;
         let shape = [args.batch_size, args.context];
         Ok((
             Tensor::<2, Int>::from_data(TensorData::new(x, shape), device),
