@@ -9,7 +9,7 @@
 mod common;
 
 use common::{Dp, Layer, MlpStage, layers, run_sim};
-use consort_comm::ProcessGroup;
+use consort_comm::{DeviceMesh, ProcessGroup};
 use consort_pipeline::{PipelineRuntime, Schedule, ScheduleKind, Stage, Tensor, runtime::split};
 use consort_sim::SimConfig;
 use proptest::prelude::*;
@@ -161,15 +161,10 @@ fn reference(c: &Case) -> (Vec<Layer>, Vec<f64>) {
 /// This rank's groups on the (dp, pp) mesh: pp innermost, as torch's
 /// `init_device_mesh(..., (dp, pp), mesh_dim_names=("dp", "pp"))`.
 async fn groups(world: &ProcessGroup, c: &Case) -> (ProcessGroup, ProcessGroup) {
-    let pp_lists: Vec<Vec<usize>> = (0..c.dp)
-        .map(|d| (d * c.pp..(d + 1) * c.pp).collect())
-        .collect();
-    let dp_lists: Vec<Vec<usize>> = (0..c.pp)
-        .map(|p| (p..c.dp * c.pp).step_by(c.pp).collect())
-        .collect();
-    let pp = world.split_group(&pp_lists).await.unwrap().unwrap();
-    let dp = world.split_group(&dp_lists).await.unwrap().unwrap();
-    (pp, dp)
+    let mesh = DeviceMesh::init(world, &[c.dp, c.pp], &["dp", "pp"])
+        .await
+        .unwrap();
+    (mesh.get_group("pp").unwrap(), mesh.get_group("dp").unwrap())
 }
 
 /// Each rank's stages' final parameters, and rank 0's losses on each rank.

@@ -303,7 +303,9 @@ pub(crate) async fn train(
     let mut windows = Windows::new(&args, dp, replica)?;
     let report = rt.holds_last() && replica == 0;
     let begin = std::time::Instant::now();
+    let mut times = Vec::new();
     for step in 0..args.steps {
+        let t0 = std::time::Instant::now();
         let (x, y) = windows.raw(step, &args)?;
         let shape = vec![args.batch_size, args.context];
         let to_f32 =
@@ -316,6 +318,7 @@ pub(crate) async fn train(
         for st in rt.stages_mut().values_mut() {
             st.step(args.lr)?;
         }
+        times.push(t0.elapsed().as_secs_f64());
         if rt.holds_last() {
             let mut mean = [out.losses.iter().sum::<f64>() as f32 / out.losses.len().max(1) as f32];
             dp_pg.all_reduce(&mut mean, ReduceOp::Avg).await?;
@@ -332,12 +335,17 @@ pub(crate) async fn train(
         }
     }
     if report {
-        let per_step = begin.elapsed().as_secs_f64() / args.steps as f64;
+        // As scripts/torch_pipeline_gpt.py times torch: the median step
+        // after 5 warm-up steps.
+        let mut steady = times.get(5..).unwrap_or(&times).to_vec();
+        steady.sort_by(f64::total_cmp);
+        let median = steady.get(steady.len() / 2).copied().unwrap_or(f64::NAN);
         println!(
-            "pipeline {} over {pp} stages x {dp} replicas, {} microbatches: {:.1} ms a step",
+            "pipeline {} over {pp} stages x {dp} replicas, {} microbatches: {:.1} ms a step \
+             (median after 5 warm-up steps)",
             args.schedule,
             args.microbatches,
-            per_step * 1e3
+            median * 1e3
         );
     }
     Ok(())
