@@ -27,7 +27,11 @@ fn stages(schedule: &Schedule, rank: usize, width: usize) -> Vec<(usize, MlpStag
 }
 
 fn batch(rows: usize, width: usize) -> Tensor<f64> {
-    Tensor::new(vec![rows, width], (0..rows * width).map(|i| i as f64 / 10.0).collect()).unwrap()
+    Tensor::new(
+        vec![rows, width],
+        (0..rows * width).map(|i| i as f64 / 10.0).collect(),
+    )
+    .unwrap()
 }
 
 /// Runs `steps` steps of `kind` on `pp` simulated ranks; each rank's
@@ -50,7 +54,11 @@ fn run(cfg: SimConfig, kind: ScheduleKind, pp: usize, steps: usize) -> Vec<Optio
 
 #[test]
 fn a_rank_that_dies_mid_schedule_is_named_on_every_survivor() {
-    for kind in [ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B, ScheduleKind::DualPipeV] {
+    for kind in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::DualPipeV,
+    ] {
         let cfg = SimConfig::new(4)
             .timeout(Duration::from_secs(5))
             .fault(Fault::Crash {
@@ -62,10 +70,16 @@ fn a_rank_that_dies_mid_schedule_is_named_on_every_survivor() {
             if rank == 1 {
                 continue;
             }
-            let e = e.as_deref().unwrap_or_else(|| panic!("{kind}: rank {rank} did not fail"));
-            assert!(e.contains(&format!("pipeline rank {rank}")), "{kind} rank {rank}: {e}");
+            let e = e
+                .as_deref()
+                .unwrap_or_else(|| panic!("{kind}: rank {rank} did not fail"));
             assert!(
-                e.contains("rank 1") && (e.contains("lost") || e.contains("crash") || e.contains("reset")),
+                e.contains(&format!("pipeline rank {rank}")),
+                "{kind} rank {rank}: {e}"
+            );
+            assert!(
+                e.contains("rank 1")
+                    && (e.contains("lost") || e.contains("crash") || e.contains("reset")),
                 "{kind}: rank {rank} does not name the dead rank 1: {e}"
             );
         }
@@ -74,26 +88,38 @@ fn a_rank_that_dies_mid_schedule_is_named_on_every_survivor() {
 
 #[test]
 fn a_stage_error_names_its_stage_microbatch_and_action() {
-    let out = run_sim(SimConfig::new(2).timeout(Duration::from_secs(5)), |r| async move {
-        let pg = ProcessGroup::new(r);
-        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
-        let mut st = stages(&schedule, pg.rank(), 3);
-        if pg.rank() == 1 {
-            // Stage 1 expects 3 features; its input will have them, but the
-            // target has the wrong width: the loss fails on microbatch 0.
-            st[0].1 = MlpStage::new(layers(&[3, 3], 1), true, Dp::None);
-        }
-        let mut rt = PipelineRuntime::new(pg, schedule, st).unwrap();
-        let first = rt.step(Some(&batch(4, 3)), Some(&batch(4, 2))).await;
-        let again = rt.step(Some(&batch(4, 3)), Some(&batch(4, 2))).await;
-        (first.err().map(|e| e.to_string()), again.err().map(|e| e.to_string()))
-    });
+    let out = run_sim(
+        SimConfig::new(2).timeout(Duration::from_secs(5)),
+        |r| async move {
+            let pg = ProcessGroup::new(r);
+            let schedule = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+            let mut st = stages(&schedule, pg.rank(), 3);
+            if pg.rank() == 1 {
+                // Stage 1 expects 3 features; its input will have them, but the
+                // target has the wrong width: the loss fails on microbatch 0.
+                st[0].1 = MlpStage::new(layers(&[3, 3], 1), true, Dp::None);
+            }
+            let mut rt = PipelineRuntime::new(pg, schedule, st).unwrap();
+            let first = rt.step(Some(&batch(4, 3)), Some(&batch(4, 2))).await;
+            let again = rt.step(Some(&batch(4, 3)), Some(&batch(4, 2))).await;
+            (
+                first.err().map(|e| e.to_string()),
+                again.err().map(|e| e.to_string()),
+            )
+        },
+    );
     let (first, again) = &out[1];
     let first = first.as_deref().unwrap();
-    assert!(first.contains("pipeline rank 1") && first.contains("loss of forward 1F0"), "{first}");
+    assert!(
+        first.contains("pipeline rank 1") && first.contains("loss of forward 1F0"),
+        "{first}"
+    );
     assert!(first.contains("stage 1, microbatch 0"), "{first}");
     // Sticky: the next step reports the first failure.
-    assert!(again.as_deref().unwrap().contains("an earlier step failed"), "{again:?}");
+    assert!(
+        again.as_deref().unwrap().contains("an earlier step failed"),
+        "{again:?}"
+    );
 }
 
 #[test]
@@ -122,6 +148,10 @@ fn arguments_the_runtime_cannot_use_are_refused_before_any_call() {
     for errs in &out {
         assert!(errs[0].contains("3 pipeline ranks"), "{}", errs[0]);
         assert!(errs[1].contains("holds stages"), "{}", errs[1]);
-        assert!(errs[2].contains("cannot be split into 4 microbatches"), "{}", errs[2]);
+        assert!(
+            errs[2].contains("cannot be split into 4 microbatches"),
+            "{}",
+            errs[2]
+        );
     }
 }
