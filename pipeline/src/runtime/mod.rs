@@ -355,6 +355,16 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
                             stage.unshard().await.map_err(|e| self.stage_err(at, e))?;
                         }
                         self.act(&a, &mut d).await?;
+                        // Sends still under way move on between actions
+                        // too, not only while this rank waits.
+                        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                        self.outbox
+                            .drive(&mut cx)
+                            .map_err(|(to, source)| PipelineError::Comm {
+                                rank: self.pg.rank(),
+                                at: format!("after {}: an earlier send to rank {to}", describe(&a)),
+                                source,
+                            })?;
                     }
                 }
             }
