@@ -240,6 +240,9 @@ impl Dist {
             flight_dir: std::env::var_os("CONSORT_FLIGHT_DIR")
                 .filter(|f| !f.is_empty())
                 .map(Into::into),
+            // torch's keys and split colours: nccl2 unless the job set
+            // TORCH_DIST_USE_NCCL2=0, as torch decides.
+            torch: consort_nccl::keys::TorchNccl::from_env(),
             ..Default::default()
         };
         if opts.flight_dir.is_some() {

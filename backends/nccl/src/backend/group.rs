@@ -45,7 +45,7 @@ impl NcclBackend {
             self.init_by_store(ranks, me, (parent, id), timeout, ctx0)
                 .await?
         } else if self.shared.device().nccl.comm_split.is_some() {
-            self.split(me, timeout, ctx0).await?
+            self.split(me, ranks, timeout, ctx0).await?
         } else {
             self.init_by_broadcast(ranks, me, timeout, ctx0).await?
         };
@@ -211,18 +211,25 @@ impl NcclBackend {
     /// is nonblocking: the split returns at once and is polled on the
     /// parent until `timeout`; a rank that never calls `new_group` leaves
     /// it in progress, and then the parent is aborted (under the lock) and
-    /// this rank stays failed. Members take color 0 and their group rank as
-    /// the key; the rest `NCCL_SPLIT_NOCOLOR` and get no communicator (0).
+    /// this rank stays failed. Members take torch's colour for the group
+    /// (`keys::split_color`: nccl2's `min(ranks)` or the classic
+    /// backend's tuple hash, so torch ranks splitting the same parent land
+    /// in the same communicator) and their group rank as the key; the rest
+    /// `NCCL_SPLIT_NOCOLOR` and get no communicator (0).
     async fn split(
         &self,
         me: Option<usize>,
+        ranks: &[usize],
         timeout: std::time::Duration,
         ctx0: ErrorContext,
     ) -> Result<usize> {
         let shared = self.shared.clone();
         let cctx = self.ctx.clone();
         let (color, key) = match me {
-            Some(me) => (0, me as c_int),
+            Some(me) => (
+                crate::keys::split_color(self.opts.torch, ranks) as c_int,
+                me as c_int,
+            ),
             None => (sys::SPLIT_NOCOLOR, 0),
         };
         let deadline = consort_comm::time::deadline(timeout);

@@ -47,7 +47,7 @@ use launch::{On, RedOp};
 use life::init_comm;
 
 use crate::{
-    keys::{UNIQUE_ID_BYTES, check_unique_id, unique_id_key},
+    keys::{UNIQUE_ID_BYTES, check_unique_id, torch_unique_id_key},
     map::{nccl_dtype, nccl_error, nccl_op, premul_scalar},
     probe::{load_nccl, probe_device},
     sys::{self, Comm, Nccl, Stream, result},
@@ -92,6 +92,11 @@ pub struct NcclOptions {
     /// make and its enqueue (the emulated device's `stall_enqueue_at`). A
     /// call made meanwhile on another thread waits for its turn.
     pub stall_enqueue_at: Option<(u64, Duration)>,
+    /// Whose store keys and split colours to use: torch 2.15's `"nccl"`
+    /// (nccl2, the default) or the classic ProcessGroupNCCL, so that this
+    /// rank can sit in a torch job's group (`crate::keys`).
+    /// `Dist::nccl_backend` follows torch's `TORCH_DIST_USE_NCCL2`.
+    pub torch: crate::keys::TorchNccl,
 }
 
 impl Default for NcclOptions {
@@ -106,6 +111,7 @@ impl Default for NcclOptions {
             flight_dir: None,
             blocking: false,
             stall_enqueue_at: None,
+            torch: crate::keys::TorchNccl::Nccl2,
         }
     }
 }
@@ -213,7 +219,7 @@ impl NcclBackend {
         };
         let ctx =
             CudaContext::new(device).map_err(|e| driver_error(ctx0, "context creation", e))?;
-        let key = unique_id_key(&opts.group, opts.counter);
+        let key = torch_unique_id_key(opts.torch, &opts.group, opts.counter);
         let store_err = |source| CommError::Store { ctx: ctx0, source };
         let id: [u8; UNIQUE_ID_BYTES] = if rank == 0 {
             let id = nccl
