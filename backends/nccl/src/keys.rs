@@ -17,7 +17,11 @@
 //! does not depend on `PYTHONHASHSEED` for integers). [`TorchNccl`] says
 //! which one a job runs; a consort rank uses its keys and colours, so it
 //! can sit in a torch job's group. The value is the raw 128-byte
-//! `ncclUniqueId` in both (to confirm against torch on a GPU).
+//! `ncclUniqueId` in both (torchcomms' `exchangeUniqueIdStore` sets and
+//! checks exactly `sizeof(ncclUniqueId)` bytes; to confirm against torch
+//! on a GPU). Newer torchcomms (after 2.15) key the id by the
+//! communicator's name instead of a count (`nccl_storekey_<name>`): a
+//! torch release that moves to it changes [`torch_unique_id_key`].
 //!
 //! A restarted round must not read the id the previous round left in the
 //! same store (the launcher's store lives across rounds): from the first
