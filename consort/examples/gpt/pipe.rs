@@ -335,18 +335,25 @@ pub(crate) async fn train(
         }
     }
     if report {
-        // As scripts/torch_pipeline_gpt.py times torch: the median step
-        // after 5 warm-up steps.
-        let mut steady = times.get(5..).unwrap_or(&times).to_vec();
-        steady.sort_by(f64::total_cmp);
-        let median = steady.get(steady.len() / 2).copied().unwrap_or(f64::NAN);
-        println!(
-            "pipeline {} over {pp} stages x {dp} replicas, {} microbatches: {:.1} ms a step \
-             (median after 5 warm-up steps)",
-            args.schedule,
-            args.microbatches,
-            median * 1e3
-        );
+        say_step_time(&args, (pp, dp), &mut times);
     }
     Ok(())
+}
+
+/// The median step after 5 warm-up steps, as scripts/torch_pipeline_gpt.py
+/// times torch.
+fn say_step_time(args: &Args, (pp, dp): (usize, usize), times: &mut Vec<f64>) {
+    let mut steady = times.split_off(times.len().min(5));
+    if steady.is_empty() {
+        steady = std::mem::take(times);
+    }
+    steady.sort_by(f64::total_cmp);
+    let median = steady.get(steady.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "pipeline {} over {pp} stages x {dp} replicas, {} microbatches: {:.1} ms a step \
+         (median after 5 warm-up steps)",
+        args.schedule,
+        args.microbatches,
+        median * 1e3
+    );
 }
