@@ -62,13 +62,13 @@ impl<'a> HostSlice<'a> {
 /// Checks that `bytes` can be viewed as elements of `dtype`.
 fn check_bytes(dtype: DType, bytes: &[u8]) -> Result<()> {
     let size = dtype.size_bytes();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(CommError::invalid(format!(
             "{} bytes are not a whole number of {dtype} elements ({size} bytes each)",
             bytes.len()
         )));
     }
-    if (bytes.as_ptr() as usize) % size != 0 {
+    if !(bytes.as_ptr() as usize).is_multiple_of(size) {
         return Err(CommError::invalid(format!(
             "the bytes are not aligned for {dtype}; use memory allocated as {dtype} (or wider)"
         )));

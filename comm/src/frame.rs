@@ -249,7 +249,7 @@ fn check_payload(
                 });
             }
             let size = dtype.size_bytes() as u64;
-            if payload_len % size != 0 {
+            if !payload_len.is_multiple_of(size) {
                 return Err(FrameError::Inconsistent(
                     "payload is not a whole number of elements",
                 ));

@@ -230,7 +230,7 @@ impl ReduceOp {
     pub fn apply_bytes(self, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<()> {
         self.check(dtype)?;
         let size = dtype.size_bytes();
-        if dst.len() != src.len() || dst.len() % size != 0 {
+        if dst.len() != src.len() || !dst.len().is_multiple_of(size) {
             return Err(CommError::invalid(format!(
                 "reduce {} needs two buffers of equal length in whole {dtype} elements; got {} \
                  and {} bytes",

@@ -75,7 +75,7 @@ impl ProcessGroup {
     /// group. Returns this rank's group and every block's ranks.
     pub async fn new_subgroups(&self, size: usize) -> Result<(ProcessGroup, Vec<Vec<usize>>)> {
         let world = self.world_size();
-        if size == 0 || world % size != 0 {
+        if size == 0 || !world.is_multiple_of(size) {
             return Err(CommError::invalid(format!(
                 "new_subgroups needs a group size that divides the world size {world}; got \
                  {size}"

@@ -89,7 +89,7 @@ pub fn splits(
 ) -> Result<Vec<usize>> {
     match sizes {
         None => {
-            if world_size == 0 || len % world_size != 0 {
+            if world_size == 0 || !len.is_multiple_of(world_size) {
                 return Err(CommError::invalid(format!(
                     "{side} of {len} elements cannot be split equally over {world_size} ranks; \
                      pass {side}_split_sizes"

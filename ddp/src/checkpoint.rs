@@ -65,7 +65,7 @@ pub fn to_safetensors_bytes(sd: &StateDict, metadata: &BTreeMap<String, String>)
         offset += t.data.len();
     }
     let mut head = Value::Object(header).to_string().into_bytes();
-    while head.len() % 8 != 0 {
+    while !head.len().is_multiple_of(8) {
         head.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + head.len() + offset);

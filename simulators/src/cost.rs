@@ -238,7 +238,9 @@ fn fold_for(algo: Algorithm, topo: &Topology) -> Fold {
         1
     };
     match algo {
-        Algorithm::Ring | Algorithm::Dissemination | Algorithm::Pairwise if n % period == 0 => {
+        Algorithm::Ring | Algorithm::Dissemination | Algorithm::Pairwise
+            if n.is_multiple_of(period) =>
+        {
             Fold::Translate(period)
         }
         Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling

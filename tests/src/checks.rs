@@ -476,7 +476,8 @@ fn object_of(r: usize, seed: u64) -> (String, Vec<u64>, Option<(i32, bool)>) {
     (
         format!("rank-{r}-{}", "x".repeat(r * 7 % 13)),
         (0..(r as u64 * 3 + seed % 5)).collect(),
-        (r % 2 == 0).then_some((-(r as i32), r % 3 == 0)),
+        r.is_multiple_of(2)
+            .then_some((-(r as i32), r.is_multiple_of(3))),
     )
 }
 

@@ -87,7 +87,9 @@ async fn check_mesh(pg: ProcessGroup, shape: Vec<usize>) {
         }
     }
     for (d, name) in names.iter().enumerate() {
-        let p = (2..shape[d]).find(|p| shape[d] % p == 0).unwrap_or(1);
+        let p = (2..shape[d])
+            .find(|p| shape[d].is_multiple_of(*p))
+            .unwrap_or(1);
         let sizes = [p, shape[d] / p];
         let u = mesh.unflatten(name, &sizes, &["a", "b"]).await.unwrap();
         let ul = layout.unflatten(d, &sizes).unwrap();

@@ -145,7 +145,7 @@ impl Queue {
         let r = self.u64_at(READ).load(Ordering::Relaxed);
         let w = self.u64_at(WRITE).load(Ordering::SeqCst);
         let avail = w.wrapping_sub(r);
-        if avail > self.cap as u64 || avail % 8 != 0 {
+        if avail > self.cap as u64 || !avail.is_multiple_of(8) {
             return Err(format!(
                 "the shared-memory queue from the peer is corrupt (write {w}, read {r})"
             ));

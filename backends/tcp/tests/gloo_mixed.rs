@@ -448,7 +448,7 @@ async fn run_step(pg: &ProcessGroup, s: &Value, step: usize, rank: usize, world:
                 buf: buf(dt, &mut r),
                 src: prv,
             };
-            if rank % 2 == 0 {
+            if rank.is_multiple_of(2) {
                 b.submit(send, &o).await.unwrap();
                 b.submit(recv, &o).await.unwrap();
             } else {

@@ -362,7 +362,7 @@ fn read_history(metrics: &std::path::Path) -> Result<History, BoxError> {
 fn progress(b: &indicatif::ProgressBar, step: usize, steps: usize, loss: f32, rate: f64) {
     b.set_message(format!("loss {loss:.3}, {rate:.0} tokens/s"));
     b.set_position(step as u64);
-    if step % 20 == 0 || step == steps {
+    if step.is_multiple_of(20) || step == steps {
         b.suspend(|| println!("step {step:>4}/{steps}: loss {loss:.4}, {rate:.0} tokens/s"));
     }
 }

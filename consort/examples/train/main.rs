@@ -473,7 +473,7 @@ async fn prepare(
 ) -> Result<(Job, PlainModel), BoxError> {
     let pg = ProcessGroup::new(backend);
     let (rank, world) = (pg.rank(), pg.world_size());
-    if args.batch_size == 0 || args.batch_size % world != 0 {
+    if args.batch_size == 0 || !args.batch_size.is_multiple_of(world) {
         return Err(format!(
             "--batch-size {} must be a positive multiple of the world size {world}, so that \
              every rank gets the same share of each global batch",
@@ -613,7 +613,7 @@ impl Job {
         lost: &[usize],
     ) -> Result<(), BoxError> {
         let (rank, world) = (group.rank(), group.world_size());
-        if args.batch_size % world != 0 {
+        if !args.batch_size.is_multiple_of(world) {
             return Err(format!(
                 "rank {rank}: lost rank(s) {lost:?}, and the global batch {} does not split over \
                  the {world} survivors; restart with a --batch-size that does",

@@ -74,9 +74,13 @@ fn shard_size(args: &Args, world: usize) -> Result<usize, BoxError> {
     let g = args
         .shard_size
         .or(local)
-        .unwrap_or(if world % 2 == 0 { world / 2 } else { 1 })
+        .unwrap_or(if world.is_multiple_of(2) {
+            world / 2
+        } else {
+            1
+        })
         .max(1);
-    if world % g != 0 {
+    if !world.is_multiple_of(g) {
         return Err(format!(
             "--shard-size {g} must divide the world size {world} (HSDP shards within groups of \
              that many ranks)"

@@ -40,7 +40,7 @@ pub(super) fn strategies(world: usize) -> Vec<Option<Strategy>> {
         Some(Strategy::Zero2),
         Some(Strategy::Fsdp),
     ];
-    if world >= 4 && world % 2 == 0 {
+    if world >= 4 && world.is_multiple_of(2) {
         s.push(Some(Strategy::Hsdp {
             shard_size: world / 2,
         }));

@@ -55,7 +55,7 @@ pub(crate) fn run(a: &SimArgs) -> Result<Table, String> {
         ));
     }
     let rpn = a.ranks_per_node.unwrap_or(a.world);
-    if rpn == 0 || a.world % rpn != 0 {
+    if rpn == 0 || !a.world.is_multiple_of(rpn) {
         return Err(format!(
             "--world-size {} is not a multiple of --ranks-per-node {rpn}",
             a.world

@@ -731,7 +731,7 @@ fn describe_setup(
 /// Shards per flat: the world, or HSDP's shard-group size.
 fn shard_count(strategy: Strategy, world: usize) -> Result<usize, String> {
     match strategy {
-        Strategy::Hsdp { shard_size: g } if g == 0 || world % g != 0 => Err(format!(
+        Strategy::Hsdp { shard_size: g } if g == 0 || !world.is_multiple_of(g) => Err(format!(
             "HSDP's shard size {g} must be at least 1 and divide the world size {world} (torch: \
              a device mesh of (replicas, shard size))"
         )),

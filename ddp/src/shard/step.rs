@@ -266,11 +266,11 @@ impl Sharded {
                 Phase::Backward => unit.checked_sub(1),
             };
             let launched = calls.iter().all(|c| c.failed().is_none());
-            if let Some(n) = next.filter(|&n| launched && compute && self.prefetch && n < units) {
-                if !self.prefetched.contains_key(&n) {
-                    let calls = self.limited_gather(n, cast).await;
-                    self.prefetched.insert(n, calls);
-                }
+            if let Some(n) = next.filter(|&n| launched && compute && self.prefetch && n < units)
+                && !self.prefetched.contains_key(&n)
+            {
+                let calls = self.limited_gather(n, cast).await;
+                self.prefetched.insert(n, calls);
             }
             for (&f, call) in ids.iter().zip(calls) {
                 let what = format!("all_gather of unit {unit}'s parameters");

@@ -242,7 +242,7 @@ impl Vals {
     pub(crate) fn copy_from_bytes(&mut self, to: usize, bytes: &[u8]) -> Result<(), CommError> {
         let size = self.dtype().size_bytes();
         let range = to..to + bytes.len() / size;
-        if bytes.len() % size != 0 || range.end > self.len() {
+        if !bytes.len().is_multiple_of(size) || range.end > self.len() {
             return Err(outside(&range, self.len()));
         }
         with_vals!(self, v => {

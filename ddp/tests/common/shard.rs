@@ -101,7 +101,7 @@ pub fn strategy_for(world: usize, pick: usize, g: usize) -> Strategy {
         1 => Strategy::Zero2,
         2 => Strategy::Fsdp,
         _ => {
-            let divisors: Vec<usize> = (1..=world).filter(|d| world % d == 0).collect();
+            let divisors: Vec<usize> = (1..=world).filter(|d| world.is_multiple_of(*d)).collect();
             Strategy::Hsdp {
                 shard_size: divisors[g % divisors.len()],
             }

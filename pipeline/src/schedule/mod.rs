@@ -387,7 +387,7 @@ fn check(kind: ScheduleKind, pp: usize, m: usize, spr: usize) -> Result<(), Stri
         )),
         ScheduleKind::Interleaved1F1B | ScheduleKind::InterleavedZeroBubble => {
             let rounds = (m / pp).max(1);
-            if m % rounds != 0 {
+            if !m.is_multiple_of(rounds) {
                 return Err(format!(
                     "the number of microbatches must be a multiple of the number of rounds \
                      ({rounds} = max(1, microbatches / pipeline ranks))"

@@ -191,7 +191,7 @@ fn dualpipe_rank(pp: usize, m: usize, r: usize) -> Vec<Option<Step>> {
             zero_bubble = true;
         }
         d.add(s1, back(zero_bubble));
-        if i == half && r % 2 == 0 {
+        if i == half && r.is_multiple_of(2) {
             zero_bubble = true;
         }
         d.add(s0, back(zero_bubble));

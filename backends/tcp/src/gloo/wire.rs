@@ -258,7 +258,7 @@ impl RankInfo {
         let device = Address::decode(take(addr_len, "address")?)
             .ok_or_else(|| format!("its address ({addr_len} bytes) is not an IPv4 or IPv6 one"))?;
         let rest = &bytes[at..];
-        if rest.len() % 8 != 0 {
+        if !rest.len().is_multiple_of(8) {
             return Err(format!(
                 "its {} bytes of pair numbers are not whole 8-byte numbers",
                 rest.len()

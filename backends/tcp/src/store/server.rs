@@ -222,7 +222,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, opts: Serv
                         // socket each, briefly, and one log line per
                         // thousand.
                         drop(stream);
-                        if refused % 1000 == 0 {
+                        if refused.is_multiple_of(1000) {
                             tracing::warn!(
                                 %peer,
                                 "TCPStore refused a connection: {} clients are connected and \
@@ -295,7 +295,7 @@ fn make_room(budget: &Budget, peer: SocketAddr) -> bool {
     // One line per thousand: a flood must not flood the log too.
     static EVICTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = EVICTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if n % 1000 == 0 {
+    if n.is_multiple_of(1000) {
         tracing::warn!(
             peer = %v.peer,
             "TCPStore closed a connection that {what} after {:?}, to admit {peer}: it is at its \

@@ -118,7 +118,7 @@ fn fold_in(
     let extra = n - p;
     let all = 0..count;
     let new_rank = if r < 2 * extra {
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             v.push(send(r + 1, 0, Buf::Output, all.clone()));
             v.push(recv(r + 1, final_tag, Buf::Output, all, false));
             return None;
