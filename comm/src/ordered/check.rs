@@ -70,6 +70,9 @@ impl Progress {
     }
 }
 
+/// How long [`Checker::wait_drained`] waits without any comparison ending.
+pub const DRAIN_STALL: Duration = Duration::from_secs(5);
+
 /// Sets [`Progress::ended`] when the task that owns it ends or is dropped.
 struct Ended(Arc<Progress>);
 
@@ -215,13 +218,32 @@ impl Checker {
     }
 
     /// Blocks (polling every 100 µs) until [`Checker::is_drained`], at most
-    /// the checker's timeout (one comparison's limit). A communicator calls
-    /// it as it goes: a rank that leaves with a comparison still running
+    /// the checker's timeout (one comparison's limit), and no longer than
+    /// [`DRAIN_STALL`] without a comparison ending. A communicator calls it
+    /// as it goes: a rank that leaves with a comparison still running
     /// would otherwise take its part of that comparison away from its
-    /// peers, which then report it lost instead of their own verdict.
+    /// peers, which then report it lost instead of their own verdict. The
+    /// stall bound is for a checker task that will never run again: a
+    /// communicator dropped while its runtime shuts down (its tasks are
+    /// dropped one after another on this thread) used to wait here for the
+    /// whole timeout.
     pub fn wait_drained(&self) {
         let deadline = crate::time::deadline(self.timeout);
+        let done = || -> u64 {
+            let tree = crate::lock(&self.tree);
+            tree.iter().map(|p| p.done.load(Ordering::SeqCst)).sum()
+        };
+        let (mut seen, mut since) = (done(), Instant::now());
         while !self.is_drained() && Instant::now() < deadline {
+            let now = done();
+            if now != seen {
+                (seen, since) = (now, Instant::now());
+            } else if since.elapsed() >= DRAIN_STALL {
+                tracing::debug!(
+                    "leaving with fingerprint comparisons unfinished: none ended for {DRAIN_STALL:?}"
+                );
+                return;
+            }
             std::thread::sleep(Duration::from_micros(100));
         }
     }

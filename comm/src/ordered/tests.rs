@@ -689,3 +689,21 @@ fn another_failure_is_named_only_if_a_rank_is_already_known_lost() {
         CommError::Backend { code: 3, .. }
     ));
 }
+
+/// A checker whose task never runs again (a communicator dropped while
+/// its runtime shuts down drops its tasks one after another on its own
+/// thread) is not waited for beyond the stall bound, whatever its timeout:
+/// a rank leaving then used to hang for the whole op timeout.
+#[test]
+fn leaving_does_not_wait_for_a_checker_that_never_runs_again() {
+    use super::check::{Checker, DRAIN_STALL};
+    let side = std::sync::Arc::new(Side::default());
+    let hour = std::time::Duration::from_secs(3600);
+    let (checker, _task) = Checker::new(side, hour, std::sync::Arc::new(|_| {}));
+    checker.check(fp(OpKind::AllReduce).at(GroupId::WORLD, 0));
+    assert!(!checker.is_drained());
+    let t0 = Instant::now();
+    checker.wait_drained();
+    // It waited for a comparison to end, then gave up: not an hour.
+    assert!(t0.elapsed() >= DRAIN_STALL);
+}
