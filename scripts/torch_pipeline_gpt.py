@@ -1,5 +1,5 @@
 """torch's pipelining on the GPT example's model shape, gloo on CPU: the
-anchor for `examples/gpt --pp N` (README, "Pipeline parallelism").
+anchor for `examples/gpt --pp N` (the guide: consort::manual::pipeline).
 
 The same shape as consort/examples/gpt: 13-token vocabulary, context 32,
 d_model 64, 4 heads, pre-norm blocks with a GELU MLP of 4 x d_model, a

@@ -15,6 +15,8 @@
 //! dist.shutdown().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! The user guide is [`manual`].
 
 #[cfg(feature = "candle-cuda")]
 pub mod candle;
@@ -23,6 +25,7 @@ pub mod cuda;
 pub mod env;
 mod init;
 pub mod launch;
+pub mod manual;
 
 pub use consort_comm::{
     Backend, Buffer, BufferMut, CallOptions, CommError, DType, Device, DeviceBuffer, DeviceMesh,

@@ -67,7 +67,7 @@ impl Link {
     /// consort's TCP mesh between emulated hosts on the reference 2-vCPU
     /// machine (`crosshost.sh`: a network namespace per host, a
     /// token-bucket link of `gbs` GB/s): α and the CPU costs fitted to its
-    /// runs at 2 and 4 hosts, 2 and 10 Gbit/s (see the README).
+    /// runs at 2 and 4 hosts, 2 and 10 Gbit/s (see BENCHMARKS.md).
     pub fn fitted_crosshost(gbs: f64) -> Self {
         Link::new(FIT_ALPHA_US, gbs).with_cpu(FIT_OVERHEAD_US, FIT_GAMMA_NS)
     }

@@ -55,7 +55,7 @@ pub struct ShmTransport {
     /// buffer)
     /// (`CONSORT_ALGO=broadcast=direct` then makes every reader copy from
     /// the root once). Default off: on the machines measured so
-    /// far (see the README), `process_vm_readv` pins pages at about half
+    /// far (see BENCHMARKS.md), `process_vm_readv` pins pages at about half
     /// the speed of a copy, and the two copies through a cache-sized queue
     /// win. `CONSORT_SHM_CMA=1` turns it on.
     pub cma: bool,

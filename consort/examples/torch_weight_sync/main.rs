@@ -3,8 +3,8 @@
 //!
 //! Each step the trainer broadcasts its weights; this worker scores them on
 //! its own held-out data and sends the score back with an all_gather, as a
-//! torch rank would. Run it through `launch.sh` (see the README's "Rust
-//! ranks inside a PyTorch job").
+//! torch rank would. Run it through `launch.sh` (see the guide,
+//! `consort::manual::torch_jobs`).
 
 use consort::{DistEnv, InitOptions};
 

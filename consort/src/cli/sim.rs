@@ -181,7 +181,7 @@ pub(crate) struct SimCmd {
     /// consort's TCP mesh as `crosshost.sh` measures it on this project's
     /// 2-vCPU machine: the inter-node link of --bw-inter-gbs with the
     /// fitted latency and CPU costs, 1 MiB segments, and --cores 2 unless
-    /// given. Predicts those runs within 20% (README, "Transports").
+    /// given. Predicts those runs within 20% (BENCHMARKS.md, "Across hosts").
     #[arg(long)]
     fitted_crosshost: bool,
     /// One JSON object per row.

@@ -123,7 +123,7 @@ fn warn_without_secret(a: &LaunchSpec) {
         eprintln!(
             "[consort run] warning: a job across nodes without CONSORT_SECRET: anyone who reaches \
              the store port can rewrite the rendezvous; set the same CONSORT_SECRET on every node \
-             when every worker is consort (README, Security)"
+             when every worker is consort (SECURITY.md)"
         );
     }
 }
