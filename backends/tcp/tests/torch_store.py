@@ -116,6 +116,9 @@ def api(port):
     out["delete_key"] = [a.delete_key("api/m2"), b.delete_key("api/m2"), b.check(["api/m2"])]
     a.queue_push("api/q", b"q1")
     a.queue_push("api/q", b"q2")
+    # torch's queue_push waits for no reply: a round trip on a's own
+    # connection (served in order) makes sure both are in before b looks.
+    a.check(["api/q"])
     out["queue"] = [b.queue_len("api/q"), b.check(["api/q"]),
                     b.queue_pop("api/q", block=False).decode(),
                     b.queue_pop("api/q", block=True).decode(),
