@@ -758,6 +758,9 @@ async fn list_keys_and_barrier_bytes_as_torchs_server_sends_them() {
     assert_eq!(raw_reply(&mut a, 1, within).await.unwrap(), [1]);
 
     a.write_all(&raw_req(1, &[b"/word", b"hi"])).await.unwrap();
+    // SET has no reply: a round trip on `a` (served in order) makes sure
+    // it is in before another connection's barrier reads the counter.
+    assert_eq!(raw_get(&mut a, b"/word").await, b"hi");
     let mut c = validated(addr).await;
     c.write_all(&raw_barrier(b"/word", 2)).await.unwrap();
     let mut rest = Vec::new();
