@@ -83,55 +83,40 @@ impl Stage<f64> for Timed {
 /// each rank's most microbatches held at once.
 fn measured(s: &Schedule, costs: Costs) -> (f64, Vec<usize>) {
     let world = SimWorld::new(SimConfig::new(s.pp())).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
+    let peaks = world
+        .run_each(|r| {
+            let s = s.clone();
+            async move {
+                let rank = Arc::new(r);
+                let pg = ProcessGroup::new(rank.clone());
+                let all = layers(&vec![4; s.num_stages() + 1], 1);
+                let held = Arc::new(std::sync::Mutex::new((0, 0)));
+                let stages = s
+                    .stages_of(pg.rank())
+                    .into_iter()
+                    .map(|i| {
+                        let last = i + 1 == s.num_stages();
+                        let inner = MlpStage::new(vec![all[i].clone()], last, Dp::None);
+                        let (rank, held) = (rank.clone(), held.clone());
+                        (
+                            i,
+                            Timed {
+                                inner,
+                                rank,
+                                costs,
+                                held,
+                            },
+                        )
+                    })
+                    .collect();
+                let mut rt = PipelineRuntime::new(pg, s.clone(), stages).unwrap();
+                let x = Tensor::new(vec![16, 4], vec![0.5; 64]).unwrap();
+                rt.step(Some(&x), Some(&x)).await.unwrap();
+                let (_, peak) = *held.lock().unwrap();
+                peak
+            }
+        })
         .unwrap();
-    let (_, peaks) = rt.block_on(async {
-        let tasks: Vec<_> = world
-            .ranks()
-            .into_iter()
-            .map(|r| {
-                let s = s.clone();
-                tokio::spawn(async move {
-                    let rank = Arc::new(r);
-                    let pg = ProcessGroup::new(rank.clone());
-                    let all = layers(&vec![4; s.num_stages() + 1], 1);
-                    let held = Arc::new(std::sync::Mutex::new((0, 0)));
-                    let stages = s
-                        .stages_of(pg.rank())
-                        .into_iter()
-                        .map(|i| {
-                            let inner = MlpStage::new(
-                                vec![all[i].clone()],
-                                i + 1 == s.num_stages(),
-                                Dp::None,
-                            );
-                            (
-                                i,
-                                Timed {
-                                    inner,
-                                    rank: rank.clone(),
-                                    costs,
-                                    held: held.clone(),
-                                },
-                            )
-                        })
-                        .collect();
-                    let mut rt = PipelineRuntime::new(pg, s.clone(), stages).unwrap();
-                    let x = Tensor::new(vec![16, 4], vec![0.5; 64]).unwrap();
-                    rt.step(Some(&x), Some(&x)).await.unwrap();
-                    let (_, peak) = *held.lock().unwrap();
-                    peak
-                })
-            })
-            .collect();
-        let mut peaks = Vec::new();
-        for t in tasks {
-            peaks.push(t.await.unwrap());
-        }
-        ((), peaks)
-    });
     (world.elapsed().as_secs_f64(), peaks)
 }
 

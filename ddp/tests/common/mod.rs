@@ -116,22 +116,7 @@ where
     Fut: Future<Output = T> + Send + 'static,
 {
     let world = SimWorld::new(cfg).expect("sim world");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let out = rt.block_on(async {
-        let tasks: Vec<_> = world
-            .ranks()
-            .into_iter()
-            .map(|r| tokio::spawn(f(Arc::new(r))))
-            .collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.expect("rank task panicked"));
-        }
-        out
-    });
+    let out = world.run_each(|r| f(Arc::new(r))).expect("tokio runtime");
     (out, world)
 }
 

@@ -569,6 +569,35 @@ impl SimWorld {
             .collect()
     }
 
+    /// Runs `f(rank)` for every rank to its end on a runtime of its own
+    /// (one thread, as the simulator's virtual time wants) and returns each
+    /// rank's output in rank order: the SPMD body of a test or an example,
+    /// without a runtime to set up. A rank whose task panicked panics here
+    /// with its payload. Call it outside any runtime.
+    pub fn run_each<F, Fut>(&self, f: F) -> std::io::Result<Vec<Fut::Output>>
+    where
+        F: FnMut(SimRank) -> Fut,
+        Fut: std::future::Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        Ok(rt.block_on(async {
+            let mut out = Vec::new();
+            for t in self.spawn_each(f) {
+                match t.await {
+                    Ok(v) => out.push(v),
+                    Err(e) => match e.try_into_panic() {
+                        Ok(p) => std::panic::resume_unwind(p),
+                        Err(e) => panic!("a simulated rank's task was cancelled: {e}"),
+                    },
+                }
+            }
+            out
+        }))
+    }
+
     /// The message trace so far (empty when recording is off).
     pub fn trace(&self) -> Vec<TraceEvent> {
         lock(&self.shared).trace.clone().unwrap_or_default()
