@@ -538,7 +538,14 @@ impl<T: Element, S: Stage<T>> PipelineRuntime<T, S> {
         match a.kind {
             Kind::Forward => {
                 let inputs = if s == 0 {
-                    vec![d.inputs[mb].clone()]
+                    // Each microbatch enters stage 0 once a step.
+                    vec![std::mem::replace(
+                        &mut d.inputs[mb],
+                        Tensor {
+                            shape: Vec::new(),
+                            data: Vec::new(),
+                        },
+                    )]
                 } else {
                     self.get(Msg::Act { stage: s, mb }, a, d).await?
                 };

@@ -197,7 +197,12 @@ impl<T: Element> Outbox<T> {
                 .map_err(SendError::Comm)?;
             self.issue(peer, tag, h).map_err(SendError::Comm)?;
         }
-        let payload: Vec<T> = ts.into_iter().flat_map(|t| t.data).collect();
+        // A lone tensor (the usual case) goes as it is, several in one buffer.
+        let mut ts = ts;
+        let payload: Vec<T> = match ts.len() {
+            1 => ts.pop().map(|t| t.data).unwrap_or_default(),
+            _ => ts.into_iter().flat_map(|t| t.data).collect(),
+        };
         self.issue(peer, tag, payload).map_err(SendError::Comm)
     }
 
@@ -328,19 +333,29 @@ impl<T: Element> Inbox<T> {
                 .map_err(|_| fail(CommError::invalid(format!("no memory for {n} elements"))))?;
             buf.resize(n, bytemuck::Zeroable::zeroed());
             pg.recv(&mut buf, peer, next.tag()).await.map_err(fail)?;
-            let mut at = 0;
-            let ts = shapes
-                .into_iter()
-                .map(|shape| {
-                    let len: usize = shape.iter().product();
-                    let data = buf[at..at + len].to_vec();
-                    at += len;
-                    Tensor { shape, data }
-                })
-                .collect();
+            let ts = split_payload(buf, shapes);
             self.held.insert(next, ts);
         }
     }
+}
+
+/// The tensors of one message, from its payload: a lone tensor (the
+/// usual case) takes the buffer itself, several get copies of their parts.
+fn split_payload<T: Element>(buf: Vec<T>, mut shapes: Vec<Vec<usize>>) -> Vec<Tensor<T>> {
+    if shapes.len() == 1 {
+        let shape = shapes.pop().unwrap_or_default();
+        return vec![Tensor { shape, data: buf }];
+    }
+    let mut at = 0;
+    shapes
+        .into_iter()
+        .map(|shape| {
+            let len: usize = shape.iter().product();
+            let data = buf[at..at + len].to_vec();
+            at += len;
+            Tensor { shape, data }
+        })
+        .collect()
 }
 
 /// At most this many words of shapes in a handshake header.
