@@ -4,11 +4,13 @@
 //! gradients to the previous stage's. Each rank sends to a peer in the
 //! order its list makes them, each send's call made as soon as its data
 //! exists (before any later receive: stream-ordered backends run calls in
-//! the order they are made) and moved on whenever the rank waits; each rank receives from a peer in that
-//! same order, computed from the peer's list, keeping a message that
+//! the order they are made) and moved on whenever the rank waits; each
+//! rank receives from a peer in that same order, computed from the peer's list, keeping a message that
 //! arrives before it is needed. So the pairwise order is the same on both
 //! sides, as backends that match point-to-point calls by order alone
-//! (NCCL) need, and a send is never held back behind a receive.
+//! (NCCL) need, and a send is never held back behind a receive. (On NCCL
+//! a large send also waits for its receive; without grouped calls that is
+//! not proven deadlock-free: see DESIGN.md.)
 //!
 //! The first time a stage's activations for a microbatch cross, a header
 //! with their shapes goes first (torch's shape handshake); later steps
