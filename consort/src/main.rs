@@ -1,6 +1,10 @@
 //! The `consort` binary. See `consort --help`.
 
+mod bench;
 mod cli;
+mod flags;
+mod groups;
+mod table;
 
 use clap::Parser;
 

@@ -4,13 +4,12 @@
 
 use clap::Subcommand;
 
-use super::{
-    bench, collective, ddp_bench, ddp_device_bench,
-    parse::{
+use crate::{
+    bench::{collective, ddp, ddp_device, machine, sharded, sharded_device},
+    flags::{
         DTypeList, OpList, SizeList, check_memory, parse_count, parse_dtypes, parse_iters,
         parse_mode, parse_op_list, parse_sizes,
     },
-    sharded_bench, sharded_device_bench,
     table::Table,
 };
 
@@ -192,7 +191,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             let largest = sizes.0.iter().copied().max().unwrap_or(0) as u128;
             check_memory("bench reduce", largest * 3, "choose smaller --sizes")?;
             let t: Table =
-                tokio::task::spawn_blocking(move || bench::reduce(&sizes.0, &dtypes.0, iters))
+                tokio::task::spawn_blocking(move || machine::reduce(&sizes.0, &dtypes.0, iters))
                     .await??;
             print!("{}", t.render(json));
         }
@@ -203,7 +202,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             json,
         }) => {
             check_sim_all_reduce(&size.0, world_size)?;
-            let t = bench::sim_all_reduce(&size.0, world_size, iters).await?;
+            let t = machine::sim_all_reduce(&size.0, world_size, iters).await?;
             print!("{}", t.render(json));
         }
         Some(BenchCommand::Sampler {
@@ -221,7 +220,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
                 )?;
             }
             let t = tokio::task::spawn_blocking(move || {
-                bench::sampler(len, num_replicas, mode).map_err(|e| e.to_string())
+                machine::sampler(len, num_replicas, mode).map_err(|e| e.to_string())
             })
             .await??;
             print!("{}", t.render(json));
@@ -238,9 +237,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             // Parameters, gradients, buckets and a reference copy, in f32.
             check_memory("bench ddp", params as u128 * 16, "choose fewer --params")?;
             let t = if device == "cpu" {
-                ddp_bench::run(params, layers, work, iters).await?
+                ddp::run(params, layers, work, iters).await?
             } else {
-                ddp_device_bench::run(&device, (params, layers, work, iters)).await?
+                ddp_device::run(&device, (params, layers, work, iters)).await?
             };
             if let Some(t) = t {
                 print!("{}", t.render(json));
@@ -281,8 +280,9 @@ async fn loopback(size: &SizeList, json: bool) -> Result<(), BoxError> {
         bytes as u128 * 2,
         "choose a smaller --size",
     )?;
-    let t = tokio::task::spawn_blocking(move || bench::loopback(bytes).map_err(|e| e.to_string()))
-        .await??;
+    let t =
+        tokio::task::spawn_blocking(move || machine::loopback(bytes).map_err(|e| e.to_string()))
+            .await??;
     print!("{}", t.render(json));
     Ok(())
 }
@@ -347,7 +347,7 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
             "choose smaller --sizes or a smaller --world-size",
         )?;
     }
-    let spec = collective::BenchSpec {
+    let spec = crate::bench::rows::BenchSpec {
         backend: a.backend,
         world: a.world_size,
         ops: a.ops.0.iter().map(|o| o.name().to_string()).collect(),
@@ -373,7 +373,7 @@ async fn sharded(
     device: &str,
     mixed: &str,
     (params, layers, work, iters): (usize, usize, usize, usize),
-) -> Result<Option<super::table::Table>, BoxError> {
+) -> Result<Option<Table>, BoxError> {
     let launched = std::env::var_os("RANK").is_some();
     let mixed = match mixed {
         "none" => None,
@@ -394,10 +394,10 @@ async fn sharded(
             )
             .into());
         }
-        return sharded_device_bench::steps(device, (params, layers, work, iters), mixed).await;
+        return sharded_device::steps(device, (params, layers, work, iters), mixed).await;
     }
     if launched {
-        return sharded_bench::steps(params, layers, work, iters).await;
+        return sharded::steps(params, layers, work, iters).await;
     }
-    Ok(Some(sharded_bench::memory(params, layers).await?))
+    Ok(Some(sharded::memory(params, layers).await?))
 }

@@ -3,7 +3,8 @@
 
 use clap::Subcommand;
 
-use super::{bench, collective, init_check, mismatch};
+use super::{init_check, mismatch};
+use crate::bench::{collective, machine};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -68,7 +69,7 @@ pub(crate) async fn run(h: Helper) -> Result<(), BoxError> {
         Helper::InitCheck { backend, absent } => init_check::run(&backend, absent).await?,
         Helper::BenchLoopbackPeer { port, bytes, mode } => {
             tokio::task::spawn_blocking(move || {
-                bench::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())
+                machine::loopback_peer(port, bytes, mode == "duplex").map_err(|e| e.to_string())
             })
             .await??;
         }

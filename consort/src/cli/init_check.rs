@@ -11,8 +11,6 @@
 
 use std::time::{Duration, Instant};
 
-use consort::{CommError, ProcessGroup};
-
 type BoxError = Box<dyn std::error::Error>;
 
 /// One rank of the self-test.
@@ -27,7 +25,7 @@ pub(crate) async fn run(backend: &str, absent: usize) -> Result<(), BoxError> {
         return Err("the absent rank was never stopped".into());
     }
     let t = Instant::now();
-    let made = group(&dist, backend).await;
+    let made = crate::groups::group(&dist, backend).await;
     let s = t.elapsed().as_secs_f64();
     match made {
         Ok(_) => Err(format!(
@@ -39,28 +37,4 @@ pub(crate) async fn run(backend: &str, absent: usize) -> Result<(), BoxError> {
             Err(format!("rank {rank}: init failed as expected").into())
         }
     }
-}
-
-/// The process group of `backend` (tcp, quic, nccl, or emulated: NCCL's
-/// model on the emulated device) for the self-tests.
-pub(super) async fn group(dist: &consort::Dist, backend: &str) -> Result<ProcessGroup, CommError> {
-    match backend {
-        "tcp" => dist.process_group().await,
-        "quic" => dist.quic_process_group().await,
-        "nccl" => nccl_group(dist).await,
-        "emulated" => dist.emulated_process_group().await,
-        other => Err(CommError::invalid(format!(
-            "unknown backend {other:?}: expected tcp, quic, nccl or emulated"
-        ))),
-    }
-}
-
-#[cfg(feature = "nccl")]
-async fn nccl_group(dist: &consort::Dist) -> Result<ProcessGroup, CommError> {
-    dist.nccl_process_group().await
-}
-
-#[cfg(not(feature = "nccl"))]
-async fn nccl_group(_: &consort::Dist) -> Result<ProcessGroup, CommError> {
-    Err(super::collective::nccl_not_built())
 }

@@ -25,7 +25,7 @@ type BoxError = Box<dyn std::error::Error>;
 /// the call failed with `Mismatch` (the check worked), and fails otherwise.
 pub(crate) async fn run(backend: &str) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
-    let pg = super::init_check::group(&dist, backend).await?;
+    let pg = crate::groups::group(&dist, backend).await?;
     let rank = pg.rank();
     // Rank 0 calls with one element more: the fingerprints differ in count.
     let mut x = vec![1.0f32; if rank == 0 { 5 } else { 4 }];
@@ -65,7 +65,7 @@ pub(crate) async fn cancelled(backend: &str) -> Result<(), BoxError> {
         return ran(backend).await;
     }
     let dist = consort::init_from_env().await?;
-    let pg = super::init_check::group(&dist, backend).await?;
+    let pg = crate::groups::group(&dist, backend).await?;
     let (rank, world) = (pg.rank(), pg.world_size());
     let heard = |r: usize| format!("mismatch-check/cancelled/heard/{r}");
     let mut x = vec![1.0f32; 4];
@@ -115,7 +115,7 @@ pub(crate) async fn cancelled(backend: &str) -> Result<(), BoxError> {
 /// T ms: sum S`), and rank 0's next call succeeds (`RAN rank 0: ...`).
 async fn ran(backend: &str) -> Result<(), BoxError> {
     let dist = consort::init_from_env().await?;
-    let pg = super::init_check::group(&dist, backend).await?;
+    let pg = crate::groups::group(&dist, backend).await?;
     let (rank, world) = (pg.rank(), pg.world_size());
     let mut x = vec![1.0f32; 4];
     let t = Instant::now();

@@ -1,28 +1,19 @@
 //! The `consort` command line: one file per subcommand (`version`,
-//! `store_cmd`, `debug`, `run`, `bench_cmd`, `sampler_cmd`, `sim`), the
-//! hidden helpers consort starts itself (`helper`), shared flag values
-//! (`parse`), and output (`table`).
+//! `store_cmd`, `debug`, `run`, `bench_cmd`, `sampler_cmd`, `sim`) and the
+//! hidden helpers consort starts itself (`helper`, `init_check`,
+//! `mismatch`). Each parses its flags and hands the work to the library or
+//! to the benches ([`crate::bench`]).
 
-mod bench;
 mod bench_cmd;
-mod collective;
-mod ddp_bench;
-mod ddp_device_bench;
 mod debug;
 mod gpus;
 mod helper;
 mod init_check;
 mod mismatch;
-#[cfg(feature = "nccl")]
-mod nccl_bench;
-mod parse;
 mod run;
 mod sampler_cmd;
-mod sharded_bench;
-mod sharded_device_bench;
 mod sim;
 mod store_cmd;
-mod table;
 mod version;
 
 use clap::{Parser, Subcommand};

@@ -1,6 +1,6 @@
 //! `consort sampler`: one rank's DistributedSampler indices as JSON.
 
-use super::parse::parse_mode;
+use crate::flags::parse_mode;
 
 type BoxError = Box<dyn std::error::Error>;
 

@@ -5,8 +5,8 @@ use consort_comm::{OpKind, algo::AlgoConfig, algo::Algorithm};
 use consort_sim::cost::{Link, Topology, simulate_within};
 use serde_json::json;
 
-use super::{
-    parse::{SizeList, parse_sizes},
+use crate::{
+    flags::{SizeList, parse_sizes},
     table::Table,
 };
 
@@ -42,7 +42,7 @@ pub(crate) const MAX_SIM_ACTIONS: u64 = 1 << 24;
 /// [`MAX_SIM_ACTIONS`], or fewer where a quarter of the available memory
 /// holds fewer at 128 bytes each.
 fn action_budget() -> u64 {
-    let fits = super::parse::available_memory().map_or(u128::MAX, |b| b / 4 / 128);
+    let fits = crate::flags::available_memory().map_or(u128::MAX, |b| b / 4 / 128);
     MAX_SIM_ACTIONS.min(u64::try_from(fits).unwrap_or(u64::MAX))
 }
 
@@ -192,7 +192,7 @@ pub(crate) struct SimCmd {
 /// Refuses figures the cost model cannot run on: a zero, negative, NaN or
 /// infinite bandwidth, latency or cost, no cores, a zero segment.
 fn check(a: &SimCmd) -> Result<(), String> {
-    use super::parse::check_positive;
+    use crate::flags::check_positive;
     check_positive("--bw-intra-gbs", a.bw_intra_gbs, false)?;
     check_positive("--bw-inter-gbs", a.bw_inter_gbs, false)?;
     check_positive("--alpha-intra-us", a.alpha_intra_us, true)?;

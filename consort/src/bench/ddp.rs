@@ -21,7 +21,7 @@ use consort::{
 };
 use serde_json::json;
 
-use super::table::Table;
+use crate::table::Table;
 
 /// One layer's backward: `g = f(p)` with `work` multiply-adds per element
 /// (`bias` makes each rank's gradient its own).

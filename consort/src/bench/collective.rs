@@ -13,120 +13,11 @@ use std::{
 };
 
 use consort::{CommError, OpKind, ProcessGroup, ReduceOp, with_dtype};
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::table::Table;
-
-/// What every rank measures.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct BenchSpec {
-    pub(crate) backend: String,
-    pub(crate) world: usize,
-    pub(crate) ops: Vec<String>,
-    pub(crate) sizes: Vec<usize>,
-    pub(crate) dtype: String,
-    pub(crate) iters: Option<usize>,
-    /// nccl: every rank on GPU 0 (see `consort bench --share-gpu`).
-    #[serde(default)]
-    pub(crate) share_gpu: bool,
-    /// `max` (each iteration is the slowest rank's) or `rank0`.
-    #[serde(default = "max_timing")]
-    pub(crate) timing: String,
-}
-
-fn max_timing() -> String {
-    "max".into()
-}
-
-/// One measured row (rank 0's view, with every rank's #wrong summed in).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct Row {
-    pub(crate) op: String,
-    pub(crate) bytes: usize,
-    pub(crate) count: usize,
-    pub(crate) time_us: f64,
-    pub(crate) algbw_gbs: f64,
-    pub(crate) busbw_gbs: f64,
-    pub(crate) wrong: u64,
-    /// Host time to issue one call (NCCL: the call returns once enqueued).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) host_us: Option<f64>,
-    /// The same, calling NCCL's own entry point directly.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) direct_host_us: Option<f64>,
-}
-
-pub(crate) fn bus_factor(op: OpKind, n: usize) -> f64 {
-    let n = n as f64;
-    match op {
-        OpKind::AllReduce => 2.0 * (n - 1.0) / n,
-        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => (n - 1.0) / n,
-        _ => 1.0,
-    }
-}
-
-pub(crate) fn parse_ops(s: &str) -> Result<Vec<OpKind>, String> {
-    s.split(',')
-        .map(|o| match o.trim() {
-            "all_reduce" => Ok(OpKind::AllReduce),
-            "broadcast" => Ok(OpKind::Broadcast),
-            "reduce_scatter" => Ok(OpKind::ReduceScatter),
-            "all_gather" => Ok(OpKind::AllGather),
-            "all_to_all" | "all_to_all_single" => Ok(OpKind::AllToAll),
-            other => Err(format!(
-                "unknown op {other:?}: expected all_reduce, broadcast, reduce_scatter, all_gather or all_to_all"
-            )),
-        })
-        .collect()
-}
-
-/// Rank `r`'s input for the correctness run of `op` over `count`
-/// elements (`count / n` for all_gather). In reductions exactly one rank
-/// contributes a non-zero value (at most 7) to each element, so every sum
-/// is exact in every dtype at any world size.
-pub(crate) fn input<T: Small>(op: OpKind, r: usize, n: usize, count: usize) -> Vec<T> {
-    let part = (count / n).max(1);
-    match op {
-        // One rank contributes to each element, so every sum is exact in
-        // every dtype at any world size.
-        OpKind::AllReduce | OpKind::ReduceScatter => (0..count)
-            .map(|i| T::small(if i % n == r { i % 7 + 1 } else { 0 }))
-            .collect(),
-        OpKind::Broadcast => (0..count).map(|i| T::small(r * 3 + i % 5)).collect(),
-        OpKind::AllGather => (0..count / n).map(|i| T::small(r + i % 3)).collect(),
-        _ => (0..count).map(|i| T::small(r * 2 + i / part)).collect(),
-    }
-}
-
-/// Element `i` of rank `r`'s correct output for [`input`]'s run.
-pub(crate) fn expected<T: Small>(op: OpKind, r: usize, n: usize, count: usize, i: usize) -> T {
-    let part = (count / n).max(1);
-    T::small(match op {
-        OpKind::AllReduce => i % 7 + 1,
-        OpKind::Broadcast => i % 5,
-        OpKind::ReduceScatter => (r * part + i) % 7 + 1,
-        OpKind::AllGather => i / part + (i % part) % 3,
-        _ => (i / part) * 2 + r,
-    })
-}
-
-/// Elements in rank `r`'s output of `op` over `count` elements.
-pub(crate) fn output_len(op: OpKind, n: usize, count: usize) -> usize {
-    if op == OpKind::ReduceScatter {
-        count / n
-    } else {
-        count
-    }
-}
-
-/// Counts elements of `got` that differ from `want(i)`.
-pub(crate) fn wrong<T: PartialEq + Copy>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
-    got.iter()
-        .enumerate()
-        .filter(|(i, g)| **g != want(*i))
-        .count() as u64
-}
+use super::rows::{BenchSpec, Row, Small, bus_factor, expected, input, output_len, wrong};
+use crate::flags::parse_ops;
+use crate::table::Table;
 
 /// `n` copies of `x` in memory advised to transparent huge pages when it
 /// is 4 MiB or more, as numpy allocates the Open MPI anchor's arrays
@@ -155,7 +46,7 @@ fn huge_vec<T: Clone>(n: usize, x: T) -> Vec<T> {
 /// One rank's measurements for every op and size.
 async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, CommError> {
     let (r, n) = (pg.rank(), pg.world_size());
-    let dtype = super::parse::parse_dtypes(&spec.dtype)
+    let dtype = crate::flags::parse_dtypes(&spec.dtype)
         .map_err(CommError::invalid)?
         .0[0];
     let ops = parse_ops(&spec.ops.join(",")).map_err(CommError::invalid)?;
@@ -241,29 +132,6 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
     Ok(rows)
 }
 
-/// A non-negative integer as an element: exact in floats while it fits
-/// their mantissa, wrapping (as integer sums do) in integer types.
-pub(crate) trait Small: consort::Element + Copy + PartialEq {
-    fn small(x: usize) -> Self;
-}
-
-macro_rules! small {
-    ($($t:ty => $conv:expr),* $(,)?) => {$(
-        impl Small for $t {
-            fn small(x: usize) -> Self {
-                $conv(x)
-            }
-        }
-    )*};
-}
-small! {
-    f32 => |v: usize| v as f32, f64 => |v: usize| v as f64,
-    consort::half::f16 => |v: usize| consort::half::f16::from_f64(v as f64),
-    consort::half::bf16 => |v: usize| consort::half::bf16::from_f64(v as f64),
-    i8 => |v: usize| v as i8, u8 => |v: usize| v as u8, i32 => |v: usize| v as i32,
-    i64 => |v: usize| v as i64, u32 => |v: usize| v as u32, u64 => |v: usize| v as u64,
-}
-
 /// One rank of a world formed from the environment (torchrun's variables):
 /// joins, benches, leaves. Returns rank 0's rows, and `None` elsewhere.
 async fn rank_from_env(
@@ -276,14 +144,10 @@ async fn rank_from_env(
         dist.shutdown().await?;
         return Ok((rank == 0).then_some(rows?));
     }
-    let pg = match spec.backend.as_str() {
-        "quic" => dist.quic_process_group().await?,
-        "gloo" => dist.gloo_process_group().await?,
-        _ => {
-            spec.backend = "tcp".into();
-            dist.process_group().await?
-        }
-    };
+    if !matches!(spec.backend.as_str(), "quic" | "gloo") {
+        spec.backend = "tcp".into();
+    }
+    let pg = crate::groups::group(&dist, &spec.backend).await?;
     spec.world = pg.world_size();
     let rows = bench_rank(pg.clone(), spec).await?;
     let rank = pg.rank();
@@ -299,7 +163,7 @@ async fn nccl_rank(
     spec: &mut BenchSpec,
 ) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
     spec.world = dist.world_size();
-    super::nccl_bench::rank(dist, spec).await
+    super::nccl::rank(dist, spec).await
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -307,19 +171,7 @@ async fn nccl_rank(
     _: &consort::Dist,
     _: &mut BenchSpec,
 ) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
-    Err(nccl_not_built().into())
-}
-
-/// The error of a build without the `nccl` feature.
-#[cfg(not(feature = "nccl"))]
-pub(crate) fn nccl_not_built() -> CommError {
-    CommError::BackendUnavailable {
-        backend: "nccl".into(),
-        reason: "this consort was built without the `nccl` feature; build it with `cargo build \
-                 --release -p consort --features nccl` (it needs libnccl and a GPU at run time, \
-                 not to build)"
-            .into(),
-    }
+    Err(crate::groups::nccl_not_built().into())
 }
 
 /// Checks, before any worker starts, that NCCL and GPU 0 are there, and
@@ -346,7 +198,7 @@ fn nccl_preflight(spec: &BenchSpec) -> Result<Vec<(String, String)>, Box<dyn std
 
 #[cfg(not(feature = "nccl"))]
 fn nccl_preflight(_: &BenchSpec) -> Result<Vec<(String, String)>, Box<dyn std::error::Error>> {
-    Err(nccl_not_built().into())
+    Err(crate::groups::nccl_not_built().into())
 }
 
 /// The hidden `bench-worker` subcommand: one rank of `consort bench

@@ -13,7 +13,7 @@ use consort_comm::{
 };
 use serde_json::json;
 
-use super::table::Table;
+use crate::table::Table;
 
 /// Median seconds of `iters` runs of `f`, after one warm-up run.
 fn median_secs(iters: usize, mut f: impl FnMut()) -> f64 {

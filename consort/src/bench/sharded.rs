@@ -27,7 +27,8 @@ use consort::{
 };
 use serde_json::json;
 
-use super::{ddp_bench::backward_layer, table::Table};
+use super::ddp::backward_layer;
+use crate::table::Table;
 
 type BoxError = Box<dyn std::error::Error>;
 

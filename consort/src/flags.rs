@@ -1,9 +1,7 @@
 //! Flag values shared by the subcommands: sizes (`4K,1G`), counts
 //! (`25M`), dtypes, op lists, run counts and sampler modes.
 
-use consort::DType;
-
-use super::collective;
+use consort::{DType, OpKind};
 
 /// `--iters`: at least one run (a median of none is undefined).
 pub(crate) fn parse_iters(s: &str) -> Result<usize, String> {
@@ -18,7 +16,7 @@ pub(crate) fn parse_iters(s: &str) -> Result<usize, String> {
 pub(crate) struct OpList(pub(crate) Vec<consort::OpKind>);
 
 pub(crate) fn parse_op_list(s: &str) -> Result<OpList, String> {
-    collective::parse_ops(s).map(OpList)
+    parse_ops(s).map(OpList)
 }
 
 #[derive(Debug, Clone)]
@@ -131,6 +129,22 @@ pub(crate) fn check_positive(flag: &str, v: f64, zero_ok: bool) -> Result<(), St
         "a finite number above 0"
     };
     Err(format!("{flag} {v}: expected {want}"))
+}
+
+/// Parses a comma-separated list of collective names (nccl-tests's ops).
+pub(crate) fn parse_ops(s: &str) -> Result<Vec<OpKind>, String> {
+    s.split(',')
+        .map(|o| match o.trim() {
+            "all_reduce" => Ok(OpKind::AllReduce),
+            "broadcast" => Ok(OpKind::Broadcast),
+            "reduce_scatter" => Ok(OpKind::ReduceScatter),
+            "all_gather" => Ok(OpKind::AllGather),
+            "all_to_all" | "all_to_all_single" => Ok(OpKind::AllToAll),
+            other => Err(format!(
+                "unknown op {other:?}: expected all_reduce, broadcast, reduce_scatter, all_gather or all_to_all"
+            )),
+        })
+        .collect()
 }
 
 #[cfg(test)]

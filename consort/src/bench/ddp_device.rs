@@ -19,10 +19,8 @@ use consort::{
 };
 use serde_json::json;
 
-use super::{
-    sharded_device_bench::{Reading, Rig, mem_cells, model, rig, time_steps},
-    table::Table,
-};
+use super::sharded_device::{Reading, Rig, mem_cells, model, rig, time_steps};
+use crate::table::Table;
 
 type BoxError = Box<dyn std::error::Error>;
 

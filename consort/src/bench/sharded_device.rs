@@ -26,10 +26,8 @@ use consort::{
 };
 use serde_json::json;
 
-use super::{
-    sharded_bench::{name, slowest, strategies},
-    table::Table,
-};
+use super::sharded::{name, slowest, strategies};
+use crate::table::Table;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -94,7 +92,7 @@ async fn emulated(dist: &consort::Dist) -> Result<Rig, BoxError> {
             d.copy_to_host(consort::dtype::as_bytes_mut(&mut x), param.ptr(), p.stream)?;
         }
         let mut g = vec![0f32; x.len()];
-        super::ddp_bench::backward_layer(&x, &mut g, work, bias);
+        super::ddp::backward_layer(&x, &mut g, work, bias);
         // SAFETY: as above.
         unsafe { d.copy_from_host(grad.ptr(), consort::dtype::as_bytes(&g), p.stream) }?;
         Ok(())

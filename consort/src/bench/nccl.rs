@@ -5,7 +5,7 @@
 //! the same communicator (the floor any wrapper can reach).
 //!
 //! It owns only the device side of the bench: inputs, expected values and
-//! the table come from [`super::collective`].
+//! the table come from [`super::rows`].
 
 use std::{sync::Arc, time::Instant};
 
@@ -15,7 +15,7 @@ use consort::{
 };
 use consort_nccl::{CudaDevice, NcclBackend, sys};
 
-use super::collective::{BenchSpec, Row, Small, bus_factor, expected, input, output_len, wrong};
+use super::rows::{BenchSpec, Row, Small, bus_factor, expected, input, output_len, wrong};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -28,8 +28,8 @@ pub(crate) async fn rank(dist: &Dist, spec: &BenchSpec) -> Result<Vec<Row>, BoxE
         device: dev.clone(),
         stream: dev.new_stream()?,
     };
-    let dtype = super::parse::parse_dtypes(&spec.dtype)?.0[0];
-    let ops = super::collective::parse_ops(&spec.ops.join(","))?;
+    let dtype = crate::flags::parse_dtypes(&spec.dtype)?.0[0];
+    let ops = crate::flags::parse_ops(&spec.ops.join(","))?;
     let mut rows = Vec::new();
     for &op in &ops {
         for &bytes in &spec.sizes {
