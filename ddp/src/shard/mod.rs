@@ -46,7 +46,9 @@ mod load;
 mod memory;
 pub mod mixed;
 pub mod optim;
+mod rules;
 pub mod save;
+pub mod staged;
 mod step;
 mod update;
 pub(crate) mod vals;
@@ -57,11 +59,14 @@ use consort_comm::{
     Backend, CallOptions, DType, DeviceMesh, GroupOptions, Placement, ProcessGroup,
 };
 
-pub use kernels::{DeviceStep, ShardKernels, StagedKernels, staged_cast, staged_unscale};
+pub use kernels::{DeviceStep, ShardKernels};
 pub use layout::{Flat, Layout, Segment};
 pub use memory::Memory;
 pub use mixed::{LossScaling, MixedPrecision};
-pub use optim::{AdamW, Sgd, ShardOptimizer};
+pub use optim::ShardOptimizer;
+pub use optim::staged;
+pub use rules::{AdamW, Sgd};
+pub use staged::{StagedKernels, staged_cast, staged_unscale};
 pub use step::Gathered;
 
 use crate::{

@@ -1,6 +1,7 @@
-//! Optimizers that update one shard: [`Sgd`] (with momentum, dampening,
-//! Nesterov and weight decay) and [`AdamW`], with torch's update rules,
-//! and the [`ShardOptimizer`] trait for others.
+//! Optimizers that update one shard: the [`ShardOptimizer`] trait, its
+//! implementations for [`Sgd`] (with momentum, dampening, Nesterov and
+//! weight decay) and [`AdamW`] (their arithmetic is in `rules`), and
+//! [`staged`], the device step of any of them through the host.
 //!
 //! A sharded strategy hands each rank's optimizer only its own slice of
 //! every flat buffer, so an optimizer here must be elementwise: each
@@ -11,8 +12,12 @@
 use std::fmt;
 
 use consort_comm::CommError;
+use consort_comm::DType;
 
-use super::kernels::{DeviceStep, ShardKernels, staged};
+use super::{
+    kernels::{DeviceStep, ShardKernels},
+    rules::{AdamW, Sgd},
+};
 
 /// An elementwise optimizer over flat shards.
 ///
@@ -70,121 +75,6 @@ impl<O: ShardOptimizer + ?Sized> ShardOptimizer for Box<O> {
     }
 }
 
-/// The float types the optimizers compute in.
-trait Real: Copy + std::ops::Mul<Output = Self> + std::ops::Add<Output = Self> {
-    fn of(v: f64) -> Self;
-    fn sub(self, o: Self) -> Self;
-    fn div(self, o: Self) -> Self;
-    fn sqrt(self) -> Self;
-}
-
-impl Real for f32 {
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-    fn sub(self, o: Self) -> Self {
-        self - o
-    }
-    fn div(self, o: Self) -> Self {
-        self / o
-    }
-    fn sqrt(self) -> Self {
-        f32::sqrt(self)
-    }
-}
-
-impl Real for f64 {
-    fn of(v: f64) -> Self {
-        v
-    }
-    fn sub(self, o: Self) -> Self {
-        self - o
-    }
-    fn div(self, o: Self) -> Self {
-        self / o
-    }
-    fn sqrt(self) -> Self {
-        f64::sqrt(self)
-    }
-}
-
-/// `torch.optim.SGD`: `p -= lr * d`, where `d` is the gradient (plus
-/// `weight_decay * p`), or with momentum the buffer
-/// `b = momentum * b + (1 - dampening) * d` (`b = d` on the first step),
-/// or with Nesterov `d + momentum * b`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sgd {
-    /// Learning rate.
-    pub lr: f64,
-    /// Momentum factor (0: none, and no state is kept).
-    pub momentum: f64,
-    /// Dampening of the momentum.
-    pub dampening: f64,
-    /// L2 penalty added to the gradient.
-    pub weight_decay: f64,
-    /// Nesterov momentum.
-    pub nesterov: bool,
-}
-
-impl Sgd {
-    /// Plain SGD with learning rate `lr`.
-    pub fn new(lr: f64) -> Self {
-        Sgd {
-            lr,
-            momentum: 0.0,
-            dampening: 0.0,
-            weight_decay: 0.0,
-            nesterov: false,
-        }
-    }
-
-    /// With momentum.
-    pub fn momentum(mut self, momentum: f64) -> Self {
-        self.momentum = momentum;
-        self
-    }
-
-    /// With weight decay (L2, added to the gradient).
-    pub fn weight_decay(mut self, wd: f64) -> Self {
-        self.weight_decay = wd;
-        self
-    }
-
-    fn update<T: Real>(&self, step: u64, p: &mut [T], g: &[T], state: &mut [&mut [T]]) {
-        let (lr, mu, wd) = (
-            T::of(self.lr),
-            T::of(self.momentum),
-            T::of(self.weight_decay),
-        );
-        let keep = T::of(1.0 - self.dampening);
-        let buf = state.first_mut();
-        match buf {
-            Some(buf) => {
-                for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                    let d = if self.weight_decay != 0.0 {
-                        g + wd * *p
-                    } else {
-                        g
-                    };
-                    *b = if step <= 1 { d } else { mu * *b + keep * d };
-                    let d = if self.nesterov { d + mu * *b } else { *b };
-                    *p = p.sub(lr * d);
-                }
-            }
-            None => {
-                for (p, &g) in p.iter_mut().zip(g) {
-                    let d = if self.weight_decay != 0.0 {
-                        g + wd * *p
-                    } else {
-                        g
-                    };
-                    *p = p.sub(lr * d);
-                }
-            }
-        }
-    }
-}
-
 impl ShardOptimizer for Sgd {
     fn name(&self) -> &str {
         "sgd"
@@ -214,58 +104,6 @@ impl ShardOptimizer for Sgd {
     }
     fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
         kernels.sgd(s, self)
-    }
-}
-
-/// `torch.optim.AdamW`: decoupled weight decay `p *= 1 - lr * wd`, then
-/// Adam with bias correction: `m`, `v` are the first and second moment
-/// (two state slots).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamW {
-    /// Learning rate (torch: 1e-3).
-    pub lr: f64,
-    /// First-moment decay (0.9).
-    pub beta1: f64,
-    /// Second-moment decay (0.999).
-    pub beta2: f64,
-    /// Added to the denominator (1e-8).
-    pub eps: f64,
-    /// Decoupled weight decay (0.01).
-    pub weight_decay: f64,
-}
-
-impl AdamW {
-    /// torch's defaults, with learning rate `lr`.
-    pub fn new(lr: f64) -> Self {
-        AdamW {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        }
-    }
-
-    fn update<T: Real>(&self, step: u64, p: &mut [T], g: &[T], state: &mut [&mut [T]]) {
-        let t = step.max(1) as i32;
-        let bc1 = 1.0 - self.beta1.powi(t);
-        let bc2 = 1.0 - self.beta2.powi(t);
-        let decay = T::of(1.0 - self.lr * self.weight_decay);
-        let (b1, b2) = (T::of(self.beta1), T::of(self.beta2));
-        let (c1, c2) = (T::of(1.0 - self.beta1), T::of(1.0 - self.beta2));
-        let step_size = T::of(self.lr / bc1);
-        let bc2_sqrt = T::of(bc2.sqrt());
-        let eps = T::of(self.eps);
-        let [m, v] = state else {
-            unreachable!("AdamW keeps two state slots")
-        };
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            *p = *p * decay;
-            *m = b1 * *m + c1 * g;
-            *v = b2 * *v + c2 * g * g;
-            let denom = v.sqrt().div(bc2_sqrt) + eps;
-            *p = p.sub(step_size * m.div(denom));
-        }
     }
 }
 
@@ -301,6 +139,68 @@ impl ShardOptimizer for AdamW {
     fn step_device(&self, kernels: &dyn ShardKernels, s: &DeviceStep<'_>) -> Result<(), CommError> {
         kernels.adamw(s, self)
     }
+}
+
+/// Steps one device shard with `opt`'s host step: reads the shard, its
+/// gradient and its slots once the compute stream has produced them,
+/// updates them on the host, and enqueues the writes back.
+pub fn staged<O: ShardOptimizer + ?Sized>(opt: &O, s: &DeviceStep<'_>) -> Result<(), CommError> {
+    if s.is_empty() {
+        return Ok(());
+    }
+    if s.state().len() != opt.slots() {
+        return Err(CommError::invalid(format!(
+            "{} keeps {} state slots; the step has {}",
+            opt.name(),
+            opt.slots(),
+            s.state().len()
+        )));
+    }
+    match s.dtype() {
+        DType::F32 => staged_typed::<f32, O>(opt, s, |o, p, g, st| {
+            o.step_f32(s.step(), p, g, st);
+        }),
+        DType::F64 => staged_typed::<f64, O>(opt, s, |o, p, g, st| {
+            o.step_f64(s.step(), p, g, st);
+        }),
+        d => Err(CommError::invalid(format!(
+            "the sharded optimizers step f32 and f64 shards, not {d}"
+        ))),
+    }
+}
+
+/// [`staged`] for one element type `T`.
+fn staged_typed<T: consort_comm::Element + Default, O: ShardOptimizer + ?Sized>(
+    opt: &O,
+    s: &DeviceStep<'_>,
+    step: impl FnOnce(&O, &mut [T], &[T], &mut [&mut [T]]),
+) -> Result<(), CommError> {
+    let (dev, stream) = (&s.place().device, s.place().stream);
+    let read = |addr: u64| -> Result<Vec<T>, CommError> {
+        let mut v = vec![T::default(); s.len()];
+        // SAFETY: `DeviceStep`'s addresses hold `len` live elements of `T`
+        // (its dtype, matched by the caller).
+        unsafe { dev.copy_to_host(consort_comm::dtype::as_bytes_mut(&mut v), addr, stream) }?;
+        Ok(v)
+    };
+    let mut params = read(s.params())?;
+    let grads = read(s.grads())?;
+    let mut state = s
+        .state()
+        .iter()
+        .map(|&a| read(a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut slots: Vec<&mut [T]> = state.iter_mut().map(Vec::as_mut_slice).collect();
+    step(opt, &mut params, &grads, &mut slots);
+    let write = |addr: u64, v: &[T]| {
+        // SAFETY: as for `read`.
+        unsafe { dev.copy_from_host(addr, consort_comm::dtype::as_bytes(v), stream) }
+    };
+    write(s.params(), &params)?;
+    for (&a, v) in s.state().iter().zip(&state) {
+        write(a, v)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
