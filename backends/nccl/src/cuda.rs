@@ -43,8 +43,20 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
+/// A CUDA driver failure as the call's abort: the call, what failed, and
+/// the driver's code.
+pub(crate) fn driver_error(ctx: ErrorContext, what: &'static str, e: cu::DriverError) -> CommError {
+    CommError::Aborted {
+        ctx,
+        cause: consort_comm::AbortCause::Device {
+            what,
+            error: format!("{e:?}"),
+        },
+    }
+}
+
 fn err(what: &'static str, e: cu::DriverError) -> CommError {
-    crate::work::driver_error(ErrorContext::default(), what, e)
+    driver_error(ErrorContext::default(), what, e)
 }
 
 impl CudaDevice {

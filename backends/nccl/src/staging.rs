@@ -24,7 +24,7 @@ use cudarc::driver::{CudaContext, result as cu};
 
 use consort_comm::lock;
 
-use crate::work::driver_error;
+use crate::cuda::driver_error;
 
 /// The smallest pair allocated (small calls share sizes, and so reuse).
 const MIN_BYTES: usize = 4096;

@@ -21,6 +21,7 @@ use consort_comm::{CommError, ErrorContext, lock, stream::DeviceComm};
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
 
 use crate::{
+    cuda::driver_error,
     map::nccl_error,
     sys::{Comm, Nccl, result},
 };
@@ -67,16 +68,6 @@ pub(crate) struct Cuda {
     /// A handle cleared by an abort under the launch lock, which
     /// `ncclCommAbort` frees once the lock is released.
     pending_abort: AtomicUsize,
-}
-
-pub(crate) fn driver_error(ctx: ErrorContext, what: &'static str, e: cu::DriverError) -> CommError {
-    CommError::Aborted {
-        ctx,
-        cause: consort_comm::AbortCause::Device {
-            what,
-            error: format!("{e:?}"),
-        },
-    }
 }
 
 impl Cuda {

@@ -12,7 +12,7 @@ use std::sync::{
 
 use consort_comm::{CommError, EventId, Result, lock, stream::DeviceComm};
 
-use super::job::{Reply, Slot, is_remote_error};
+use super::outcome::{Reply, Slot, is_remote_error};
 use crate::device::EmulatedDevice;
 
 /// The driver of one emulated communicator.

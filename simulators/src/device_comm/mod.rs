@@ -63,9 +63,11 @@ use crate::device::EmulatedDevice;
 
 mod gates;
 mod job;
+mod outcome;
 
 use gates::{Driver, Gates, Tracked};
-use job::{Job, Kind, Mem, Slot, comm_thread};
+use job::{Job, Kind, Mem, comm_thread};
+use outcome::Slot;
 
 /// How an [`EmulatedComm`] behaves.
 #[derive(Clone, Debug)]

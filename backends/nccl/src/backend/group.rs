@@ -17,10 +17,10 @@ use super::{
     life::{init_comm, init_timeout},
 };
 use crate::{
+    cuda::driver_error,
     keys::{UNIQUE_ID_BYTES, check_unique_id},
     map::nccl_error,
     sys::{self, Comm, result},
-    work::driver_error,
 };
 
 impl NcclBackend {

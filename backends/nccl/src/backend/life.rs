@@ -16,10 +16,11 @@ use cudarc::driver::CudaContext;
 
 use super::{NcclBackend, launch::settle};
 use crate::{
+    cuda::driver_error,
     keys::UNIQUE_ID_BYTES,
     map::nccl_error,
     sys::{self, Comm, Config, Nccl, result},
-    work::{Cuda, abort_in_background, comm_state, driver_error, last_error},
+    work::{Cuda, abort_in_background, comm_state, last_error},
 };
 
 /// How often an init or a split in progress is looked at.

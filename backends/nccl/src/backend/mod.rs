@@ -47,11 +47,12 @@ use launch::{On, RedOp};
 use life::init_comm;
 
 use crate::{
+    cuda::driver_error,
     keys::{UNIQUE_ID_BYTES, check_unique_id, torch_unique_id_key},
     map::{nccl_dtype, nccl_error, nccl_op, premul_scalar},
     probe::{load_nccl, probe_device},
     sys::{self, Comm, Nccl, Stream, result},
-    work::{Cuda, Driver, Tracked, Waiter, driver_error},
+    work::{Cuda, Driver, Tracked, Waiter},
 };
 
 /// How an [`NcclBackend`] is set up.
