@@ -21,6 +21,8 @@ mod data;
 mod gpu;
 #[cfg(feature = "nccl")]
 mod gpu_loop;
+#[cfg(feature = "nccl")]
+mod gpu_run;
 mod mlp;
 mod plot;
 mod sharded;

@@ -237,11 +237,11 @@ fn as_params(v: &[Vec<f32>; 4]) -> Params<'_> {
 #[cfg(feature = "nccl")]
 pub(crate) async fn train_rank_gpu(
     b: Arc<consort::nccl::NcclBackend>,
-    run: crate::gpu_loop::GpuRun,
+    run: crate::gpu_run::GpuRun,
     args: &Args,
     strategy: Strategy,
 ) -> Result<(), BoxError> {
-    let crate::gpu_loop::GpuRun {
+    let crate::gpu_run::GpuRun {
         mut job,
         dev,
         mut model,
