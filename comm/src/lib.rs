@@ -34,6 +34,7 @@
 //! stream driver only asks tokio which runtime a blocking wait is on.
 
 pub mod algo;
+pub mod auth;
 mod backend;
 mod buffer;
 pub mod cancel;

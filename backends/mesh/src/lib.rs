@@ -17,7 +17,9 @@
 //! consort-tcp (TCP streams), consort-quic (QUIC streams) and consort-shm
 //! (same-host queues) build on it; none depends on another.
 
-pub mod auth;
+/// The `CONSORT_SECRET` handshake (in the comm layer; the TCPStore uses it
+/// too).
+pub use consort_comm::auth;
 mod cpus;
 mod driver;
 pub use consort_comm::heartbeat;

@@ -21,7 +21,7 @@ pub mod store;
 
 pub use backend::{TcpBackend, TcpNet, TcpOptions, connect};
 /// The `CONSORT_SECRET` handshake the store and every stream share.
-pub use consort_mesh::{Secret, auth};
+pub use consort_comm::{auth, auth::Secret};
 pub use gloo::{GlooBackend, GlooOptions};
 pub use store::{
     DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_CLIENTS, ServerOptions, TcpStore, TcpStoreOptions,

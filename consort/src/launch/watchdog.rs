@@ -1,7 +1,7 @@
 //! The agent's watchdog (`consort run --watchdog-timeout SECONDS`): finds
 //! a worker that has made no progress for that long and names it, with the
 //! call it is in. Progress is read from each worker's heartbeat file
-//! (`consort_mesh::heartbeat`, kept by the comm layer on every call), which
+//! (`consort_comm::heartbeat`, kept by the comm layer on every call), which
 //! the agent can read even when the worker is stopped or wedged.
 //!
 //! A worker is watched from its first heartbeat (its comm layer's first
@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use consort_mesh::heartbeat::{self, Beat};
+use consort_comm::heartbeat::{self, Beat};
 
 /// One worker's progress as last seen.
 #[derive(Debug)]
