@@ -28,14 +28,12 @@ use std::sync::Arc;
 
 use consort::{
     Backend, ProcessGroup, ReduceOp,
-    ddp::{
-        Ddp, DdpOptions, Sgd, ShardKernels, ShardOptions, Sharded, Strategy,
-        candle::{
-            CandleModel,
-            candle_core::{self, DType, Device, Tensor, Var},
-            candle_nn::{self, Optimizer},
-        },
+    candle::{
+        CandleModel,
+        candle_core::{self, DType, Device, Tensor, Var},
+        candle_nn::{self, Optimizer},
     },
+    ddp::{Ddp, DdpOptions, Sgd, ShardKernels, ShardOptions, Sharded, Strategy},
     sim::{SimConfig, SimWorld},
 };
 

@@ -18,8 +18,6 @@
 //!
 //! The user guide is [`manual`].
 
-#[cfg(feature = "candle-cuda")]
-pub mod candle;
 #[cfg(feature = "nccl")]
 pub mod cuda;
 pub mod env;
@@ -40,6 +38,10 @@ pub use consort_sim as sim;
 /// DDP for burn modules (feature `burn`).
 #[cfg(feature = "burn")]
 pub use consort_burn as burn;
+/// DDP and the sharded strategies for candle models (feature `candle`; on
+/// CUDA with no host copies, feature `candle-cuda`).
+#[cfg(feature = "candle")]
+pub use consort_candle as candle;
 /// DistributedDataParallel (`Ddp`), state dicts (`module.`/`_orig_mod.`
 /// prefixes) and safetensors checkpoints.
 pub use consort_ddp as ddp;

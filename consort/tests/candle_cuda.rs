@@ -19,13 +19,11 @@
 use std::{sync::Arc, time::Duration};
 
 use consort::{
-    ddp::{
-        Ddp, DdpOptions,
-        candle::{
-            CandleError, CandleModel,
-            candle_core::{CudaDevice, Device, Tensor, Var, backend::BackendDevice},
-        },
+    candle::{
+        CandleError, CandleModel,
+        candle_core::{CudaDevice, Device, Tensor, Var, backend::BackendDevice},
     },
+    ddp::{Ddp, DdpOptions},
     nccl::{NcclBackend, NcclOptions},
 };
 
@@ -195,7 +193,7 @@ fn a_variable_in_host_memory_is_refused_by_name() {
     );
     assert_eq!(
         gpu.location(),
-        consort::ddp::candle::candle_core::DeviceLocation::Cuda { gpu_id: 0 }
+        consort::candle::candle_core::DeviceLocation::Cuda { gpu_id: 0 }
     );
 }
 

@@ -128,8 +128,10 @@ pub(crate) fn copy_in(
 }
 
 /// Enqueues bucket slot at `src` → `grad` on the compute stream, and makes
-/// `grad`'s stream wait for it.
-pub(crate) fn copy_out(
+/// `grad`'s stream wait for it. For adapters whose framework keeps the
+/// gradient in device memory of its own (the candle adapter); `what` names
+/// the tensor in the error.
+pub fn copy_out(
     p: &Placement,
     grad: &DeviceBuffer,
     src: u64,

@@ -11,9 +11,6 @@
 //!   (CUDA, or the emulated device in tests), averaged on the device and
 //!   ordered by streams, never by the host; [`DeviceModel`] is the adapter
 //!   for tensors in device memory.
-//! - `candle` (feature `candle`): the adapter for candle's `VarMap` and
-//!   `GradStore`; with feature `candle-cuda`, for candle models on a GPU
-//!   (DDP in the variables' and gradients' device memory, no host copy).
 //! - [`Sharded`] ([`shard`]): ZeRO-1, ZeRO-2, FSDP and HSDP over any
 //!   backend, with optimizers that update a shard ([`Sgd`], [`AdamW`]),
 //!   full and sharded (resharding) checkpoints, and a memory report.
@@ -24,8 +21,6 @@
 //!   `safetensors` and PyTorch load.
 
 pub mod buckets;
-#[cfg(feature = "candle")]
-pub mod candle;
 pub mod checkpoint;
 pub mod device;
 mod error;

@@ -1,4 +1,4 @@
-//! Candle models on CUDA (feature `candle-cuda`): DDP reads the variables'
+//! Candle models on CUDA (feature `cuda`): DDP reads the variables'
 //! and the gradients' device memory where candle keeps it, with no host
 //! copy.
 //!
@@ -16,7 +16,7 @@ use candle_core::{
 use consort_comm::{DeviceBuffer, Placement};
 
 use super::{CandleError, our_dtype};
-use crate::params::ParamSpec;
+use consort_ddp::params::ParamSpec;
 
 /// The device side of a candle model: where DDP works, the specs, and
 /// this step's gradient tensors.

@@ -2,16 +2,26 @@
 //! two ranks from different initial values and different data ends with
 //! the same weights on both, and the averaged gradient in each GradStore.
 
-#![cfg(feature = "candle")]
-
-mod common;
+use std::{future::Future, sync::Arc};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder, VarMap};
-use common::run_sim;
+use consort_candle::CandleModel;
 use consort_comm::Backend;
-use consort_ddp::{Ddp, DdpOptions, candle::CandleModel};
-use consort_sim::SimConfig;
+use consort_ddp::{Ddp, DdpOptions};
+use consort_sim::{SimConfig, SimRank, SimWorld};
+
+/// Runs `f` on every rank of a simulated world; the outputs in rank order.
+fn run_sim<T, F, Fut>(cfg: SimConfig, f: F) -> (Vec<T>, SimWorld)
+where
+    T: Send + 'static,
+    F: Fn(Arc<SimRank>) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let world = SimWorld::new(cfg).expect("sim world");
+    let out = world.run_each(|r| f(Arc::new(r))).expect("tokio runtime");
+    (out, world)
+}
 
 #[test]
 fn candle_linear_layers_stay_in_step_and_get_the_mean_gradient() {

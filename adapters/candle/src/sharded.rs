@@ -16,14 +16,14 @@
 //! }
 //! ```
 //!
-//! The optimizer is the shards' ([`crate::Sgd`], [`crate::AdamW`]), not
+//! The optimizer is the shards' ([`consort_ddp::Sgd`], [`consort_ddp::AdamW`]), not
 //! candle's: each rank updates only its shard. Candle's variables always
 //! hold whole tensors and its backward makes every gradient at once, so
 //! every unit is gathered before the forward pass and stays in the
 //! variables through the step: a rank keeps 1/N of the gradients and of
 //! the optimizer state (ZeRO-2's saving), not of the parameters in use.
 //! Under a mixed-precision policy the gathered compute-dtype values are
-//! cast to each variable's dtype. On a GPU (feature `candle-cuda`, the
+//! cast to each variable's dtype. On a GPU (feature `cuda`, the
 //! model from `CandleModel::from_varmap_on`) gathered values are copied
 //! into the variables and gradients handed over in device memory, with no
 //! host copy; a compute dtype other than the variables' goes through the
@@ -36,14 +36,14 @@ use consort_comm::{
 };
 
 use super::{CandleError, CandleModel, from_bytes, our_dtype};
-use crate::{DdpError, Sharded, shard::Gathered};
+use consort_ddp::{DdpError, Sharded, shard::Gathered};
 
 impl CandleModel {
     /// Writes unit `g`'s whole parameters (from [`Sharded::gather`]) into
     /// their variables, for the forward pass.
     pub fn set_gathered(&mut self, g: &Gathered) -> Result<(), CandleError> {
         for &p in g.params() {
-            #[cfg(feature = "candle-cuda")]
+            #[cfg(feature = "cuda")]
             if self.copy_gathered_on_device(g, p)? {
                 continue;
             }
@@ -76,7 +76,7 @@ impl CandleModel {
         sharded: &mut Sharded,
     ) -> Result<(), CandleError> {
         self.check_wrapped(sharded)?;
-        #[cfg(feature = "candle-cuda")]
+        #[cfg(feature = "cuda")]
         if self.on_device() && sharded.placement().is_some() {
             return self.mark_grads_on_device(grads, sharded);
         }
@@ -104,7 +104,7 @@ impl CandleModel {
     /// stream, with no host copy. `false` when it cannot be (a host model
     /// or host shards, or a compute dtype to cast): the caller copies
     /// through the host.
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn copy_gathered_on_device(&mut self, g: &Gathered, p: usize) -> Result<bool, CandleError> {
         let (Some(dev), Ok(src)) = (&self.dev, g.param_device(p)) else {
             return Ok(false);
@@ -117,20 +117,20 @@ impl CandleModel {
             return Ok(false);
         }
         let bytes = src.len() * src.dtype().size_bytes();
-        crate::device::copy_out(&dev.placement, &dst, src.ptr(), bytes, name)
+        consort_ddp::device::copy_out(&dev.placement, &dst, src.ptr(), bytes, name)
             .map_err(|e| CandleError::Device(format!("the gathered values of {name}: {e}")))?;
         Ok(true)
     }
 
     /// On a GPU: this step's gradient tensors (zeros for an unused
     /// variable) go to the device shards from their device memory.
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn mark_grads_on_device(
         &mut self,
         grads: &GradStore,
         sharded: &mut Sharded,
     ) -> Result<(), CandleError> {
-        use crate::ParamSet;
+        use consort_ddp::ParamSet;
         self.pull_grads(grads)?;
         for p in (0..self.vars.len()).rev() {
             let name = self.vars[p].0.clone();

@@ -1,13 +1,13 @@
-//! Candle on CUDA beside the NCCL backend (feature `candle-cuda`): the
+//! Candle on CUDA beside the NCCL backend (feature `cuda`): the
 //! [`Placement`] through which DDP reads and writes a candle model's GPU
 //! memory, so that `CandleModel::from_varmap_on` needs no host copy.
 //!
 //! ```no_run
-//! # use consort::ddp::candle::{candle_core, candle_nn};
+//! # use consort::candle::{candle_core, candle_nn};
 //! # async fn demo(varmap: candle_nn::VarMap, gpu: candle_core::CudaDevice)
 //! #     -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use consort::ddp::{Ddp, DdpOptions, candle::CandleModel};
+//! use consort::{ddp::{Ddp, DdpOptions}, candle::CandleModel};
 //! let dist = consort::init_from_env().await?;
 //! let nccl = Arc::new(dist.nccl_backend(None).await?);
 //! let mut model = CandleModel::from_varmap_on(&varmap, consort::candle::placement(&gpu)?)?;
@@ -17,12 +17,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! This module owns only that bridge. The adapter is
-//! [`consort_ddp::candle`]; the device is the NCCL backend's
+//! This module owns only that bridge; the device is the NCCL backend's
 //! [`consort_nccl::CudaDevice`], on the same primary context candle uses.
 
+use candle_core::backend::BackendDevice;
 use consort_comm::{CommError, Placement};
-use consort_ddp::candle::candle_core::{self, backend::BackendDevice};
 
 /// The placement of a model on candle's GPU `gpu`: the NCCL backend's view
 /// of that GPU (the same primary context candle uses), and candle's stream

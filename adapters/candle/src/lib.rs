@@ -1,6 +1,7 @@
-//! The candle adapter (feature `candle`): DDP for a candle model whose
-//! parameters live in a `VarMap` and whose gradients come back from
-//! `loss.backward()` as a `GradStore`.
+//! consort-candle: DDP and the sharded strategies (ZeRO-1, ZeRO-2, FSDP)
+//! for a candle model whose parameters live in a `VarMap` and whose
+//! gradients come back from `loss.backward()` as a `GradStore`. In the
+//! facade it is `consort::candle` (feature `candle`).
 //!
 //! Candle tensors do not lend out their host bytes, so [`CandleModel`]
 //! keeps a host copy (a [`PlainModel`]) that DDP works on, and copies
@@ -22,9 +23,9 @@
 //! Parameters are ordered by name (a `VarMap` is a hash map), so every rank
 //! lists them alike. f32, f64, f16 and bf16 are supported.
 //!
-//! With feature `candle-cuda`, a model on a GPU skips the host copy:
-//! [`CandleModel::from_varmap_on`] takes a [`Placement`] (in consort,
-//! `consort::candle::placement(&cuda_device)`), DDP broadcasts into the
+//! With feature `cuda` (in the facade, `candle-cuda`), a model on a GPU
+//! skips the host copy: [`CandleModel::from_varmap_on`] takes a
+//! [`Placement`] (`placement(&cuda_device)`), DDP broadcasts into the
 //! variables and averages the `GradStore`'s gradients in their device
 //! memory (stream-ordered after candle's stream), and the same loop runs:
 //! `push_values` and `push_grads` then have nothing to copy.
@@ -35,11 +36,17 @@ use consort_comm::{
     half::{bf16, f16},
 };
 
-use crate::params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
+use consort_ddp::params::{ParamSet, ParamSpec, PlainModel, PlainModelError};
 
-#[cfg(feature = "candle-cuda")]
+#[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod placement;
 mod sharded;
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use placement::placement;
 
 /// The candle this adapter is built against (its `Tensor`, `Var` and
 /// `GradStore` are the ones [`CandleModel`] takes).
@@ -47,7 +54,7 @@ pub use candle_core;
 /// candle's `nn` crate, of the same release.
 pub use candle_nn;
 
-#[cfg(feature = "candle-cuda")]
+#[cfg(feature = "cuda")]
 use consort_comm::{DeviceBuffer, Placement};
 
 /// Why the candle adapter failed.
@@ -72,7 +79,7 @@ pub enum CandleError {
     #[error(transparent)]
     Model(#[from] PlainModelError),
     /// A tensor cannot be used on the model's device (feature
-    /// `candle-cuda`): which one and why.
+    /// `cuda`): which one and why.
     #[error("candle on CUDA: {0}")]
     Device(String),
     /// The model is not the one the sharded strategy wrapped.
@@ -84,7 +91,7 @@ pub enum CandleError {
         /// The variable.
         name: String,
         /// What the sharded strategy said (its rank, call and cause).
-        source: Box<crate::DdpError>,
+        source: Box<consort_ddp::DdpError>,
     },
 }
 
@@ -94,7 +101,7 @@ pub enum CandleError {
 pub struct CandleModel {
     vars: Vec<(String, Var)>,
     host: PlainModel,
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     dev: Option<cuda::OnDevice>,
 }
 
@@ -176,18 +183,18 @@ impl CandleModel {
         Ok(CandleModel {
             vars,
             host,
-            #[cfg(feature = "candle-cuda")]
+            #[cfg(feature = "cuda")]
             dev: None,
         })
     }
 
     /// Every variable of `varmap`, ordered by name, on the GPU of
-    /// `placement` (feature `candle-cuda`): DDP works in the variables' and
+    /// `placement` (feature `cuda`): DDP works in the variables' and
     /// the gradients' device memory, with no host copy. In consort,
     /// `consort::candle::placement(&cuda_device)` makes the placement (the
     /// NCCL backend's view of candle's GPU). Every variable must be a
     /// contiguous CUDA tensor on that GPU.
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     pub fn from_varmap_on(
         varmap: &candle_nn::VarMap,
         placement: Placement,
@@ -201,7 +208,7 @@ impl CandleModel {
 
     /// The given named variables, ordered by name, on the GPU of
     /// `placement` (see [`CandleModel::from_varmap_on`]).
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     pub fn from_vars_on(
         mut vars: Vec<(String, Var)>,
         placement: Placement,
@@ -218,7 +225,7 @@ impl CandleModel {
     /// Whether DDP works in the variables' device memory (a model made by
     /// `from_varmap_on`).
     pub fn on_device(&self) -> bool {
-        #[cfg(feature = "candle-cuda")]
+        #[cfg(feature = "cuda")]
         if self.dev.is_some() {
             return true;
         }
@@ -264,7 +271,7 @@ impl CandleModel {
     /// contiguous copy of its own. [`CandleModel::push_grads`] puts the
     /// gradients made here into `grads`.
     pub fn pull_grads(&mut self, grads: &GradStore) -> Result<(), CandleError> {
-        #[cfg(feature = "candle-cuda")]
+        #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
             return dev.take_grads(&self.vars, grads);
         }
@@ -285,7 +292,7 @@ impl CandleModel {
     /// optimizer. On a device the averages are already in `grads`' tensors;
     /// only the gradients `pull_grads` had to make are inserted.
     pub fn push_grads(&mut self, grads: &mut GradStore) -> Result<(), CandleError> {
-        #[cfg(feature = "candle-cuda")]
+        #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
             return dev.give_grads(&self.vars, grads);
         }
@@ -302,29 +309,29 @@ impl CandleModel {
 
 impl ParamSet for CandleModel {
     fn params(&self) -> Vec<ParamSpec> {
-        #[cfg(feature = "candle-cuda")]
+        #[cfg(feature = "cuda")]
         if let Some(dev) = &self.dev {
             return dev.specs.clone();
         }
         self.host.params()
     }
 
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn placement(&self) -> Option<Placement> {
         self.dev.as_ref().map(|d| d.placement.clone())
     }
 
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn param_device(&mut self, i: usize) -> Option<DeviceBuffer> {
         self.dev.as_ref()?.param(&self.vars, i)
     }
 
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn grad_device(&mut self, i: usize) -> Option<DeviceBuffer> {
         self.dev.as_ref()?.grad(i)
     }
 
-    #[cfg(feature = "candle-cuda")]
+    #[cfg(feature = "cuda")]
     fn has_grad_device(&self, i: usize) -> bool {
         self.dev.as_ref().is_some_and(|d| d.had_grad(i))
     }
