@@ -13,10 +13,14 @@
 //!   [`EmulatedComm`], collectives on its buffers ordered as NCCL orders
 //!   them, so that stream-ordered code is tested without a GPU;
 //! - [`cost`]: the α–β cost model over a topology, and the cost-only driver
-//!   that predicts time, algbw and busbw for up to 65,536 ranks.
+//!   that predicts time, algbw and busbw for up to 65,536 ranks;
+//! - [`cluster`]: NCCL's own tuning model of a GPU cluster (ring, tree,
+//!   NVLS, PAT; LL, LL128, Simple), presets held to published nccl-tests
+//!   figures, and the step time of DDP, FSDP and pipelines on them.
 //!
 //! It owns no algorithm: every schedule comes from `consort_comm::algo`.
 
+pub mod cluster;
 pub mod cost;
 pub mod device;
 pub mod device_comm;
