@@ -1,6 +1,7 @@
-//! CUDA above the NCCL backend (feature `nccl`): consort's kernels compiled
-//! at run time with NVRTC for the GPU at hand ([`compile`]), and
-//! [`CudaKernels`], the sharded strategies' optimizer kernels on CUDA.
+//! [`CudaKernels`] (feature `nccl`), the sharded strategies' optimizer
+//! kernels on CUDA, and the CUDA plumbing they are built with, which lives
+//! in the NCCL backend's [`consort_nccl::cuda`] beside the device:
+//! [`compile`] (NVRTC for the GPU at hand), [`probe_lib`], [`launch_1d`].
 //!
 //! Everything is loaded at run time, as the NCCL backend is: the build
 //! needs no CUDA toolkit. [`CudaKernels`] runs `torch.optim.SGD` and
@@ -13,82 +14,11 @@ use std::{ffi::c_void, sync::Arc};
 
 use consort_comm::{CommError, DType, Device, Placement};
 use consort_ddp::{AdamW, DeviceStep, Sgd, ShardKernels};
-use consort_nccl::CudaDevice;
-use cudarc::driver::{CudaFunction, CudaModule, result as cu, sys as cusys};
-
-/// Checks that the CUDA library `name` (cudarc's name: `"nvrtc"`,
-/// `"cublas"`) can be loaded; the error says where to find it.
-pub fn probe_lib(name: &str, what: &str) -> Result<(), String> {
-    let names = consort_nccl::probe::lib_candidates(name);
-    let loads = |n: &String| {
-        // SAFETY: loading the vendor library cudarc is about to load anyway.
-        unsafe { libloading::Library::new(n) }.is_ok()
-    };
-    if names.iter().any(loads) {
-        return Ok(());
-    }
-    Err(format!(
-        "{what} was not found (tried {names:?}); put the CUDA toolkit's lib64, or PyTorch's \
-         nvidia/*/lib directories, on LD_LIBRARY_PATH"
-    ))
-}
-
-/// Compiles CUDA C++ `src` with NVRTC to a CUBIN for `dev`'s architecture
-/// (the driver then never JITs PTX that may be newer than it: NVRTC from a
-/// pip wheel often is), falling back to PTX where this NVRTC does not know
-/// the architecture, and loads it. `options` go to NVRTC beside the
-/// architecture; `what` names the kernels in errors.
-pub fn compile(
-    dev: &Arc<CudaDevice>,
-    src: &str,
-    options: &[&str],
-    what: &str,
-) -> Result<Arc<CudaModule>, String> {
-    use cudarc::nvrtc::{Ptx, result as rtc, sys as rtc_sys};
-    probe_lib("nvrtc", "NVRTC (the CUDA run-time compiler)")?;
-    let (major, minor) = dev
-        .context()
-        .compute_capability()
-        .map_err(|e| format!("{what}: {e:?}"))?;
-    let c_src = std::ffi::CString::new(src).map_err(|e| format!("{what}: {e}"))?;
-    let prog = rtc::create_program(&c_src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
-    let mut opts = vec![format!("--gpu-architecture=sm_{major}{minor}")];
-    opts.extend(options.iter().map(|o| o.to_string()));
-    // SAFETY: `prog` is live until destroyed at the end of this block; the
-    // CUBIN buffer has the size NVRTC reports.
-    let cubin = unsafe {
-        let built = rtc::compile_program(prog, &opts).and_then(|()| {
-            let mut n = 0usize;
-            rtc_sys::nvrtcGetCUBINSize(prog, &mut n).result()?;
-            let mut buf = vec![0 as std::ffi::c_char; n];
-            rtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr()).result()?;
-            Ok(buf.into_iter().map(|c| c as u8).collect::<Vec<u8>>())
-        });
-        let log = rtc::get_program_log(prog)
-            .map(|l| l.into_iter().map(|c| c as u8 as char).collect::<String>())
-            .unwrap_or_default();
-        let _ = rtc::destroy_program(prog);
-        built.map_err(|e| format!("NVRTC {opts:?}: {e:?} {log}"))
-    };
-    let image = match cubin {
-        Ok(c) if !c.is_empty() => Ptx::from_binary(c),
-        other => {
-            tracing::warn!("no CUBIN for sm_{major}{minor} ({other:?}); loading PTX instead");
-            let ptx_opts = cudarc::nvrtc::CompileOptions {
-                options: options.iter().map(|o| o.to_string()).collect(),
-                ..Default::default()
-            };
-            cudarc::nvrtc::compile_ptx_with_opts(src, ptx_opts)
-                .map_err(|e| format!("NVRTC: {e:?}"))?
-        }
-    };
-    dev.context().load_module(image).map_err(|e| {
-        format!(
-            "loading {what}: {e:?} (CUDA_ERROR_UNSUPPORTED_PTX_VERSION means NVRTC is newer than \
-             the driver: update the driver, or put an older NVRTC first on LD_LIBRARY_PATH)"
-        )
-    })
-}
+pub use consort_nccl::cuda::{compile, launch_1d, probe_lib};
+use consort_nccl::{
+    CudaDevice,
+    cudarc::driver::{CudaFunction, CudaModule, DriverError},
+};
 
 /// The optimizer kernels: one grid-stride loop per optimizer and dtype,
 /// with the host step's operations in its order (see `consort_ddp`'s
@@ -283,11 +213,8 @@ impl CudaKernels {
         (place, len): (&Placement, usize),
         args: &mut [*mut c_void],
     ) -> Result<(), CommError> {
-        let blocks = len.div_ceil(256).clamp(1, 4096) as u32;
-        let fail = |e: cudarc::driver::DriverError| {
-            CommError::invalid(format!("launching an optimizer kernel: {e:?}"))
-        };
-        self.dev.context().bind_to_thread().map_err(fail)?;
+        let fail =
+            |e: DriverError| CommError::invalid(format!("launching an optimizer kernel: {e:?}"));
         // SAFETY: every argument points at a value of the kernel's
         // parameter type (device addresses as u64, flags as i32, scalars
         // as the shard's float type, the count as i64), alive until the
@@ -295,17 +222,7 @@ impl CudaKernels {
         // hold `len` live elements on this device (`DeviceStep`'s, checked
         // by `pick`, or the callers' of the unsafe `cast` and `unscale`),
         // and the stream is this device's compute stream.
-        unsafe {
-            cu::launch_kernel(
-                f.cu_function(),
-                (blocks, 1, 1),
-                (256, 1, 1),
-                0,
-                place.stream as cusys::CUstream,
-                args,
-            )
-        }
-        .map_err(fail)
+        unsafe { launch_1d(&self.dev, f, (place.stream, len), args) }.map_err(fail)
     }
 
     fn sgd_typed<T: Scalar>(

@@ -28,7 +28,7 @@
 //! through untouched.
 
 mod backend;
-mod cuda;
+pub mod cuda;
 pub mod keys;
 pub mod map;
 pub mod probe;
@@ -38,4 +38,6 @@ mod work;
 
 pub use backend::{NcclBackend, NcclOptions};
 pub use cuda::{CudaDevice, DEFAULT_SYNC_TIMEOUT};
+/// The cudarc consort is built with (driver and NVRTC, loaded at run time).
+pub use cudarc;
 pub use probe::{load_nccl, probe, probe_device, probe_with};

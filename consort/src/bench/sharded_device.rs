@@ -144,7 +144,6 @@ extern "C" __global__ void synthetic_backward(const float* p, float* g, int work
         .map_err(|e| format!("synthetic_backward: {e:?}"))?;
     let (d, stream) = (dev.clone(), place.stream);
     let backward: Backward = Box::new(move |param, grad, work, bias| {
-        use cudarc::driver::{result as cu, sys as cusys};
         let _keep = &module;
         let (p, g, n, w) = (param.ptr(), grad.ptr(), param.len() as i64, work as i32);
         let arg = |v: *const std::ffi::c_void| v.cast_mut();
@@ -155,21 +154,10 @@ extern "C" __global__ void synthetic_backward(const float* p, float* g, int work
             arg((&bias as *const f32).cast()),
             arg((&n as *const i64).cast()),
         ];
-        d.context().bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        let blocks = param.len().div_ceil(256).clamp(1, 4096) as u32;
         // SAFETY: the arguments point at values of the kernel's parameter
         // types, alive through the launch; `p` and `g` are live device
         // views of `n` f32 on this device's compute stream.
-        unsafe {
-            cu::launch_kernel(
-                f.cu_function(),
-                (blocks, 1, 1),
-                (256, 1, 1),
-                0,
-                stream as cusys::CUstream,
-                &mut args,
-            )
-        }
+        unsafe { consort::cuda::launch_1d(&d, &f, (stream, param.len()), &mut args) }
         .map_err(|e| format!("synthetic_backward: {e:?}"))?;
         Ok(())
     });

@@ -1,5 +1,7 @@
-//! [`CudaDevice`]: `consort_comm::Device` on one CUDA context, through the
-//! driver API (cudarc, loaded at run time).
+//! consort's CUDA, in one place: [`CudaDevice`], `consort_comm::Device` on
+//! one CUDA context through the driver API (cudarc, loaded at run time),
+//! and the kernel plumbing ([`compile`] with NVRTC, [`probe_lib`],
+//! [`launch_1d`]).
 //!
 //! This module owns the CUDA side of device-resident DDP: stream-ordered
 //! allocation (`cuMemAllocAsync`), copies, zeroing, events and stream
@@ -15,6 +17,9 @@ use consort_comm::{CommError, Device, ErrorContext, EventId, Result, StreamId};
 use cudarc::driver::{CudaContext, result as cu, sys as cusys};
 
 use crate::probe::probe_device;
+
+mod nvrtc;
+pub use nvrtc::{compile, launch_1d, probe_lib};
 
 /// One GPU's memory and streams for [`consort_comm::Device`] users (DDP's
 /// device buckets). Streams it creates are destroyed with it.
