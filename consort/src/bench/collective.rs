@@ -217,7 +217,14 @@ pub(crate) async fn from_env(
     mut spec: BenchSpec,
 ) -> Result<Option<Table>, Box<dyn std::error::Error>> {
     let rows = rank_from_env(&mut spec).await?;
-    Ok(rows.map(|rows| table(&spec, rows)))
+    // The bound is this node's: only where every rank ran here.
+    let one_host = std::env::var("LOCAL_WORLD_SIZE").ok() == std::env::var("WORLD_SIZE").ok();
+    let bw = if rows.is_some() && one_host {
+        node_bandwidth(&spec)
+    } else {
+        None
+    };
+    Ok(rows.map(|rows| table(&spec, rows, bw)))
 }
 
 /// Runs the bench and returns the table.
@@ -254,11 +261,38 @@ pub(crate) async fn run(spec: BenchSpec) -> Result<Table, Box<dyn std::error::Er
             .into());
         }
     };
-    Ok(table(&spec, rows))
+    let bw = node_bandwidth(&spec);
+    Ok(table(&spec, rows, bw))
+}
+
+/// This node's memory bandwidth with a core per rank, for the CPU
+/// backends (the simulator's ranks and NCCL's GPUs have other bounds);
+/// said on stderr beside the table, whose rows carry the bound.
+fn node_bandwidth(spec: &BenchSpec) -> Option<f64> {
+    if !matches!(spec.backend.as_str(), "tcp" | "quic" | "gloo") {
+        return None;
+    }
+    let threads = super::bound::threads_for(spec.world);
+    match super::bound::memory_bandwidth(threads) {
+        Ok(bw) => {
+            eprintln!(
+                "memory bandwidth: {:.1} GB/s with {threads} core(s) copying (STREAM Copy, read + write); \
+                 bound_gbs is the single-copy bound on algbw, of_bound the row's fraction",
+                bw / 1e9
+            );
+            Some(bw)
+        }
+        Err(e) => {
+            eprintln!("no memory bandwidth, so no bound column: {e}");
+            None
+        }
+    }
 }
 
 /// One row per (op, size), nccl-tests columns.
-fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
+/// The table of `rows`; `bw` is this node's memory bandwidth where every
+/// rank ran on it (the bound's columns are null elsewhere).
+fn table(spec: &BenchSpec, rows: Vec<Row>, bw: Option<f64>) -> Table {
     let mut columns = vec![
         "op",
         "backend",
@@ -271,6 +305,8 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
         "time_us",
         "algbw_gbs",
         "busbw_gbs",
+        "bound_gbs",
+        "of_bound",
         "wrong",
     ];
     let host = spec.backend == "nccl";
@@ -279,6 +315,9 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
     }
     let mut t = Table::new(&columns);
     for r in rows {
+        let bound = bw
+            .zip(parse_ops(&r.op).ok().and_then(|o| o.first().copied()))
+            .and_then(|(bw, op)| super::bound::single_copy_bound(op, spec.world, bw));
         let redop = if matches!(r.op.as_str(), "all_reduce" | "reduce_scatter") {
             "sum"
         } else {
@@ -301,6 +340,8 @@ fn table(spec: &BenchSpec, rows: Vec<Row>) -> Table {
             json!(r.time_us),
             json!(r.algbw_gbs),
             json!(r.busbw_gbs),
+            json!(bound.map(|b| b / 1e9)),
+            json!(bound.map(|b| r.algbw_gbs * 1e9 / b)),
             json!(r.wrong),
         ];
         if host {

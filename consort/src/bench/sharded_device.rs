@@ -158,7 +158,7 @@ extern "C" __global__ void synthetic_backward(const float* p, float* g, int work
         // types, alive through the launch; `p` and `g` are live device
         // views of `n` f32 on this device's compute stream.
         unsafe { consort::cuda::launch_1d(&d, &f, (stream, param.len()), &mut args) }
-        .map_err(|e| format!("synthetic_backward: {e:?}"))?;
+            .map_err(|e| format!("synthetic_backward: {e:?}"))?;
         Ok(())
     });
     let kernels = consort::cuda::CudaKernels::new(&dev)?;
