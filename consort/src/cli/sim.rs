@@ -1,5 +1,8 @@
 //! `consort sim`: the cost-only simulator as an nccl-tests-style table,
-//! with the closed-form α–β time beside every row.
+//! with the closed-form α–β time beside every row; with `--cluster`,
+//! NCCL's own model of a GPU cluster instead ([`cluster`]).
+
+mod cluster;
 
 use consort_comm::{OpKind, algo::AlgoConfig, algo::Algorithm};
 use consort_sim::cost::{Link, Topology, simulate_within};
@@ -187,6 +190,8 @@ pub(crate) struct SimCmd {
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    gpu_cluster: cluster::ClusterArgs,
 }
 
 /// Refuses figures the cost model cannot run on: a zero, negative, NaN or
@@ -215,6 +220,18 @@ fn check(a: &SimCmd) -> Result<(), String> {
 
 /// Runs `consort sim`.
 pub(crate) async fn command(a: SimCmd) -> Result<(), Box<dyn std::error::Error>> {
+    cluster::check_unused(&a.gpu_cluster)?;
+    if a.gpu_cluster.cluster.is_some() {
+        let t = cluster::run(
+            &a.gpu_cluster,
+            a.op,
+            a.world_size,
+            a.ranks_per_node,
+            &a.sizes.0,
+        )?;
+        print!("{}", t.render(a.json));
+        return Ok(());
+    }
     check(&a)?;
     let fit = a.fitted_crosshost;
     let inter = if fit {
