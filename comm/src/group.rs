@@ -21,6 +21,33 @@ use crate::{Backend, Buffer, BufferMut, CallOptions, Element, ReduceOp, Result, 
 ///
 /// Cheap to clone; clones share the backend. The `*_with` forms take full
 /// [`CallOptions`] (timeout, tag).
+///
+/// Every rank makes the same calls in the same order, as with
+/// `torch.distributed`. On two simulated ranks:
+///
+/// ```
+/// use std::sync::Arc;
+/// use consort_comm::{ProcessGroup, ReduceOp};
+/// use consort_sim::{SimConfig, SimWorld};
+///
+/// let world = SimWorld::new(SimConfig::new(2))?;
+/// let out = world.run_each(|rank| async move {
+///     let pg = ProcessGroup::new(Arc::new(rank));
+///     let mut w = vec![0.0f64; 4];
+///     if pg.rank() == 0 {
+///         w.fill(0.5); // rank 0's initial weights
+///     }
+///     pg.broadcast(&mut w, 0).await?; // every rank now holds rank 0's
+///     let mut loss = [pg.rank() as f64 + 1.0];
+///     pg.all_reduce(&mut loss, ReduceOp::Sum).await?;
+///     let ranks = pg.all_gather_vec(&[pg.rank() as u32]).await?;
+///     Ok::<_, consort_comm::CommError>((w, loss[0], ranks))
+/// })?;
+/// for r in out {
+///     assert_eq!(r?, (vec![0.5; 4], 3.0, vec![0, 1]));
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct ProcessGroup {
     backend: Arc<dyn Backend>,

@@ -32,6 +32,33 @@
 //!
 //! It never imports a backend or a socket, and runs no async runtime: the
 //! stream driver only asks tokio which runtime a blocking wait is on.
+//!
+//! # Example
+//!
+//! Code written against [`ProcessGroup`] (or `Arc<dyn Backend>`) runs on
+//! any backend. Here each rank of a simulated world (consort-sim) averages
+//! its gradients, as `dist.all_reduce(t, op=ReduceOp.AVG)` does:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use consort_comm::{ProcessGroup, ReduceOp};
+//! use consort_sim::{SimConfig, SimWorld};
+//!
+//! let world = SimWorld::new(SimConfig::new(4))?;
+//! let grads = world.run_each(|rank| async move {
+//!     let pg = ProcessGroup::new(Arc::new(rank));
+//!     let mut grad = vec![pg.rank() as f32; 3];
+//!     pg.all_reduce(&mut grad, ReduceOp::Avg).await?;
+//!     Ok::<_, consort_comm::CommError>(grad)
+//! })?;
+//! for g in grads {
+//!     assert_eq!(g?, [1.5; 3]); // the mean of 0, 1, 2 and 3
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Under a launcher, `consort::init_from_env()` makes the group instead;
+//! the environment it reads is listed in one place, `consort::env`.
 
 pub mod algo;
 pub mod auth;
