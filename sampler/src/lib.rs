@@ -23,6 +23,26 @@
 //!
 //! The order depends on `seed + epoch`. Without [`DistributedSampler::set_epoch`]
 //! every epoch repeats the same order (PyTorch's most common sampler bug).
+//!
+//! # Example
+//!
+//! Ten samples over four ranks, unshuffled: every rank reads three, and
+//! the two the shards are short are taken again from the start, as torch
+//! pads them.
+//!
+//! ```
+//! use consort_sampler::DistributedSampler;
+//!
+//! let shard = |rank| {
+//!     // DistributedSampler(dataset, num_replicas=4, rank=rank, shuffle=False)
+//!     let mut s = DistributedSampler::new(10, 4, rank, false, 0, false)?;
+//!     s.indices()
+//! };
+//! assert_eq!(shard(0)?, [0, 4, 8]);
+//! assert_eq!(shard(2)?, [2, 6, 0]); // 0 and 1 again: padding
+//! assert_eq!(shard(3)?, [3, 7, 1]);
+//! # Ok::<(), consort_sampler::SamplerError>(())
+//! ```
 
 mod feistel;
 pub mod mt;
@@ -94,6 +114,24 @@ fn check(num_replicas: usize, rank: usize) -> Result<(), SamplerError> {
 }
 
 /// `torch.utils.data.DistributedSampler`, index for index.
+///
+/// Shuffled, each epoch is torch's `randperm(len)` from a generator seeded
+/// with `seed + epoch`, and rank `r` takes every `num_replicas`-th index
+/// from position `r`:
+///
+/// ```
+/// use consort_sampler::DistributedSampler;
+///
+/// // torch.manual_seed(0); torch.randperm(10) == [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]
+/// let mut rank0 = DistributedSampler::new(10, 2, 0, true, 0, false)?;
+/// let mut rank1 = DistributedSampler::new(10, 2, 1, true, 0, false)?;
+/// assert_eq!(rank0.indices()?, [4, 7, 3, 0, 6]);
+/// assert_eq!(rank1.indices()?, [1, 5, 9, 8, 2]);
+///
+/// rank0.set_epoch(1); // at the start of every epoch, on every rank
+/// assert_ne!(rank0.indices()?, [4, 7, 3, 0, 6]);
+/// # Ok::<(), consort_sampler::SamplerError>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct DistributedSampler {
     len: u64,
