@@ -19,6 +19,37 @@
 //!   added and stripped in both directions; loading accepts either form.
 //! - [`checkpoint`]: safetensors files written atomically, which Python's
 //!   `safetensors` and PyTorch load.
+//!
+//! # Example
+//!
+//! Two simulated ranks wrap the same one-parameter model; each computes
+//! its own gradient, and [`Ddp::sync_grads`] leaves the mean in both, as
+//! `loss.backward()` under `DistributedDataParallel` does:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use consort_ddp::{Ddp, DdpOptions, PlainModel};
+//! use consort_sim::{SimConfig, SimWorld};
+//!
+//! let world = SimWorld::new(SimConfig::new(2))?;
+//! let grads = world.run_each(|rank| async move {
+//!     let mut model = PlainModel::new();
+//!     let w = model.add_param::<f32>("linear.weight", vec![2], &[0.5, -0.5])?;
+//!     let rank = Arc::new(rank);
+//!     let me = consort_comm::Backend::rank(&*rank) as f32;
+//!     let mut ddp = Ddp::new(rank, &mut model, DdpOptions::default()).await?;
+//!     model.grad_mut::<f32>(w)?.fill(me + 1.0); // this rank's backward
+//!     ddp.sync_grads(&mut model).await?;
+//!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(model.grad::<f32>(w)?.unwrap().to_vec())
+//! })?;
+//! for g in grads {
+//!     assert_eq!(g.unwrap(), [1.5, 1.5]); // the mean of 1 and 2
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Under a launcher the backend comes from `consort::init_from_env()` and
+//! `Dist::process_group` instead of the simulator; nothing else changes.
 
 pub mod buckets;
 pub mod checkpoint;

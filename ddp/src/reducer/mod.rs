@@ -177,6 +177,33 @@ struct Slot {
 /// DistributedDataParallel: keeps the replicas of one model in step by
 /// averaging gradients across ranks, bucket by bucket, while backward
 /// runs. See the [module docs](self) for a step.
+///
+/// Each gradient is handed over as backward produces it (torch's autograd
+/// hooks), last layer first; [`Ddp::finish`] waits for the buckets:
+///
+/// ```
+/// use std::sync::Arc;
+/// use consort_ddp::{Ddp, DdpOptions, PlainModel};
+/// use consort_sim::{SimConfig, SimWorld};
+///
+/// let world = SimWorld::new(SimConfig::new(2))?;
+/// let out = world.run_each(|rank| async move {
+///     let mut model = PlainModel::new();
+///     model.add_param::<f32>("fc1.weight", vec![4], &[0.1; 4])?;
+///     model.add_param::<f32>("fc2.weight", vec![2], &[0.2; 2])?;
+///     let rank = Arc::new(rank);
+///     let r = consort_comm::Backend::rank(&*rank) as f32;
+///     let mut ddp = Ddp::new(rank, &mut model, DdpOptions::default()).await?;
+///     ddp.mark_ready(1, &[r; 2])?; // backward reaches fc2 first
+///     ddp.mark_ready(0, &[r; 4])?;
+///     ddp.finish().await?;
+///     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(ddp.grad::<f32>(0)?.to_vec())
+/// })?;
+/// for g in out {
+///     assert_eq!(g.unwrap(), [0.5; 4]); // the mean of rank 0's 0 and rank 1's 1
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Ddp<B: Backend + ?Sized + 'static> {
     backend: Arc<B>,
     opts: DdpOptions,

@@ -222,6 +222,37 @@ struct FlatState {
 
 /// Sharded data parallel training of one model: ZeRO-1, ZeRO-2, FSDP or
 /// HSDP. See the [module docs](self).
+///
+/// FSDP on two simulated ranks, one unit, plain SGD: gather the unit for
+/// the forward pass, hand over the gradient, step; each rank updates
+/// only its half of the parameters.
+///
+/// ```
+/// use std::sync::Arc;
+/// use consort_ddp::{PlainModel, Sgd, ShardOptions, Sharded, Strategy};
+/// use consort_sim::{SimConfig, SimWorld};
+///
+/// let world = SimWorld::new(SimConfig::new(2))?;
+/// let out = world.run_each(|rank| async move {
+///     let rank = Arc::new(rank);
+///     let r = consort_comm::Backend::rank(&*rank) as f32;
+///     let mut model = PlainModel::new();
+///     model.add_param::<f32>("w", vec![4], &[1.0; 4])?;
+///     let opts = ShardOptions::new(Strategy::Fsdp); // fully_shard(model)
+///     let mut sh = Sharded::new(rank, &mut model, Sgd::new(0.1), opts).await?;
+///     let unit = sh.gather(0).await?; // all-gathers the whole parameters
+///     assert_eq!(unit.param::<f32>(0)?, [1.0; 4]);
+///     drop(unit); // forward done: the whole copy is freed
+///     sh.mark_ready(0, &[r + 1.0; 4])?; // backward: reduce-scatters the mean, 1.5
+///     sh.step().await?; // SGD on this rank's shard
+///     sh.copy_params_to(&mut model).await?;
+///     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(model.param::<f32>(0)?.to_vec())
+/// })?;
+/// for w in out {
+///     assert_eq!(w.unwrap(), [0.85; 4]); // 1 - 0.1 * 1.5
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Sharded {
     backend: Arc<dyn Backend>,
     group: ShardGroup,
