@@ -16,6 +16,31 @@
 //!
 //! consort-tcp (TCP streams), consort-quic (QUIC streams) and consort-shm
 //! (same-host queues) build on it; none depends on another.
+//!
+//! # Example
+//!
+//! A transport owns moving bytes only: it implements [`StreamTransport`]
+//! (listen, dial, split a stream) and hands itself to the mesh's
+//! rendezvous, which makes the group. This is the whole of what
+//! `consort_tcp::connect` adds to the mesh:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use consort_comm::{ProcessGroup, Store};
+//! use consort_mesh::{MeshOptions, StreamTransport, rendezvous};
+//!
+//! async fn join<T: StreamTransport>(
+//!     store: Arc<dyn Store>,
+//!     rank: usize,
+//!     world_size: usize,
+//!     net: T,
+//! ) -> consort_comm::Result<ProcessGroup> {
+//!     // Timeouts, schedules, the same-host transport, CONSORT_SECRET.
+//!     let opts = MeshOptions::default();
+//!     let mesh = rendezvous::connect(store, rank, world_size, opts, net).await?;
+//!     Ok(ProcessGroup::new(Arc::new(mesh)))
+//! }
+//! ```
 
 /// The `CONSORT_SECRET` handshake (in the comm layer; the TCPStore uses it
 /// too).

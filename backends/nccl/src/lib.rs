@@ -25,7 +25,29 @@
 //! feature is `fallback-dynamic-loading`, so that a build with candle's
 //! CUDA, which links the CUDA libraries, can hold both.) NCCL's
 //! environment variables (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) pass
-//! through untouched.
+//! through untouched; consort's own are listed in `consort::env`.
+//!
+//! # Example
+//!
+//! In a job, `Dist::nccl_process_group` (the facade's feature `nccl`)
+//! does this with the job's store and `LOCAL_RANK`'s GPU. By hand:
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use consort_comm::{ProcessGroup, ReduceOp, Store};
+//! use consort_nccl::{NcclBackend, NcclOptions};
+//!
+//! # async fn demo(store: Arc<dyn Store>, rank: usize, world_size: usize, local_rank: usize)
+//! #     -> consort_comm::Result<()> {
+//! consort_nccl::probe()?; // libcuda and libnccl, or an error naming what to install
+//! let opts = NcclOptions { device: Some(local_rank), ..NcclOptions::default() };
+//! // NCCL's unique id goes through the store under torch's key
+//! let nccl = NcclBackend::new(&*store, rank, world_size, opts).await?;
+//! let pg = ProcessGroup::new(Arc::new(nccl));
+//! let mut loss = [0.25f32]; // host memory: staged through pinned buffers
+//! pg.all_reduce(&mut loss, ReduceOp::Avg).await?;
+//! # Ok(()) }
+//! ```
 
 mod backend;
 pub mod cuda;

@@ -19,6 +19,27 @@
 //! Give a [`ShmTransport`] to `MeshOptions::local`, and the mesh uses it
 //! for every peer with the same host identity; the rest go over the
 //! network.
+//!
+//! # Example
+//!
+//! `Dist::process_group` does this by default (`CONSORT_SHM=0` turns it
+//! off; the other variables are listed in `consort::env`). By hand, for
+//! `consort_tcp::connect` (its `TcpOptions` is `MeshOptions`):
+//!
+//! ```
+//! use consort_mesh::MeshOptions;
+//! use consort_shm::ShmTransport;
+//!
+//! let shm = ShmTransport {
+//!     queue_bytes: 8 << 20, // each direction of each pair; a power of two
+//!     ..ShmTransport::default()
+//! };
+//! let opts = MeshOptions {
+//!     local: Some(shm.shared()), // same host: shared memory; other hosts: TCP
+//!     ..MeshOptions::default()
+//! };
+//! assert!(opts.local.is_some());
+//! ```
 
 mod bell;
 mod cma;

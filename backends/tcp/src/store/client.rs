@@ -123,6 +123,28 @@ async fn read_reply(c: &mut Conn, shape: Shape) -> Result<Reply, ReadError> {
 /// (by a `select!` or a timeout around it) retires its connection, whose
 /// state is then unknown, and the next request opens a fresh one. It never
 /// reads the abandoned request's reply as its own.
+///
+/// The [`Store`] methods are torch's: `add` as a counter, `compare_set`
+/// to claim a key, `wait` for keys other ranks set.
+///
+/// ```
+/// use std::time::Duration;
+/// use consort_comm::Store;
+/// use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let server = TcpStoreServer::bind("127.0.0.1:0").await?;
+/// # let addr = server.local_addr().to_string();
+/// // TCPStore(host, port, is_master=False, timeout=timedelta(seconds=300))
+/// let opts = TcpStoreOptions { secret: None, ..Default::default() };
+/// let store = TcpStore::connect(addr, opts).await?;
+/// assert_eq!(store.add("arrived", 1).await?, 1);
+/// let owner = store.compare_set("leader", b"", b"rank0").await?;
+/// assert_eq!(owner, b"rank0"); // the key was free: this client claimed it
+/// store.wait(&["leader"], Duration::from_secs(5)).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct TcpStore {
     addr: String,

@@ -131,6 +131,24 @@ pub fn parse_bytes(s: &str) -> Option<usize> {
 ///
 /// It runs on the tokio runtime it was bound on, and stops when
 /// [`TcpStoreServer::shutdown`] is called or the value is dropped.
+///
+/// `TCPStore(host, port, is_master=True)` in torch's words; a torch client
+/// can connect to it as well as a [`TcpStore`](crate::TcpStore):
+///
+/// ```
+/// use consort_comm::Store;
+/// use consort_tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let server = TcpStoreServer::bind("127.0.0.1:0").await?; // port 0: any free port
+/// let opts = TcpStoreOptions { secret: None, ..Default::default() };
+/// let client = TcpStore::connect(server.local_addr().to_string(), opts).await?;
+/// client.set("master_weights", b"v1").await?;
+/// assert_eq!(client.get("master_weights").await?, b"v1");
+/// server.shutdown().await;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
