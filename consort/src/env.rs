@@ -1,18 +1,126 @@
-//! Reading the launcher's environment: [`DistEnv::from_env`].
+//! Reading the launcher's environment ([`DistEnv::from_env`]), and the one
+//! list of every environment variable consort reads.
 //!
 //! This module owns the rules for torchrun's variables, the Slurm fallback,
 //! and the world of one when no launcher is present. It does no I/O beyond
 //! reading variables; [`crate::init_from_env`] uses the result to meet the
-//! other ranks.
+//! other ranks. The other variables below are read where their setting is
+//! used (named in the second column); their docs link here.
 //!
-//! | variable | meaning | rule |
+//! ```
+//! use consort::{DistEnv, Launcher};
+//!
+//! // What torchrun --nnodes 2 --nproc-per-node 4 gives the second node's first worker.
+//! let vars = [("RANK", "4"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "0"),
+//!             ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")];
+//! let env = DistEnv::from_lookup(&|k| vars.iter().find(|v| v.0 == k).map(|v| v.1.to_string()))?;
+//! assert_eq!((env.rank, env.local_rank, env.launcher), (4, 0, Launcher::Torchrun));
+//! assert_eq!(env.store_addr(), "10.0.0.1:29500");
+//! assert!(!env.hosts_store()); // rank 0 does
+//!
+//! // No launcher at all: a world of one.
+//! assert_eq!(DistEnv::from_lookup(&|_| None)?.world_size, 1);
+//! # Ok::<(), consort::EnvError>(())
+//! ```
+//!
+//! Empty values count as unset. A malformed value is an error that names
+//! the variable and the form it expects, never a silent default.
+//!
+//! # The launcher's variables
+//!
+//! Read by [`crate::init_from_env`] ([`DistEnv::from_env`] and
+//! [`crate::InitOptions::from_env`]). torchrun and `consort run` set the
+//! first five rows; Slurm's `srun` the `SLURM_` ones.
+//!
+//! | variable | default | meaning |
 //! |---|---|---|
-//! | `RANK`, `WORLD_SIZE` | global rank and size (torchrun) | both or neither; `RANK < WORLD_SIZE` |
-//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | both or neither; default: `RANK`, `WORLD_SIZE` |
-//! | `MASTER_ADDR`, `MASTER_PORT` | where the store is | needed when `WORLD_SIZE > 1`; port in 1..=65535 |
-//! | `TORCHELASTIC_USE_AGENT_STORE` | `True`: the agent hosts the store | `True`/`False` (also `1`/`0`) |
-//! | `TORCHELASTIC_RESTART_COUNT` | restarts so far | a non-negative integer |
-//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | used when `RANK` and `WORLD_SIZE` are unset | all three or none; `MASTER_PORT` defaults to 29500 |
+//! | `RANK`, `WORLD_SIZE` | unset: Slurm's, else a world of one | global rank and size; both or neither, `RANK < WORLD_SIZE <=` [`MAX_WORLD_SIZE`] |
+//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | `RANK`, `WORLD_SIZE` | rank and size on this node; both or neither, at most [`MAX_LOCAL_WORLD_SIZE`]. `LOCAL_RANK` is also the GPU of `NcclBackend` unless `NcclOptions::device` says otherwise (default 0) |
+//! | `MASTER_ADDR`, `MASTER_PORT` | needed when `WORLD_SIZE > 1`; port 29500 under Slurm | where the store is: rank 0 hosts it there, or the launcher's agent does |
+//! | `TORCHELASTIC_USE_AGENT_STORE` | `False` | `True` (or `1`): the launcher's agent hosts the store, rank 0 only connects |
+//! | `TORCHELASTIC_RESTART_COUNT` | 0 | the restart round; each round rendezvouses under fresh store keys |
+//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | unset | rank, world size and local rank when `RANK` and `WORLD_SIZE` are unset; all three or none |
+//! | `SLURM_NTASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` | `SLURM_NTASKS` | the local world size under Slurm (the first count of `4(x2)`) |
+//! | `SLURM_LAUNCH_NODE_IPADDR` | unset | `MASTER_ADDR` under Slurm when that is unset |
+//! | `CONSORT_STORE_TIMEOUT` | 300 | seconds (fractions allowed) to reach the store and for every rank to arrive; the store client's request timeout (torch's 300 s) |
+//! | `CONSORT_TORCH_PEERS` | 0 | `1`: torch processes hold some ranks (a mixed job with [`crate::Dist::gloo_process_group`]): claim and wait for no one in consort's own rendezvous |
+//!
+//! # The store
+//!
+//! | variable | read by | default | meaning |
+//! |---|---|---|---|
+//! | `CONSORT_SECRET` | the TCPStore server and client, every TCP and QUIC connection (`Secret::from_env`; not Gloo's, whose protocol is torch's) | unset: no handshake | shared secret: every store and data connection starts with a mutual HMAC-SHA256 challenge-response (see SECURITY.md). `consort run` passes its own to its workers. torch's clients cannot answer it |
+//! | `CONSORT_STORE_MAX_BYTES` | the TCPStore server (rank 0's, `consort run`'s agent store, `consort store`: `ServerOptions::from_env`) | `1G` | the most bytes the store holds or owes (keys, values, requests being read, replies not yet sent, keys waited for); K, M, G, T suffixes (1024-based). One client may owe an eighth of it (at least 16 MiB); a request past its share drops that client, with a log line |
+//! | `CONSORT_STORE_MAX_CLIENTS` | the TCPStore server | 16384 | the most clients connected at once; more are closed as they connect |
+//!
+//! # Process groups
+//!
+//! Read when a [`crate::Dist`] makes a group: [`crate::Dist::process_group`]
+//! (TCP, shared memory on the same host), `Dist::quic_process_group`,
+//! [`crate::Dist::gloo_process_group`], `Dist::nccl_process_group`,
+//! [`crate::Dist::emulated_process_group`]. "Mesh" below is consort's own
+//! CPU transport, under the TCP and QUIC groups and the emulated device's
+//! host side alike. Counts are plain integers.
+//!
+//! | variable | read by | default | meaning |
+//! |---|---|---|---|
+//! | `CONSORT_TIMEOUT` | every group; [`crate::Dist::shutdown_failed`] | 1800 (TCP, QUIC, Gloo), 600 (NCCL), as torch | seconds before a collective fails with `Timeout`; also bounds building the TCP/QUIC mesh (300 otherwise), NCCL's init and splits, and how long a failed rank waits for goodbyes |
+//! | `CONSORT_BIND_ADDR` | mesh | the address this host uses to reach `MASTER_ADDR` (loopback for a one-node job) | IPv4 or IPv6 address the mesh listens on and advertises |
+//! | `CONSORT_SOCKET_IFNAME` | mesh | unset | network interface whose address the mesh listens on (as `GLOO_SOCKET_IFNAME`); `CONSORT_BIND_ADDR` wins |
+//! | `CONSORT_ALGO` | mesh (`AlgoConfig::from_env`) | the selection policy | force algorithms: `ring`, or `all_reduce=ring,broadcast=chain` (ring, halving_doubling, recursive_doubling, binomial_tree, chain, direct, pairwise, dissemination) |
+//! | `CONSORT_SEGMENT_BYTES` | mesh | 1048576 | pipeline segment size in bytes; every rank must agree |
+//! | `CONSORT_WINDOW` | mesh | 4 | segments in flight per link |
+//! | `CONSORT_STREAMS` | mesh | 1 | connections per pair of ranks, at most 8 |
+//! | `CONSORT_IN_PLACE_MIN` | mesh | 65536 | payloads of at least this many bytes are written straight into the posted receive's buffer |
+//! | `CONSORT_SHM` | mesh | 1 | `0`: peers on this host go over the network too, instead of shared memory |
+//! | `CONSORT_SHM_QUEUE_BYTES` | mesh | 4194304 | bytes of each direction's shared-memory queue: a power of two, at least 65536 |
+//! | `CONSORT_SHM_SPIN_US` | mesh | 50 | microseconds a waiting call polls its shared-memory queues before it sleeps until rung (yielding the core between polls when the host runs more ranks than cores) |
+//! | `CONSORT_SHM_CMA` | mesh | 0 | `1`: peers on this host read large broadcast, all_gather, gather, scatter and all_to_all payloads straight from the sender's memory (`process_vm_readv`) |
+//! | `CONSORT_QUIC_IDLE_TIMEOUT` | QUIC | 5 | seconds of silence after which a QUIC peer is lost |
+//! | `CONSORT_HEARTBEAT_FILE` | every group | unset: none | the file the group touches as its calls progress, for `consort run --watchdog-timeout` (which sets it per worker) |
+//! | `CONSORT_FLIGHT_DIR` | every group | unset: records kept in memory | where each rank writes its flight record (`rank-K.json`) on a failure and on SIGUSR1; `consort run` sets it per worker |
+//! | `GLOO_SOCKET_IFNAME` | Gloo | this host's name if it resolves to a usable address, else 127.0.0.1 | the interface a Gloo rank listens on, as torch's |
+//! | `TORCH_GLOO_LAZY_INIT`, `TORCH_DIST_INIT_BARRIER` | Gloo | unset | refused when on: torch's ranks would then connect, or wait, in ways consort's do not |
+//!
+//! # NCCL (feature `nccl`)
+//!
+//! | variable | read by | default | meaning |
+//! |---|---|---|---|
+//! | `CONSORT_NCCL_CHECK` | `Dist::nccl_process_group`, `Dist::nccl_backend` | 1 | `0` turns off the mismatch check over a TCP side channel (a world of one has none) |
+//! | `CONSORT_NCCL_BLOCKING` | the same | 0 | `1`: a blocking communicator, torch's default (less host time per call; init not bounded) |
+//! | `CONSORT_SHARE_GPU` | `Dist::nccl_backend` | 0 | `1`: every rank on GPU 0, for correctness runs on one GPU (NCCL 2.30+ also needs `NCCL_MULTI_RANK_GPU_ENABLE=1`; older releases one `NCCL_HOSTID` per rank) |
+//! | `CONSORT_NCCL_LIBRARY` | `consort_nccl::sys` | unset | path of the `libnccl.so.2` to load; otherwise the active Python environment's wheel, then the loader's path |
+//! | `VIRTUAL_ENV`, `CONDA_PREFIX` | `consort_nccl::sys` | unset | a Python environment whose `nvidia/nccl/lib` (torch's own NCCL wheel) is tried |
+//! | `TORCH_DIST_USE_NCCL2` | `consort_nccl::keys` | nccl2 | `0`: the classic `ProcessGroupNCCL`'s store keys and split colours, as torch chooses |
+//! | `LD_LIBRARY_PATH`, `CUDA_VISIBLE_DEVICES` | `consort_nccl::probe`, `consort run --nproc-per-node gpu` | unset | not interpreted by consort: shown in the error when a library or a GPU is missing |
+//! | `NCCL_*` | NCCL itself | NCCL's | passed through untouched (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) |
+//!
+//! # The binary and the launcher
+//!
+//! | variable | read by | default | meaning |
+//! |---|---|---|---|
+//! | `CONSORT_THREADS` | the `consort` binary | one worker per core | async runtime worker threads; `1`: a single thread (more ranks than cores) |
+//! | `CONSORT_LOG` | the `consort` binary, the examples | `info` | log filter, in `tracing`'s syntax |
+//! | `OMP_NUM_THREADS` | `consort run` | set to 1 for the workers when unset | as torchrun |
+//! | `HOSTNAME` | [`crate::init_from_env`] | unset | this process's name in a duplicate-rank error, when `/proc/sys/kernel/hostname` cannot be read |
+//!
+//! [`crate::launch`] (`consort run`) gives every worker torchrun's
+//! variables: `RANK`, `LOCAL_RANK`, `GROUP_RANK`, `ROLE_RANK`, `ROLE_NAME`,
+//! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_WORLD_SIZE`, `ROLE_WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`,
+//! `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_RUN_ID`,
+//! `TORCHELASTIC_USE_AGENT_STORE=True` and `TORCHELASTIC_ERROR_FILE`, and
+//! consort's `CONSORT_FLIGHT_DIR`, `CONSORT_HEARTBEAT_FILE` (with
+//! `--watchdog-timeout`) and `CONSORT_SECRET` (when it has one).
+//!
+//! # Tests only
+//!
+//! | variable | read by | meaning |
+//! |---|---|---|
+//! | `CONSORT_TORCH_PYTHON` | the interop tests (`torch_interop`, `gloo_mixed`, `python_safetensors`, the pipeline schedules') | a Python with torch; unset, those tests skip |
+//! | `PROPTEST_CASES` | proptest | cases per property, over every test's own count (the TCP conformance worlds default to 32: their meshes are expensive) |
+//! | `CONSORT_NCCL_WHEEL_DIR` | consort-nccl's discovery test | a directory holding NCCL's pip wheel |
+//! | `CONSORT_TEST_MODE`, `CONSORT_TEST_BACKEND`, `CONSORT_TEST_WORKER`, `CONSORT_DISCOVERY_CHILD` | the tests' own child processes | set by a test for the process it starts |
 
 use std::fmt;
 

@@ -14,7 +14,8 @@
 //! - [`survive`]: hang detection, flight records, restarts, elastic
 //!   membership and shrinking.
 //! - [`backends`]: choosing a backend, and the transports.
-//! - [`environment`]: every environment variable.
+//! - [`environment`]: every environment variable (the table is in
+//!   [`crate::env`]).
 //! - [`troubleshooting`]: what an error means and what to do.
 //! - [`status`]: what works today, crate by crate.
 
