@@ -187,6 +187,7 @@ impl Dist {
     /// communicator (with its watchdog thread and NCCL's buffers), and each
     /// lives until then.
     #[cfg(feature = "nccl")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
     pub async fn nccl_process_group(&self) -> Result<ProcessGroup, CommError> {
         let b = Arc::new(self.nccl_backend(None).await?);
         let mut held = consort_comm::lock(&self.nccl_groups);
@@ -216,6 +217,7 @@ impl Dist {
     /// `NCCL_HOSTID` per rank (with `NCCL_NET=Socket`,
     /// `NCCL_SOCKET_IFNAME=lo`), set by whoever starts the ranks.
     #[cfg(feature = "nccl")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
     pub async fn nccl_backend(
         &self,
         device: Option<usize>,
@@ -271,13 +273,34 @@ impl Dist {
     }
 
     /// The default process group: the TCP backend over a mesh between every
-    /// rank, rendezvoused through [`Dist::store`].
+    /// rank, rendezvoused through [`Dist::store`], with shared memory
+    /// between the ranks on one host.
     ///
     /// `CONSORT_TIMEOUT` (seconds) sets the default op timeout (torch's 30
     /// min otherwise) and bounds building the mesh (5 min otherwise). The address to listen on and advertise is
     /// `CONSORT_BIND_ADDR`, else the address of interface
     /// `CONSORT_SOCKET_IFNAME`, else the address this host uses to reach
-    /// `MASTER_ADDR` (loopback for a single-node job).
+    /// `MASTER_ADDR` (loopback for a single-node job). The mesh's other
+    /// variables (schedules, segments, streams, shared memory) are in
+    /// [`crate::env`].
+    ///
+    /// Here as a world of one, which runs anywhere (under a launcher,
+    /// [`crate::init_from_env`] gives the `Dist`):
+    ///
+    /// ```
+    /// use consort::{DistEnv, InitOptions, ReduceOp};
+    ///
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let dist = consort::init(DistEnv::single_process(), InitOptions::default()).await?;
+    /// let pg = dist.process_group().await?;
+    /// let mut grads = vec![1.0f32; 8];
+    /// pg.all_reduce(&mut grads, ReduceOp::Sum).await?;
+    /// assert_eq!((pg.rank(), pg.world_size(), grads[0]), (0, 1, 1.0));
+    /// drop(pg);
+    /// dist.shutdown().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn process_group(&self) -> Result<ProcessGroup, CommError> {
         let opts = self.tcp_options().await?;
         let b = consort_tcp::connect(self.store.clone(), self.env.rank, self.env.world_size, opts)
@@ -285,7 +308,6 @@ impl Dist {
         Ok(ProcessGroup::new(Arc::new(b)))
     }
 
-    /// The TCP options from the environment (see [`Dist::process_group`]).
     /// A process group on the emulated device (consort-sim's
     /// `EmulatedComm`): NCCL's stream-ordered model, call rules, mismatch
     /// check and heartbeat, over a TCP mesh, with no GPU. For testing the
@@ -345,6 +367,7 @@ impl Dist {
         consort_tcp::connect(self.store.clone(), self.env.rank, self.env.world_size, tcp).await
     }
 
+    /// The TCP options from the environment (see [`Dist::process_group`]).
     async fn tcp_options(&self) -> Result<TcpOptions, CommError> {
         let mut opts = TcpOptions {
             namespace: format!("consort/tcp/{}/world", self.env.restart_count),
@@ -562,10 +585,27 @@ async fn claim_rank(
 }
 
 /// Reads torchrun's (or Slurm's) variables and joins the job; see [`init`].
+/// `torch.distributed.init_process_group()` with `init_method="env://"`.
 ///
 /// With no launcher variables at all, this is a world of one process with
 /// an in-memory store, and it logs that it did so: the same program runs
-/// alone or under a launcher.
+/// alone or under a launcher. The variables it reads, and every other one
+/// consort reads, are listed in [`crate::env`].
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // consort run --nproc-per-node 4 -- my_trainer  (or torchrun, or srun)
+/// let dist = consort::init_from_env().await?;
+/// let pg = dist.process_group().await?; // the default group (torch's WORLD), over TCP
+/// let mut loss = [0.5f32];
+/// pg.all_reduce(&mut loss, consort::ReduceOp::Avg).await?;
+/// if dist.rank() == 0 {
+///     println!("mean loss over {} ranks: {}", dist.world_size(), loss[0]);
+/// }
+/// dist.shutdown().await?; // destroy_process_group()
+/// # Ok(()) }
+/// ```
 pub async fn init_from_env() -> Result<Dist, InitError> {
     init(DistEnv::from_env()?, InitOptions::from_env()?).await
 }

@@ -15,6 +15,41 @@
 //! - [`records`]: the workers' flight records and their verdict.
 //!
 //! The CLI (`consort run`) parses torchrun's flags into a [`LaunchSpec`].
+//! The variables each worker gets are listed in [`crate::env`].
+//!
+//! # Example
+//!
+//! `consort run --standalone --nproc-per-node 4 --max-restarts 1 -- ./train
+//! --epochs 3` from a program of one's own (torch's
+//! `elastic_launch(config, entrypoint)(args)`):
+//!
+//! ```no_run
+//! use consort::launch::{LaunchSpec, launch};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let spec = LaunchSpec {
+//!     program: ["./train", "--epochs", "3"].map(String::from).to_vec(),
+//!     min_nodes: 1,
+//!     max_nodes: 1,
+//!     node_rank: 0,
+//!     last_call: 0.0,
+//!     local_world_size: 4,                  // --nproc-per-node
+//!     master_addr: "127.0.0.1".into(),
+//!     master_port: 29500,
+//!     max_restarts: 1,                      // restart the whole group once
+//!     monitor_interval: 0.1,
+//!     rdzv_id: "job-1".into(),
+//!     rdzv_timeout: 300.0,
+//!     log_dir: None,                        // a temporary directory, kept on failure
+//!     grace_period: 5.0,                    // SIGTERM, then SIGKILL
+//!     watchdog_timeout: Some(600.0),        // a rank silent this long counts as hung
+//!     secret: None,
+//! };
+//! let code = launch(spec).await?;          // 0, or the failing worker's exit code
+//! std::process::exit(code);
+//! # }
+//! ```
 
 mod agent;
 mod dirs;
