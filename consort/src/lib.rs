@@ -16,9 +16,23 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The user guide is [`manual`].
+//! The user guide is [`manual`]; every environment variable consort reads
+//! is listed in [`env`](mod@env).
+//!
+//! # Features
+//!
+//! | feature | adds |
+//! |---|---|
+//! | `quic` | the QUIC backend (`consort::quic`, `Dist::quic_process_group`): quinn, rustls, ring |
+//! | `nccl` | the NCCL backend (`consort::nccl`, `Dist::nccl_process_group`) and `consort::cuda`'s optimizer kernels; builds without CUDA (loaded at run time) |
+//! | `burn` | DDP and the sharded strategies for burn modules (`consort::burn`) |
+//! | `candle` | the same for candle models (`consort::candle`) |
+//! | `candle-cuda` | candle models on CUDA into NCCL with no host copies; needs nvcc to build |
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod cuda;
 pub mod env;
 mod init;
@@ -37,22 +51,26 @@ pub use consort_sim as sim;
 
 /// DDP for burn modules (feature `burn`).
 #[cfg(feature = "burn")]
+#[cfg_attr(docsrs, doc(cfg(feature = "burn")))]
 pub use consort_burn as burn;
 /// DDP and the sharded strategies for candle models (feature `candle`; on
 /// CUDA with no host copies, feature `candle-cuda`).
 #[cfg(feature = "candle")]
+#[cfg_attr(docsrs, doc(cfg(feature = "candle")))]
 pub use consort_candle as candle;
 /// DistributedDataParallel (`Ddp`), state dicts (`module.`/`_orig_mod.`
 /// prefixes) and safetensors checkpoints.
 pub use consort_ddp as ddp;
 /// The NCCL backend (feature `nccl`).
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use consort_nccl as nccl;
 /// Pipeline parallelism: torch's seven schedules, their cost model, and a
 /// runtime that runs a rank's stages over any backend.
 pub use consort_pipeline as pipeline;
 /// The QUIC backend (feature `quic`, off by default).
 #[cfg(feature = "quic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "quic")))]
 pub use consort_quic as quic;
 /// DistributedSampler (bit-exact with PyTorch), streaming, batch and eval samplers.
 pub use consort_sampler as sampler;

@@ -24,11 +24,13 @@
 //! lists them alike. f32, f64, f16 and bf16 are supported.
 //!
 //! With feature `cuda` (in the facade, `candle-cuda`), a model on a GPU
-//! skips the host copy: [`CandleModel::from_varmap_on`] takes a
-//! [`Placement`] (`placement(&cuda_device)`), DDP broadcasts into the
+//! skips the host copy: `CandleModel::from_varmap_on` takes a
+//! [`Placement`](consort_comm::Placement) (`placement(&cuda_device)`), DDP broadcasts into the
 //! variables and averages the `GradStore`'s gradients in their device
 //! memory (stream-ordered after candle's stream), and the same loop runs:
 //! `push_values` and `push_grads` then have nothing to copy.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor, Var, backprop::GradStore};
 use consort_comm::{
@@ -195,6 +197,7 @@ impl CandleModel {
     /// NCCL backend's view of candle's GPU). Every variable must be a
     /// contiguous CUDA tensor on that GPU.
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     pub fn from_varmap_on(
         varmap: &candle_nn::VarMap,
         placement: Placement,
@@ -209,6 +212,7 @@ impl CandleModel {
     /// The given named variables, ordered by name, on the GPU of
     /// `placement` (see [`CandleModel::from_varmap_on`]).
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     pub fn from_vars_on(
         mut vars: Vec<(String, Var)>,
         placement: Placement,
