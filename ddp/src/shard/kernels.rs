@@ -8,7 +8,7 @@
 //! [`crate::AdamW`] call [`ShardKernels::sgd`] and [`ShardKernels::adamw`],
 //! which a CUDA implementation runs as kernels on the compute stream
 //! (`consort::cuda::CudaKernels`, NVRTC). Any other elementwise optimizer
-//! steps through [`crate::shard::staged`]: the shard goes to the host, the
+//! steps through [`crate::shard::staged()`]: the shard goes to the host, the
 //! optimizer's host step runs on it, and the result goes back.
 //! [`crate::StagedKernels`] (the emulated device's) runs every method that
 //! way.
@@ -113,7 +113,7 @@ impl<'a> DeviceStep<'a> {
 /// The elementwise optimizer kernels of one kind of device. Every method
 /// enqueues its work on the step's compute stream and may return before
 /// the device has done it. [`crate::StagedKernels`] runs each through the
-/// host ([`crate::shard::staged`]), for any device.
+/// host ([`crate::shard::staged()`]), for any device.
 pub trait ShardKernels: Send + Sync + fmt::Debug {
     /// Its name, for errors and logs.
     fn name(&self) -> &str;
