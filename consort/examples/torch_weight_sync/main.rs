@@ -1,5 +1,11 @@
 //! A consort worker in a PyTorch job: rank 0 runs `trainer.py` (torch),
-//! the other ranks run this. All of them are one `gloo` process group.
+//! the other ranks run this. All of them are one process group: torch's
+//! `gloo` (the default), or with `BACKEND=nccl` torch's `nccl` (build with
+//! `--features nccl`; a GPU per rank, or every rank on GPU 0 with
+//! `CONSORT_SHARE_GPU=1` and, below NCCL 2.30, one `NCCL_HOSTID` per rank).
+//! On NCCL the consort rank takes the unique id from the key torch's
+//! backend keeps it under (`TORCH_DIST_USE_NCCL2=0` for torch's classic
+//! backend, which is what torch before 2.15 calls `"nccl"`).
 //!
 //! Each step the trainer broadcasts its weights; this worker scores them on
 //! its own held-out data and sends the score back with an all_gather, as a
@@ -58,6 +64,22 @@ fn eval_loss(p: &[f32], xs: &[[f32; FEATURES]], ys: &[f32]) -> f32 {
     se / xs.len() as f32
 }
 
+/// torch's `nccl` group, as torch keys it (feature `nccl`).
+#[cfg(feature = "nccl")]
+async fn nccl_group(dist: &consort::Dist) -> Result<consort::ProcessGroup, consort::CommError> {
+    dist.nccl_process_group().await
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl_group(_: &consort::Dist) -> Result<consort::ProcessGroup, consort::CommError> {
+    Err(consort::CommError::BackendUnavailable {
+        backend: "nccl".into(),
+        reason: "this example was built without the `nccl` feature: cargo build --release -p \
+                 consort --features nccl --example torch_weight_sync"
+            .into(),
+    })
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let opts = InitOptions {
@@ -65,7 +87,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..InitOptions::from_env()?
     };
     let dist = consort::init(DistEnv::from_env()?, opts).await?;
-    let pg = dist.gloo_process_group().await?;
+    let pg = match std::env::var("BACKEND").as_deref() {
+        Ok("gloo") | Ok("") | Err(_) => dist.gloo_process_group().await?,
+        Ok("nccl") => nccl_group(&dist).await?,
+        Ok(other) => return Err(format!("BACKEND={other:?}: expected gloo or nccl").into()),
+    };
     let (rank, world) = (pg.rank(), pg.world_size());
 
     let mut header = [0i64; 2];
@@ -94,5 +120,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "worker rank {rank}: {steps} weight updates from the torch trainer; held-out loss {:.4} -> {last:.4}",
         first.unwrap_or(last)
     );
+    // torch's destroy_process_group: on NCCL the communicator is finalized
+    // and destroyed here, not left to the process's exit.
+    drop(pg);
+    dist.shutdown().await?;
     Ok(())
 }

@@ -2,8 +2,13 @@
 
 It trains a linear regression with SGD and, after every step, broadcasts its
 weights to the other ranks (consort workers, see main.rs) over the job's
-`gloo` process group; each worker scores them on its own held-out data and
-the scores come back with one all_gather. Launch it through launch.sh.
+process group (`gloo`, or with BACKEND=nccl torch's `nccl` on the GPU); each
+worker scores them on its own held-out data and the scores come back with
+one all_gather. Launch it through launch.sh.
+
+With BACKEND=nccl the tensors that cross live on GPU LOCAL_RANK, or on GPU 0
+for every rank with CONSORT_SHARE_GPU=1 (one NCCL_HOSTID per rank below NCCL
+2.30, as launch.sh sets).
 """
 import os
 
@@ -20,8 +25,16 @@ def target_weights():
 
 
 def main():
-    dist.init_process_group("gloo")
+    backend = os.environ.get("BACKEND", "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise SystemExit(f"BACKEND={backend!r}: expected gloo or nccl")
+    dist.init_process_group(backend)
     world = dist.get_world_size()
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        share = os.environ.get("CONSORT_SHARE_GPU") == "1"
+        dev = torch.device("cuda", 0 if share else int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
     torch.manual_seed(0)
     model = torch.nn.Linear(FEATURES, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -32,7 +45,7 @@ def main():
 
     # Tell the workers how many numbers a weight update holds, and how many
     # updates will come.
-    header = torch.tensor([flat().numel(), STEPS], dtype=torch.int64)
+    header = torch.tensor([flat().numel(), STEPS], dtype=torch.int64, device=dev)
     dist.broadcast(header, src=0)
 
     for step in range(STEPS):
@@ -43,13 +56,13 @@ def main():
         loss.backward()
         opt.step()
 
-        weights = flat().contiguous()
+        weights = flat().contiguous().to(dev)
         dist.broadcast(weights, src=0)
-        scores = torch.empty(world)
-        dist.all_gather_into_tensor(scores, loss.detach().reshape(1))
+        scores = torch.empty(world, device=dev)
+        dist.all_gather_into_tensor(scores, loss.detach().reshape(1).to(dev))
         if step % 10 == 0 or step == STEPS - 1:
             workers = " ".join(f"{s:.4f}" for s in scores[1:].tolist())
-            print(f"step {step:3d}  train loss {loss.item():.4f}  worker eval losses {workers}",
+            print(f"[{backend}] step {step:3d}  train loss {loss.item():.4f}  worker eval losses {workers}",
                   flush=True)
 
     dist.barrier()
