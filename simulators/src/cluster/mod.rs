@@ -7,7 +7,7 @@
 //!   and bandwidths), rewritten from NCCL 2.30.7's `src/graph/tuning.cc`
 //!   and `src/enqueue.cc`, with the algorithm and protocol NCCL would
 //!   choose for each call;
-//! - [`presets`]: clusters described by their hardware (GPUs per node,
+//! - [`mod@presets`]: clusters described by their hardware (GPUs per node,
 //!   NVLink rate, NICs and their rate), each beside the published
 //!   nccl-tests figures it is held to (cited where they are quoted);
 //! - [`train`]: the step time of DDP, FSDP and a pipeline's costs for a
