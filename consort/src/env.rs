@@ -92,6 +92,7 @@
 //! | `CONSORT_NCCL_LIBRARY` | `consort_nccl::sys` | unset | path of the `libnccl.so.2` to load; otherwise the active Python environment's wheel, then the loader's path |
 //! | `VIRTUAL_ENV`, `CONDA_PREFIX` | `consort_nccl::sys` | unset | a Python environment whose `nvidia/nccl/lib` (torch's own NCCL wheel) is tried |
 //! | `TORCH_DIST_USE_NCCL2` | `consort_nccl::keys` | nccl2 | `0`: the classic `ProcessGroupNCCL`'s store keys and split colours, as torch chooses |
+//! | `CONSORT_TORCH_NCCL_EAGER` | `Dist::nccl_backend` | off | `1`: the torch job made its default group eagerly (`init_process_group(device_id=...)`), so the classic backend splits each `new_group` from it; otherwise a classic-backend `new_group` takes a fresh id from the store under the group's name (`consort_nccl::keys::torch_subgroup_bootstrap`) |
 //! | `LD_LIBRARY_PATH`, `CUDA_VISIBLE_DEVICES` | `consort_nccl::probe`, `consort run --nproc-per-node gpu` | unset | not interpreted by consort: shown in the error when a library or a GPU is missing |
 //! | `NCCL_*` | NCCL itself | NCCL's | passed through untouched (`NCCL_DEBUG`, `NCCL_SOCKET_IFNAME`, ...) |
 //!

@@ -254,6 +254,9 @@ impl Dist {
             opts.timeout = t;
         }
         opts.blocking = bool_var("CONSORT_NCCL_BLOCKING", false)?;
+        // The torch job made its default group with a device_id: its
+        // classic backend splits new_groups instead of keying them.
+        opts.torch_eager = bool_var("CONSORT_TORCH_NCCL_EAGER", false)?;
         let (rank, world) = (self.env.rank, self.env.world_size);
         // A restarted round's unique id under its own prefix: the previous
         // round's is still in the launcher's store.

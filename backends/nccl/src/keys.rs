@@ -76,6 +76,37 @@ impl TorchNccl {
     }
 }
 
+/// How a `new_group`'s communicator is made, as torch makes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SubgroupBootstrap {
+    /// `ncclCommSplit` of the parent: every rank of the parent calls it,
+    /// members with [`split_color`], the rest with no colour.
+    Split,
+    /// A fresh unique id that the group's first rank sets in the store
+    /// under the group's own name ([`torch_unique_id_key`] of
+    /// [`torch_group_name`], generation 0); only members take part.
+    StoreId,
+}
+
+/// How `backend` makes a `new_group`'s communicator: nccl2 always splits
+/// the parent; the classic backend splits only when the default group was
+/// made eagerly (`init_process_group(device_id=...)`, `eager`), and
+/// otherwise makes a fresh communicator from an id in the store at the
+/// group's first collective.
+pub fn torch_subgroup_bootstrap(backend: TorchNccl, eager: bool) -> SubgroupBootstrap {
+    match backend {
+        TorchNccl::Legacy if !eager => SubgroupBootstrap::StoreId,
+        _ => SubgroupBootstrap::Split,
+    }
+}
+
+/// torch's name for the `count`-th group a job makes (`str(group_count)`:
+/// the default group is 0, each `new_group` after it the next number,
+/// counted on every rank, member or not).
+pub fn torch_group_name(count: u64) -> String {
+    count.to_string()
+}
+
 /// The colour `ncclCommSplit` gets for a group of these global ranks, as
 /// `backend` computes it (every member passes the same; both fit NCCL's
 /// non-negative `int`).
@@ -131,6 +162,32 @@ fn cpython_tuple_hash(items: impl ExactSizeIterator<Item = i64>) -> i64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn subgroups_are_made_as_each_torch_backend_makes_them() {
+        assert_eq!(
+            torch_subgroup_bootstrap(TorchNccl::Nccl2, false),
+            SubgroupBootstrap::Split
+        );
+        assert_eq!(
+            torch_subgroup_bootstrap(TorchNccl::Nccl2, true),
+            SubgroupBootstrap::Split
+        );
+        assert_eq!(
+            torch_subgroup_bootstrap(TorchNccl::Legacy, true),
+            SubgroupBootstrap::Split
+        );
+        assert_eq!(
+            torch_subgroup_bootstrap(TorchNccl::Legacy, false),
+            SubgroupBootstrap::StoreId
+        );
+        // The classic backend's first new_group, lazily: group "1",
+        // counter 0.
+        assert_eq!(
+            torch_unique_id_key(TorchNccl::Legacy, &torch_group_name(1), 0),
+            "default_pg/1//cuda//0"
+        );
+    }
+
     use std::sync::Arc;
 
     use consort_comm::store::{MemStore, PrefixStore, Store};

@@ -7,7 +7,10 @@
 //! other calls, as torch's `new_group` requires; ranks outside the list get
 //! `None`.
 
-use std::{ffi::c_int, sync::Arc};
+use std::{
+    ffi::c_int,
+    sync::{Arc, atomic::Ordering},
+};
 
 use consort_comm::{Backend, BufferMut, CallOptions, CommError, ErrorContext, GroupId, Result};
 
@@ -18,7 +21,7 @@ use super::{
 };
 use crate::{
     cuda::driver_error,
-    keys::{UNIQUE_ID_BYTES, check_unique_id},
+    keys::{SubgroupBootstrap, TorchNccl, UNIQUE_ID_BYTES, check_unique_id, torch_unique_id_key},
     map::nccl_error,
     sys::{self, Comm, result},
 };
@@ -36,6 +39,10 @@ impl NcclBackend {
         let parent = self.shared.group();
         let failed = self.shared.poisoned().is_some();
         let id = self.shared.with_engine(|e| e.next_group_id(parent))?;
+        // torch numbers every new_group on every rank, member or not.
+        let name = crate::keys::torch_group_name(self.torch_groups.fetch_add(1, Ordering::SeqCst));
+        let bootstrap =
+            crate::keys::torch_subgroup_bootstrap(self.opts.torch, self.opts.torch_eager);
         let check = self.subgroup_checker(ranks).await?;
         let ctx0 = ErrorContext {
             rank: Some(self.rank),
@@ -43,6 +50,9 @@ impl NcclBackend {
         };
         let comm = if failed {
             self.init_by_store(ranks, me, (parent, id), timeout, ctx0)
+                .await?
+        } else if bootstrap == SubgroupBootstrap::StoreId {
+            self.init_by_torch_key(ranks, me, &name, timeout, ctx0)
                 .await?
         } else if self.shared.device().nccl.comm_split.is_some() {
             self.split(me, ranks, timeout, ctx0).await?
@@ -74,6 +84,7 @@ impl NcclBackend {
         if let Some(store) = self.store.get() {
             let _ = sub.store.set(store.clone());
         }
+        sub.torch_groups = self.torch_groups.clone();
         if let Some((checker, task, bind)) = check {
             sub.start_checker(checker, task, bind);
         }
@@ -107,37 +118,15 @@ impl NcclBackend {
             .device()
             .aborted_within(ABORT_BEFORE_INIT.min(timeout), || driver.aborting())
             .await;
-        let store = self.store.get().ok_or_else(|| {
-            CommError::unsupported(format!(
-                "a group of the survivors of failed NCCL group {:#x} needs the job's store to \
-                 meet in: call NcclBackend::set_store (Dist::nccl_backend does)",
-                parent.0
-            ))
-        })?;
         let key = format!("consort/nccl/survivors/{:08x}/{:08x}", parent.0, id.0);
         tracing::debug!(rank = self.rank, ?ranks, %key, "NCCL: a communicator of the survivors");
-        let store_err = |source| CommError::Store { ctx: ctx0, source };
-        let bytes: [u8; UNIQUE_ID_BYTES] = if me == 0 {
-            let u = self
-                .shared
-                .device()
-                .nccl
-                .unique_id()
-                .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
-            let bytes = u.internal.map(|c| c as u8);
-            store.set(&key, &bytes).await.map_err(store_err)?;
-            bytes
-        } else {
-            let got = tokio::time::timeout(timeout, store.get(&key))
-                .await
-                .map_err(|_| CommError::Timeout {
-                    ctx: ctx0,
-                    after: timeout,
-                    waiting_on: vec![ranks[0]],
-                })?
-                .map_err(store_err)?;
-            check_unique_id(&key, &got).map_err(CommError::invalid)?
-        };
+        let why = format!(
+            "a group of the survivors of failed NCCL group {:#x} needs the job's store to meet in",
+            parent.0
+        );
+        let bytes = self
+            .id_in_store(&key, &why, (me, ranks[0]), timeout, ctx0)
+            .await?;
         let opts = NcclOptions {
             timeout,
             ..self.opts.clone()
@@ -155,6 +144,78 @@ impl NcclBackend {
             "NCCL: the survivors' init ended"
         );
         made
+    }
+
+    /// A `new_group` of a torch job whose classic backend made its default
+    /// group lazily (`keys::SubgroupBootstrap::StoreId`): the group's first
+    /// rank sets a fresh unique id under the group's own torch key
+    /// (`default_pg/<name>//cuda//0`), the other members read it, and only
+    /// members init; the rest make nothing, as torch's non-members.
+    async fn init_by_torch_key(
+        &self,
+        ranks: &[usize],
+        me: Option<usize>,
+        name: &str,
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<usize> {
+        let Some(me) = me else {
+            return Ok(0);
+        };
+        let key = torch_unique_id_key(TorchNccl::Legacy, name, 0);
+        tracing::debug!(rank = self.rank, ?ranks, %key, "NCCL: a torch subgroup from the store");
+        let why = format!(
+            "torch's classic NCCL backend keys group {name}'s communicator in the job's store"
+        );
+        let bytes = self
+            .id_in_store(&key, &why, (me, ranks[0]), timeout, ctx0)
+            .await?;
+        let opts = NcclOptions {
+            timeout,
+            ..self.opts.clone()
+        };
+        let (nccl, cctx) = (&self.shared.device().nccl, &self.ctx);
+        init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await
+    }
+
+    /// A unique id through the job's store under `key`: group rank 0
+    /// (`me`) makes and sets it, the others wait for it (global rank
+    /// `first` is whom they wait on) until `timeout`. `why` says what
+    /// needs the store, for the error where none was set.
+    async fn id_in_store(
+        &self,
+        key: &str,
+        why: &str,
+        (me, first): (usize, usize),
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<[u8; UNIQUE_ID_BYTES]> {
+        let store = self.store.get().ok_or_else(|| {
+            CommError::unsupported(format!(
+                "{why}: call NcclBackend::set_store (Dist::nccl_backend does)"
+            ))
+        })?;
+        let store_err = |source| CommError::Store { ctx: ctx0, source };
+        if me == 0 {
+            let u = self
+                .shared
+                .device()
+                .nccl
+                .unique_id()
+                .map_err(|r| nccl_error(ctx0, r, "ncclGetUniqueId"))?;
+            let bytes = u.internal.map(|c| c as u8);
+            store.set(key, &bytes).await.map_err(store_err)?;
+            return Ok(bytes);
+        }
+        let got = tokio::time::timeout(timeout, store.get(key))
+            .await
+            .map_err(|_| CommError::Timeout {
+                ctx: ctx0,
+                after: timeout,
+                waiting_on: vec![first],
+            })?
+            .map_err(store_err)?;
+        check_unique_id(key, &got).map_err(CommError::invalid)
     }
 
     /// A subgroup's communicator where NCCL has no `ncclCommSplit`: its

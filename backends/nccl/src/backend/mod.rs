@@ -98,6 +98,12 @@ pub struct NcclOptions {
     /// rank can sit in a torch job's group (`crate::keys`).
     /// `Dist::nccl_backend` follows torch's `TORCH_DIST_USE_NCCL2`.
     pub torch: crate::keys::TorchNccl,
+    /// The torch job's default group was made eagerly
+    /// (`init_process_group(device_id=...)`): the classic backend then
+    /// splits `new_group`s from it instead of keying each in the store
+    /// (`keys::torch_subgroup_bootstrap`). `Dist::nccl_backend` reads
+    /// `CONSORT_TORCH_NCCL_EAGER=1`.
+    pub torch_eager: bool,
 }
 
 impl Default for NcclOptions {
@@ -113,6 +119,7 @@ impl Default for NcclOptions {
             blocking: false,
             stall_enqueue_at: None,
             torch: crate::keys::TorchNccl::Nccl2,
+            torch_eager: false,
         }
     }
 }
@@ -136,6 +143,9 @@ pub struct NcclBackend {
     /// The job's store, where the survivors of a failed communicator meet
     /// (see [`NcclBackend::set_store`]).
     store: std::sync::OnceLock<Arc<dyn Store>>,
+    /// The next group's number in torch's count (`group_count`: the
+    /// default group is 0), shared by a world and all its subgroups.
+    torch_groups: Arc<std::sync::atomic::AtomicU64>,
     closed: AtomicBool,
     opts: NcclOptions,
 }
@@ -299,6 +309,7 @@ impl NcclBackend {
             ctx,
             subgroup: false,
             store: std::sync::OnceLock::new(),
+            torch_groups: Arc::new(std::sync::atomic::AtomicU64::new(1)),
             closed: AtomicBool::new(false),
             opts,
         })
