@@ -115,6 +115,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         first.get_or_insert(last);
         pg.all_gather(&mut scores, &[last]).await?;
     }
+    // Subgroups across the two libraries (trainer.py makes the same, in
+    // the same order): the trainer and the last worker sum their final
+    // losses, then the workers count themselves in a group of their own.
+    if let Some(pair) = pg.new_group(&[0, world - 1]).await? {
+        let mut both = [last];
+        pair.all_reduce(&mut both, consort::ReduceOp::Sum).await?;
+        println!(
+            "worker rank {rank}: subgroup [0, {}]: sum of final losses {:.4}",
+            world - 1,
+            both[0]
+        );
+    }
+    if world > 2 {
+        let workers: Vec<usize> = (1..world).collect();
+        if let Some(w) = pg.new_group(&workers).await? {
+            let mut count = [1i64];
+            w.all_reduce(&mut count, consort::ReduceOp::Sum).await?;
+            if count[0] != (world - 1) as i64 {
+                return Err(
+                    format!("the workers' group counted {} of {}", count[0], world - 1).into(),
+                );
+            }
+        }
+    }
     pg.barrier().await?;
     println!(
         "worker rank {rank}: {steps} weight updates from the torch trainer; held-out loss {:.4} -> {last:.4}",

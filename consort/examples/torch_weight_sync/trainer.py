@@ -65,6 +65,16 @@ def main():
             print(f"[{backend}] step {step:3d}  train loss {loss.item():.4f}  worker eval losses {workers}",
                   flush=True)
 
+    # Subgroups across the two libraries: the trainer and the last worker
+    # sum their final losses; then the workers' own group, which the
+    # trainer is not in (every rank calls new_group, as torch requires).
+    pair = dist.new_group([0, world - 1])
+    both = torch.tensor([loss.item()], device=dev)
+    dist.all_reduce(both, group=pair)
+    print(f"[{backend}] subgroup [0, {world - 1}]: sum of final losses {both.item():.4f}", flush=True)
+    if world > 2:
+        dist.new_group(list(range(1, world)))
+
     dist.barrier()
     dist.destroy_process_group()
 
