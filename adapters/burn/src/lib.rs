@@ -23,6 +23,14 @@
 //! sharded optimizer) take the same host copy: hand this step's gradients
 //! to them with [`BurnModel::mark_ready`], step, and copy the parameters
 //! back ([`Sharded::copy_params_to`], then [`BurnModel::push_values`]).
+//!
+//! With feature `cuda` (in the facade, `burn-cuda`), a module on a GPU
+//! skips the host copy: `BurnModel::from_module_on` takes a
+//! [`consort_comm::Placement`] (`placement(&Device::cuda(0))`), and the
+//! same calls hand DDP and the sharded strategies the parameters' and the
+//! gradients' device memory (`CubeTensor`s of burn's cubecl backend,
+//! without `fusion`); see the `cuda` module for the ordering and for what
+//! burn's missing in-place write costs.
 //! The module keeps whole parameters, so FSDP's memory saving on the
 //! parameters themselves does not apply to a burn module.
 //!
@@ -50,6 +58,10 @@ use consort_comm::{DType, with_dtype};
 use consort_ddp::{DdpError, ParamSet, ParamSpec, PlainModel, PlainModelError, Sharded};
 
 mod torch;
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use cuda::placement;
 
 /// Why the burn adapter failed.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +105,13 @@ pub enum BurnError {
     /// The host copy refused a tensor.
     #[error(transparent)]
     Model(#[from] PlainModelError),
+    /// A tensor cannot be used on the model's device (feature `cuda`):
+    /// which one and why.
+    #[error("burn on CUDA: {0}")]
+    Device(String),
+    /// The device or its driver refused (feature `cuda`).
+    #[error(transparent)]
+    Comm(#[from] consort_comm::CommError),
 }
 
 /// One float parameter of the module.
@@ -115,6 +134,8 @@ struct Entry {
 pub struct BurnModel {
     entries: Vec<Entry>,
     host: PlainModel,
+    #[cfg(feature = "cuda")]
+    dev: Option<cuda::OnDevice>,
 }
 
 fn our_dtype(name: &str, d: BDType) -> Result<DType, BurnError> {
@@ -136,6 +157,8 @@ struct Collect {
     containers: Vec<String>,
     found: Vec<(Entry, Vec<u8>)>,
     err: Option<BurnError>,
+    /// Whether to copy the values to the host.
+    copy: bool,
 }
 
 impl ModuleVisitor for Collect {
@@ -172,17 +195,28 @@ impl ModuleVisitor for Collect {
                 dims: D,
             });
         }
-        let bytes = t.to_data().as_bytes().to_vec();
+        let bytes = if self.copy {
+            t.to_data().as_bytes().to_vec()
+        } else {
+            Vec::new()
+        };
         self.found.push((entry, bytes));
     }
 }
 
 fn collect<M: Module>(module: &M) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
+    collect_with(module, true)
+}
+
+/// Every float parameter with its module path, and its values' bytes if
+/// `copy`.
+fn collect_with<M: Module>(module: &M, copy: bool) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
     let mut c = Collect {
         path: Vec::new(),
         containers: Vec::new(),
         found: Vec::new(),
         err: None,
+        copy,
     };
     module.visit(&mut c);
     match c.err {
@@ -300,6 +334,9 @@ macro_rules! with_rank {
     };
 }
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 impl BurnModel {
     /// Every float parameter of `module`, named by its module path.
     pub fn from_module<M: Module>(module: &M) -> Result<Self, BurnError> {
@@ -310,7 +347,46 @@ impl BurnModel {
             host.add_param_bytes(e.name.clone(), dtype, e.dims.clone(), bytes)?;
             entries.push(e);
         }
-        Ok(BurnModel { entries, host })
+        Ok(BurnModel {
+            entries,
+            host,
+            #[cfg(feature = "cuda")]
+            dev: None,
+        })
+    }
+
+    /// Every float parameter of `module`, named by its module path, on the
+    /// GPU of `placement` (feature `cuda`): DDP and the sharded strategies
+    /// work in the parameters' and the gradients' device memory, with no
+    /// host copy. `consort::burn::placement(&device)` makes the placement.
+    /// Every parameter must be a contiguous tensor of burn's cubecl backend
+    /// (no `fusion`) on that GPU, f32, f16 or bf16. Waits for burn's queued
+    /// kernels.
+    #[cfg(feature = "cuda")]
+    pub fn from_module_on<M: Module>(
+        module: &M,
+        placement: consort_comm::Placement,
+    ) -> Result<Self, BurnError> {
+        let entries: Vec<Entry> = collect_with(module, false)?
+            .into_iter()
+            .map(|(e, _)| e)
+            .collect();
+        let dev = cuda::OnDevice::new(&entries, module, placement)?;
+        Ok(BurnModel {
+            entries,
+            host: PlainModel::new(),
+            dev: Some(dev),
+        })
+    }
+
+    /// Whether DDP works in the module's device memory (a model made by
+    /// `from_module_on`).
+    pub fn on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.dev.is_some() {
+            return true;
+        }
+        false
     }
 
     /// The parameters' module paths, in DDP's order.
@@ -318,7 +394,8 @@ impl BurnModel {
         self.entries.iter().map(|e| e.name.as_str()).collect()
     }
 
-    /// The host copy (values and gradients).
+    /// The host copy (values and gradients); empty for a model on a
+    /// device.
     pub fn host(&self) -> &PlainModel {
         &self.host
     }
@@ -326,7 +403,16 @@ impl BurnModel {
     /// Copies `module`'s current values into the host copy: after burn's
     /// optimizer stepped the module (DDP), before a checkpoint. The module
     /// must be the one this was made from.
+    ///
+    /// On a device nothing is copied: the model holds `module`'s current
+    /// parameter tensors again, for the sharded strategies to read and
+    /// write (a checkpoint of a device model goes through
+    /// `BurnModel::from_module(&module)?.state_dict()`).
     pub fn pull_values<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &mut self.dev {
+            return dev.hold_params(module);
+        }
         let found = collect(module)?;
         if found.len() != self.entries.len() {
             return Err(BurnError::Mismatch {
@@ -372,7 +458,17 @@ impl BurnModel {
     /// `module` with the host values (after `Ddp::new` replaced them with
     /// rank 0's). `module` must be the one this was made from (the same
     /// parameter ids).
+    ///
+    /// On a device there is nothing to copy: `Ddp::new` broadcast (and
+    /// [`Sharded::copy_params_to`] copied) into the parameters' memory.
+    /// This waits for consort's stream, so that burn reads the new values,
+    /// and lets go of this step's gradients; `module` comes back as it is.
     pub fn push_values<M: Module>(&mut self, module: M) -> Result<M, BurnError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &mut self.dev {
+            dev.drop_grads()?;
+            return Ok(module);
+        }
         let want = self.entries.len();
         let mut push = Push {
             model: self,
@@ -415,7 +511,18 @@ impl BurnModel {
 
     /// Copies this step's gradients from `grads` to the host copy; a
     /// parameter with no gradient has none there either.
+    ///
+    /// On a device nothing is copied: the model holds this step's gradient
+    /// tensors for DDP, which writes the averages into them in place. A
+    /// parameter without a gradient gets zeros (unused this step, as on
+    /// the host), and a strided or shared gradient a contiguous copy of its
+    /// own; [`BurnModel::push_grads`] puts those into `grads`. Waits for
+    /// burn's queued kernels.
     pub fn pull_grads(&mut self, grads: &GradientsParams) -> Result<(), BurnError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &mut self.dev {
+            return dev.take_grads(&self.entries, grads);
+        }
         self.host.zero_grad();
         for i in 0..self.entries.len() {
             let e = &self.entries[i];
@@ -441,7 +548,24 @@ impl BurnModel {
     /// Hands this step's gradients (from [`BurnModel::pull_grads`]) to the
     /// sharded strategies, every parameter's (zeros for one without a
     /// gradient this step, as [`Sharded::step`] needs them all).
+    ///
+    /// On a device the gradients go over in device memory
+    /// ([`Sharded::mark_ready_device`]).
     pub fn mark_ready(&self, sharded: &mut Sharded) -> Result<(), DdpError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.dev {
+            for i in 0..dev.specs.len() {
+                let g = dev.grad(i).ok_or_else(|| DdpError::Usage {
+                    rank: sharded.rank(),
+                    reason: format!(
+                        "no gradient of {} on the device: call BurnModel::pull_grads first",
+                        dev.specs[i].name
+                    ),
+                })?;
+                sharded.mark_ready_device(i, &g)?;
+            }
+            return Ok(());
+        }
         for (i, spec) in self.host.params().iter().enumerate() {
             with_dtype!(spec.dtype, T => {
                 let zeros;
@@ -461,7 +585,16 @@ impl BurnModel {
 
     /// Writes the (averaged) host gradients into `grads`, for the
     /// optimizer, on the device each parameter's gradient was on.
-    pub fn push_grads(&self, grads: &mut GradientsParams) -> Result<(), BurnError> {
+    ///
+    /// On a device the averages are already in `grads`' tensors: this
+    /// waits for consort's stream, puts in the gradients `pull_grads` had
+    /// to make, and lets go of the gradients and of the parameters' tensors
+    /// (so that burn's optimizer may update them in place).
+    pub fn push_grads(&mut self, grads: &mut GradientsParams) -> Result<(), BurnError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &mut self.dev {
+            return dev.give_grads(&self.entries, grads);
+        }
         for (i, e) in self.entries.iter().enumerate() {
             let Some(g) = self.host.grad_bytes(i) else {
                 continue;
@@ -482,7 +615,31 @@ impl BurnModel {
 
 impl ParamSet for BurnModel {
     fn params(&self) -> Vec<ParamSpec> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.dev {
+            return dev.specs.clone();
+        }
         self.host.params()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn placement(&self) -> Option<consort_comm::Placement> {
+        self.dev.as_ref().map(|d| d.placement.clone())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn param_device(&mut self, i: usize) -> Option<consort_comm::DeviceBuffer> {
+        self.dev.as_ref()?.param(i)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn grad_device(&mut self, i: usize) -> Option<consort_comm::DeviceBuffer> {
+        self.dev.as_ref()?.grad(i)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn has_grad_device(&self, i: usize) -> bool {
+        self.dev.as_ref().is_some_and(|d| d.had_grad(i))
     }
 
     fn param_bytes_mut(&mut self, i: usize) -> &mut [u8] {

@@ -1,0 +1,453 @@
+//! A burn module on CUDA (feature `cuda`): DDP and the sharded strategies
+//! read and write the parameters' and the gradients' device memory where
+//! burn keeps it, with no host copy.
+//!
+//! This module owns finding a burn tensor's device memory (its
+//! `CubeTensor`, and cubecl's `get_resource`, whose answer pins the
+//! allocation while it is held), holding each step's gradient tensors, and
+//! the two waits that order burn and consort. It owns no copy and no
+//! reduction: DDP's device buckets and the shards do both, on consort's
+//! stream (the placement's).
+//!
+//! Ordering. cubecl's stream is private (one per thread, no accessor, no
+//! way to hand it one), so each handover is a host wait: burn's
+//! `Device::sync` before consort reads (`from_module_on`, `pull_grads`),
+//! and a wait for consort's stream before burn reads again
+//! (`push_values`, `push_grads`). A flag written on cubecl's stream that
+//! consort's stream waits on (`cuStreamWaitValue32`) would remove the
+//! first host wait; it is not tried.
+//!
+//! What burn's missing in-place write costs. burn has no API that writes
+//! into a tensor's memory, so the averages go there behind its back: a
+//! gradient that is contiguous and owns its memory gets the average in
+//! place (DDP copies it into a bucket and the average back, as on CUDA
+//! everywhere), with no extra memory. A strided or storage-tiled gradient,
+//! or one that shares memory with a parameter or another gradient, gets a
+//! contiguous copy of its own first (one more gradient-sized kernel and
+//! allocation), which `push_grads` puts into `GradientsParams`. A missing
+//! gradient gets zeros uploaded from the host (the one host copy left, and
+//! only for a parameter unused this step). The parameters' memory is
+//! written in place by `Ddp::new`'s broadcast and by the shards'
+//! `copy_params_to`; the model holds the parameters' tensors meanwhile,
+//! so burn's optimizer cannot update them in place while held (DDP lets
+//! them go in the first `push_grads`).
+
+use std::any::Any;
+
+use burn::{
+    Tensor,
+    backend::{Cube, DispatchDevice},
+    module::{Module, ModuleVisitor, Param},
+    optim::GradientsParams,
+    tensor::{Device, TensorData},
+};
+use burn_cubecl::tensor::CubeTensor;
+use consort_comm::{DeviceBuffer, Placement};
+use consort_ddp::ParamSpec;
+
+use super::{BurnError, Entry, our_dtype};
+
+/// cubecl's CUDA server: the type `get_resource` answers for.
+type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+
+/// A tensor whose device memory consort uses: the tensor (so that burn
+/// does not free it), cubecl's pin on its allocation (so that cubecl does
+/// not move or reuse it) and the address and size it pinned.
+struct Held {
+    tensor: CubeTensor,
+    _pin: Box<dyn Any + Send>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+fn device_error(name: &str, what: &str, why: impl std::fmt::Display) -> BurnError {
+    BurnError::Device(format!("{what} of {name}: {why}"))
+}
+
+/// The CUDA ordinal of a burn device (autodiff or not), or why it has none.
+pub(super) fn cuda_ordinal(device: &Device) -> Result<usize, String> {
+    let plain = device.clone().inner();
+    match plain.as_dispatch() {
+        DispatchDevice::Cube(cubecl::Device::Cuda(d)) => Ok(d.index),
+        _ => Err(format!(
+            "{device:?} is not a CUDA device; make the module on `Device::cuda(i)`, or use \
+             BurnModel::from_module for a module in host memory"
+        )),
+    }
+}
+
+/// Why `t` cannot be used as it is (a view of `spec` on GPU `ordinal`):
+/// `None` when it can.
+fn unfit(t: &CubeTensor, spec: &ParamSpec, ordinal: usize) -> Option<String> {
+    match &t.device {
+        cubecl::Device::Cuda(d) if d.index == ordinal => {}
+        other => {
+            return Some(format!(
+                "it is on {other:?}, but the placement is cuda:{ordinal}"
+            ));
+        }
+    }
+    if t.qparams.is_some() {
+        return Some("it is quantized".into());
+    }
+    if our_dtype(&spec.name, t.dtype).ok() != Some(spec.dtype) {
+        return Some(format!(
+            "it is {:?}; it should be {}",
+            t.dtype,
+            spec.describe()
+        ));
+    }
+    if t.meta.is_tiled() || !t.is_contiguous() {
+        return Some("it is strided or storage-tiled".into());
+    }
+    if (t.handle.size() as usize) < spec.bytes() {
+        return Some(format!(
+            "its buffer has {} bytes of {}",
+            t.handle.size(),
+            spec.bytes()
+        ));
+    }
+    None
+}
+
+/// Pins `t`'s memory: `t` must fit `spec` (see [`unfit`]).
+fn pin(t: CubeTensor, spec: &ParamSpec, what: &str, ordinal: usize) -> Result<Held, BurnError> {
+    if let Some(why) = unfit(&t, spec, ordinal) {
+        return Err(device_error(&spec.name, what, why));
+    }
+    let r = t
+        .client
+        .get_resource::<CudaServer>(t.handle.clone())
+        .map_err(|e| device_error(&spec.name, what, format!("cubecl: {e:?}")))?;
+    // A contiguous tensor starts where its handle does (the handle's
+    // offset is in the pointer cubecl gives).
+    let ptr = r.resource().ptr;
+    Ok(Held {
+        tensor: t,
+        _pin: Box::new(r),
+        ptr,
+        bytes: spec.bytes(),
+    })
+}
+
+/// A float tensor's CubeTensor (without autodiff).
+fn cube<const D: usize>(t: Tensor<D>) -> Result<CubeTensor, String> {
+    t.inner()
+        .try_into_primitive::<Cube>()
+        .map_err(|e| format!("not a tensor of burn's cubecl backend ({e:?}); keep `fusion` off"))
+}
+
+/// Pins every float parameter of a module, in visit order.
+struct PinParams<'a> {
+    specs: &'a [ParamSpec],
+    ordinal: usize,
+    found: Vec<Held>,
+    err: Option<BurnError>,
+}
+
+impl ModuleVisitor for PinParams<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let i = self.found.len();
+        let Some(spec) = self.specs.get(i) else {
+            self.err.get_or_insert(BurnError::Mismatch {
+                why: format!("it has more than {} float parameters", self.specs.len()),
+            });
+            return;
+        };
+        let held = cube(param.val())
+            .map_err(|why| device_error(&spec.name, "the values", why))
+            .and_then(|t| pin(t, spec, "the values", self.ordinal));
+        match held {
+            Ok(h) => self.found.push(h),
+            Err(e) => {
+                self.err.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// The device side of a burn module: where DDP works, the specs, the
+/// parameters' tensors while consort may write them, and this step's
+/// gradient tensors.
+#[derive(Debug)]
+pub(super) struct OnDevice {
+    pub(super) placement: Placement,
+    pub(super) specs: Vec<ParamSpec>,
+    ordinal: usize,
+    /// burn's device, for its `sync`.
+    device: Device,
+    params: Vec<Held>,
+    grads: Vec<Option<Held>>,
+    /// Which gradients `take_grads` made (`push_grads` registers them).
+    made: Vec<bool>,
+    /// Which parameters had a gradient in this step's `GradientsParams`.
+    had: Vec<bool>,
+}
+
+impl OnDevice {
+    /// The device side of `module` (whose parameters are `entries`), checked:
+    /// every parameter a contiguous CUDA tensor on the placement's GPU, of
+    /// a dtype DDP reduces. Waits for burn's queued kernels.
+    pub(super) fn new<M: Module>(
+        entries: &[Entry],
+        module: &M,
+        placement: Placement,
+    ) -> Result<Self, BurnError> {
+        if placement.device.kind() != "cuda" {
+            return Err(BurnError::Device(format!(
+                "the placement is a {} device; burn's CUDA tensors need a CUDA placement \
+                 (consort::burn::placement)",
+                placement.device.kind()
+            )));
+        }
+        let ordinal = placement.device.ordinal() as usize;
+        let Some(first) = entries.first() else {
+            return Err(BurnError::Device(
+                "the module has no float parameters".into(),
+            ));
+        };
+        let device = first.grad_device.clone();
+        let mut specs = Vec::with_capacity(entries.len());
+        for e in entries {
+            let dtype = our_dtype(&e.name, e.dtype)?;
+            specs.push(ParamSpec {
+                name: e.name.clone(),
+                dtype,
+                shape: e.dims.clone(),
+            });
+        }
+        let n = specs.len();
+        let mut dev = OnDevice {
+            placement,
+            specs,
+            ordinal,
+            device,
+            params: Vec::new(),
+            grads: (0..n).map(|_| None).collect(),
+            made: vec![false; n],
+            had: vec![false; n],
+        };
+        dev.hold_params(module)?;
+        Ok(dev)
+    }
+
+    /// Holds `module`'s parameters (again: after burn's optimizer replaced
+    /// them), once burn's kernels that write them are done.
+    pub(super) fn hold_params<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
+        let mut v = PinParams {
+            specs: &self.specs,
+            ordinal: self.ordinal,
+            found: Vec::new(),
+            err: None,
+        };
+        module.visit(&mut v);
+        if let Some(e) = v.err {
+            return Err(e);
+        }
+        if v.found.len() != self.specs.len() {
+            return Err(BurnError::Mismatch {
+                why: format!(
+                    "it has {} float parameters, not {}",
+                    v.found.len(),
+                    self.specs.len()
+                ),
+            });
+        }
+        self.params = v.found;
+        self.sync_burn()
+    }
+
+    fn sync_burn(&self) -> Result<(), BurnError> {
+        self.device
+            .sync()
+            .map_err(|e| BurnError::Device(format!("burn's device sync failed: {e:?}")))
+    }
+
+    /// Waits for consort's stream: what it wrote is then there for burn.
+    pub(super) fn sync_consort(&self) -> Result<(), BurnError> {
+        let p = &self.placement;
+        p.device
+            .synchronize(p.stream)
+            .map_err(|e| BurnError::Device(format!("waiting for consort's stream: {e}")))
+    }
+
+    fn view(&self, h: &Held, spec: &ParamSpec) -> DeviceBuffer {
+        // SAFETY: `h` pins `spec.bytes()` of live device memory of this GPU
+        // (cubecl's resource and the tensor are held by `h`, which the model
+        // keeps until after a wait for consort's stream); the view is ready
+        // on the placement's stream because burn's writes finished in the
+        // host sync that preceded it.
+        unsafe { self.placement.buffer(h.ptr, spec.numel(), spec.dtype) }
+    }
+
+    /// Parameter `i`'s values, while held.
+    pub(super) fn param(&self, i: usize) -> Option<DeviceBuffer> {
+        Some(self.view(self.params.get(i)?, self.specs.get(i)?))
+    }
+
+    /// Parameter `i`'s gradient for this step (after `take_grads`).
+    pub(super) fn grad(&self, i: usize) -> Option<DeviceBuffer> {
+        Some(self.view(self.grads.get(i)?.as_ref()?, self.specs.get(i)?))
+    }
+
+    /// Whether parameter `i` had a gradient in this step's `GradientsParams`.
+    pub(super) fn had_grad(&self, i: usize) -> bool {
+        self.had.get(i).copied().unwrap_or(false)
+    }
+}
+
+/// The placement of a burn module on GPU `device` (`Device::cuda(i)`):
+/// the NCCL backend's view of that GPU (the primary context, which cubecl
+/// uses too) and a stream of consort's own, where DDP's copies and
+/// collectives run; burn and consort hand over with host waits (see the
+/// module doc). A device other than CUDA is refused by name;
+/// `BackendUnavailable` without a CUDA driver or that GPU.
+pub fn placement(device: &Device) -> Result<Placement, BurnError> {
+    use consort_comm::Device as _;
+    let ordinal = cuda_ordinal(device).map_err(BurnError::Device)?;
+    let gpu = consort_nccl::CudaDevice::new(ordinal)?;
+    let stream = gpu.new_stream()?;
+    Ok(Placement {
+        device: gpu,
+        stream,
+    })
+}
+
+/// Address ranges, for the aliasing check.
+fn overlaps(seen: &[(u64, u64)], ptr: u64, bytes: usize) -> bool {
+    let (a, b) = (ptr, ptr + bytes as u64);
+    bytes > 0 && seen.iter().any(|&(c, d)| a < d && c < b)
+}
+
+impl OnDevice {
+    /// This step's gradient of parameter `e` (`spec`) as a tensor DDP may
+    /// write: the one in `grads`, or one made for it, and whether it was made.
+    fn grad_tensor(
+        &self,
+        e: &Entry,
+        spec: &ParamSpec,
+        grads: &GradientsParams,
+    ) -> Result<(CubeTensor, bool, bool), BurnError> {
+        let found: Option<Result<CubeTensor, String>> = with_rank!(e.dims.len(), D => {
+            grads.get::<D>(e.id).map(cube::<D>)
+        }, None);
+        let Some(t) = found else {
+            let zeros =
+                TensorData::from_bytes_vec(vec![0u8; spec.bytes()], e.dims.clone(), e.dtype);
+            let t = with_rank!(e.dims.len(), D => {
+                cube(Tensor::<D>::from_data(zeros, &e.grad_device))
+            }, Err("more than 6 dimensions".into()));
+            let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
+            return Ok((t, true, false));
+        };
+        let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
+        if t.meta.is_tiled() || !t.is_contiguous() {
+            return Ok((burn_cubecl::kernel::into_contiguous(t), true, true));
+        }
+        Ok((t, false, true))
+    }
+
+    /// Takes this step's gradients from `grads` (see the module doc: in
+    /// place where they fit, a copy of their own where not, zeros where
+    /// missing), then waits for burn's kernels.
+    pub(super) fn take_grads(
+        &mut self,
+        entries: &[Entry],
+        grads: &GradientsParams,
+    ) -> Result<(), BurnError> {
+        self.grads.iter_mut().for_each(|g| *g = None);
+        let mut seen: Vec<(u64, u64)> = self
+            .params
+            .iter()
+            .map(|h| (h.ptr, h.ptr + h.bytes as u64))
+            .collect();
+        for (i, e) in entries.iter().enumerate() {
+            let spec = &self.specs[i];
+            let (t, mut made, had) = self.grad_tensor(e, spec, grads)?;
+            let mut h = pin(t, spec, "the gradient", self.ordinal)?;
+            if overlaps(&seen, h.ptr, h.bytes) {
+                let own = burn_cubecl::kernel::into_contiguous(h.tensor.copy());
+                h = pin(own, spec, "the gradient", self.ordinal)?;
+                made = true;
+            }
+            seen.push((h.ptr, h.ptr + h.bytes as u64));
+            self.grads[i] = Some(h);
+            self.made[i] = made;
+            self.had[i] = had;
+        }
+        self.sync_burn()
+    }
+
+    /// After consort's stream is done: puts the gradients `take_grads` made
+    /// into `grads` (the others hold their averages in place), and lets go
+    /// of this step's gradients and of the parameters' tensors.
+    pub(super) fn give_grads(
+        &mut self,
+        entries: &[Entry],
+        grads: &mut GradientsParams,
+    ) -> Result<(), BurnError> {
+        self.sync_consort()?;
+        self.params.clear();
+        for (i, e) in entries.iter().enumerate() {
+            let Some(h) = self.grads[i].take() else {
+                continue;
+            };
+            if !self.made[i] {
+                continue;
+            }
+            with_rank!(e.dims.len(), D => {
+                grads.remove::<D>(e.id);
+                grads.register::<D>(e.id, Tensor::<D>::from_primitive::<Cube>(h.tensor));
+            }, ());
+        }
+        self.had.iter_mut().for_each(|h| *h = false);
+        Ok(())
+    }
+
+    /// After consort's stream is done: lets go of this step's gradients
+    /// (the sharded strategies copied them into their shards).
+    pub(super) fn drop_grads(&mut self) -> Result<(), BurnError> {
+        self.sync_consort()?;
+        self.grads.iter_mut().for_each(|g| *g = None);
+        self.had.iter_mut().for_each(|h| *h = false);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(deprecated)] // the adapter's CPU backend is ndarray
+    fn a_cpu_device_has_no_cuda_ordinal() {
+        let err = cuda_ordinal(&Device::ndarray()).unwrap_err();
+        assert!(err.contains("is not a CUDA device"), "{err}");
+        assert!(err.contains("BurnModel::from_module"), "{err}");
+    }
+
+    #[test]
+    fn a_cuda_device_names_its_ordinal_without_a_gpu() {
+        assert_eq!(cuda_ordinal(&Device::cuda(0)), Ok(0));
+        assert_eq!(cuda_ordinal(&Device::cuda(3)), Ok(3));
+    }
+
+    #[test]
+    fn ranges_that_touch_do_not_overlap() {
+        let seen = [(100, 200)];
+        assert!(!overlaps(&seen, 200, 8));
+        assert!(!overlaps(&seen, 92, 8));
+        assert!(overlaps(&seen, 199, 8));
+        assert!(overlaps(&seen, 50, 400));
+        assert!(!overlaps(&seen, 150, 0));
+    }
+}
