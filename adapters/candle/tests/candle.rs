@@ -2,58 +2,50 @@
 //! two ranks from different initial values and different data ends with
 //! the same weights on both, and the averaged gradient in each GradStore.
 
-use std::{future::Future, sync::Arc};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder, VarMap};
 use consort_candle::CandleModel;
 use consort_comm::Backend;
 use consort_ddp::{Ddp, DdpOptions};
-use consort_sim::{SimConfig, SimRank, SimWorld};
-
-/// Runs `f` on every rank of a simulated world; the outputs in rank order.
-fn run_sim<T, F, Fut>(cfg: SimConfig, f: F) -> (Vec<T>, SimWorld)
-where
-    T: Send + 'static,
-    F: Fn(Arc<SimRank>) -> Fut,
-    Fut: Future<Output = T> + Send + 'static,
-{
-    let world = SimWorld::new(cfg).expect("sim world");
-    let out = world.run_each(|r| f(Arc::new(r))).expect("tokio runtime");
-    (out, world)
-}
+use consort_sim::{SimConfig, SimWorld};
 
 #[test]
 fn candle_linear_layers_stay_in_step_and_get_the_mean_gradient() {
-    let (out, _) = run_sim(SimConfig::new(2), |rank| async move {
-        let r = rank.rank();
-        let dev = Device::Cpu;
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-        let lin = candle_nn::linear(3, 2, vb.pp("fc")).unwrap();
-        // Different initial values on each rank.
-        for (_, v) in varmap.data().lock().unwrap().iter() {
-            let t = (v.as_tensor().ones_like().unwrap() * (r as f64 + 1.0)).unwrap();
-            v.set(&t).unwrap();
-        }
-        let mut model = CandleModel::from_varmap(&varmap).unwrap();
-        let names: Vec<String> = model.vars().iter().map(|(n, _)| n.clone()).collect();
-        let mut ddp = Ddp::new(rank, &mut model, DdpOptions::default())
-            .await
-            .unwrap();
-        model.push_values().unwrap();
+    let out = SimWorld::new(SimConfig::new(2))
+        .expect("sim world")
+        .run_each(|rank| async move {
+            let rank = Arc::new(rank);
+            let r = rank.rank();
+            let dev = Device::Cpu;
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+            let lin = candle_nn::linear(3, 2, vb.pp("fc")).unwrap();
+            // Different initial values on each rank.
+            for (_, v) in varmap.data().lock().unwrap().iter() {
+                let t = (v.as_tensor().ones_like().unwrap() * (r as f64 + 1.0)).unwrap();
+                v.set(&t).unwrap();
+            }
+            let mut model = CandleModel::from_varmap(&varmap).unwrap();
+            let names: Vec<String> = model.vars().iter().map(|(n, _)| n.clone()).collect();
+            let mut ddp = Ddp::new(rank, &mut model, DdpOptions::default())
+                .await
+                .unwrap();
+            model.push_values().unwrap();
 
-        let x = Tensor::new(&[[r as f32 + 1.0, 2.0, -1.0]], &dev).unwrap();
-        let loss = lin.forward(&x).unwrap().sum_all().unwrap();
-        let mut grads = loss.backward().unwrap();
-        model.pull_grads(&grads).unwrap();
-        ddp.sync_grads(&mut model).await.unwrap();
-        model.push_grads(&mut grads).unwrap();
-        let w = model.vars()[1].1.as_tensor();
-        let gw = grads.get(w).unwrap().to_vec2::<f32>().unwrap();
-        let values = w.to_vec2::<f32>().unwrap();
-        (names, values, gw)
-    });
+            let x = Tensor::new(&[[r as f32 + 1.0, 2.0, -1.0]], &dev).unwrap();
+            let loss = lin.forward(&x).unwrap().sum_all().unwrap();
+            let mut grads = loss.backward().unwrap();
+            model.pull_grads(&grads).unwrap();
+            ddp.sync_grads(&mut model).await.unwrap();
+            model.push_grads(&mut grads).unwrap();
+            let w = model.vars()[1].1.as_tensor();
+            let gw = grads.get(w).unwrap().to_vec2::<f32>().unwrap();
+            let values = w.to_vec2::<f32>().unwrap();
+            (names, values, gw)
+        })
+        .expect("tokio runtime");
     assert_eq!(
         out[0].0,
         vec!["fc.bias".to_string(), "fc.weight".to_string()]
@@ -152,29 +144,33 @@ fn sharded_strategies_train_a_candle_model_as_one_process_does() {
     for world in [2, 3] {
         let want = one_process(world);
         for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Fsdp] {
-            let (out, _) = run_sim(SimConfig::new(world), move |rank| async move {
-                let r = rank.rank();
-                let (varmap, forward) = mlp(r as f32);
-                let mut model = CandleModel::from_varmap(&varmap).unwrap();
-                // One unit per layer: fc1.{bias,weight}, fc2.{bias,weight}.
-                let opts = ShardOptions::new(strategy).units(vec![vec![0, 1], vec![2, 3]]);
-                let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
-                    .await
-                    .unwrap();
-                for s in 0..STEPS {
+            let out = SimWorld::new(SimConfig::new(world))
+                .expect("sim world")
+                .run_each(move |rank| async move {
+                    let rank = Arc::new(rank);
+                    let r = rank.rank();
+                    let (varmap, forward) = mlp(r as f32);
+                    let mut model = CandleModel::from_varmap(&varmap).unwrap();
+                    // One unit per layer: fc1.{bias,weight}, fc2.{bias,weight}.
+                    let opts = ShardOptions::new(strategy).units(vec![vec![0, 1], vec![2, 3]]);
+                    let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
+                        .await
+                        .unwrap();
+                    for s in 0..STEPS {
+                        for u in 0..sh.layout().units.len() {
+                            model.set_gathered(&sh.gather(u).await.unwrap()).unwrap();
+                        }
+                        let (x, y) = batch(r, s);
+                        let grads = mse(&forward(&x), &y).backward().unwrap();
+                        model.mark_grads(&grads, &mut sh).unwrap();
+                        sh.step().await.unwrap();
+                    }
                     for u in 0..sh.layout().units.len() {
                         model.set_gathered(&sh.gather(u).await.unwrap()).unwrap();
                     }
-                    let (x, y) = batch(r, s);
-                    let grads = mse(&forward(&x), &y).backward().unwrap();
-                    model.mark_grads(&grads, &mut sh).unwrap();
-                    sh.step().await.unwrap();
-                }
-                for u in 0..sh.layout().units.len() {
-                    model.set_gathered(&sh.gather(u).await.unwrap()).unwrap();
-                }
-                values(&varmap)
-            });
+                    values(&varmap)
+                })
+                .expect("tokio runtime");
             for (r, got) in out.iter().enumerate() {
                 for ((name, g), (_, w)) in got.iter().zip(&want) {
                     let diff = g
@@ -206,21 +202,25 @@ fn another_model(name: &str, inputs: usize, outputs: usize) -> (VarMap, CandleMo
 #[test]
 fn marking_another_models_gradients_is_an_error_not_a_panic() {
     use consort_ddp::{Sgd, ShardOptions, Sharded, Strategy};
-    let (out, _) = run_sim(SimConfig::new(1), |rank| async move {
-        let (varmap, forward) = mlp(0.0);
-        let mut model = CandleModel::from_varmap(&varmap).unwrap();
-        let opts = ShardOptions::new(Strategy::Zero2);
-        let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
-            .await
-            .unwrap();
-        let (_vars, mut other) = another_model("fc1", 3, 4);
-        let (x, y) = batch(0, 0);
-        let grads = mse(&forward(&x), &y).backward().unwrap();
-        let g = sh.gather(0).await.unwrap();
-        let wrong = other.set_gathered(&g).map(|_| ()).err();
-        let marked = other.mark_grads(&grads, &mut sh).err();
-        (wrong.map(|e| e.to_string()), marked.map(|e| e.to_string()))
-    });
+    let out = SimWorld::new(SimConfig::new(1))
+        .expect("sim world")
+        .run_each(|rank| async move {
+            let rank = Arc::new(rank);
+            let (varmap, forward) = mlp(0.0);
+            let mut model = CandleModel::from_varmap(&varmap).unwrap();
+            let opts = ShardOptions::new(Strategy::Zero2);
+            let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
+                .await
+                .unwrap();
+            let (_vars, mut other) = another_model("fc1", 3, 4);
+            let (x, y) = batch(0, 0);
+            let grads = mse(&forward(&x), &y).backward().unwrap();
+            let g = sh.gather(0).await.unwrap();
+            let wrong = other.set_gathered(&g).map(|_| ()).err();
+            let marked = other.mark_grads(&grads, &mut sh).err();
+            (wrong.map(|e| e.to_string()), marked.map(|e| e.to_string()))
+        })
+        .expect("tokio runtime");
     let (wrong, marked) = &out[0];
     let marked = marked
         .as_deref()
@@ -241,17 +241,21 @@ fn marking_another_models_gradients_is_an_error_not_a_panic() {
 #[test]
 fn a_unit_that_does_not_fit_the_variables_is_an_error_not_a_panic() {
     use consort_ddp::{Sgd, ShardOptions, Sharded, Strategy};
-    let (out, _) = run_sim(SimConfig::new(1), |rank| async move {
-        let (varmap, _) = mlp(0.0);
-        let mut model = CandleModel::from_varmap(&varmap).unwrap();
-        let opts = ShardOptions::new(Strategy::Fsdp).units(vec![vec![0, 1], vec![2, 3]]);
-        let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
-            .await
-            .unwrap();
-        let (_vars, mut other) = another_model("fc", 5, 2);
-        let g = sh.gather(0).await.unwrap();
-        other.set_gathered(&g).unwrap_err().to_string()
-    });
+    let out = SimWorld::new(SimConfig::new(1))
+        .expect("sim world")
+        .run_each(|rank| async move {
+            let rank = Arc::new(rank);
+            let (varmap, _) = mlp(0.0);
+            let mut model = CandleModel::from_varmap(&varmap).unwrap();
+            let opts = ShardOptions::new(Strategy::Fsdp).units(vec![vec![0, 1], vec![2, 3]]);
+            let mut sh = Sharded::new(rank, &mut model, Sgd::new(LR), opts)
+                .await
+                .unwrap();
+            let (_vars, mut other) = another_model("fc", 5, 2);
+            let g = sh.gather(0).await.unwrap();
+            other.set_gathered(&g).unwrap_err().to_string()
+        })
+        .expect("tokio runtime");
     assert!(
         out[0].contains("unit 0's parameter 0 has 4 elements, but variable fc.bias has 2"),
         "{}",

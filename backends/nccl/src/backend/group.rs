@@ -124,26 +124,8 @@ impl NcclBackend {
             "a group of the survivors of failed NCCL group {:#x} needs the job's store to meet in",
             parent.0
         );
-        let bytes = self
-            .id_in_store(&key, &why, (me, ranks[0]), timeout, ctx0)
-            .await?;
-        let opts = NcclOptions {
-            timeout,
-            ..self.opts.clone()
-        };
-        let (nccl, cctx) = (&self.shared.device().nccl, &self.ctx);
-        tracing::debug!(
-            rank = self.rank,
-            me,
-            "NCCL: the survivors' unique id is here; init"
-        );
-        let made = init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await;
-        tracing::debug!(
-            rank = self.rank,
-            ok = made.is_ok(),
-            "NCCL: the survivors' init ended"
-        );
-        made
+        self.init_from_store(&key, &why, (me, ranks), timeout, ctx0)
+            .await
     }
 
     /// A `new_group` of a torch job whose classic backend made its default
@@ -167,21 +149,40 @@ impl NcclBackend {
         let why = format!(
             "torch's classic NCCL backend keys group {name}'s communicator in the job's store"
         );
+        self.init_from_store(&key, &why, (me, ranks), timeout, ctx0)
+            .await
+    }
+
+    /// A communicator of `ranks` (this rank is group rank `me`) from a
+    /// unique id in the job's store under `key`: group rank 0 makes and
+    /// sets it, the others wait for it until `timeout`, and all init, bounded
+    /// as every init is. `why` says what needs the store, for the error
+    /// where none was set.
+    async fn init_from_store(
+        &self,
+        key: &str,
+        why: &str,
+        (me, ranks): (usize, &[usize]),
+        timeout: std::time::Duration,
+        ctx0: ErrorContext,
+    ) -> Result<usize> {
         let bytes = self
-            .id_in_store(&key, &why, (me, ranks[0]), timeout, ctx0)
+            .id_in_store(key, why, (me, ranks[0]), timeout, ctx0)
             .await?;
         let opts = NcclOptions {
             timeout,
             ..self.opts.clone()
         };
         let (nccl, cctx) = (&self.shared.device().nccl, &self.ctx);
-        init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await
+        tracing::debug!(rank = self.rank, me, %key, "NCCL: the unique id is here; init");
+        let made = init_comm(nccl, cctx, ctx0, bytes, (me, ranks.len()), &opts).await;
+        tracing::debug!(rank = self.rank, ok = made.is_ok(), %key, "NCCL: the init ended");
+        made
     }
 
     /// A unique id through the job's store under `key`: group rank 0
     /// (`me`) makes and sets it, the others wait for it (global rank
-    /// `first` is whom they wait on) until `timeout`. `why` says what
-    /// needs the store, for the error where none was set.
+    /// `first` is whom they wait on) until `timeout`.
     async fn id_in_store(
         &self,
         key: &str,
