@@ -11,6 +11,7 @@ for every rank with CONSORT_SHARE_GPU=1 (one NCCL_HOSTID per rank below NCCL
 2.30, as launch.sh sets).
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -79,5 +80,25 @@ def main():
     dist.destroy_process_group()
 
 
+def leave():
+    """Ends the process without finalizing the interpreter.
+
+    torch's Gloo worker threads drop their reference to a finished
+    collective's work after its waiter has woken, and dropping the tensors
+    it holds takes the GIL. torch 2.15 keeps the default group's workers
+    running past destroy_process_group (until exit), so when that happens
+    as the interpreter finalizes, CPython ends the thread with pthread_exit
+    inside a noexcept destructor and the process aborts ("terminate called
+    without an active exception"). Peers that answer at once (consort's
+    ranks do) make that likely: the final barrier then returns before the
+    worker got the GIL. Every call has returned and the group is destroyed,
+    so there is nothing left for finalization to do; leave without it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    leave()
