@@ -141,9 +141,12 @@ fn pin(t: CubeTensor, spec: &ParamSpec, what: &str, ordinal: usize) -> Result<He
 
 /// A float tensor's CubeTensor (without autodiff).
 fn cube<const D: usize>(t: Tensor<D>) -> Result<CubeTensor, String> {
-    t.inner()
-        .try_into_primitive::<Cube>()
-        .map_err(|e| format!("not a tensor of burn's cubecl backend ({e:?}); keep `fusion` off"))
+    t.inner().try_into_primitive::<Cube>().map_err(|e| {
+        format!(
+            "it is not a tensor of burn's cubecl backend ({e:?}); put the module on \
+                 `Device::cuda(i)`, with burn's `fusion` off"
+        )
+    })
 }
 
 /// Pins every float parameter of a module, in visit order.
@@ -439,6 +442,41 @@ mod tests {
     fn a_cuda_device_names_its_ordinal_without_a_gpu() {
         assert_eq!(cuda_ordinal(&Device::cuda(0)), Ok(0));
         assert_eq!(cuda_ordinal(&Device::cuda(3)), Ok(3));
+    }
+
+    #[test]
+    #[allow(deprecated)]
+    fn placement_refuses_a_cpu_device_by_name() {
+        let err = placement(&Device::ndarray()).unwrap_err().to_string();
+        assert!(err.contains("is not a CUDA device"), "{err}");
+    }
+
+    #[test]
+    fn placement_without_a_driver_is_an_error_not_a_panic() {
+        match placement(&Device::cuda(0)) {
+            Ok(p) => assert_eq!(p.device.kind(), "cuda"), // a GPU is here
+            Err(e) => assert!(!e.to_string().is_empty()),
+        }
+    }
+
+    #[test]
+    #[allow(deprecated)]
+    fn a_module_on_a_placement_other_than_cuda_is_refused() {
+        use burn::nn::LinearConfig;
+        let net = LinearConfig::new(2, 3).init(&Device::ndarray());
+        let emulated = consort_sim::EmulatedDevice::new(Default::default());
+        let place = Placement {
+            device: emulated,
+            stream: 0,
+        };
+        let err = crate::BurnModel::from_module_on(&net, place).unwrap_err();
+        assert!(err.to_string().contains("need a CUDA placement"), "{err}");
+    }
+
+    #[test]
+    fn a_device_model_can_cross_an_await_on_a_multi_threaded_runtime() {
+        fn send<T: Send>() {}
+        send::<crate::BurnModel>();
     }
 
     #[test]
