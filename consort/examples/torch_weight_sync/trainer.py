@@ -29,13 +29,17 @@ def main():
     backend = os.environ.get("BACKEND", "gloo")
     if backend not in ("gloo", "nccl"):
         raise SystemExit(f"BACKEND={backend!r}: expected gloo or nccl")
-    dist.init_process_group(backend)
-    world = dist.get_world_size()
     dev = torch.device("cpu")
     if backend == "nccl":
         share = os.environ.get("CONSORT_SHARE_GPU") == "1"
         dev = torch.device("cuda", 0 if share else int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
+    # EAGER=1: the default group's communicator is made at init, bound to
+    # the device, and torch's classic backend then splits new_groups from it
+    # (launch.sh tells the consort ranks: CONSORT_TORCH_NCCL_EAGER=1).
+    eager = backend == "nccl" and os.environ.get("EAGER") == "1"
+    dist.init_process_group(backend, device_id=dev if eager else None)
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Linear(FEATURES, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
