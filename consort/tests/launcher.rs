@@ -33,6 +33,68 @@ fn four_workers_all_reduce_and_exit_zero() {
     }
 }
 
+/// `--bind-to core`: each worker runs on a core of its own, in local-rank
+/// order; with more workers than cores they stay unbound.
+#[test]
+fn bind_to_core_gives_each_worker_its_own_core() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let show = "echo \"bound rank=$LOCAL_RANK $(grep Cpus_allowed_list /proc/self/status)\"";
+    let n = cores.min(4).to_string();
+    let args = [
+        "run",
+        "--standalone",
+        "--bind-to",
+        "core",
+        "--nproc-per-node",
+        &n,
+        "--",
+        "sh",
+        "-c",
+        show,
+    ];
+    let out = finish(consort(&args), "consort run --bind-to core");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut seen: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.split("Cpus_allowed_list:").nth(1))
+        .map(|c| c.trim().to_string())
+        .collect();
+    assert_eq!(seen.len(), cores.min(4), "{text}");
+    assert!(
+        seen.iter().all(|c| c.parse::<usize>().is_ok()),
+        "one core each: {text}"
+    );
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), cores.min(4), "distinct cores: {text}");
+    // More workers than cores: nobody is bound to one core.
+    let many = (cores + 1).to_string();
+    let args = [
+        "run",
+        "--standalone",
+        "--bind-to",
+        "core",
+        "--nproc-per-node",
+        &many,
+        "--",
+        "sh",
+        "-c",
+        show,
+    ];
+    let out = finish(consort(&args), "consort run --bind-to core, oversubscribed");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    if cores > 1 {
+        assert!(
+            text.lines()
+                .filter_map(|l| l.split("Cpus_allowed_list:").nth(1))
+                .all(|c| c.trim().parse::<usize>().is_err()),
+            "unbound when there are more workers than cores: {text}"
+        );
+    }
+}
+
 /// A worker that prints its torchrun variables, and fails (exit 3) as
 /// rank 1 on the first attempt.
 const FLAKY: &str = r#"echo "env rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE local_world=$LOCAL_WORLD_SIZE group=$GROUP_RANK attempt=$TORCHELASTIC_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS master=$MASTER_ADDR:$MASTER_PORT"

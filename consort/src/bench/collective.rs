@@ -365,8 +365,20 @@ fn launch(
     let exe = std::env::current_exe()?;
     let spec_json = serde_json::to_string(spec)?;
     let mut children = Vec::with_capacity(spec.world);
+    // A core per rank where there are enough, as mpirun binds its ranks,
+    // so that both sides of a comparison run alike (see launch::cpus).
+    let cores = if spec.bind_to == "core" {
+        consort::launch::cpus::cores_for(spec.world)
+    } else {
+        None
+    };
     for r in 0..spec.world {
         let mut cmd = Command::new(&exe);
+        if let Some(core) = cores.as_ref().map(|c| c[r]) {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: bind_self_to is async-signal-safe (its docs).
+            unsafe { cmd.pre_exec(move || consort::launch::cpus::bind_self_to(core)) };
+        }
         // Every worker is on this host: QUIC would meet its peers through
         // shared memory, so the QUIC rows turn it off to measure QUIC.
         if spec.backend == "quic" && std::env::var_os("CONSORT_SHM").is_none() {

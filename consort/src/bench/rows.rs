@@ -23,10 +23,18 @@ pub(crate) struct BenchSpec {
     /// `max` (each iteration is the slowest rank's) or `rank0`.
     #[serde(default = "max_timing")]
     pub(crate) timing: String,
+    /// `core`: each rank the bench starts on a core of its own when there
+    /// are enough (as Open MPI binds), or `none`.
+    #[serde(default = "core_binding")]
+    pub(crate) bind_to: String,
 }
 
 fn max_timing() -> String {
     "max".into()
+}
+
+fn core_binding() -> String {
+    "core".into()
 }
 
 /// One measured row (rank 0's view, with every rank's #wrong summed in).

@@ -50,6 +50,13 @@ pub(crate) struct BenchArgs {
     /// rank 0's alone (a broadcast root returns once its bytes are queued).
     #[arg(long, default_value = "max", value_parser = ["max", "rank0"])]
     timing: String,
+    /// The ranks `consort bench` starts itself: `core` binds each to a core
+    /// of its own where this process may use at least one per rank (as
+    /// `mpirun` binds 2 ranks; two unbound ranks the scheduler put on one
+    /// core take turns every spin, about 40 us a turn, until it moves
+    /// one), `none` leaves them to the scheduler.
+    #[arg(long, default_value = "core", value_parser = ["core", "none"])]
+    bind_to: String,
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
@@ -356,6 +363,7 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
         iters: a.iters,
         share_gpu: a.share_gpu,
         timing: a.timing,
+        bind_to: a.bind_to,
     };
     if a.from_env {
         if let Some(t) = collective::from_env(spec).await? {

@@ -13,6 +13,7 @@
 //!   copying output with `[rankN]: `, stopping (SIGTERM, then SIGKILL).
 //! - `watchdog`: `--watchdog-timeout`, from each worker's heartbeat.
 //! - [`records`]: the workers' flight records and their verdict.
+//! - [`cpus`]: `--bind-to core`, a core of its own for each worker.
 //!
 //! The CLI (`consort run`) parses torchrun's flags into a [`LaunchSpec`].
 //! The variables each worker gets are listed in [`crate::env`].
@@ -45,6 +46,7 @@
 //!     grace_period: 5.0,                    // SIGTERM, then SIGKILL
 //!     watchdog_timeout: Some(600.0),        // a rank silent this long counts as hung
 //!     secret: None,
+//!     bind_to_core: false,                  // --bind-to core: a core per worker
 //! };
 //! let code = launch(spec).await?;          // 0, or the failing worker's exit code
 //! std::process::exit(code);
@@ -52,6 +54,7 @@
 //! ```
 
 mod agent;
+pub mod cpus;
 mod dirs;
 mod exit;
 pub mod records;
@@ -108,6 +111,10 @@ pub struct LaunchSpec {
     /// agent's own `CONSORT_SECRET`, if any. torch's clients cannot speak
     /// the handshake: leave it unset for torch workers.
     pub secret: Option<String>,
+    /// Each worker on a core of its own from the agent's affinity mask, in
+    /// local-rank order (`--bind-to core`), where the mask holds one per
+    /// worker; otherwise (and by default, as torchrun) unbound.
+    pub bind_to_core: bool,
 }
 
 impl LaunchSpec {

@@ -184,14 +184,23 @@ impl Round {
         if std::env::var_os("OMP_NUM_THREADS").is_none() {
             cmd.env("OMP_NUM_THREADS", "1");
         }
-        // SAFETY: prctl is async-signal-safe, and this runs in the child
-        // between fork and exec. A worker dies with its agent (SIGKILL when
-        // the agent's thread that started it ends), as a node that is
-        // lost loses its workers, instead of living on orphaned.
+        let core = if a.bind_to_core {
+            super::cpus::cores_for(a.local_world_size).map(|c| c[local])
+        } else {
+            None
+        };
+        // SAFETY: prctl and sched_setaffinity are async-signal-safe, and
+        // this runs in the child between fork and exec. A worker dies with
+        // its agent (SIGKILL when the agent's thread that started it ends),
+        // as a node that is lost loses its workers, instead of living on
+        // orphaned.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                if let Some(core) = core {
+                    super::cpus::bind_self_to(core)?;
                 }
                 Ok(())
             });
