@@ -32,8 +32,8 @@ pub mod train;
 
 use std::fmt;
 
-pub use nccl::{Algo, Arch, Proto};
-pub use presets::{Cluster, Published, preset, presets};
+pub use nccl::{Algo, Proto};
+pub use presets::{Arch, Cluster, Cpu, Published, preset, presets};
 
 /// The collectives the model predicts, by `torch.distributed`'s names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -17,36 +17,10 @@
 
 use std::fmt;
 
-use super::{ClusterError, Collective, Placement, presets::Cluster};
-
-/// A GPU generation, as NCCL indexes its tables (`compCapIndex`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Arch {
-    /// sm70.
-    Volta,
-    /// sm80 (A100).
-    Ampere,
-    /// sm90 (H100, H200).
-    Hopper,
-    /// sm100 (B200).
-    Blackwell,
-}
-
-impl Arch {
-    fn idx(self) -> usize {
-        self as usize
-    }
-}
-
-/// The host CPU's vendor: NCCL's LL cap across nodes and its network
-/// post overhead (`getNetOverhead`) depend on it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cpu {
-    /// Intel x86.
-    Intel,
-    /// AMD x86.
-    Amd,
-}
+use super::{
+    ClusterError, Collective, Placement,
+    presets::{Arch, Cluster, Cpu},
+};
 
 /// NCCL's algorithms, by `NCCL_ALGO`'s names (CollNet left out).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

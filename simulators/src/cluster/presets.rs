@@ -8,7 +8,36 @@
 //! tested against (`tests/cluster_presets.rs`: within 15%), quoted where
 //! they were published. Owns no formula: those are [`super::nccl`]'s.
 
-use super::{ClusterError, Collective, nccl::Arch, nccl::Cpu};
+use super::{ClusterError, Collective};
+
+/// A GPU generation, as NCCL indexes its tables (`compCapIndex`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Arch {
+    /// sm70.
+    Volta,
+    /// sm80 (A100).
+    Ampere,
+    /// sm90 (H100, H200).
+    Hopper,
+    /// sm100 (B200).
+    Blackwell,
+}
+
+impl Arch {
+    pub(crate) fn idx(self) -> usize {
+        self as usize
+    }
+}
+
+/// The host CPU's vendor: NCCL's LL cap across nodes and its network
+/// post overhead (`getNetOverhead`) depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cpu {
+    /// Intel x86.
+    Intel,
+    /// AMD x86.
+    Amd,
+}
 
 /// NCCL's NVLink bandwidth per link on Hopper (`SM90_NVLINK_BW`, GB/s).
 const SM90_NVLINK: f64 = 20.6;
