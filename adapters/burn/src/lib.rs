@@ -45,6 +45,8 @@
 //! the checkpoint as it is, and [`BurnModel::load_torch_state_dict`] reads
 //! one back.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 /// The burn this adapter is built against (0.22.1), for code that names
 /// burn's types through consort (`consort::burn::burn`).
 pub use burn;
@@ -363,6 +365,7 @@ impl BurnModel {
     /// (no `fusion`) on that GPU, f32, f16 or bf16. Waits for burn's queued
     /// kernels.
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     pub fn from_module_on<M: Module>(
         module: &M,
         placement: consort_comm::Placement,
