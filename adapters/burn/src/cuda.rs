@@ -25,12 +25,19 @@
 //! or one that shares memory with a parameter or another gradient, gets a
 //! contiguous copy of its own first (one more gradient-sized kernel and
 //! allocation), which `push_grads` puts into `GradientsParams`. A missing
-//! gradient gets zeros uploaded from the host (the one host copy left, and
-//! only for a parameter unused this step). The parameters' memory is
+//! gradient gets zeros made on the device in the parameter's dtype (only
+//! for a parameter unused this step). The parameters' memory is
 //! written in place by `Ddp::new`'s broadcast and by the shards'
 //! `copy_params_to`; the model holds the parameters' tensors meanwhile,
 //! so burn's optimizer cannot update them in place while held (DDP lets
 //! them go in the first `push_grads`).
+//!
+//! Pins go back to cubecl only after consort's stream is done with them
+//! (before new gradients or parameters replace them, and when the model is
+//! dropped): cubecl knows nothing of consort's stream, and memory it took
+//! back early could be given to the next forward while a copy or a
+//! collective still writes it. A pinned tensor must be exactly the
+//! parameter's shape and size (a slice of a larger buffer is refused).
 
 use std::any::Any;
 
@@ -39,7 +46,7 @@ use burn::{
     backend::{Cube, DispatchDevice},
     module::{Module, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{Device, TensorData},
+    tensor::Device,
 };
 use burn_cubecl::tensor::CubeTensor;
 use consort_comm::{DeviceBuffer, Placement};
@@ -109,12 +116,16 @@ fn unfit(t: &CubeTensor, spec: &ParamSpec, ordinal: usize) -> Option<String> {
     if t.meta.is_tiled() || !t.is_contiguous() {
         return Some("it is strided or storage-tiled".into());
     }
-    if (t.handle.size() as usize) < spec.bytes() {
-        return Some(format!(
-            "its buffer has {} bytes of {}",
-            t.handle.size(),
-            spec.bytes()
-        ));
+    match t.meta.logical_shape() {
+        Ok(shape) if shape.as_slice() == spec.shape.as_slice() => {}
+        Ok(shape) => {
+            return Some(format!(
+                "its shape is {:?}, not the parameter's {:?}",
+                shape.as_slice(),
+                spec.shape
+            ));
+        }
+        Err(e) => return Some(format!("its shape cannot be read: {e:?}")),
     }
     None
 }
@@ -129,8 +140,20 @@ fn pin(t: CubeTensor, spec: &ParamSpec, what: &str, ordinal: usize) -> Result<He
         .get_resource::<CudaServer>(t.handle.clone())
         .map_err(|e| device_error(&spec.name, what, format!("cubecl: {e:?}")))?;
     // A contiguous tensor starts where its handle does (the handle's
-    // offset is in the pointer cubecl gives).
-    let ptr = r.resource().ptr;
+    // offset is in the pointer cubecl gives), and the pinned range must be
+    // exactly the parameter's: a slice of a larger buffer whose handle
+    // reports the whole buffer would otherwise let consort write past it.
+    let (ptr, size) = (r.resource().ptr, r.resource().size);
+    if size != spec.bytes() as u64 {
+        return Err(device_error(
+            &spec.name,
+            what,
+            format!(
+                "its memory holds {size} bytes, the parameter {}",
+                spec.bytes()
+            ),
+        ));
+    }
     Ok(Held {
         tensor: t,
         _pin: Box::new(r),
@@ -265,8 +288,23 @@ impl OnDevice {
                 ),
             });
         }
+        // The pins replaced go back to cubecl only once consort's stream
+        // has done with them.
+        self.release_after_consort()?;
         self.params = v.found;
         self.sync_burn()
+    }
+
+    /// Waits for consort's stream if anything is pinned, so that the pins
+    /// dropped next go back to cubecl's pool with no copy or collective
+    /// still queued on them (cubecl knows nothing of consort's stream: a
+    /// pin let go early is memory the next forward may be given while
+    /// consort still writes it).
+    fn release_after_consort(&self) -> Result<(), BurnError> {
+        if self.params.is_empty() && self.grads.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        self.sync_consort()
     }
 
     fn sync_burn(&self) -> Result<(), BurnError> {
@@ -308,6 +346,23 @@ impl OnDevice {
     }
 }
 
+impl Drop for OnDevice {
+    /// The pins go back to cubecl only once consort's stream is done with
+    /// them (bounded by the device's sync timeout); if that wait fails, the
+    /// pinned memory is leaked rather than handed back while work on it may
+    /// still be queued.
+    fn drop(&mut self) {
+        if self.release_after_consort().is_err() {
+            tracing::warn!(
+                device = self.ordinal,
+                "consort's stream did not finish; leaking the burn tensors it may still use"
+            );
+            std::mem::forget(std::mem::take(&mut self.params));
+            std::mem::forget(std::mem::take(&mut self.grads));
+        }
+    }
+}
+
 /// The placement of a burn module on GPU `device` (`Device::cuda(i)`):
 /// the NCCL backend's view of that GPU (the primary context, which cubecl
 /// uses too) and a stream of consort's own, where DDP's copies and
@@ -344,10 +399,10 @@ impl OnDevice {
             grads.get::<D>(e.id).map(cube::<D>)
         }, None);
         let Some(t) = found else {
-            let zeros =
-                TensorData::from_bytes_vec(vec![0u8; spec.bytes()], e.dims.clone(), e.dtype);
+            // Made on the device, in the parameter's own dtype (the device's
+            // default float dtype may be another).
             let t = with_rank!(e.dims.len(), D => {
-                cube(Tensor::<D>::from_data(zeros, &e.grad_device))
+                cube(Tensor::<D>::zeros(e.dims.clone(), (&e.grad_device, e.dtype)))
             }, Err("more than 6 dimensions".into()));
             let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
             return Ok((t, true, false));
@@ -367,7 +422,13 @@ impl OnDevice {
         entries: &[Entry],
         grads: &GradientsParams,
     ) -> Result<(), BurnError> {
+        // The last step's gradients go back to cubecl only after consort's
+        // stream is done with them (a step whose sync_grads failed or was
+        // dropped may have left work queued on them).
+        self.release_after_consort()?;
         self.grads.iter_mut().for_each(|g| *g = None);
+        self.made.iter_mut().for_each(|m| *m = false);
+        self.had.iter_mut().for_each(|h| *h = false);
         let mut seen: Vec<(u64, u64)> = self
             .params
             .iter()
