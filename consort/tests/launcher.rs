@@ -38,59 +38,44 @@ fn four_workers_all_reduce_and_exit_zero() {
 #[test]
 fn bind_to_core_gives_each_worker_its_own_core() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let show = "echo \"bound rank=$LOCAL_RANK $(grep Cpus_allowed_list /proc/self/status)\"";
-    let n = cores.min(4).to_string();
-    let args = [
-        "run",
-        "--standalone",
-        "--bind-to",
-        "core",
-        "--nproc-per-node",
-        &n,
-        "--",
-        "sh",
-        "-c",
-        show,
-    ];
-    let out = finish(consort(&args), "consort run --bind-to core");
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut seen: Vec<String> = text
-        .lines()
-        .filter_map(|l| l.split("Cpus_allowed_list:").nth(1))
-        .map(|c| c.trim().to_string())
-        .collect();
-    assert_eq!(seen.len(), cores.min(4), "{text}");
+    // Each worker's allowed cores, as the kernel lists them.
+    let allowed = |workers: usize| -> Vec<String> {
+        let show = "echo \"bound $(grep Cpus_allowed_list /proc/self/status)\"";
+        let n = workers.to_string();
+        let args = [
+            "run",
+            "--standalone",
+            "--bind-to",
+            "core",
+            "--nproc-per-node",
+            &n,
+        ];
+        let mut args = args.to_vec();
+        args.extend(["--", "sh", "-c", show]);
+        let out = finish(consort(&args), "consort run --bind-to core");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split("Cpus_allowed_list:").nth(1))
+            .map(|c| c.trim().to_string())
+            .collect()
+    };
+    let mut seen = allowed(cores.min(4));
+    assert_eq!(seen.len(), cores.min(4), "{seen:?}");
     assert!(
         seen.iter().all(|c| c.parse::<usize>().is_ok()),
-        "one core each: {text}"
+        "one core each: {seen:?}"
     );
     seen.sort();
     seen.dedup();
-    assert_eq!(seen.len(), cores.min(4), "distinct cores: {text}");
+    assert_eq!(seen.len(), cores.min(4), "distinct cores: {seen:?}");
     // More workers than cores: nobody is bound to one core.
-    let many = (cores + 1).to_string();
-    let args = [
-        "run",
-        "--standalone",
-        "--bind-to",
-        "core",
-        "--nproc-per-node",
-        &many,
-        "--",
-        "sh",
-        "-c",
-        show,
-    ];
-    let out = finish(consort(&args), "consort run --bind-to core, oversubscribed");
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let many = allowed(cores + 1);
+    assert_eq!(many.len(), cores + 1, "{many:?}");
     if cores > 1 {
         assert!(
-            text.lines()
-                .filter_map(|l| l.split("Cpus_allowed_list:").nth(1))
-                .all(|c| c.trim().parse::<usize>().is_err()),
-            "unbound when there are more workers than cores: {text}"
+            many.iter().all(|c| c.parse::<usize>().is_err()),
+            "unbound when there are more workers than cores: {many:?}"
         );
     }
 }
