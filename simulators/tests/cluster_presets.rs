@@ -247,3 +247,35 @@ proptest! {
         }
     }
 }
+
+/// The README's table of predicted all_reduce busbw on DGX H100 nodes is
+/// what the model says (to the rounding printed there): a change to the
+/// model that moves a figure must move the README's with it.
+#[test]
+fn the_readme_table_is_the_model() {
+    let dgx = preset("dgx-h100").unwrap();
+    // (GPUs, bytes, busbw GB/s as printed, algorithm, protocol)
+    let rows = [
+        (8, MIB, 66.0, Algo::Ring, Proto::LL),
+        (8, 16 * MIB, 341.0, Algo::Nvls, Proto::Simple),
+        (8, 256 * MIB, 468.0, Algo::Nvls, Proto::Simple),
+        (8, 4 * GIB, 479.0, Algo::Nvls, Proto::Simple),
+        (1024, MIB, 13.0, Algo::Tree, Proto::LL128),
+        (1024, 16 * MIB, 108.0, Algo::Tree, Proto::LL128),
+        (1024, 256 * MIB, 299.0, Algo::NvlsTree, Proto::Simple),
+        (1024, 4 * GIB, 359.0, Algo::NvlsTree, Proto::Simple),
+        (16384, MIB, 9.0, Algo::Tree, Proto::LL128),
+        (16384, 16 * MIB, 88.0, Algo::Tree, Proto::LL128),
+        (16384, 256 * MIB, 274.0, Algo::NvlsTree, Proto::Simple),
+        (16384, 4 * GIB, 357.0, Algo::NvlsTree, Proto::Simple),
+    ];
+    for (gpus, bytes, busbw, algo, proto) in rows {
+        let p = predict(&dgx, gpus, Collective::AllReduce, bytes).unwrap();
+        assert!(
+            (p.busbw_gbs - busbw).abs() <= 0.6 + busbw * 0.005,
+            "{gpus} GPUs, {bytes} B: the model says {:.2} GB/s, the README {busbw}",
+            p.busbw_gbs
+        );
+        assert_eq!((p.algo, p.proto), (algo, proto), "{gpus} GPUs, {bytes} B");
+    }
+}
