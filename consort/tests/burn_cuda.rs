@@ -152,12 +152,68 @@ async fn ddp_on_cuda_equals_the_cpu_run() {
     let mut optim = SgdConfig::new().init();
     for s in 0..STEPS {
         let mut grads = GradientsParams::from_grads(loss(&net, s, BATCH, &device).backward(), &net);
-        model.pull_grads(&grads).unwrap();
+        model.pull_grads(&mut grads).unwrap();
         ddp.sync_grads(&mut model).await.unwrap();
         model.push_grads(&mut grads).unwrap();
         net = optim.step(LR, net, grads);
     }
     close(&values(&net), &on_cpu(&start), "DDP");
+}
+
+/// A frozen layer (`no_grad`) on the device path: synced with a zero
+/// gradient without `find_unused_parameters`, never handed to burn's
+/// optimizer (whose weight decay would otherwise move it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn a_frozen_layer_on_cuda_is_synced_and_never_stepped() {
+    let Some((nccl, _)) = gpu().await else { return };
+    let device = Device::cuda(0).autodiff();
+    let mut net = Net::new(&device, 8);
+    net.fc1 = net.fc1.no_grad();
+    let place = consort::burn::placement(&device).unwrap();
+    let mut model = BurnModel::from_module_on(&net, place).unwrap();
+    let mut ddp = Ddp::new(nccl, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    let mut net = model.push_values(net).unwrap();
+    let start = values(&net);
+    let decay = burn::optim::decay::WeightDecayConfig::new(0.5);
+    let mut optim = SgdConfig::new().with_weight_decay(Some(decay)).init();
+    for s in 0..STEPS {
+        let mut grads = GradientsParams::from_grads(loss(&net, s, BATCH, &device).backward(), &net);
+        model.pull_grads(&mut grads).unwrap();
+        ddp.sync_grads(&mut model).await.unwrap();
+        model.push_grads(&mut grads).unwrap();
+        net = optim.step(LR, net, grads);
+    }
+    let end = values(&net);
+    assert_eq!(start[..2], end[..2], "the frozen fc1 moved");
+    assert_ne!(start[2..], end[2..], "the trained fc2 did not move");
+}
+
+/// A step whose gradients were never handed back (no `push_grads`) is
+/// refused at the next `pull_grads`, by name, rather than racing burn's
+/// optimizer against averages still being written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU; scripts/gpu-check runs it"]
+async fn pulling_again_without_push_grads_is_refused() {
+    let Some((nccl, _)) = gpu().await else { return };
+    let device = Device::cuda(0).autodiff();
+    let net = Net::new(&device, 8);
+    let place = consort::burn::placement(&device).unwrap();
+    let mut model = BurnModel::from_module_on(&net, place).unwrap();
+    let mut ddp = Ddp::new(nccl, &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    let net = model.push_values(net).unwrap();
+    let mut grads = GradientsParams::from_grads(loss(&net, 0, BATCH, &device).backward(), &net);
+    model.pull_grads(&mut grads).unwrap();
+    ddp.sync_grads(&mut model).await.unwrap();
+    let mut again = GradientsParams::from_grads(loss(&net, 1, BATCH, &device).backward(), &net);
+    let err = model.pull_grads(&mut again).unwrap_err().to_string();
+    assert!(err.contains("push_grads"), "{err}");
+    model.push_grads(&mut grads).unwrap();
+    model.pull_grads(&mut again).unwrap();
 }
 
 /// `STEPS` steps of `strategy` with consort's SGD on the GPU's shards.
@@ -178,8 +234,8 @@ async fn sharded_on_cuda(strategy: Strategy) {
     sh.copy_params_to(&mut model).await.unwrap();
     let mut net = model.push_values(net).unwrap();
     for s in 0..STEPS {
-        let grads = GradientsParams::from_grads(loss(&net, s, BATCH, &device).backward(), &net);
-        model.pull_grads(&grads).unwrap();
+        let mut grads = GradientsParams::from_grads(loss(&net, s, BATCH, &device).backward(), &net);
+        model.pull_grads(&mut grads).unwrap();
         model.mark_ready(&mut sh).unwrap();
         sh.step().await.unwrap();
         sh.copy_params_to(&mut model).await.unwrap();
@@ -240,7 +296,7 @@ async fn throughput_device_path_beside_host_copies() {
             }
             let mut grads =
                 GradientsParams::from_grads(loss(&net, s, batch, &device).backward(), &net);
-            model.pull_grads(&grads).unwrap();
+            model.pull_grads(&mut grads).unwrap();
             ddp.sync_grads(&mut model).await.unwrap();
             model.push_grads(&mut grads).unwrap();
             net = optim.step(LR, net, grads);

@@ -13,24 +13,30 @@
 //! way to hand it one), so each handover is a host wait: burn's
 //! `Device::sync` before consort reads (`from_module_on`, `pull_grads`),
 //! and a wait for consort's stream before burn reads again
-//! (`push_values`, `push_grads`). A flag written on cubecl's stream that
-//! consort's stream waits on (`cuStreamWaitValue32`) would remove the
-//! first host wait; it is not tried.
+//! (`push_values`, `push_grads`). `Device::sync` waits for the calling
+//! thread's stream only; it covers kernels another thread queued (an
+//! async task moved between threads) because pinning a tensor makes that
+//! stream wait for the one that last wrote it (cubecl's `get_resource`
+//! resolves the binding as a launch would). A flag written on cubecl's
+//! stream that consort's stream waits on (`cuStreamWaitValue32`) would
+//! remove the first host wait; it is not tried.
 //!
 //! What burn's missing in-place write costs. burn has no API that writes
-//! into a tensor's memory, so the averages go there behind its back: a
-//! gradient that is contiguous and owns its memory gets the average in
-//! place (DDP copies it into a bucket and the average back, as on CUDA
-//! everywhere), with no extra memory. A strided or storage-tiled gradient,
-//! or one that shares memory with a parameter or another gradient, gets a
+//! into a tensor's memory, so the averages go there behind its back, in a
+//! gradient `pull_grads` took out of `GradientsParams` (`push_grads` puts
+//! it back): one that is contiguous and whose memory nothing else holds
+//! (cubecl's `can_mut`) gets the average in place (DDP copies it into a
+//! bucket and the average back, as on CUDA everywhere), with no extra
+//! memory. A strided or storage-tiled gradient, or one whose memory is
+//! also a parameter's, another gradient's or any live tensor's, gets a
 //! contiguous copy of its own first (one more gradient-sized kernel and
-//! allocation), which `push_grads` puts into `GradientsParams`. A missing
-//! gradient gets zeros made on the device in the parameter's dtype (only
-//! for a parameter unused this step). The parameters' memory is
-//! written in place by `Ddp::new`'s broadcast and by the shards'
-//! `copy_params_to`; the model holds the parameters' tensors meanwhile,
-//! so burn's optimizer cannot update them in place while held (DDP lets
-//! them go in the first `push_grads`).
+//! allocation). A missing gradient gets zeros made on the device in the
+//! parameter's dtype (a parameter unused this step, or frozen: a frozen
+//! one's zeros are synced but never handed to burn's optimizer). The
+//! parameters' memory is written in place by `Ddp::new`'s broadcast and
+//! by the shards' `copy_params_to`; the model holds the parameters'
+//! tensors meanwhile, so burn's optimizer cannot update them in place
+//! while held (DDP lets them go in the first `push_grads`).
 //!
 //! Pins go back to cubecl only after consort's stream is done with them
 //! (before new gradients or parameters replace them, and when the model is
@@ -172,9 +178,11 @@ fn cube<const D: usize>(t: Tensor<D>) -> Result<CubeTensor, String> {
     })
 }
 
-/// Pins every float parameter of a module, in visit order.
+/// Pins every float parameter of a module, in visit order, each checked to
+/// be the one the model was made from (its burn id).
 struct PinParams<'a> {
     specs: &'a [ParamSpec],
+    entries: &'a [Entry],
     ordinal: usize,
     found: Vec<Held>,
     err: Option<BurnError>,
@@ -183,12 +191,22 @@ struct PinParams<'a> {
 impl ModuleVisitor for PinParams<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let i = self.found.len();
-        let Some(spec) = self.specs.get(i) else {
+        let (Some(spec), Some(e)) = (self.specs.get(i), self.entries.get(i)) else {
             self.err.get_or_insert(BurnError::Mismatch {
                 why: format!("it has more than {} float parameters", self.specs.len()),
             });
             return;
         };
+        if param.id != e.id {
+            self.err.get_or_insert(BurnError::Mismatch {
+                why: format!(
+                    "its float parameter #{i} is not {} (another burn id): pass the module \
+                     this model was made from, or the one burn's optimizer returned for it",
+                    e.name
+                ),
+            });
+            return;
+        }
         let held = cube(param.val())
             .map_err(|why| device_error(&spec.name, "the values", why))
             .and_then(|t| pin(t, spec, "the values", self.ordinal));
@@ -212,10 +230,11 @@ pub(super) struct OnDevice {
     /// burn's device, for its `sync`.
     device: Device,
     params: Vec<Held>,
+    /// This step's gradients, taken out of burn's `GradientsParams` by
+    /// `take_grads` until `give_grads` puts them back (or `drop_grads`).
     grads: Vec<Option<Held>>,
-    /// Which gradients `take_grads` made (`push_grads` registers them).
-    made: Vec<bool>,
-    /// Which parameters had a gradient in this step's `GradientsParams`.
+    /// Which parameters had a gradient in this step's `GradientsParams`
+    /// (a frozen one counts: its zeros are its gradient).
     had: Vec<bool>,
 }
 
@@ -259,18 +278,23 @@ impl OnDevice {
             device,
             params: Vec::new(),
             grads: (0..n).map(|_| None).collect(),
-            made: vec![false; n],
             had: vec![false; n],
         };
-        dev.hold_params(module)?;
+        dev.hold_params(entries, module)?;
         Ok(dev)
     }
 
     /// Holds `module`'s parameters (again: after burn's optimizer replaced
-    /// them), once burn's kernels that write them are done.
-    pub(super) fn hold_params<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
+    /// them), once burn's kernels that write them are done. `module` must
+    /// have `entries`' parameters (the same burn ids, in visit order).
+    pub(super) fn hold_params<M: Module>(
+        &mut self,
+        entries: &[Entry],
+        module: &M,
+    ) -> Result<(), BurnError> {
         let mut v = PinParams {
             specs: &self.specs,
+            entries,
             ordinal: self.ordinal,
             found: Vec::new(),
             err: None,
@@ -387,16 +411,20 @@ fn overlaps(seen: &[(u64, u64)], ptr: u64, bytes: usize) -> bool {
 }
 
 impl OnDevice {
-    /// This step's gradient of parameter `e` (`spec`) as a tensor DDP may
-    /// write: the one in `grads`, or one made for it, and whether it was made.
+    /// This step's gradient of parameter `e` (`spec`), taken out of `grads`,
+    /// as a tensor DDP may write in place: the one burn made if nothing
+    /// else holds its memory and it is contiguous, else a contiguous copy
+    /// of its own; zeros in the parameter's dtype when there is none (a
+    /// frozen parameter, or one unused this step). Also whether `grads`
+    /// had one.
     fn grad_tensor(
         &self,
         e: &Entry,
         spec: &ParamSpec,
-        grads: &GradientsParams,
-    ) -> Result<(CubeTensor, bool, bool), BurnError> {
+        grads: &mut GradientsParams,
+    ) -> Result<(CubeTensor, bool), BurnError> {
         let found: Option<Result<CubeTensor, String>> = with_rank!(e.dims.len(), D => {
-            grads.get::<D>(e.id).map(cube::<D>)
+            grads.remove::<D>(e.id).map(cube::<D>)
         }, None);
         let Some(t) = found else {
             // Made on the device, in the parameter's own dtype (the device's
@@ -405,30 +433,42 @@ impl OnDevice {
                 cube(Tensor::<D>::zeros(e.dims.clone(), (&e.grad_device, e.dtype)))
             }, Err("more than 6 dimensions".into()));
             let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
-            return Ok((t, true, false));
+            return Ok((t, e.frozen));
         };
         let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
-        if t.meta.is_tiled() || !t.is_contiguous() {
-            return Ok((burn_cubecl::kernel::into_contiguous(t), true, true));
+        // Out of `grads`, `t` is the only tensor on its memory unless
+        // something else holds it too: the parameter (a gradient that is
+        // the parameter), another parameter's gradient, an activation, a
+        // clone the caller kept. An average written there would change
+        // what those read.
+        if !t.can_mut() {
+            return Ok((burn_cubecl::kernel::into_contiguous(t.copy()), true));
         }
-        Ok((t, false, true))
+        if t.meta.is_tiled() || !t.is_contiguous() {
+            return Ok((burn_cubecl::kernel::into_contiguous(t), true));
+        }
+        Ok((t, true))
     }
 
-    /// Takes this step's gradients from `grads` (see the module doc: in
+    /// Takes this step's gradients out of `grads` (see the module doc: in
     /// place where they fit, a copy of their own where not, zeros where
     /// missing), then waits for burn's kernels.
     pub(super) fn take_grads(
         &mut self,
         entries: &[Entry],
-        grads: &GradientsParams,
+        grads: &mut GradientsParams,
     ) -> Result<(), BurnError> {
-        // The last step's gradients go back to cubecl only after consort's
-        // stream is done with them (a step whose sync_grads failed or was
-        // dropped may have left work queued on them).
-        self.release_after_consort()?;
-        self.grads.iter_mut().for_each(|g| *g = None);
-        self.made.iter_mut().for_each(|m| *m = false);
+        if let Some(i) = self.grads.iter().position(Option::is_some) {
+            return Err(BurnError::Device(format!(
+                "the last step's gradients (of {} and the others) were not handed back: call \
+                 BurnModel::push_grads after Ddp::sync_grads (or push_values after the \
+                 sharded step) before pulling the next step's",
+                self.specs[i].name
+            )));
+        }
         self.had.iter_mut().for_each(|h| *h = false);
+        // Parameters still held (before the first push_grads, or for the
+        // sharded strategies) are pinned too: no gradient may be their memory.
         let mut seen: Vec<(u64, u64)> = self
             .params
             .iter()
@@ -436,24 +476,25 @@ impl OnDevice {
             .collect();
         for (i, e) in entries.iter().enumerate() {
             let spec = &self.specs[i];
-            let (t, mut made, had) = self.grad_tensor(e, spec, grads)?;
+            let (t, had) = self.grad_tensor(e, spec, grads)?;
             let mut h = pin(t, spec, "the gradient", self.ordinal)?;
             if overlaps(&seen, h.ptr, h.bytes) {
                 let own = burn_cubecl::kernel::into_contiguous(h.tensor.copy());
                 h = pin(own, spec, "the gradient", self.ordinal)?;
-                made = true;
             }
             seen.push((h.ptr, h.ptr + h.bytes as u64));
             self.grads[i] = Some(h);
-            self.made[i] = made;
             self.had[i] = had;
         }
+        // Pinning ordered this thread's cubecl stream after the streams that
+        // wrote the gradients (cubecl's get_resource does), so this wait
+        // covers backward's kernels even where another thread queued them.
         self.sync_burn()
     }
 
-    /// After consort's stream is done: puts the gradients `take_grads` made
-    /// into `grads` (the others hold their averages in place), and lets go
-    /// of this step's gradients and of the parameters' tensors.
+    /// After consort's stream is done: puts this step's gradients (holding
+    /// their averages) back into `grads`, none for a frozen parameter, and
+    /// lets go of them and of the parameters' tensors.
     pub(super) fn give_grads(
         &mut self,
         entries: &[Entry],
@@ -465,11 +506,10 @@ impl OnDevice {
             let Some(h) = self.grads[i].take() else {
                 continue;
             };
-            if !self.made[i] {
+            if e.frozen {
                 continue;
             }
             with_rank!(e.dims.len(), D => {
-                grads.remove::<D>(e.id);
                 grads.register::<D>(e.id, Tensor::<D>::from_primitive::<Cube>(h.tensor));
             }, ());
         }

@@ -12,7 +12,7 @@
 //! let mut model = host.push_values(model)?;              // rank 0's values → module
 //! loop {
 //!     let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-//!     host.pull_grads(&grads)?;                          // grads → host
+//!     host.pull_grads(&mut grads)?;                          // grads → host
 //!     ddp.sync_grads(&mut host).await?;                  // average
 //!     host.push_grads(&mut grads)?;                      // averages → GradientsParams
 //!     model = optimizer.step(lr, model, grads);
@@ -128,6 +128,12 @@ struct Entry {
     dtype: BDType,
     /// Where its gradient lives (the parameter's device without autodiff).
     grad_device: Device,
+    /// A parameter that takes no gradient (`set_require_grad(false)`, or
+    /// `no_grad()`, on an autodiff device): it is synced like the others
+    /// with a zero gradient, and burn's optimizer is never handed one for
+    /// it (torch's DDP leaves such parameters out; an optimizer given
+    /// zeros would still apply weight decay or momentum to them).
+    frozen: bool,
 }
 
 /// A burn module's float parameters as a [`ParamSet`]: their ids, and a
@@ -190,6 +196,7 @@ impl ModuleVisitor for Collect {
             dims: t.dims().to_vec(),
             dtype: t.dtype(),
             grad_device: t.device().inner(),
+            frozen: t.device().is_autodiff() && !t.is_require_grad(),
         };
         if D > 6 {
             self.err.get_or_insert(BurnError::TooManyDims {
@@ -414,7 +421,7 @@ impl BurnModel {
     pub fn pull_values<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
-            return dev.hold_params(module);
+            return dev.hold_params(&self.entries, module);
         }
         let found = collect(module)?;
         if found.len() != self.entries.len() {
@@ -513,15 +520,22 @@ impl BurnModel {
     }
 
     /// Copies this step's gradients from `grads` to the host copy; a
-    /// parameter with no gradient has none there either.
+    /// parameter with no gradient has none there either, except a frozen
+    /// one (no `require_grad`), which has zeros: DDP syncs it like the
+    /// others, and [`BurnModel::push_grads`] hands burn no gradient for it.
     ///
-    /// On a device nothing is copied: the model holds this step's gradient
-    /// tensors for DDP, which writes the averages into them in place. A
-    /// parameter without a gradient gets zeros (unused this step, as on
-    /// the host), and a strided or shared gradient a contiguous copy of its
-    /// own; [`BurnModel::push_grads`] puts those into `grads`. Waits for
-    /// burn's queued kernels.
-    pub fn pull_grads(&mut self, grads: &GradientsParams) -> Result<(), BurnError> {
+    /// On a device nothing is copied: the model takes this step's gradient
+    /// tensors out of `grads` for DDP, which writes the averages into them
+    /// in place, and [`BurnModel::push_grads`] puts them back (call it
+    /// after each synced step, before the optimizer; until then `grads`
+    /// lacks them, so an optimizer stepped without it steps nothing rather
+    /// than reading averages still being written). A parameter without a
+    /// gradient gets zeros (unused this step, as on the host); a gradient
+    /// that is strided, or whose memory something else also holds (a
+    /// parameter, another gradient, a tensor of the caller's), gets a
+    /// contiguous copy of its own, so that no average lands in memory
+    /// another tensor reads. Waits for burn's queued kernels.
+    pub fn pull_grads(&mut self, grads: &mut GradientsParams) -> Result<(), BurnError> {
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
             return dev.take_grads(&self.entries, grads);
@@ -529,6 +543,10 @@ impl BurnModel {
         self.host.zero_grad();
         for i in 0..self.entries.len() {
             let e = &self.entries[i];
+            if e.frozen {
+                self.host.grad_bytes_mut(i); // zeros
+                continue;
+            }
             let got: Option<Vec<u8>> = with_rank!(e.dims.len(), D => {
                 grads.get::<D>(e.id).map(|g| g.to_data().as_bytes().to_vec())
             }, None);
@@ -554,7 +572,21 @@ impl BurnModel {
     ///
     /// On a device the gradients go over in device memory
     /// ([`Sharded::mark_ready_device`]).
+    ///
+    /// A module with frozen parameters (no `require_grad`) is refused: the
+    /// sharded optimizer would step them (weight decay, momentum) and
+    /// `copy_params_to` would write the result back.
     pub fn mark_ready(&self, sharded: &mut Sharded) -> Result<(), DdpError> {
+        if let Some(e) = self.entries.iter().find(|e| e.frozen) {
+            return Err(DdpError::Usage {
+                rank: sharded.rank(),
+                reason: format!(
+                    "{} is frozen (require_grad is off), and the sharded strategies step every \
+                     parameter; train it, or leave it out of the module given to Sharded",
+                    e.name
+                ),
+            });
+        }
         #[cfg(feature = "cuda")]
         if let Some(dev) = &self.dev {
             for i in 0..dev.specs.len() {
@@ -587,19 +619,21 @@ impl BurnModel {
     }
 
     /// Writes the (averaged) host gradients into `grads`, for the
-    /// optimizer, on the device each parameter's gradient was on.
+    /// optimizer, on the device each parameter's gradient was on (none for
+    /// a frozen parameter).
     ///
-    /// On a device the averages are already in `grads`' tensors: this
-    /// waits for consort's stream, puts in the gradients `pull_grads` had
-    /// to make, and lets go of the gradients and of the parameters' tensors
-    /// (so that burn's optimizer may update them in place).
+    /// On a device the averages are already in the gradients' memory: this
+    /// waits for consort's stream, puts the gradient tensors `pull_grads`
+    /// took back into `grads` (and the ones it made), and lets go of them
+    /// and of the parameters' tensors (so that burn's optimizer may update
+    /// them in place).
     pub fn push_grads(&mut self, grads: &mut GradientsParams) -> Result<(), BurnError> {
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
             return dev.give_grads(&self.entries, grads);
         }
         for (i, e) in self.entries.iter().enumerate() {
-            let Some(g) = self.host.grad_bytes(i) else {
+            let Some(g) = self.host.grad_bytes(i).filter(|_| !e.frozen) else {
                 continue;
             };
             // A parameter this rank computed no gradient for still gets the

@@ -99,7 +99,7 @@ fn distributed(world: usize, batch: usize, steps: usize) -> Vec<(Values, Values)
         for s in 0..steps {
             let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
             let mut grads = GradientsParams::from_grads(loss.backward(), &net);
-            host.pull_grads(&grads).unwrap();
+            host.pull_grads(&mut grads).unwrap();
             ddp.sync_grads(&mut host).await.unwrap();
             host.push_grads(&mut grads).unwrap();
             net = optim.step(LR, net, grads);
@@ -126,8 +126,8 @@ fn sharded(world: usize, batch: usize, steps: usize, strategy: Strategy) -> Vec<
         let start = values(&mut host);
         for s in 0..steps {
             let loss = step_loss(&net, s, r * batch..(r + 1) * batch, &device);
-            let grads = GradientsParams::from_grads(loss.backward(), &net);
-            host.pull_grads(&grads).unwrap();
+            let mut grads = GradientsParams::from_grads(loss.backward(), &net);
+            host.pull_grads(&mut grads).unwrap();
             host.mark_ready(&mut sh).unwrap();
             sh.step().await.unwrap();
             sh.copy_params_to(&mut host).await.unwrap();

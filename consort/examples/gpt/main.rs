@@ -201,7 +201,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         let loss = net.loss(ids, targets);
         let mut mean = [loss.clone().into_scalar::<f32>()];
         let mut grads = GradientsParams::from_grads(loss.backward(), &net);
-        host.pull_grads(&grads)?;
+        host.pull_grads(&mut grads)?;
         ddp.sync_grads(&mut host).await?;
         host.push_grads(&mut grads)?;
         net = optim.step(args.lr, net, grads);

@@ -252,7 +252,7 @@ impl Stage<f32> for GptStage {
 
     async fn reduce_grads(&mut self, scale: f64) -> Result<(), StageError> {
         let mut grads = self.accum.grads();
-        self.host.pull_grads(&grads)?;
+        self.host.pull_grads(&mut grads)?;
         for i in 0..self.host.params().len() {
             for c in self.host.grad_bytes_mut(i).chunks_exact_mut(4) {
                 let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale as f32;

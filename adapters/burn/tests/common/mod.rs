@@ -9,8 +9,8 @@ use burn::{
 
 #[derive(Module, Debug)]
 pub(crate) struct Net {
-    fc1: Linear,
-    fc2: Linear,
+    pub(crate) fc1: Linear,
+    pub(crate) fc2: Linear,
 }
 
 impl Net {
