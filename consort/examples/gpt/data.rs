@@ -54,3 +54,11 @@ pub(crate) fn batch(
     }
     (x, y)
 }
+
+/// FNV-1a (64-bit) of the token ids: the summary's fingerprint of the
+/// corpus, which `torch_ddp.py` computes the same way.
+pub(crate) fn fnv1a(tokens: &[u8]) -> u64 {
+    tokens.iter().fold(0xcbf2_9ce4_8422_2325, |h, &t| {
+        (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}

@@ -16,6 +16,22 @@
 //!     target/release/examples/gpt --backend tcp                              # 2 processes over TCP
 //! ```
 //!
+//! On GPUs (feature `burn-cuda`; where GitHub is unreachable add
+//! `--config .cargo/burn-cuda.toml`), one process per GPU over NCCL, DDP
+//! averaging burn's gradients where burn keeps them (`--host-copies` for
+//! the adapter's host-copy path, to compare):
+//!
+//! ```text
+//! cargo build --release -p consort --features burn-cuda --examples --bins
+//! target/release/consort run --standalone --nproc-per-node 8 -- \
+//!     target/release/examples/gpt --backend nccl --device cuda
+//! ```
+//!
+//! The last line rank 0 prints is a JSON summary (`summary {...}`: world,
+//! path, tokens/s after two warm-up steps, final loss). `torch_ddp.py`
+//! beside this file trains the same model shape on the same data with
+//! torch's DDP and prints the same line, for a comparison in one sitting.
+//!
 //! The resumed run goes on with Adam's moments: the checkpoint's metadata
 //! names the optimizer record written beside it (`OUT/optimizer-{step}.bpk`,
 //! burn's format) and each parameter's burn id by module path, which the
@@ -24,6 +40,7 @@
 #[path = "../train/canvas.rs"]
 mod canvas;
 mod data;
+mod gpus;
 mod model;
 mod pipe;
 
@@ -40,7 +57,7 @@ use consort::{
             tensor::{Bytes, Device, Int, TensorData},
         },
     },
-    ddp::{Ddp, DdpOptions, load_safetensors, save_safetensors},
+    ddp::{Ddp, DdpOptions, ParamSet, load_safetensors, save_safetensors},
     sampler::DistributedSampler,
     sim::{SimConfig, SimWorld},
 };
@@ -93,6 +110,30 @@ struct Args {
     /// Transformer blocks.
     #[arg(long, default_value_t = 2)]
     layers: usize,
+    /// The model's width (embedding size; heads are 16 wide).
+    #[arg(long, default_value_t = 64)]
+    d_model: usize,
+    /// cpu (burn's CPU backend) or cuda (this rank's GPU: `LOCAL_RANK`'s,
+    /// or NCCL's with `--backend nccl`; feature `burn-cuda`).
+    #[arg(long, value_enum, default_value_t = Place::Cpu)]
+    device: Place,
+    /// With `--device cuda --backend nccl`: keep host copies of the
+    /// parameters and gradients (the adapter's CPU path) instead of
+    /// averaging in device memory, for comparison.
+    #[arg(long)]
+    host_copies: bool,
+    /// This rank's GPU, when NCCL chose it (not a flag).
+    #[arg(skip)]
+    gpu: Option<usize>,
+}
+
+/// Where a rank's model lives.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// burn's CPU backend.
+    Cpu,
+    /// A GPU, through burn's CUDA backend.
+    Cuda,
 }
 
 fn main() -> std::process::ExitCode {
@@ -121,14 +162,25 @@ fn run(args: Args) -> Result<(), BoxError> {
         args.microbatches,
         args.layers,
         args.pp.unwrap_or(1),
+        args.d_model,
     ]
     .contains(&0)
     {
         return Err(
             "--steps, --batch-size, --context, --world-size, --checkpoint-every, --pp, --dp, \
-             --microbatches and --layers must be at least 1"
+             --microbatches, --layers and --d-model must be at least 1"
                 .into(),
         );
+    }
+    if !args.d_model.is_multiple_of(16) || args.d_model > 4096 {
+        return Err(format!(
+            "--d-model {} must be a multiple of 16 (the heads' width), at most 4096",
+            args.d_model
+        )
+        .into());
+    }
+    if args.pp.is_some() && args.device == Place::Cuda {
+        return Err("the pipelined GPT runs on the CPU here; --device cuda is for DDP".into());
     }
     if args.context > 512 {
         return Err(format!("--context {} is more than this example's 512", args.context).into());
@@ -155,9 +207,37 @@ fn run(args: Args) -> Result<(), BoxError> {
                 dist.shutdown().await?;
                 res
             }
-            other => Err(format!("unknown --backend {other:?}: expected sim or tcp").into()),
+            "nccl" => nccl(args).await,
+            other => Err(format!("unknown --backend {other:?}: expected sim, tcp or nccl").into()),
         }
     })
+}
+
+/// One process per GPU over NCCL, launched by `consort run` or torchrun.
+#[cfg(feature = "nccl")]
+async fn nccl(mut args: Args) -> Result<(), BoxError> {
+    let dist = consort::init_from_env().await?;
+    let b = Arc::new(dist.nccl_backend(None).await?);
+    args.gpu = Some(b.device());
+    let res = train(b.clone(), args).await;
+    let done = Backend::synchronize(&*b).await;
+    let closed = b.shutdown();
+    if res.is_ok() && done.is_ok() {
+        dist.shutdown().await?;
+    } else {
+        dist.shutdown_failed(&[]).await;
+    }
+    res.and(done.map_err(BoxError::from))
+        .and(closed.map_err(BoxError::from))
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl(_: Args) -> Result<(), BoxError> {
+    Err(
+        "this example was built without NCCL: rebuild with `--features burn,nccl` \
+         (or burn-cuda for --device cuda)"
+            .into(),
+    )
 }
 
 /// One rank's training.
@@ -166,22 +246,24 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
     let sizes = model::Sizes {
         vocab: data::VOCAB.len(),
         context: args.context,
-        d_model: 64,
-        heads: 4,
+        d_model: args.d_model,
+        heads: args.d_model / 16,
         layers: args.layers,
     };
     if args.pp.is_some() {
         return pipe::train(rank, args, sizes).await;
     }
     let pg = ProcessGroup::new(rank.clone());
-    let device = Device::default().autodiff();
+    let device = gpus::burn_device(&args)?;
     let net = model::Gpt::new(sizes, &device);
+    // A checkpoint goes through a host copy on either path.
     let mut host = BurnModel::from_module(&net)?;
     let (ckpt, metrics) = (
         args.out.join("checkpoint.safetensors"),
         args.out.join("metrics.json"),
     );
     let (start, mut history, saved) = resume(&mut host, (&ckpt, &metrics), args.steps, r == 0)?;
+    let (net, mut host) = gpus::ddp_model(net, host, &args, &device)?;
     let mut ddp = Ddp::new(rank.clone(), &mut host, DdpOptions::default()).await?;
     let mut net = host.push_values(net)?;
     let mut optim = AdamConfig::new().init();
@@ -196,7 +278,9 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         b
     });
     let begin = Instant::now();
+    let mut timed = Timed::new(start, args.steps);
     for step in start..args.steps {
+        timed.at(step);
         let (ids, targets) = windows.batch(step, &args, &device)?;
         let loss = net.loss(ids, targets);
         let mut mean = [loss.clone().into_scalar::<f32>()];
@@ -216,8 +300,15 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
             if r == 0 {
                 // burn's optimizer stepped the module: its values, not the
                 // host copy's starting ones, go in the checkpoint.
-                host.pull_values(&net)?;
-                save(&args.out, &ckpt, step + 1, &host, &optim)?;
+                let snapshot;
+                let of = if host.on_device() {
+                    snapshot = BurnModel::from_module(&net)?;
+                    &snapshot
+                } else {
+                    host.pull_values(&net)?;
+                    &host
+                };
+                save(&args.out, &ckpt, step + 1, of, &optim)?;
                 // Never through a link planted in the output directory.
                 consort_comm::files::write_replacing(&metrics, &serde_json::to_vec(&history)?)
                     .map_err(|e| format!("writing {}: {e}", metrics.display()))?;
@@ -237,8 +328,62 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
             ckpt.display(),
             plot.display()
         );
+        let path = match (args.device, host.on_device()) {
+            (Place::Cpu, _) => "cpu",
+            (Place::Cuda, true) => "cuda, in device memory",
+            (Place::Cuda, false) => "cuda, host copies",
+        };
+        let tokens_per_step = world * args.batch_size * args.context;
+        let summary = serde_json::json!({
+            "library": "consort",
+            "world": world,
+            "path": path,
+            "d_model": args.d_model,
+            "layers": args.layers,
+            "parameters": host.params().iter().map(|p| p.numel()).sum::<usize>(),
+            "timed_steps": timed.steps(),
+            "tokens_per_s": timed.rate(tokens_per_step),
+            "final_loss": last,
+            // The same tokens as torch_ddp.py's, or not.
+            "corpus_fnv1a": format!("{:016x}", data::fnv1a(&windows.corpus)),
+        });
+        println!("summary {summary}");
     }
     Ok(())
+}
+
+/// The steps after two of warm-up (burn compiles its kernels on the
+/// first), timed for the summary's tokens/s; all of them if there are
+/// fewer than four.
+struct Timed {
+    from: usize,
+    to: usize,
+    t0: Instant,
+}
+
+impl Timed {
+    fn new(start: usize, steps: usize) -> Self {
+        let from = if steps - start >= 4 { start + 2 } else { start };
+        Timed {
+            from,
+            to: steps,
+            t0: Instant::now(),
+        }
+    }
+
+    fn at(&mut self, step: usize) {
+        if step == self.from {
+            self.t0 = Instant::now();
+        }
+    }
+
+    fn steps(&self) -> usize {
+        self.to - self.from
+    }
+
+    fn rate(&self, tokens_per_step: usize) -> f64 {
+        (self.steps() * tokens_per_step) as f64 / self.t0.elapsed().as_secs_f64()
+    }
 }
 
 /// Writes the checkpoint of step `step`: the optimizer record first, then

@@ -289,7 +289,7 @@ pub(crate) async fn train(
     let replica = mesh.get_local_rank("dp")?;
     let spr = if args.schedule.single_stage() { 1 } else { 2 };
     let schedule = Schedule::new(args.schedule, pp, args.microbatches, spr)?;
-    let device = Device::default().autodiff();
+    let device = crate::gpus::burn_device(&args)?; // the CPU: main refuses --pp with cuda
     let mut nets: Vec<Option<StageNet>> = build(sizes, schedule.num_stages(), 42, &device)?
         .into_iter()
         .map(Some)
