@@ -166,11 +166,10 @@ impl CallRun<'_> {
                     before(self.deadline, inner.send_data(to, h, payload, pulls)).await
                 }
                 faulty::Fate::Faulted(v, start) => {
-                    before(
-                        self.deadline,
-                        inner.send_faulted(to, (v, start), h, payload),
-                    )
-                    .await
+                    // Boxed: only fault plans take this path, and its state
+                    // would otherwise make every call's future larger.
+                    let send = Box::pin(inner.send_faulted(to, (v, start), h, payload));
+                    before(self.deadline, send).await
                 }
                 faulty::Fate::Crashed => Some(Err(std::io::Error::new(
                     std::io::ErrorKind::BrokenPipe,

@@ -17,10 +17,52 @@ pub(crate) struct Writer {
     pub(super) cut: bool,
 }
 
-/// Runs `fut` until `deadline` on tokio's timer wheel (cheap enough for
-/// every send and every wait); `None` if the deadline came first.
-pub(super) async fn before<F: Future>(deadline: Instant, fut: F) -> Option<F::Output> {
-    tokio::time::timeout_at(deadline.into(), fut).await.ok()
+/// Runs `fut` until `deadline` on tokio's timer wheel; `None` if the
+/// deadline came first.
+pub(super) fn before<F: Future>(deadline: Instant, fut: F) -> Before<F> {
+    Before {
+        fut,
+        deadline,
+        timer: None,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`before`]'s future: `fut` is polled first, as tokio's `timeout_at`
+    /// does, and the timer is made (boxed) only once `fut` has to wait. Most
+    /// sends finish on their first poll, and tokio's `Sleep` is large (its
+    /// timer entry is cache-line aligned): inline, and with an `async fn`'s
+    /// second copy of its argument, it doubled the send's share of every
+    /// call's future, which is allocated and copied on every call.
+    pub(super) struct Before<F> {
+        #[pin]
+        fut: F,
+        deadline: Instant,
+        timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    }
+}
+
+impl<F: Future> Future for Before<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let this = self.project();
+        if let Poll::Ready(v) = this.fut.poll(cx) {
+            return Poll::Ready(Some(v));
+        }
+        let deadline = *this.deadline;
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// Writes every slice, looping over partial vectored writes.
@@ -279,7 +321,7 @@ impl MeshBackend {
             group: Some(self.group),
             ..Default::default()
         };
-        let req = match Call::from_op(self.name, self.me, self.members.len(), op, opts) {
+        let mut req = match Call::from_op(self.name, self.me, self.members.len(), op, opts) {
             Ok(req) => req,
             Err(e) => return Work::ready(Err(e.with_context(ctx))),
         };
@@ -307,7 +349,6 @@ impl MeshBackend {
             // Move the whole guard in (a field use alone would capture only
             // the field): dropping this future cancels the call.
             let mut guard = guard;
-            let mut req = req;
             let result = self.run_call(&mut req, &opts, &begun).await;
             guard.armed = false;
             let now = super::flight::now_us();
