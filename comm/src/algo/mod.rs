@@ -19,6 +19,7 @@
 //! computed on demand), so a schedule for 65,536 ranks costs O(window)
 //! memory.
 
+mod cache;
 pub mod exec;
 pub mod gloo;
 mod programs;
@@ -28,10 +29,11 @@ pub use select::{
     LATENCY_BOUND_BYTES, ONE_HOP_SEGMENT_BYTES, SMALL_BYTES, STORE_AND_FORWARD_BYTES,
 };
 
-use std::{fmt, ops::Range};
+use std::{fmt, ops::Range, sync::Arc};
 
 use rustc_hash::FxHashMap;
 
+pub use cache::ProgramCache;
 pub use programs::{CallSpec, build};
 pub use select::{AlgoConfig, Algorithm, ParseAlgoError};
 
@@ -167,7 +169,7 @@ struct Lane {
 #[derive(Debug)]
 pub struct Schedule {
     op: OpKind,
-    program: Box<dyn Program>,
+    program: Arc<dyn Program>,
     lanes: Vec<Lane>,
     /// Lanes started and not finished, in start order.
     active: Vec<usize>,
@@ -181,7 +183,7 @@ pub struct Schedule {
 
 impl Schedule {
     /// Starts running `program` for a call of kind `op`.
-    pub fn new(op: OpKind, program: Box<dyn Program>) -> Self {
+    pub fn new(op: OpKind, program: Arc<dyn Program>) -> Self {
         let n = program.lanes();
         let mut s = Schedule {
             op,
@@ -195,6 +197,20 @@ impl Schedule {
         };
         s.fill_window();
         s
+    }
+
+    /// A schedule over a program shared with earlier calls (see
+    /// [`ProgramCache`]), with the program's `sources_stay`.
+    pub(crate) fn shared(op: OpKind, program: Arc<dyn Program>, sources_stay: bool) -> Self {
+        Schedule {
+            sources_stay,
+            ..Schedule::new(op, program)
+        }
+    }
+
+    /// The program this schedule runs.
+    pub(crate) fn program(&self) -> &Arc<dyn Program> {
+        &self.program
     }
 
     /// Marks a schedule whose ranks may write a range they transmitted

@@ -3,7 +3,7 @@
 //! Rings are lazy (their O(world) steps are computed on demand); the
 //! O(log world) algorithms are listed up front.
 
-use std::ops::Range;
+use std::{ops::Range, sync::Arc};
 
 use super::{
     Action, AlgoConfig, Algorithm, Buf, LocalCopy, ONE_HOP_SEGMENT_BYTES, Program, Receive,
@@ -76,7 +76,7 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
     let program = match algo {
         Algorithm::Ring => ring(spec, cfg),
         Algorithm::BinomialTree => tree(spec, cfg),
-        Algorithm::Chain => Box::new(Chain {
+        Algorithm::Chain => Arc::new(Chain {
             rank: spec.rank,
             n: spec.world,
             root: spec.root,
@@ -117,7 +117,7 @@ fn chain_segments(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> usize {
 }
 
 /// The segmented rings: all_reduce, all_gather, reduce_scatter.
-fn ring(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
+fn ring(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Arc<dyn Program> {
     let n = spec.world;
     let (kind, part_len, count, chunk_bytes) = match spec.op {
         OpKind::AllReduce => (
@@ -139,7 +139,7 @@ fn ring(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
             spec.count * spec.elem_size,
         ),
     };
-    Box::new(Ring {
+    Arc::new(Ring {
         kind,
         rank: spec.rank,
         n,
@@ -152,7 +152,7 @@ fn ring(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
 
 /// The binomial trees, one lane per segment: broadcast, reduce, and
 /// all_reduce as reduce then broadcast.
-fn tree(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
+fn tree(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Arc<dyn Program> {
     let (r, n, root) = (spec.rank, spec.world, spec.root);
     let s = segments(spec.count * spec.elem_size, cfg);
     let lanes = (0..s)
@@ -170,7 +170,7 @@ fn tree(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
             }
         })
         .collect();
-    Box::new(Listed {
+    Arc::new(Listed {
         lanes,
         window: cfg.window,
         scratch: 0,
@@ -178,10 +178,10 @@ fn tree(spec: &CallSpec<'_>, cfg: &AlgoConfig) -> Box<dyn Program> {
 }
 
 /// The unsegmented programs: direct, pairwise, dissemination, send, recv.
-fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Box<dyn Program>> {
+fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Arc<dyn Program>> {
     let (r, n) = (spec.rank, spec.world);
-    let all_at_once = |lanes| -> Box<dyn Program> {
-        Box::new(Listed {
+    let all_at_once = |lanes| -> Arc<dyn Program> {
+        Arc::new(Listed {
             lanes,
             window: usize::MAX,
             scratch: 0,
@@ -205,7 +205,7 @@ fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Box<dyn Program>> {
             all_at_once(direct(r, n, spec.root, spec.count, false))
         }
         (OpKind::AllToAll, Algorithm::Pairwise) => {
-            Box::new(pairwise(r, n, spec.input_splits, spec.output_splits)?)
+            Arc::new(pairwise(r, n, spec.input_splits, spec.output_splits)?)
         }
         (OpKind::Barrier, Algorithm::Dissemination) => Listed::one(dissemination(r, n)),
         (OpKind::Send, Algorithm::Direct) => {
@@ -261,8 +261,8 @@ pub(super) struct Listed {
 }
 
 impl Listed {
-    fn one(actions: Vec<Action>) -> Box<dyn Program> {
-        Box::new(Listed {
+    fn one(actions: Vec<Action>) -> Arc<dyn Program> {
+        Arc::new(Listed {
             lanes: vec![actions],
             window: 1,
             scratch: 0,

@@ -74,6 +74,7 @@ impl MeshBackend {
         Ok(MeshBackend {
             name,
             inner,
+            programs: Mutex::new(consort_comm::algo::ProgramCache::new(opts.algo.clone())),
             opts,
             group: GroupId::WORLD,
             members: (0..world).collect(),

@@ -41,7 +41,7 @@ impl MeshBackend {
         let n = self.members.len();
         let spec = req.spec(self.me, n);
         let algo = self.opts.algo.select(req.op, spec.bytes(), n);
-        let schedule = build(&spec, algo, &self.opts.algo)?;
+        let schedule = lock(&self.programs).schedule(&spec, algo)?;
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
         let raw = RawBufs {
             dtype: req.dtype,

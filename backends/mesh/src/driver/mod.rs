@@ -53,7 +53,7 @@ use consort_comm::{
     Backend, CallOptions, CommError, DType, ErrorContext, Fingerprint, GroupId, Op, OpKind,
     ReduceOp, Result, Work,
     algo::{
-        Action, Buf, Receive, build,
+        Action, Buf, Receive,
         exec::{Call, CallBuffers, scratch, scratch_bytes},
     },
     engine::{Begun, CallId, Engine},
@@ -225,6 +225,8 @@ pub struct MeshBackend {
     /// What the transport does last when the world handle closes the mesh
     /// (QUIC: wait for the peers' acknowledgements, close the endpoint).
     closer: Option<Arc<dyn MeshCloser>>,
+    /// The programs of this group's recent calls, built with `opts.algo`.
+    programs: Mutex<consort_comm::algo::ProgramCache>,
 }
 
 /// A transport's last step when the world handle closes the mesh, after
@@ -602,6 +604,7 @@ impl MeshBackend {
         Ok(Some(MeshBackend {
             name: self.name,
             inner: self.inner.clone(),
+            programs: Mutex::new(consort_comm::algo::ProgramCache::new(topts.algo.clone())),
             opts: topts,
             group: id,
             members: members.into(),
