@@ -14,10 +14,13 @@
 //! `Device::sync` before consort reads (`from_module_on`, `pull_grads`),
 //! and a wait for consort's stream before burn reads again
 //! (`push_values`, `push_grads`). `Device::sync` waits for the calling
-//! thread's stream only; it covers kernels another thread queued (an
-//! async task moved between threads) because pinning a tensor makes that
-//! stream wait for the one that last wrote it (cubecl's `get_resource`
-//! resolves the binding as a launch would). A flag written on cubecl's
+//! thread's stream only; it covers backward's kernels even when another
+//! thread queued them (an async task moved between threads) because
+//! pinning a tensor makes this thread's stream wait on the stream the
+//! tensor was made on (cubecl's `get_resource` resolves the binding as a
+//! launch would). It does not cover a write to a gradient queued from a
+//! third thread meanwhile: call backward and `pull_grads` with no await
+//! between them. A flag written on cubecl's
 //! stream that consort's stream waits on (`cuStreamWaitValue32`) would
 //! remove the first host wait; it is not tried.
 //!
@@ -138,27 +141,37 @@ fn unfit(t: &CubeTensor, spec: &ParamSpec, ordinal: usize) -> Option<String> {
 
 /// Pins `t`'s memory: `t` must fit `spec` (see [`unfit`]).
 fn pin(t: CubeTensor, spec: &ParamSpec, what: &str, ordinal: usize) -> Result<Held, BurnError> {
+    try_pin(t, spec, what, ordinal).map_err(|e| e.0)
+}
+
+/// [`pin`], giving `t` back with the error.
+fn try_pin(
+    t: CubeTensor,
+    spec: &ParamSpec,
+    what: &str,
+    ordinal: usize,
+) -> Result<Held, Box<(BurnError, CubeTensor)>> {
     if let Some(why) = unfit(&t, spec, ordinal) {
-        return Err(device_error(&spec.name, what, why));
+        return Err(Box::new((device_error(&spec.name, what, why), t)));
     }
-    let r = t
-        .client
-        .get_resource::<CudaServer>(t.handle.clone())
-        .map_err(|e| device_error(&spec.name, what, format!("cubecl: {e:?}")))?;
+    let r = match t.client.get_resource::<CudaServer>(t.handle.clone()) {
+        Ok(r) => r,
+        Err(e) => {
+            let why = format!("cubecl: {e:?}");
+            return Err(Box::new((device_error(&spec.name, what, why), t)));
+        }
+    };
     // A contiguous tensor starts where its handle does (the handle's
     // offset is in the pointer cubecl gives), and the pinned range must be
     // exactly the parameter's: a slice of a larger buffer whose handle
     // reports the whole buffer would otherwise let consort write past it.
     let (ptr, size) = (r.resource().ptr, r.resource().size);
     if size != spec.bytes() as u64 {
-        return Err(device_error(
-            &spec.name,
-            what,
-            format!(
-                "its memory holds {size} bytes, the parameter {}",
-                spec.bytes()
-            ),
-        ));
+        let why = format!(
+            "its memory holds {size} bytes, the parameter {}",
+            spec.bytes()
+        );
+        return Err(Box::new((device_error(&spec.name, what, why), t)));
     }
     Ok(Held {
         tensor: t,
@@ -410,13 +423,17 @@ fn overlaps(seen: &[(u64, u64)], ptr: u64, bytes: usize) -> bool {
     bytes > 0 && seen.iter().any(|&(c, d)| a < d && c < b)
 }
 
+/// Why taking a step's gradients failed, and the tensor of the entry that
+/// failed if it had been taken out of `GradientsParams` (to go back in).
+type TakeError = Box<(BurnError, Option<(usize, CubeTensor)>)>;
+
 impl OnDevice {
     /// This step's gradient of parameter `e` (`spec`), taken out of `grads`,
     /// as a tensor DDP may write in place: the one burn made if nothing
     /// else holds its memory and it is contiguous, else a contiguous copy
-    /// of its own; zeros in the parameter's dtype when there is none (a
-    /// frozen parameter, or one unused this step). Also whether `grads`
-    /// had one.
+    /// of its own; zeros in the parameter's dtype when there is none (an
+    /// idle parameter, or one unused this step). Also whether `grads` had
+    /// one. A gradient that is not a cubecl tensor stays in `grads`.
     fn grad_tensor(
         &self,
         e: &Entry,
@@ -424,7 +441,13 @@ impl OnDevice {
         grads: &mut GradientsParams,
     ) -> Result<(CubeTensor, bool), BurnError> {
         let found: Option<Result<CubeTensor, String>> = with_rank!(e.dims.len(), D => {
-            grads.remove::<D>(e.id).map(cube::<D>)
+            grads.remove::<D>(e.id).map(|g| match cube::<D>(g.clone()) {
+                Ok(t) => Ok(t), // `g` drops here: `t` alone holds the memory
+                Err(why) => {
+                    grads.register::<D>(e.id, g);
+                    Err(why)
+                }
+            })
         }, None);
         let Some(t) = found else {
             // Made on the device, in the parameter's own dtype (the device's
@@ -433,7 +456,7 @@ impl OnDevice {
                 cube(Tensor::<D>::zeros(e.dims.clone(), (&e.grad_device, e.dtype)))
             }, Err("more than 6 dimensions".into()));
             let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
-            return Ok((t, e.frozen));
+            return Ok((t, false));
         };
         let t = t.map_err(|why| device_error(&spec.name, "the gradient", why))?;
         // Out of `grads`, `t` is the only tensor on its memory unless
@@ -452,11 +475,15 @@ impl OnDevice {
 
     /// Takes this step's gradients out of `grads` (see the module doc: in
     /// place where they fit, a copy of their own where not, zeros where
-    /// missing), then waits for burn's kernels.
+    /// missing), then waits for burn's kernels. `idle[i]`: parameter `i` is
+    /// frozen and has no gradient this step (synced as zeros, and given
+    /// back to no optimizer). On an error every gradient taken goes back
+    /// into `grads`.
     pub(super) fn take_grads(
         &mut self,
         entries: &[Entry],
         grads: &mut GradientsParams,
+        idle: &[bool],
     ) -> Result<(), BurnError> {
         if let Some(i) = self.grads.iter().position(Option::is_some) {
             return Err(BurnError::Device(format!(
@@ -467,6 +494,44 @@ impl OnDevice {
             )));
         }
         self.had.iter_mut().for_each(|h| *h = false);
+        if let Err(failed) = self.take_each(entries, grads, idle) {
+            let (e, mut at) = *failed;
+            // Back into `grads`, as taken (or as copied: the same values).
+            for (i, en) in entries.iter().enumerate() {
+                let back = match at.take() {
+                    Some((j, t)) if j == i => Some(t),
+                    other => {
+                        at = other;
+                        self.grads[i].take().map(|h| h.tensor)
+                    }
+                };
+                if let Some(t) = back.filter(|_| self.had[i] && !idle[i]) {
+                    with_rank!(en.dims.len(), D => {
+                        grads.register::<D>(en.id, Tensor::<D>::from_primitive::<Cube>(t));
+                    }, ());
+                }
+            }
+            self.grads.iter_mut().for_each(|g| *g = None);
+            self.had.iter_mut().for_each(|h| *h = false);
+            return Err(e);
+        }
+        // Pinning made this thread's cubecl stream wait on the stream each
+        // gradient was made on (cubecl's get_resource resolves the binding
+        // as a launch would), so this wait covers backward's kernels even
+        // where another thread queued them, as long as nothing writes the
+        // gradients from a third thread meanwhile (call backward and
+        // pull_grads with no await between, as the examples do).
+        self.sync_burn()
+    }
+
+    /// [`OnDevice::take_grads`]'s loop; on an error, the error and the
+    /// tensor of the entry that failed, if it was taken.
+    fn take_each(
+        &mut self,
+        entries: &[Entry],
+        grads: &mut GradientsParams,
+        idle: &[bool],
+    ) -> Result<(), TakeError> {
         // Parameters still held (before the first push_grads, or for the
         // sharded strategies) are pinned too: no gradient may be their memory.
         let mut seen: Vec<(u64, u64)> = self
@@ -476,29 +541,32 @@ impl OnDevice {
             .collect();
         for (i, e) in entries.iter().enumerate() {
             let spec = &self.specs[i];
-            let (t, had) = self.grad_tensor(e, spec, grads)?;
-            let mut h = pin(t, spec, "the gradient", self.ordinal)?;
+            let (t, had) = self
+                .grad_tensor(e, spec, grads)
+                .map_err(|e| Box::new((e, None)))?;
+            self.had[i] = had || idle[i];
+            let mut h = try_pin(t, spec, "the gradient", self.ordinal)
+                .map_err(|f| Box::new((f.0, Some((i, f.1)))))?;
             if overlaps(&seen, h.ptr, h.bytes) {
                 let own = burn_cubecl::kernel::into_contiguous(h.tensor.copy());
-                h = pin(own, spec, "the gradient", self.ordinal)?;
+                h = try_pin(own, spec, "the gradient", self.ordinal)
+                    .map_err(|f| Box::new((f.0, Some((i, f.1)))))?;
             }
             seen.push((h.ptr, h.ptr + h.bytes as u64));
             self.grads[i] = Some(h);
-            self.had[i] = had;
         }
-        // Pinning ordered this thread's cubecl stream after the streams that
-        // wrote the gradients (cubecl's get_resource does), so this wait
-        // covers backward's kernels even where another thread queued them.
-        self.sync_burn()
+        Ok(())
     }
 
     /// After consort's stream is done: puts this step's gradients (holding
-    /// their averages) back into `grads`, none for a frozen parameter, and
-    /// lets go of them and of the parameters' tensors.
+    /// their averages) back into `grads`, none for an idle parameter (see
+    /// [`OnDevice::take_grads`]), and lets go of them and of the
+    /// parameters' tensors.
     pub(super) fn give_grads(
         &mut self,
         entries: &[Entry],
         grads: &mut GradientsParams,
+        idle: &[bool],
     ) -> Result<(), BurnError> {
         self.sync_consort()?;
         self.params.clear();
@@ -506,7 +574,7 @@ impl OnDevice {
             let Some(h) = self.grads[i].take() else {
                 continue;
             };
-            if e.frozen {
+            if idle[i] {
                 continue;
             }
             with_rank!(e.dims.len(), D => {

@@ -129,10 +129,13 @@ struct Entry {
     /// Where its gradient lives (the parameter's device without autodiff).
     grad_device: Device,
     /// A parameter that takes no gradient (`set_require_grad(false)`, or
-    /// `no_grad()`, on an autodiff device): it is synced like the others
-    /// with a zero gradient, and burn's optimizer is never handed one for
-    /// it (torch's DDP leaves such parameters out; an optimizer given
-    /// zeros would still apply weight decay or momentum to them).
+    /// `no_grad()`, on an autodiff device; BatchNorm's running statistics),
+    /// as the module was when last read (`from_module*`, `pull_values`,
+    /// `adopt_ids`). In a step where it has no gradient it is synced like
+    /// the others with zeros, and burn's optimizer is never handed one for
+    /// it (torch's DDP leaves such parameters out; an optimizer given zeros
+    /// would still apply weight decay or momentum to them). A step where it
+    /// has one uses it: it was unfrozen since.
     frozen: bool,
 }
 
@@ -141,6 +144,9 @@ struct Entry {
 #[derive(Debug)]
 pub struct BurnModel {
     entries: Vec<Entry>,
+    /// This step's idle parameters: frozen, and without a gradient in the
+    /// `GradientsParams` that `pull_grads` read.
+    idle: Vec<bool>,
     host: PlainModel,
     #[cfg(feature = "cuda")]
     dev: Option<cuda::OnDevice>,
@@ -292,7 +298,9 @@ impl ModuleMapper for Adopt<'_> {
             return param;
         };
         e.id = ParamId::from(id);
-        Param::initialized(e.id, param.val())
+        let t = param.val();
+        e.frozen = t.device().is_autodiff() && !t.is_require_grad();
+        Param::initialized(e.id, t)
     }
 }
 
@@ -357,6 +365,7 @@ impl BurnModel {
             entries.push(e);
         }
         Ok(BurnModel {
+            idle: vec![false; entries.len()],
             entries,
             host,
             #[cfg(feature = "cuda")]
@@ -383,6 +392,7 @@ impl BurnModel {
             .collect();
         let dev = cuda::OnDevice::new(&entries, module, placement)?;
         Ok(BurnModel {
+            idle: vec![false; entries.len()],
             entries,
             host: PlainModel::new(),
             dev: Some(dev),
@@ -421,8 +431,10 @@ impl BurnModel {
     pub fn pull_values<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
-            return dev.hold_params(&self.entries, module);
+            dev.hold_params(&self.entries, module)?;
+            return self.reread_frozen(module);
         }
+        self.reread_frozen(module)?;
         let found = collect(module)?;
         if found.len() != self.entries.len() {
             return Err(BurnError::Mismatch {
@@ -444,6 +456,24 @@ impl BurnModel {
                 });
             }
             dst.copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
+
+    /// Reads again which of `module`'s parameters are frozen.
+    fn reread_frozen<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
+        let found = collect_with(module, false)?;
+        if found.len() != self.entries.len() {
+            return Err(BurnError::Mismatch {
+                why: format!(
+                    "it has {} float parameters, not {}",
+                    found.len(),
+                    self.entries.len()
+                ),
+            });
+        }
+        for (e, (f, _)) in self.entries.iter_mut().zip(found) {
+            e.frozen = f.frozen;
         }
         Ok(())
     }
@@ -521,8 +551,10 @@ impl BurnModel {
 
     /// Copies this step's gradients from `grads` to the host copy; a
     /// parameter with no gradient has none there either, except a frozen
-    /// one (no `require_grad`), which has zeros: DDP syncs it like the
-    /// others, and [`BurnModel::push_grads`] hands burn no gradient for it.
+    /// one (no `require_grad` when the module was last read), which has
+    /// zeros: DDP syncs it like the others, and [`BurnModel::push_grads`]
+    /// hands burn no gradient for it. A frozen one that has a gradient
+    /// after all (unfrozen since) is synced and handed back as any other.
     ///
     /// On a device nothing is copied: the model takes this step's gradient
     /// tensors out of `grads` for DDP, which writes the averages into them
@@ -536,14 +568,21 @@ impl BurnModel {
     /// contiguous copy of its own, so that no average lands in memory
     /// another tensor reads. Waits for burn's queued kernels.
     pub fn pull_grads(&mut self, grads: &mut GradientsParams) -> Result<(), BurnError> {
+        self.idle = self
+            .entries
+            .iter()
+            .map(|e| {
+                e.frozen && !with_rank!(e.dims.len(), D => grads.get::<D>(e.id).is_some(), false)
+            })
+            .collect();
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
-            return dev.take_grads(&self.entries, grads);
+            return dev.take_grads(&self.entries, grads, &self.idle);
         }
         self.host.zero_grad();
         for i in 0..self.entries.len() {
             let e = &self.entries[i];
-            if e.frozen {
+            if self.idle[i] {
                 self.host.grad_bytes_mut(i); // zeros
                 continue;
             }
@@ -573,17 +612,20 @@ impl BurnModel {
     /// On a device the gradients go over in device memory
     /// ([`Sharded::mark_ready_device`]).
     ///
-    /// A module with frozen parameters (no `require_grad`) is refused: the
-    /// sharded optimizer would step them (weight decay, momentum) and
-    /// `copy_params_to` would write the result back.
+    /// A step with frozen parameters (no `require_grad` and no gradient: a
+    /// frozen layer, BatchNorm's running statistics) is refused: the
+    /// sharded strategies step every parameter they hold and
+    /// `copy_params_to` writes their shard back, which would move a frozen
+    /// one and put back stale running statistics. Use DDP for such modules.
     pub fn mark_ready(&self, sharded: &mut Sharded) -> Result<(), DdpError> {
-        if let Some(e) = self.entries.iter().find(|e| e.frozen) {
+        if let Some(i) = self.idle.iter().position(|&idle| idle) {
             return Err(DdpError::Usage {
                 rank: sharded.rank(),
                 reason: format!(
-                    "{} is frozen (require_grad is off), and the sharded strategies step every \
-                     parameter; train it, or leave it out of the module given to Sharded",
-                    e.name
+                    "{} takes no gradient (a frozen parameter, or a running statistic such as \
+                     BatchNorm's), and the sharded strategies step every parameter and write \
+                     their copy back; train it, or use Ddp for this module",
+                    self.entries[i].name
                 ),
             });
         }
@@ -630,10 +672,10 @@ impl BurnModel {
     pub fn push_grads(&mut self, grads: &mut GradientsParams) -> Result<(), BurnError> {
         #[cfg(feature = "cuda")]
         if let Some(dev) = &mut self.dev {
-            return dev.give_grads(&self.entries, grads);
+            return dev.give_grads(&self.entries, grads, &self.idle);
         }
         for (i, e) in self.entries.iter().enumerate() {
-            let Some(g) = self.host.grad_bytes(i).filter(|_| !e.frozen) else {
+            let Some(g) = self.host.grad_bytes(i).filter(|_| !self.idle[i]) else {
                 continue;
             };
             // A parameter this rank computed no gradient for still gets the

@@ -125,6 +125,45 @@ fn the_sharded_strategies_refuse_a_frozen_parameter_by_name() {
         model.mark_ready(&mut sh).unwrap_err().to_string()
     });
     for err in out {
-        assert!(err.contains("fc1.weight is frozen"), "{err}");
+        assert!(err.contains("fc1.weight takes no gradient"), "{err}");
+    }
+}
+
+/// A parameter frozen when the model was made and trained since (its
+/// gradient is there) is synced and stepped like any other: the frozen
+/// mark is what the module was, the gradient what it is.
+#[test]
+fn a_parameter_unfrozen_after_the_model_was_made_is_trained_in_step() {
+    let out = on_ranks(2, |rank| async move {
+        let device = Device::default().autodiff();
+        let mut model = BurnModel::from_module(&with_frozen_fc1(&device)).unwrap();
+        // A trainable module with the frozen one's ids (a clone would share
+        // burn's lazy parameter state, and no_grad on it would freeze both).
+        let net = Net::new(&device);
+        let mut other = BurnModel::from_module(&net).unwrap();
+        let net = other.adopt_ids(net, &model.param_ids()).unwrap();
+        let mut ddp = Ddp::new(rank.clone(), &mut model, DdpOptions::default())
+            .await
+            .unwrap();
+        let mut net = model.push_values(net).unwrap();
+        let start = values(&net);
+        let mut optim = SgdConfig::new().init();
+        for _ in 0..3 {
+            let mut grads =
+                GradientsParams::from_grads(loss(&net, rank.rank(), &device).backward(), &net);
+            model.pull_grads(&mut grads).unwrap();
+            ddp.sync_grads(&mut model).await.unwrap();
+            model.push_grads(&mut grads).unwrap();
+            net = optim.step(0.1, net, grads);
+        }
+        (start, values(&net))
+    });
+    let (start0, end0) = &out[0];
+    for (r, (start, end)) in out.iter().enumerate() {
+        assert_eq!(start, start0, "rank {r}'s start");
+        assert_eq!(end, end0, "rank {r} ended out of step with rank 0");
+        for ((name, a), (_, b)) in start.iter().zip(end) {
+            assert_ne!(a, b, "rank {r}: {name} did not move");
+        }
     }
 }

@@ -290,6 +290,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         host.push_grads(&mut grads)?;
         net = optim.step(args.lr, net, grads);
         pg.all_reduce(&mut mean, ReduceOp::Avg).await?;
+        timed.done(step);
         history.push((step + 1, f64::from(mean[0])));
         if let Some(b) = &bar {
             let tokens = (step + 1 - start) * world * args.batch_size * args.context;
@@ -297,6 +298,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
             progress(b, step + 1, args.steps, mean[0], rate);
         }
         if (step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps {
+            let saving = Instant::now();
             if r == 0 {
                 // burn's optimizer stepped the module: its values, not the
                 // host copy's starting ones, go in the checkpoint.
@@ -315,6 +317,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
             }
             // No rank leaves a step before the checkpoint of it exists.
             pg.barrier().await?;
+            timed.exclude(step, saving.elapsed());
         }
     }
     if let Some(b) = bar {
@@ -353,12 +356,16 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
 }
 
 /// The steps after two of warm-up (burn compiles its kernels on the
-/// first), timed for the summary's tokens/s; all of them if there are
-/// fewer than four.
+/// first), timed for the summary's tokens/s without the checkpoints
+/// (torch_ddp.py writes none); all of them if there are fewer than four.
 struct Timed {
     from: usize,
     to: usize,
     t0: Instant,
+    /// Checkpoint time inside the timed steps.
+    excluded: std::time::Duration,
+    /// The timed steps' time, once the last is done.
+    took: Option<std::time::Duration>,
 }
 
 impl Timed {
@@ -368,12 +375,29 @@ impl Timed {
             from,
             to: steps,
             t0: Instant::now(),
+            excluded: std::time::Duration::ZERO,
+            took: None,
         }
     }
 
+    /// Step `step` begins.
     fn at(&mut self, step: usize) {
         if step == self.from {
             self.t0 = Instant::now();
+        }
+    }
+
+    /// Step `step`'s work is done (before its checkpoint).
+    fn done(&mut self, step: usize) {
+        if step + 1 == self.to {
+            self.took = Some(self.t0.elapsed().saturating_sub(self.excluded));
+        }
+    }
+
+    /// Step `step` spent `d` on its checkpoint.
+    fn exclude(&mut self, step: usize, d: std::time::Duration) {
+        if step >= self.from && step + 1 < self.to {
+            self.excluded += d;
         }
     }
 
@@ -382,7 +406,8 @@ impl Timed {
     }
 
     fn rate(&self, tokens_per_step: usize) -> f64 {
-        (self.steps() * tokens_per_step) as f64 / self.t0.elapsed().as_secs_f64()
+        let took = self.took.unwrap_or_else(|| self.t0.elapsed());
+        (self.steps() * tokens_per_step) as f64 / took.as_secs_f64()
     }
 }
 
