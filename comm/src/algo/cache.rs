@@ -33,7 +33,7 @@ struct Slot {
     sources_stay: bool,
 }
 
-/// The last [`SLOTS`] distinct collective programs one driver built; a hit
+/// The last 16 distinct collective programs one driver built; a hit
 /// is a schedule over the shared program, as [`build`] would make it.
 #[derive(Debug)]
 pub struct ProgramCache {
