@@ -97,6 +97,7 @@ impl ProgramCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algo::Action;
 
     fn spec(op: OpKind, rank: usize, world: usize, count: usize) -> CallSpec<'static> {
         CallSpec {
@@ -135,6 +136,60 @@ mod tests {
             let fresh = build(&sp, algo, &cfg).unwrap();
             assert_eq!(b.sources_stay(), fresh.sources_stay(), "{algo}");
             assert_eq!(first_actions(b), first_actions(fresh), "{algo}");
+        }
+    }
+
+    /// Every action a schedule asks for, receives answered in the order
+    /// posted, to the end.
+    fn run_to_end(mut s: Schedule) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut pending = std::collections::VecDeque::new();
+        for _ in 0..100_000 {
+            while let Some(a) = s.poll() {
+                if let Action::Receive(r) = &a {
+                    pending.push_back((r.from, r.tag));
+                }
+                out.push(format!("{a:?}"));
+            }
+            match pending.pop_front() {
+                Some((from, tag)) => s.handle_recv(from, tag).unwrap(),
+                None => break,
+            }
+        }
+        assert!(s.is_done(), "the schedule did not finish");
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// The second and later calls of a shape run the very actions a
+        /// fresh build does, for every collective, world and count the
+        /// selection policy meets (lengths 0, 1 and ones the world does not
+        /// divide among them).
+        #[test]
+        fn a_cached_program_runs_as_a_fresh_build(
+            op in proptest::sample::select(vec![
+                OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather,
+                OpKind::ReduceScatter, OpKind::Gather, OpKind::Scatter, OpKind::Barrier,
+            ]),
+            world in 1usize..9,
+            rank_seed in 0usize..64,
+            root_seed in 0usize..64,
+            count in proptest::prop_oneof![0usize..3, 3usize..5000, 1usize << 18..1usize << 20],
+        ) {
+            let cfg = AlgoConfig::default();
+            let mut c = ProgramCache::new(cfg.clone());
+            let sp = CallSpec {
+                root: root_seed % world,
+                ..spec(op, rank_seed % world, world, count)
+            };
+            let algo = cfg.select(op, sp.bytes(), world);
+            let fresh = run_to_end(build(&sp, algo, &cfg).unwrap());
+            let first = c.schedule(&sp, algo).unwrap();
+            proptest::prop_assert_eq!(run_to_end(first), fresh.clone());
+            let hit = c.schedule(&sp, algo).unwrap();
+            proptest::prop_assert_eq!(run_to_end(hit), fresh);
         }
     }
 
