@@ -72,28 +72,40 @@ fn on_ranks<T: Send + 'static, Fut: Future<Output = T> + Send + 'static>(
     })
 }
 
+/// Three DDP steps of burn's SGD (with weight decay `decay`) on `net`
+/// through `model`: every parameter's values before and after.
+async fn ddp_steps(
+    rank: Arc<dyn Backend>,
+    mut model: BurnModel,
+    net: Net,
+    device: &Device,
+    decay: Option<f64>,
+) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+    let mut ddp = Ddp::new(rank.clone(), &mut model, DdpOptions::default())
+        .await
+        .unwrap();
+    let mut net = model.push_values(net).unwrap();
+    let start = values(&net);
+    let decay = decay.map(|d| WeightDecayConfig::new(d as f32));
+    let mut optim = SgdConfig::new().with_weight_decay(decay).init();
+    for _ in 0..3 {
+        let mut grads =
+            GradientsParams::from_grads(loss(&net, rank.rank(), device).backward(), &net);
+        model.pull_grads(&mut grads).unwrap();
+        ddp.sync_grads(&mut model).await.unwrap();
+        model.push_grads(&mut grads).unwrap();
+        net = optim.step(0.1, net, grads);
+    }
+    (start, values(&net))
+}
+
 #[test]
 fn ddp_syncs_a_frozen_parameter_and_the_optimizer_never_steps_it() {
     let out = on_ranks(2, |rank| async move {
         let device = Device::default().autodiff();
         let net = with_frozen_fc1(&device);
-        let mut model = BurnModel::from_module(&net).unwrap();
-        let mut ddp = Ddp::new(rank.clone(), &mut model, DdpOptions::default())
-            .await
-            .unwrap();
-        let mut net = model.push_values(net).unwrap();
-        let start = values(&net);
-        let decay = WeightDecayConfig::new(0.5);
-        let mut optim = SgdConfig::new().with_weight_decay(Some(decay)).init();
-        for _ in 0..3 {
-            let mut grads =
-                GradientsParams::from_grads(loss(&net, rank.rank(), &device).backward(), &net);
-            model.pull_grads(&mut grads).unwrap();
-            ddp.sync_grads(&mut model).await.unwrap();
-            model.push_grads(&mut grads).unwrap();
-            net = optim.step(0.1, net, grads);
-        }
-        (start, values(&net))
+        let model = BurnModel::from_module(&net).unwrap();
+        ddp_steps(rank, model, net, &device, Some(0.5)).await
     });
     let (start0, end0) = &out[0];
     for (r, (start, end)) in out.iter().enumerate() {
@@ -136,27 +148,13 @@ fn the_sharded_strategies_refuse_a_frozen_parameter_by_name() {
 fn a_parameter_unfrozen_after_the_model_was_made_is_trained_in_step() {
     let out = on_ranks(2, |rank| async move {
         let device = Device::default().autodiff();
-        let mut model = BurnModel::from_module(&with_frozen_fc1(&device)).unwrap();
+        let model = BurnModel::from_module(&with_frozen_fc1(&device)).unwrap();
         // A trainable module with the frozen one's ids (a clone would share
         // burn's lazy parameter state, and no_grad on it would freeze both).
         let net = Net::new(&device);
         let mut other = BurnModel::from_module(&net).unwrap();
         let net = other.adopt_ids(net, &model.param_ids()).unwrap();
-        let mut ddp = Ddp::new(rank.clone(), &mut model, DdpOptions::default())
-            .await
-            .unwrap();
-        let mut net = model.push_values(net).unwrap();
-        let start = values(&net);
-        let mut optim = SgdConfig::new().init();
-        for _ in 0..3 {
-            let mut grads =
-                GradientsParams::from_grads(loss(&net, rank.rank(), &device).backward(), &net);
-            model.pull_grads(&mut grads).unwrap();
-            ddp.sync_grads(&mut model).await.unwrap();
-            model.push_grads(&mut grads).unwrap();
-            net = optim.step(0.1, net, grads);
-        }
-        (start, values(&net))
+        ddp_steps(rank, model, net, &device, None).await
     });
     let (start0, end0) = &out[0];
     for (r, (start, end)) in out.iter().enumerate() {

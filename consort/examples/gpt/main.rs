@@ -300,20 +300,7 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
         if (step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps {
             let saving = Instant::now();
             if r == 0 {
-                // burn's optimizer stepped the module: its values, not the
-                // host copy's starting ones, go in the checkpoint.
-                let snapshot;
-                let of = if host.on_device() {
-                    snapshot = BurnModel::from_module(&net)?;
-                    &snapshot
-                } else {
-                    host.pull_values(&net)?;
-                    &host
-                };
-                save(&args.out, &ckpt, step + 1, of, &optim)?;
-                // Never through a link planted in the output directory.
-                consort_comm::files::write_replacing(&metrics, &serde_json::to_vec(&history)?)
-                    .map_err(|e| format!("writing {}: {e}", metrics.display()))?;
+                checkpoint(&args.out, step + 1, (&mut host, &net), &optim, &history)?;
             }
             // No rank leaves a step before the checkpoint of it exists.
             pg.barrier().await?;
@@ -331,28 +318,64 @@ async fn train(rank: Arc<dyn Backend>, args: Args) -> Result<(), BoxError> {
             ckpt.display(),
             plot.display()
         );
-        let path = match (args.device, host.on_device()) {
-            (Place::Cpu, _) => "cpu",
-            (Place::Cuda, true) => "cuda, in device memory",
-            (Place::Cuda, false) => "cuda, host copies",
-        };
-        let tokens_per_step = world * args.batch_size * args.context;
-        let summary = serde_json::json!({
-            "library": "consort",
-            "world": world,
-            "path": path,
-            "d_model": args.d_model,
-            "layers": args.layers,
-            "parameters": host.params().iter().map(|p| p.numel()).sum::<usize>(),
-            "timed_steps": timed.steps(),
-            "tokens_per_s": timed.rate(tokens_per_step),
-            "final_loss": last,
-            // The same tokens as torch_ddp.py's, or not.
-            "corpus_fnv1a": format!("{:016x}", data::fnv1a(&windows.corpus)),
-        });
+        let summary = summary(&args, world, &host, &timed, last, &windows.corpus);
         println!("summary {summary}");
     }
     Ok(())
+}
+
+/// Rank 0's checkpoint after step `step`: the parameters burn's optimizer
+/// stepped (not the host copy's starting ones) and the loss so far.
+fn checkpoint(
+    out: &std::path::Path,
+    step: usize,
+    (host, net): (&mut BurnModel, &model::Gpt),
+    optim: &ModuleOptimizer,
+    history: &History,
+) -> Result<(), BoxError> {
+    let snapshot;
+    let of = if host.on_device() {
+        snapshot = BurnModel::from_module(net)?;
+        &snapshot
+    } else {
+        host.pull_values(net)?;
+        &*host
+    };
+    save(out, &out.join("checkpoint.safetensors"), step, of, optim)?;
+    // Never through a link planted in the output directory.
+    let metrics = out.join("metrics.json");
+    consort_comm::files::write_replacing(&metrics, &serde_json::to_vec(history)?)
+        .map_err(|e| format!("writing {}: {e}", metrics.display()).into())
+}
+
+/// The run's last line, as torch_ddp.py prints it: where it ran, tokens/s
+/// over the timed steps, the final loss, and what makes two runs
+/// comparable (the model's size, a fingerprint of the corpus).
+fn summary(
+    args: &Args,
+    world: usize,
+    host: &BurnModel,
+    timed: &Timed,
+    last: f64,
+    corpus: &[u8],
+) -> serde_json::Value {
+    let path = match (args.device, host.on_device()) {
+        (Place::Cpu, _) => "cpu",
+        (Place::Cuda, true) => "cuda, in device memory",
+        (Place::Cuda, false) => "cuda, host copies",
+    };
+    serde_json::json!({
+        "library": "consort",
+        "world": world,
+        "path": path,
+        "d_model": args.d_model,
+        "layers": args.layers,
+        "parameters": host.params().iter().map(|p| p.numel()).sum::<usize>(),
+        "timed_steps": timed.steps(),
+        "tokens_per_s": timed.rate(world * args.batch_size * args.context),
+        "final_loss": last,
+        "corpus_fnv1a": format!("{:016x}", data::fnv1a(corpus)),
+    })
 }
 
 /// The steps after two of warm-up (burn compiles its kernels on the
