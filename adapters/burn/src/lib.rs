@@ -202,7 +202,7 @@ impl ModuleVisitor for Collect {
             dims: t.dims().to_vec(),
             dtype: t.dtype(),
             grad_device: t.device().inner(),
-            frozen: t.device().is_autodiff() && !t.is_require_grad(),
+            frozen: frozen(&t),
         };
         if D > 6 {
             self.err.get_or_insert(BurnError::TooManyDims {
@@ -217,6 +217,13 @@ impl ModuleVisitor for Collect {
         };
         self.found.push((entry, bytes));
     }
+}
+
+/// Whether a parameter's value takes no gradient: on an autodiff device,
+/// without `require_grad` (off the autodiff device nothing does, and
+/// nothing is frozen).
+fn frozen<const D: usize>(t: &Tensor<D>) -> bool {
+    t.device().is_autodiff() && !t.is_require_grad()
 }
 
 fn collect<M: Module>(module: &M) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
@@ -299,7 +306,7 @@ impl ModuleMapper for Adopt<'_> {
         };
         e.id = ParamId::from(id);
         let t = param.val();
-        e.frozen = t.device().is_autodiff() && !t.is_require_grad();
+        e.frozen = frozen(&t);
         Param::initialized(e.id, t)
     }
 }
