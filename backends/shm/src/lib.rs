@@ -309,7 +309,10 @@ impl LocalTransport for ShmTransport {
                 t.map_or(0, |d| d.as_nanos())
             )
         });
-        format!("{}{CARD_NONCE}{n}", region::host_id().replace('\n', " "))
+        format!(
+            "{QUEUE_LAYOUT} {}{CARD_NONCE}{n}",
+            region::host_id().replace('\n', " ")
+        )
     }
 
     fn can_connect(&self, mine: &str, theirs: &str) -> bool {
@@ -412,6 +415,11 @@ impl LocalTransport for ShmTransport {
 /// What separates the host identity from the nonce in a card.
 const CARD_NONCE: &str = " #";
 
+/// The queues' layout, first in a card: ranks of builds whose queues differ
+/// do not connect through them (they meet over the network instead). `q2`:
+/// a small push may start over at the beginning (`queue::HOT`).
+const QUEUE_LAYOUT: &str = "q2";
+
 /// A card's host identity.
 fn host_of(card: &str) -> &str {
     card.rsplit_once(CARD_NONCE).map_or(card, |(h, _)| h)
@@ -438,7 +446,12 @@ mod tests {
         let (a, b) = (t.card(), t.card());
         assert_ne!(a, b, "every mesh gets a nonce of its own");
         assert!(t.can_connect(&a, &b), "one host, two incarnations");
-        assert_eq!(host_of(&a), region::host_id().replace('\n', " "));
+        assert_eq!(
+            host_of(&a),
+            format!("{QUEUE_LAYOUT} {}", region::host_id().replace('\n', " "))
+        );
+        let older = format!("{}{CARD_NONCE}{}", region::host_id(), nonce_of(&a));
+        assert!(!t.can_connect(&a, &older), "queues of another layout");
         assert_eq!(nonce_of(&a).len(), 16);
         let elsewhere = format!("another host{CARD_NONCE}{}", nonce_of(&a));
         assert!(!t.can_connect(&a, &elsewhere));

@@ -5,6 +5,10 @@
 //! of two, at least 64 KiB). The producer owns `write`, the consumer owns
 //! `read`; both only grow, and `write - read` bytes are waiting. Every
 //! amount is a multiple of 8, so an element never straddles the end.
+//! A small push into an empty queue may start over at the beginning of the
+//! data (so that small frames reuse cache-hot bytes): the producer records
+//! where it skipped from (`skip_at`, beside `write`), and the consumer,
+//! on reaching that position, jumps to the next multiple of `cap`.
 //!
 //! Waking: a side about to sleep sets its flag (`reader_sleeping` or
 //! `writer_waiting`) and polls once more; the other side, after it moves
@@ -29,7 +33,18 @@ pub(crate) const MIN_CAP: usize = 64 * 1024;
 /// two copies took turns instead of overlapping: 11 ms instead of 7).
 pub(crate) const PIECE: usize = 256 * 1024;
 
+/// Small frames stay in the queue's first bytes, hot in the caches: a
+/// push of at most this many bytes into an empty queue whose write position
+/// is at least this far in starts over at the beginning (see
+/// [`Queue::push`]). A 4 KiB all_reduce between 2 ranks walking the whole
+/// of a 4 MiB queue took 1.71-1.80 µs, 1.50-1.54 with 8 or 16 KiB here
+/// (1.55-1.59 with 32 or 64 KiB), as in a 64 KiB queue.
+pub(crate) const HOT: usize = 16 * 1024;
+
 const WRITE: usize = 0;
+/// Producer-owned, beside `write`: the last position the producer skipped
+/// from to the next multiple of `cap` (the start of the data).
+const SKIP_AT: usize = 8;
 const READ: usize = 64;
 const READER_SLEEPING: usize = 128;
 const WRITER_WAITING: usize = 132;
@@ -77,17 +92,26 @@ impl Queue {
     /// Returns how many it took and whether the reader must be woken.
     pub(crate) fn push(&self, parts: &[&[u8]], from: usize) -> (usize, bool) {
         let total: usize = parts.iter().map(|p| p.len()).sum();
-        let w = self.u64_at(WRITE).load(Ordering::Relaxed);
+        let mut w = self.u64_at(WRITE).load(Ordering::Relaxed);
         // SeqCst: pairs with the consumer's store of `read` and the
         // producer's own `arm_writer`, so a wake-up is never lost.
         let r = self.u64_at(READ).load(Ordering::SeqCst);
+        let pos = (w as usize) & (self.cap - 1);
+        let left = total.saturating_sub(from);
+        if w == r && pos >= HOT && (1..=HOT).contains(&left) {
+            // The consumer has taken everything: start over at the
+            // beginning. It jumps there when it reaches `w` (published
+            // before the bytes, with `write`); the gap counts as used
+            // until then, and `pos` bytes, at least what is left, fit.
+            self.u64_at(SKIP_AT).store(w, Ordering::SeqCst);
+            w = w.wrapping_add((self.cap - pos) as u64);
+        }
         let used = w.wrapping_sub(r);
         if used > self.cap as u64 {
             // A peer that corrupted its counter: nothing more goes in.
             return (0, false);
         }
         let free = self.cap - used as usize;
-        let left = total.saturating_sub(from);
         let mut n = left.min(free).min(PIECE);
         if n < left {
             n &= !7;
@@ -142,8 +166,19 @@ impl Queue {
         take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<(usize, bool, bool), String> {
         let closed = self.u32_at(WRITER_CLOSED).load(Ordering::SeqCst) != 0;
-        let r = self.u64_at(READ).load(Ordering::Relaxed);
+        let mut r = self.u64_at(READ).load(Ordering::Relaxed);
         let w = self.u64_at(WRITE).load(Ordering::SeqCst);
+        let pos = (r as usize) & (self.cap - 1);
+        if w != r && pos != 0 && self.u64_at(SKIP_AT).load(Ordering::SeqCst) == r {
+            // The producer started over at the beginning from here.
+            r = r.wrapping_add((self.cap - pos) as u64);
+            if w.wrapping_sub(r) > self.cap as u64 {
+                return Err(format!(
+                    "the shared-memory queue from the peer is corrupt (write {w}, skip from {})",
+                    r.wrapping_sub((self.cap - pos) as u64)
+                ));
+            }
+        }
         let avail = w.wrapping_sub(r);
         if avail > self.cap as u64 || !avail.is_multiple_of(8) {
             return Err(format!(
@@ -319,5 +354,84 @@ mod tests {
         assert!(rx.pull(&mut |b| b.len()).unwrap().2);
         tx.u64_at(WRITE).store(1 << 40, Ordering::SeqCst);
         assert!(rx.pull(&mut |b| b.len()).is_err());
+    }
+
+    fn write_pos(q: &Queue) -> usize {
+        q.u64_at(WRITE).load(Ordering::SeqCst) as usize & (q.cap - 1)
+    }
+
+    #[test]
+    fn a_small_push_into_an_empty_queue_starts_over_at_the_beginning() {
+        let (tx, rx) = pair(MIN_CAP);
+        let big: Vec<u8> = (0..HOT + 64).map(|i| i as u8).collect();
+        assert_eq!(tx.push(&[&big], 0).0, big.len());
+        assert_eq!(drain(&rx), big, "a large push walks on");
+        let small = [5u8; 4096];
+        assert_eq!(tx.push(&[&small], 0).0, small.len());
+        assert_eq!(write_pos(&tx), small.len(), "empty and far in: starts over");
+        // Not empty: no skipping past bytes the consumer has not read.
+        assert_eq!(tx.push(&[&[6u8; 64]], 0).0, 64);
+        assert_eq!(write_pos(&tx), small.len() + 64);
+        let mut want = small.to_vec();
+        want.extend([6u8; 64]);
+        assert_eq!(drain(&rx), want);
+        // Near the beginning it walks on.
+        assert_eq!(tx.push(&[&[7u8; 8]], 0).0, 8);
+        assert_eq!(write_pos(&tx), small.len() + 72);
+        assert_eq!(drain(&rx), [7u8; 8]);
+    }
+
+    #[test]
+    fn a_hostile_skip_position_is_refused() {
+        let (tx, rx) = pair(MIN_CAP);
+        tx.push(&[&[1u8; 8]], 0);
+        drain(&rx);
+        tx.push(&[&[2u8; 8]], 0);
+        // The peer claims it skipped from where the consumer stands, yet
+        // wrote just after it: the jump would pass its `write`.
+        tx.u64_at(SKIP_AT).store(8, Ordering::SeqCst);
+        assert!(rx.pull(&mut |b| b.len()).is_err());
+    }
+
+    proptest::proptest! {
+        /// Any interleaving of pushes (frames of any whole-word length,
+        /// large and small) and partial pulls delivers the bytes in order.
+        #[test]
+        fn bytes_arrive_in_order_whatever_the_interleaving(
+            steps in proptest::collection::vec(
+                (0usize..3, 1usize..(3 * HOT / 8), 0usize..1000), 1..120),
+        ) {
+            let (tx, rx) = pair(MIN_CAP);
+            let (mut sent, mut got) = (Vec::new(), Vec::new());
+            let mut pending: Vec<u8> = Vec::new();
+            let mut done = 0;
+            for (i, (kind, words, frac)) in steps.into_iter().enumerate() {
+                if kind == 0 || done == pending.len() {
+                    if done == pending.len() {
+                        pending = (0..words * 8).map(|j| (i * 31 + j) as u8).collect();
+                        done = 0;
+                    }
+                    let (n, _) = tx.push(&[&pending], done);
+                    sent.extend_from_slice(&pending[done..done + n]);
+                    done += n;
+                } else {
+                    // Take a part of what is there, in whole words.
+                    rx.pull(&mut |b| {
+                        let n = (b.len() * frac / 1000) & !7;
+                        got.extend_from_slice(&b[..n]);
+                        n
+                    })
+                    .unwrap();
+                }
+            }
+            while done < pending.len() {
+                let (n, _) = tx.push(&[&pending], done);
+                sent.extend_from_slice(&pending[done..done + n]);
+                done += n;
+                got.extend(drain(&rx));
+            }
+            got.extend(drain(&rx));
+            proptest::prop_assert_eq!(got, sent);
+        }
     }
 }
