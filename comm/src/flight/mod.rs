@@ -113,6 +113,9 @@ pub struct FlightRecorder {
     open: Vec<(u64, u64)>,
     next: u64,
     now_us: u64,
+    /// `now_us` is stale: the wall clock is read when an event is next
+    /// stamped ([`FlightRecorder::set_now_lazy`]).
+    lazy: bool,
 }
 
 impl Default for FlightRecorder {
@@ -130,12 +133,31 @@ impl FlightRecorder {
             open: Vec::new(),
             next: 0,
             now_us: 0,
+            lazy: false,
         }
     }
 
     /// Sets the clock that the next events are stamped with.
     pub fn set_now_us(&mut self, now_us: u64) {
         self.now_us = now_us;
+        self.lazy = false;
+    }
+
+    /// The next event is stamped with the wall clock ([`now_us`]) read when
+    /// it happens, and the clock is not read if none does: for a driver's
+    /// loop that may or may not record anything (a read is ~20 ns, a tenth
+    /// of a small collective's own work).
+    pub fn set_now_lazy(&mut self) {
+        self.lazy = true;
+    }
+
+    /// The time to stamp an event with.
+    fn now(&mut self) -> u64 {
+        if self.lazy {
+            self.now_us = now_us();
+            self.lazy = false;
+        }
+        self.now_us
     }
 
     /// The entries, oldest first.
@@ -162,6 +184,7 @@ impl FlightRecorder {
         }
         let id = self.next;
         self.next += 1;
+        let issued_us = self.now();
         self.records.push_back(Record {
             id,
             group: fp.group,
@@ -170,7 +193,7 @@ impl FlightRecorder {
             dtype: fp.dtype,
             count: fp.count,
             state: State::Issued,
-            issued_us: self.now_us,
+            issued_us,
             started_us: None,
             ended_us: None,
             error: None,
@@ -180,18 +203,18 @@ impl FlightRecorder {
 
     /// Call `call` took its first frame.
     pub(crate) fn started(&mut self, call: u64) {
-        let now = self.now_us;
-        if let Some(r) = self.record(call)
-            && r.state == State::Issued
-        {
-            r.state = State::Started;
-            r.started_us = Some(now);
+        if self.record(call).is_some_and(|r| r.state == State::Issued) {
+            let now = self.now();
+            if let Some(r) = self.record(call) {
+                r.state = State::Started;
+                r.started_us = Some(now);
+            }
         }
     }
 
     /// Call `call` ended, with `error` if it failed.
     pub(crate) fn ended(&mut self, call: u64, error: Option<String>) {
-        let now = self.now_us;
+        let now = self.now();
         if let Some(r) = self.record(call) {
             r.state = if error.is_some() {
                 State::Failed
@@ -471,6 +494,30 @@ mod tests {
             root: 0,
             reduce_op: None,
         }
+    }
+
+    /// A lazy clock stamps each event with the wall clock when it happens;
+    /// a set time overrides it, and a start already stamped is not moved.
+    #[test]
+    fn a_lazy_clock_is_read_when_an_event_is_stamped() {
+        let mut f = FlightRecorder::new(4);
+        f.set_now_us(5);
+        f.set_now_lazy();
+        let before = now_us();
+        f.issued(0, &fp(0, OpKind::AllReduce));
+        f.started(0);
+        let e = f.entries().next().unwrap();
+        assert!(e.issued_us >= before && e.issued_us <= now_us());
+        assert_eq!(
+            e.started_us,
+            Some(e.issued_us),
+            "one reading until the next lazy mark"
+        );
+        f.set_now_us(7);
+        f.started(0);
+        f.ended(0, None);
+        let e = f.entries().next().unwrap();
+        assert_eq!((e.started_us, e.ended_us), (Some(e.issued_us), Some(7)));
     }
 
     /// Ranks 0 and 1 made seqs 0..=3; rank 2 stopped after seq 2.

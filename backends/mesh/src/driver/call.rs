@@ -27,6 +27,10 @@ struct CallRun<'c> {
     /// Whether large payloads may go as pull frames (the sources stay
     /// until taken).
     may_pull: bool,
+    /// A clock reading taken just before the links were last spun on (the
+    /// spin that found what `collect` then takes): the progress time, at
+    /// most the spin time early, instead of reading the clock again.
+    spun_at: Option<Instant>,
 }
 
 impl MeshBackend {
@@ -83,6 +87,7 @@ impl MeshBackend {
             posted: Vec::new(),
             got: Vec::new(),
             done: Vec::new(),
+            spun_at: None,
         };
         // Links write into this call's receives only while it is polled
         // (see `registry`).
@@ -128,7 +133,8 @@ impl CallRun<'_> {
             if self.collect()? {
                 let waiting = self.schedule.waiting_on();
                 let mut engine = lock(&self.b.inner.engine);
-                engine.progressed(self.begun.id, Instant::now(), &waiting);
+                let at = self.spun_at.take().unwrap_or_else(Instant::now);
+                engine.progressed(self.begun.id, at, &waiting);
                 continue;
             }
             self.wait(woken.as_mut()).await?;
@@ -226,7 +232,8 @@ impl CallRun<'_> {
         let (got, done) = (&mut self.got, &mut self.done);
         {
             let mut engine = lock(&inner.engine);
-            engine.flight_mut().set_now_us(super::flight::now_us());
+            // The first frame taken stamps the record's start.
+            engine.flight_mut().set_now_lazy();
             let mut bad = None;
             let eid = self.begun.id;
             self.posted
@@ -294,20 +301,23 @@ impl CallRun<'_> {
     async fn wait(&mut self, woken: std::pin::Pin<&mut super::Woken<'_>>) -> Result<()> {
         let inner = &self.b.inner;
         let waiting = self.schedule.waiting_on();
+        let now = Instant::now();
         {
             let mut engine = lock(&inner.engine);
             if let Some(e) = engine.failure(self.begun.id, &waiting) {
                 return Err(e);
             }
-            if Instant::now() >= self.deadline {
+            if now >= self.deadline {
                 return Err(engine.timed_out(self.begun.id, &waiting));
             }
         }
         // Same-host peers write into shared queues: take what they wrote,
         // spinning a little before sleeping.
-        if inner.spin() {
+        if inner.spin(now) {
+            self.spun_at = Some(now);
             return Ok(());
         }
+        self.spun_at = None;
         let _ = before(self.deadline, woken).await;
         Ok(())
     }

@@ -262,7 +262,7 @@ impl Inner {
                 let woken = self.woken();
                 let mut woken = std::pin::pin!(woken);
                 woken.as_mut().enable();
-                if self.spin() || l.link.pulls_read() >= seq {
+                if self.spin(Instant::now()) || l.link.pulls_read() >= seq {
                     continue;
                 }
                 let wake = deadline.min(Instant::now() + Duration::from_millis(10));
