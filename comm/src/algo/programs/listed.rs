@@ -34,7 +34,10 @@ fn binomial(vr: usize, n: usize) -> (Option<usize>, Vec<usize>) {
 
 /// Binomial-tree broadcast of `seg` from `root`, data tag `tag`. With
 /// `acks`, every child acknowledges to its parent (tag `u32::MAX`), so that
-/// the root too receives a frame in the call.
+/// the root too receives a frame in the call (and checks its peers'
+/// fingerprints). A child acknowledges as soon as it has the data, before
+/// it forwards it: a parent then waits on its children only, not on their
+/// subtrees (4 ranks on 2 cores, 4 KiB: 11.4-13.5 µs against 13.5-14.5).
 pub(super) fn binomial_broadcast(
     r: usize,
     n: usize,
@@ -49,14 +52,14 @@ pub(super) fn binomial_broadcast(
     let mut v = Vec::new();
     if let Some(p) = parent {
         v.push(recv(actual(p), tag, Buf::Output, seg.clone(), false));
+        if acks {
+            v.push(send(actual(p), u32::MAX, Buf::Output, 0..0));
+        }
     }
     for &c in &children {
         v.push(send(actual(c), tag, Buf::Output, seg.clone()));
     }
     if acks {
-        if let Some(p) = parent {
-            v.push(send(actual(p), u32::MAX, Buf::Output, 0..0));
-        }
         for &c in &children {
             v.push(recv(actual(c), u32::MAX, Buf::Output, 0..0, false));
         }
