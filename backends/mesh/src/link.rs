@@ -76,6 +76,14 @@ pub trait PolledLink: Send + Sync {
     /// reached; returns how many it took. Only one sender at a time.
     fn push(&self, parts: &[&[u8]], from: usize) -> usize;
 
+    /// Appends all of `parts` (one concatenation) if it fits now, else
+    /// nothing; returns whether it did. Only one sender at a time. The
+    /// default takes nothing, and every frame goes through [`Self::push`].
+    fn push_whole(&self, parts: &[&[u8]]) -> bool {
+        let _ = parts;
+        false
+    }
+
     /// Hands what has arrived to `take`, one contiguous run at a time (at
     /// most two per call, around the end of the queue); `take` returns how
     /// many bytes it consumed (a multiple of 8), and the link frees them.

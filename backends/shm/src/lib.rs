@@ -149,6 +149,21 @@ impl PolledLink for ShmLink {
         }
     }
 
+    fn push_whole(&self, parts: &[&[u8]]) -> bool {
+        if self.closed.load(Ordering::SeqCst) {
+            return false;
+        }
+        match self.out.push_whole(parts) {
+            Some(wake) => {
+                if wake {
+                    self.bell.ring(&self.peer_bell);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
     fn pull(&self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, String> {
         if self.closed.load(Ordering::SeqCst) {
             return Err("this rank closed the link".into());

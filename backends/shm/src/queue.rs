@@ -152,6 +152,31 @@ impl Queue {
         (n, wake)
     }
 
+    /// Producer: appends all of `parts` if at most a [`PIECE`] and it fits
+    /// now; returns whether the reader must be woken, or `None` (nothing
+    /// taken) if it does not fit.
+    pub(crate) fn push_whole(&self, parts: &[&[u8]]) -> Option<bool> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total > PIECE {
+            return None;
+        }
+        let w = self.u64_at(WRITE).load(Ordering::Relaxed);
+        let r = self.u64_at(READ).load(Ordering::SeqCst);
+        let pos = (w as usize) & (self.cap - 1);
+        // What `push` would find free (a skip to the start leaves `pos`).
+        let free = if w == r && pos >= HOT && (1..=HOT).contains(&total) {
+            pos
+        } else {
+            self.cap.checked_sub(w.wrapping_sub(r).try_into().ok()?)?
+        };
+        if total > free {
+            return None;
+        }
+        let (n, wake) = self.push(parts, 0);
+        debug_assert_eq!(n, total, "it fit");
+        Some(wake)
+    }
+
     /// The data capacity in bytes.
     pub(crate) fn cap(&self) -> usize {
         self.cap
@@ -379,6 +404,35 @@ mod tests {
         assert_eq!(tx.push(&[&[7u8; 8]], 0).0, 8);
         assert_eq!(write_pos(&tx), small.len() + 72);
         assert_eq!(drain(&rx), [7u8; 8]);
+    }
+
+    #[test]
+    fn a_whole_push_takes_all_or_nothing() {
+        let (tx, rx) = pair(MIN_CAP);
+        let big = vec![3u8; MIN_CAP - 64];
+        assert_eq!(tx.push_whole(&[&big]), Some(false));
+        assert_eq!(tx.push_whole(&[&[4u8; 128]]), None, "64 bytes left");
+        assert_eq!(
+            tx.push_whole(&[&[4u8; 32], &[5u8; 32]]),
+            Some(false),
+            "exactly what is left"
+        );
+        assert_eq!(drain(&rx).len(), MIN_CAP);
+        // Empty and far in: it starts over at the beginning, as `push` does.
+        assert_eq!(tx.push_whole(&[&[6u8; 4096]]), Some(false));
+        assert_eq!(write_pos(&tx), 4096);
+        assert_eq!(drain(&rx), [6u8; 4096]);
+        assert_eq!(
+            tx.push_whole(&[&vec![0u8; PIECE + 8]]),
+            None,
+            "over a piece"
+        );
+        rx.arm_reader();
+        assert_eq!(
+            tx.push_whole(&[&[7u8; 8]]),
+            Some(true),
+            "the armed reader is rung"
+        );
     }
 
     #[test]

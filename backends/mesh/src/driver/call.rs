@@ -167,9 +167,15 @@ impl CallRun<'_> {
                 payload.len() as u64,
             );
             match inner.fate(self.b.members[self.b.me], to) {
+                faulty::Fate::Send if inner.try_send_data(to, &h, payload, self.may_pull) => {
+                    Some(Ok(()))
+                }
                 faulty::Fate::Send => {
                     let pulls = self.may_pull.then_some(pulls);
-                    before(self.deadline, inner.send_data(to, h, payload, pulls)).await
+                    // Boxed: most small frames went above, and this state
+                    // would make every call's future ~500 bytes larger.
+                    let send = Box::pin(inner.send_data(to, h, payload, pulls));
+                    before(self.deadline, send).await
                 }
                 faulty::Fate::Faulted(v, start) => {
                     // Boxed: only fault plans take this path, and its state

@@ -221,8 +221,7 @@ impl Inner {
         pulls: Option<&mut Pulls<'_>>,
     ) -> std::io::Result<()> {
         if let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to))
-            && payload.len() >= self.single_copy_min
-            && l.link.peer_pulls()
+            && self.pull_sized(l, payload)
             && l.puller
                 .compare_exchange(0, pulls.call, Ordering::SeqCst, Ordering::SeqCst)
                 .map_or_else(|owner| owner == pulls.call, |_| true)
@@ -238,6 +237,31 @@ impl Inner {
             return Ok(());
         }
         self.send_frame(to, h.tag, &h.encode(), payload).await
+    }
+
+    /// Whether `payload` is large enough to go to `l`'s peer as a pull
+    /// frame, if the call's sources stay until taken.
+    fn pull_sized(&self, l: &super::poll::Polled, payload: &[u8]) -> bool {
+        payload.len() >= self.single_copy_min && l.link.peer_pulls()
+    }
+
+    /// Sends a data frame to world rank `to` now, without waiting, where it
+    /// can: a same-host peer's queue that has room and no other sender, for
+    /// a payload that does not go as a pull frame (`may_pull`: the call's
+    /// sources stay). Returns whether it did; else [`Self::send_data`].
+    pub(super) fn try_send_data(
+        &self,
+        to: usize,
+        h: &FrameHeader,
+        payload: &[u8],
+        may_pull: bool,
+    ) -> bool {
+        match self.links.get(to) {
+            Some(Link::Polled(l)) if !(may_pull && self.pull_sized(l, payload)) => {
+                Self::try_send_polled(l, &h.encode(), payload)
+            }
+            _ => false,
+        }
     }
 
     /// Waits until the peers have read every pull frame of `pulls`.

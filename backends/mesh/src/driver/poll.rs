@@ -543,6 +543,19 @@ impl Inner {
         self.poll_links() > 0
     }
 
+    /// Writes one whole frame into polled link `l` now, if no other sender
+    /// is writing to it and the frame fits; returns whether it did. Most
+    /// small frames go this way, with no future to make (see
+    /// [`Self::send_polled`] for the rest).
+    pub(super) fn try_send_polled(l: &Polled, header: &[u8], payload: &[u8]) -> bool {
+        let Ok(_one) = l.send.try_lock() else {
+            return false;
+        };
+        let zeros = [0u8; 8];
+        l.link
+            .push_whole(&[header, payload, &zeros[..padding(payload.len())]])
+    }
+
     /// Writes one whole frame into polled link `l` to world rank `to`,
     /// taking this rank's own frames while it waits for room (two ranks
     /// sending to each other through full queues would otherwise wait on
