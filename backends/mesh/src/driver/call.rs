@@ -1,6 +1,9 @@
 //! One call, run: the schedule's actions against the links and the
-//! engine. [`CallRun`] holds the call's state; its methods are the steps
-//! of [`MeshBackend::run_call`]'s loop: act on what the schedule asks, take
+//! engine. [`MeshBackend::prepare`] builds a call's state when the call is
+//! made ([`Prepared`]: its schedule, buffers, registry entry, armed
+//! timer), outside the future, so that each call's allocation holds only
+//! what lives across its awaits. [`CallRun`]'s methods are the steps of
+//! [`Prepared::run`]'s loop: act on what the schedule asks, take
 //! what has arrived, and wait (failing on the engine's verdict or at the
 //! call's deadline, spinning on polled links, then sleeping until a frame
 //! is filed, the pump wakes it, or its deadline).
@@ -12,7 +15,11 @@ struct CallRun<'c> {
     b: &'c MeshBackend,
     schedule: consort_comm::algo::Schedule,
     raw: RawBufs,
-    begun: &'c Begun,
+    /// The engine's handle of the call, its place in its group's
+    /// sequence and its fingerprint (from [`Begun`]).
+    id: CallId,
+    seq: u64,
+    fp: Fingerprint,
     /// The call's key in the in-place registry.
     call_id: u64,
     p2p: bool,
@@ -33,19 +40,62 @@ struct CallRun<'c> {
     spun_at: Option<Instant>,
 }
 
+/// A call made and not yet run: dropped, field by field, as its run ends
+/// or when it is dropped unrun (the pulls revoking what was not read, then
+/// the registry entry, then the scratch and the scaled input the run's
+/// buffers point into; the caller's own buffers stay borrowed for as long
+/// as the call's `Work`).
+pub(super) struct Prepared<'c> {
+    run: CallRun<'c>,
+    pulls: Pulls<'c>,
+    _direct: DirectGuard<'c>,
+    _scratch: Vec<u64>,
+    /// A reduce_scatter's pre-scaled input (`Call::scaled_input`), which
+    /// the run's input points into.
+    _scaled_input: Option<Vec<u8>>,
+    /// The reduce op to finish with (an average's division), if any.
+    finalize: Option<ReduceOp>,
+}
+
+impl Prepared<'_> {
+    /// Runs the call to its end.
+    pub(super) async fn run(&mut self) -> Result<()> {
+        let n = self.run.b.members.len();
+        let (run, pulls, finalize) = (&mut self.run, &mut self.pulls, self.finalize);
+        // Links write into this call's receives only while it is polled
+        // (see `registry`).
+        Polling {
+            call: run.call_id,
+            fut: async {
+                run.run(pulls).await?;
+                if let Some(op) = finalize {
+                    // SAFETY: the call itself, inside its poll.
+                    unsafe { run.raw.buffers() }.finalize(op, n)?;
+                }
+                Ok(())
+            },
+        }
+        .await
+    }
+}
+
 impl MeshBackend {
-    /// Runs one call to its end.
-    pub(super) async fn run_call(
-        &self,
+    /// Everything a call needs before it runs: its schedule, buffers,
+    /// registry entry (unregistered when the guard drops), armed timer and
+    /// pull list. The scratch store backs the run's scratch buffer.
+    pub(super) fn prepare<'c>(
+        &'c self,
         req: &mut Call<'_>,
         opts: &CallOptions,
         begun: &Begun,
-    ) -> Result<()> {
+    ) -> Result<Prepared<'c>> {
         let inner = &self.inner;
         let n = self.members.len();
-        let spec = req.spec(self.me, n);
-        let algo = self.opts.algo.select(req.op, spec.bytes(), n);
-        let schedule = lock(&self.programs).schedule(&spec, algo)?;
+        let schedule = {
+            let spec = req.spec(self.me, n);
+            let algo = self.opts.algo.select(req.op, spec.bytes(), n);
+            lock(&self.programs).schedule(&spec, algo)?
+        };
         let mut scratch_store = scratch(schedule.scratch_len(), req.dtype);
         let raw = RawBufs {
             dtype: req.dtype,
@@ -58,7 +108,7 @@ impl MeshBackend {
         };
         let call_id = registry::new_call(inner);
         // Unregisters the call's receives when it ends, however it ends.
-        let _direct = DirectGuard(inner, call_id);
+        let direct = DirectGuard(inner, call_id);
         let timeout = opts.timeout_or(self.opts.timeout);
         let deadline = {
             let mut engine = lock(&inner.engine);
@@ -69,17 +119,19 @@ impl MeshBackend {
         inner.wake_pump();
         // Dropped (revoking what was not read) before the call's buffers
         // can go, however the call ends.
-        let mut pulls = Pulls {
+        let pulls = Pulls {
             inner,
             call: call_id,
             out: Vec::new(),
         };
-        let mut run = CallRun {
+        let run = CallRun {
             b: self,
             may_pull: schedule.sources_stay(),
             schedule,
             raw,
-            begun,
+            id: begun.id,
+            seq: begun.seq,
+            fp: begun.fp,
             call_id,
             p2p: req.is_p2p(),
             reduce: req.reduce,
@@ -89,22 +141,15 @@ impl MeshBackend {
             done: Vec::new(),
             spun_at: None,
         };
-        // Links write into this call's receives only while it is polled
-        // (see `registry`).
-        Polling {
-            call: call_id,
-            fut: async {
-                run.run(&mut pulls).await?;
-                if req.finalize
-                    && let Some(op) = req.reduce
-                {
-                    // SAFETY: the call itself, inside its poll.
-                    unsafe { run.raw.buffers() }.finalize(op, n)?;
-                }
-                Ok(())
-            },
-        }
-        .await
+        Ok(Prepared {
+            run,
+            pulls,
+            _direct: direct,
+            _scratch: scratch_store,
+            // Moved, not copied: the bytes stay where `raw` points.
+            _scaled_input: req.scaled_input.take(),
+            finalize: req.reduce.filter(|_| req.finalize),
+        })
     }
 }
 
@@ -125,7 +170,7 @@ impl CallRun<'_> {
                 // The peers read this rank's pull frames before its buffers
                 // may change.
                 let inner = &self.b.inner;
-                return inner.wait_pulls(pulls, self.begun.id, self.deadline).await;
+                return inner.wait_pulls(pulls, self.id, self.deadline).await;
             }
             let woken = self.b.inner.woken();
             let mut woken = std::pin::pin!(woken);
@@ -134,7 +179,7 @@ impl CallRun<'_> {
                 let waiting = self.schedule.waiting_on();
                 let mut engine = lock(&self.b.inner.engine);
                 let at = self.spun_at.take().unwrap_or_else(Instant::now);
-                engine.progressed(self.begun.id, at, &waiting);
+                engine.progressed(self.id, at, &waiting);
                 continue;
             }
             self.wait(woken.as_mut()).await?;
@@ -160,12 +205,7 @@ impl CallRun<'_> {
                 "the peer is gone",
             )))
         } else {
-            let h = FrameHeader::data(
-                self.begun.fp,
-                tx.tag,
-                tx.range.start as u64,
-                payload.len() as u64,
-            );
+            let h = FrameHeader::data(self.fp, tx.tag, tx.range.start as u64, payload.len() as u64);
             match inner.fate(self.b.members[self.b.me], to) {
                 faulty::Fate::Send if inner.try_send_data(to, &h, payload, self.may_pull) => {
                     Some(Ok(()))
@@ -195,14 +235,14 @@ impl CallRun<'_> {
                 // A peer that failed first usually said why before
                 // closing: report that cause.
                 let waiting = self.schedule.waiting_on();
-                let said = lock(&inner.engine).failure(self.begun.id, &waiting);
+                let said = lock(&inner.engine).failure(self.id, &waiting);
                 Err(said.unwrap_or_else(|| CommError::PeerLost {
                     ctx: ErrorContext::default(),
                     peer: tx.to,
                     reason: format!("send failed: {e}"),
                 }))
             }
-            None => Err(lock(&inner.engine).timed_out(self.begun.id, &[tx.to])),
+            None => Err(lock(&inner.engine).timed_out(self.id, &[tx.to])),
         }
     }
 
@@ -215,11 +255,11 @@ impl CallRun<'_> {
             && bytes >= self.b.opts.in_place_min
             && let Some(dst) = self.raw.ptr(rv.buf, &rv.range)
         {
-            let key = key(self.b, self.begun.seq, &rv);
+            let key = key(self.b, self.seq, &rv);
             let direct = Direct {
                 call: self.call_id,
                 key,
-                fp: self.begun.fp,
+                fp: self.fp,
                 dst,
                 len: bytes,
                 reduce: rv
@@ -241,7 +281,7 @@ impl CallRun<'_> {
             // The first frame taken stamps the record's start.
             engine.flight_mut().set_now_lazy();
             let mut bad = None;
-            let eid = self.begun.id;
+            let eid = self.id;
             self.posted
                 .retain(|rv| match engine.take(eid, rv.from, rv.tag) {
                     None => true,
@@ -279,7 +319,7 @@ impl CallRun<'_> {
         // took a registration writes nothing more into these ranges (and a
         // frame that came the buffered way loses its registration).
         let keys = done.iter().chain(got.iter().map(|(rv, _)| rv));
-        let (b, seq) = (self.b, self.begun.seq);
+        let (b, seq) = (self.b, self.seq);
         registry::retire(inner, self.call_id, keys.map(|rv| key(b, seq, rv)));
         for rv in done.drain(..) {
             self.schedule
@@ -310,11 +350,11 @@ impl CallRun<'_> {
         let now = Instant::now();
         {
             let mut engine = lock(&inner.engine);
-            if let Some(e) = engine.failure(self.begun.id, &waiting) {
+            if let Some(e) = engine.failure(self.id, &waiting) {
                 return Err(e);
             }
             if now >= self.deadline {
-                return Err(engine.timed_out(self.begun.id, &waiting));
+                return Err(engine.timed_out(self.id, &waiting));
             }
         }
         // Same-host peers write into shared queues: take what they wrote,

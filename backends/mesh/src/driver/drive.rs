@@ -363,23 +363,27 @@ impl MeshBackend {
             Ok(b) => b,
             Err(e) => return Work::ready(Err(e)),
         };
-        let opts = *opts;
-        let guard = CallGuard {
+        let mut guard = CallGuard {
             inner: &self.inner,
             id: begun.id,
             armed: true,
+            // Built now, not in the future's state (see `call`).
+            prepared: Some(self.prepare(&mut req, opts, &begun)),
         };
+        let id = begun.id;
         Work::new(async move {
-            // Move the whole guard in (a field use alone would capture only
-            // the field): dropping this future cancels the call.
-            let mut guard = guard;
-            let result = self.run_call(&mut req, &opts, &begun).await;
+            // Take the whole guard in (a field use alone would capture only
+            // the field), in place: dropping this future cancels the call.
+            let guard = &mut guard;
+            // The run's state goes (its pulls revoked, its receives
+            // unregistered) before the engine hears the call ended.
+            let result = guard.run().await;
             guard.armed = false;
             let now = super::flight::now_us();
             let ended = {
                 let mut engine = lock(&self.inner.engine);
                 engine.flight_mut().set_now_us(now);
-                engine.end(begun.id, result)
+                engine.end(id, result)
             };
             if let Some(beat) = &self.inner.beat {
                 beat.ended(now);
@@ -390,7 +394,9 @@ impl MeshBackend {
                 super::flight::dump(&self.inner, &e.to_string(), true);
             }
             if let Some(abort) = ended.abort {
-                propagate(&self.inner, abort).await;
+                // Boxed: a failed call's path, and this future is ~800
+                // bytes that every call's allocation would otherwise hold.
+                Box::pin(propagate(&self.inner, abort)).await;
             }
             self.inner.notify.notify_waiters();
             ended.result

@@ -465,17 +465,35 @@ async fn all_before<F: Future>(deadline: Instant, futs: impl IntoIterator<Item =
     total - pending.len()
 }
 
-/// Cancels a call whose work is dropped before it ends: the engine poisons
-/// its group, and the peers are told (from a spawned task: a drop cannot
-/// wait).
+/// A call's state while it runs, and its cancelling: a call whose work is
+/// dropped before it ends has its run's state dropped first (pulls revoked,
+/// receives unregistered), then the engine poisons its group, and the peers
+/// are told (from a spawned task: a drop cannot wait).
 struct CallGuard<'a> {
     inner: &'a Arc<Inner>,
     id: CallId,
     armed: bool,
+    /// What [`MeshBackend::prepare`] made (or why it could not); `None` once
+    /// the run has ended.
+    prepared: Option<Result<call::Prepared<'a>>>,
+}
+
+impl CallGuard<'_> {
+    /// Runs the prepared call to its end and drops its state.
+    async fn run(&mut self) -> Result<()> {
+        let result = match &mut self.prepared {
+            Some(Ok(p)) => p.run().await,
+            Some(Err(e)) => Err(e.clone()),
+            None => Err(CommError::protocol(None, "this call has already run")),
+        };
+        self.prepared = None;
+        result
+    }
 }
 
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
+        self.prepared = None;
         if !self.armed {
             return;
         }
