@@ -90,7 +90,8 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                 let mut a: Vec<T> = huge_vec(count, v(1));
                 let mut b: Vec<T> = huge_vec(count, v(0));
                 let mut times = Vec::with_capacity(iters);
-                for it in 0..iters + 2 {
+                let warmup = spec.warmup(bytes);
+                for it in 0..iters + warmup {
                     pg.barrier().await?;
                     let s = Instant::now();
                     match op {
@@ -100,7 +101,7 @@ async fn bench_rank(pg: ProcessGroup, spec: &BenchSpec) -> Result<Vec<Row>, Comm
                         OpKind::AllGather => pg.all_gather(&mut b, &a[..part]).await?,
                         _ => pg.all_to_all_single(&mut b, &a, None, None).await?,
                     }
-                    if it >= 2 {
+                    if it >= warmup {
                         times.push(s.elapsed().as_secs_f64());
                     }
                 }

@@ -17,6 +17,9 @@ pub(crate) struct BenchSpec {
     pub(crate) sizes: Vec<usize>,
     pub(crate) dtype: String,
     pub(crate) iters: Option<usize>,
+    /// Untimed iterations before the timed ones (see [`BenchSpec::warmup`]).
+    #[serde(default)]
+    pub(crate) warmup: Option<usize>,
     /// nccl: every rank on GPU 0 (see `consort bench --share-gpu`).
     #[serde(default)]
     pub(crate) share_gpu: bool,
@@ -27,6 +30,35 @@ pub(crate) struct BenchSpec {
     /// are enough (as Open MPI binds), or `none`.
     #[serde(default = "core_binding")]
     pub(crate) bind_to: String,
+}
+
+/// Messages up to this many bytes get [`SMALL_WARMUP`] untimed iterations.
+const SMALL_WARMUP_BYTES: usize = 8 << 10;
+
+/// Untimed iterations of a small message (OSU's micro-benchmarks skip 200
+/// below 8 KiB). A job's first ~50 small calls here ran at 15-25 µs each
+/// instead of ~2 (seen on 2 ranks, each on a core of its own, in 5 of 6
+/// runs with 2 warm-up iterations and in none of 6 with 50), so a row
+/// measured from the second call on reported the start-up, not the
+/// collective. Open MPI's Python anchor has run for a good 100 ms when it
+/// starts timing.
+const SMALL_WARMUP: usize = 200;
+
+/// Untimed iterations of a larger message, as `gloo_bench.py` and
+/// `mpi_bench.py` run.
+const LARGE_WARMUP: usize = 2;
+
+impl BenchSpec {
+    /// Untimed iterations before a row of `bytes` is timed: `--warmup`,
+    /// else [`SMALL_WARMUP`] up to [`SMALL_WARMUP_BYTES`] and
+    /// [`LARGE_WARMUP`] above.
+    pub(crate) fn warmup(&self, bytes: usize) -> usize {
+        self.warmup.unwrap_or(if bytes <= SMALL_WARMUP_BYTES {
+            SMALL_WARMUP
+        } else {
+            LARGE_WARMUP
+        })
+    }
 }
 
 fn max_timing() -> String {

@@ -45,6 +45,11 @@ pub(crate) struct BenchArgs {
     /// Timed iterations per row (default: as gloo_bench.py, 3..=200 by size).
     #[arg(long, value_parser = parse_iters)]
     iters: Option<usize>,
+    /// Untimed iterations before each row (default: 200 up to 8 KiB, as
+    /// OSU's benchmarks skip, and 2 above, as gloo_bench.py and
+    /// mpi_bench.py run).
+    #[arg(long)]
+    warmup: Option<usize>,
     /// How an iteration is timed: `max`, the slowest rank's time (as
     /// nccl-tests and the anchors in shared/bench time it), or `rank0`,
     /// rank 0's alone (a broadcast root returns once its bytes are queued).
@@ -361,6 +366,7 @@ async fn collectives(a: BenchArgs) -> Result<(), BoxError> {
         sizes: a.sizes.0,
         dtype: a.dtype,
         iters: a.iters,
+        warmup: a.warmup,
         share_gpu: a.share_gpu,
         timing: a.timing,
         bind_to: a.bind_to,
