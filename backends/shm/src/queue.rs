@@ -91,6 +91,23 @@ impl Queue {
     /// on, as many as fit, in multiples of 8 unless the end is reached.
     /// Returns how many it took and whether the reader must be woken.
     pub(crate) fn push(&self, parts: &[&[u8]], from: usize) -> (usize, bool) {
+        self.push_some(parts, from, false)
+    }
+
+    /// Producer: appends all of `parts` if at most a [`PIECE`] and it fits
+    /// now; returns whether the reader must be woken, or `None` (nothing
+    /// taken) if it does not fit.
+    pub(crate) fn push_whole(&self, parts: &[&[u8]]) -> Option<bool> {
+        match self.push_some(parts, 0, true) {
+            (0, _) => None,
+            (_, wake) => Some(wake),
+        }
+    }
+
+    /// [`Self::push`]; with `whole`, nothing unless all that is left fits
+    /// in one piece (decided on the same reading of the counters as the
+    /// copy: the peer's `read` may change between two readings).
+    fn push_some(&self, parts: &[&[u8]], from: usize, whole: bool) -> (usize, bool) {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut w = self.u64_at(WRITE).load(Ordering::Relaxed);
         // SeqCst: pairs with the consumer's store of `read` and the
@@ -98,12 +115,12 @@ impl Queue {
         let r = self.u64_at(READ).load(Ordering::SeqCst);
         let pos = (w as usize) & (self.cap - 1);
         let left = total.saturating_sub(from);
-        if w == r && pos >= HOT && (1..=HOT).contains(&left) {
-            // The consumer has taken everything: start over at the
-            // beginning. It jumps there when it reaches `w` (published
-            // before the bytes, with `write`); the gap counts as used
-            // until then, and `pos` bytes, at least what is left, fit.
-            self.u64_at(SKIP_AT).store(w, Ordering::SeqCst);
+        // The consumer has taken everything: start over at the beginning.
+        // It jumps there when it reaches `skip_from` (stored below, before
+        // the bytes and `write`); the gap counts as used until then, and
+        // `pos` bytes, at least what is left, fit.
+        let skip_from = (w == r && pos >= HOT && (1..=HOT).contains(&left)).then_some(w);
+        if skip_from.is_some() {
             w = w.wrapping_add((self.cap - pos) as u64);
         }
         let used = w.wrapping_sub(r);
@@ -112,12 +129,18 @@ impl Queue {
             return (0, false);
         }
         let free = self.cap - used as usize;
+        if whole && left > free.min(PIECE) {
+            return (0, false);
+        }
         let mut n = left.min(free).min(PIECE);
         if n < left {
             n &= !7;
         }
         if n == 0 {
             return (0, false);
+        }
+        if let Some(at) = skip_from {
+            self.u64_at(SKIP_AT).store(at, Ordering::SeqCst);
         }
         // Copy bytes from..from+n of the parts to position w.
         let mut skip = from;
@@ -150,31 +173,6 @@ impl Queue {
         let wake = self.u32_at(READER_SLEEPING).load(Ordering::SeqCst) != 0
             && self.u32_at(READER_SLEEPING).swap(0, Ordering::SeqCst) != 0;
         (n, wake)
-    }
-
-    /// Producer: appends all of `parts` if at most a [`PIECE`] and it fits
-    /// now; returns whether the reader must be woken, or `None` (nothing
-    /// taken) if it does not fit.
-    pub(crate) fn push_whole(&self, parts: &[&[u8]]) -> Option<bool> {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        if total > PIECE {
-            return None;
-        }
-        let w = self.u64_at(WRITE).load(Ordering::Relaxed);
-        let r = self.u64_at(READ).load(Ordering::SeqCst);
-        let pos = (w as usize) & (self.cap - 1);
-        // What `push` would find free (a skip to the start leaves `pos`).
-        let free = if w == r && pos >= HOT && (1..=HOT).contains(&total) {
-            pos
-        } else {
-            self.cap.checked_sub(w.wrapping_sub(r).try_into().ok()?)?
-        };
-        if total > free {
-            return None;
-        }
-        let (n, wake) = self.push(parts, 0);
-        debug_assert_eq!(n, total, "it fit");
-        Some(wake)
     }
 
     /// The data capacity in bytes.
@@ -419,6 +417,8 @@ mod tests {
         );
         assert_eq!(drain(&rx).len(), MIN_CAP);
         // Empty and far in: it starts over at the beginning, as `push` does.
+        assert_eq!(tx.push_whole(&[&vec![5u8; HOT + 64]]), Some(false));
+        assert_eq!(drain(&rx).len(), HOT + 64);
         assert_eq!(tx.push_whole(&[&[6u8; 4096]]), Some(false));
         assert_eq!(write_pos(&tx), 4096);
         assert_eq!(drain(&rx), [6u8; 4096]);
@@ -453,7 +453,7 @@ mod tests {
         #[test]
         fn bytes_arrive_in_order_whatever_the_interleaving(
             steps in proptest::collection::vec(
-                (0usize..3, 1usize..(3 * HOT / 8), 0usize..1000), 1..120),
+                (0usize..3, 1usize..(3 * HOT / 8), 0usize..=1000), 1..120),
         ) {
             let (tx, rx) = pair(MIN_CAP);
             let (mut sent, mut got) = (Vec::new(), Vec::new());

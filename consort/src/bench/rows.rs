@@ -50,11 +50,16 @@ const LARGE_WARMUP: usize = 2;
 
 impl BenchSpec {
     /// Untimed iterations before a row of `bytes` is timed: `--warmup`,
-    /// else [`SMALL_WARMUP`] up to [`SMALL_WARMUP_BYTES`] and
-    /// [`LARGE_WARMUP`] above.
+    /// else [`SMALL_WARMUP`] (at most `--iters`, at least
+    /// [`LARGE_WARMUP`]) up to [`SMALL_WARMUP_BYTES`] and [`LARGE_WARMUP`]
+    /// above.
     pub(crate) fn warmup(&self, bytes: usize) -> usize {
         self.warmup.unwrap_or(if bytes <= SMALL_WARMUP_BYTES {
+            // No more untimed than timed runs where `--iters` asks for few
+            // (the checks that run every op at once).
             SMALL_WARMUP
+                .min(self.iters.unwrap_or(SMALL_WARMUP))
+                .max(LARGE_WARMUP)
         } else {
             LARGE_WARMUP
         })

@@ -46,8 +46,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_parser = parse_iters)]
     iters: Option<usize>,
     /// Untimed iterations before each row (default: 200 up to 8 KiB, as
-    /// OSU's benchmarks skip, and 2 above, as gloo_bench.py and
-    /// mpi_bench.py run).
+    /// OSU's benchmarks skip, but no more than --iters, and 2 above, as
+    /// gloo_bench.py and mpi_bench.py run).
     #[arg(long)]
     warmup: Option<usize>,
     /// How an iteration is timed: `max`, the slowest rank's time (as
