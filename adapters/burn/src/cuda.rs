@@ -316,15 +316,7 @@ impl OnDevice {
         if let Some(e) = v.err {
             return Err(e);
         }
-        if v.found.len() != self.specs.len() {
-            return Err(BurnError::Mismatch {
-                why: format!(
-                    "it has {} float parameters, not {}",
-                    v.found.len(),
-                    self.specs.len()
-                ),
-            });
-        }
+        crate::same_count(v.found.len(), self.specs.len())?;
         // The pins replaced go back to cubecl only once consort's stream
         // has done with them.
         self.release_after_consort()?;

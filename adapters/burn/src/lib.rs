@@ -226,6 +226,16 @@ fn frozen<const D: usize>(t: &Tensor<D>) -> bool {
     t.device().is_autodiff() && !t.is_require_grad()
 }
 
+/// A module with `found` float parameters where `want` were expected.
+pub(crate) fn same_count(found: usize, want: usize) -> Result<(), BurnError> {
+    if found == want {
+        return Ok(());
+    }
+    Err(BurnError::Mismatch {
+        why: format!("it has {found} float parameters, not {want}"),
+    })
+}
+
 fn collect<M: Module>(module: &M) -> Result<Vec<(Entry, Vec<u8>)>, BurnError> {
     collect_with(module, true)
 }
@@ -443,15 +453,7 @@ impl BurnModel {
         }
         self.reread_frozen(module)?;
         let found = collect(module)?;
-        if found.len() != self.entries.len() {
-            return Err(BurnError::Mismatch {
-                why: format!(
-                    "it has {} float parameters, not {}",
-                    found.len(),
-                    self.entries.len()
-                ),
-            });
-        }
+        same_count(found.len(), self.entries.len())?;
         for (i, (e, bytes)) in found.into_iter().enumerate() {
             let dst = self.host.param_bytes_mut(i);
             if e.id != self.entries[i].id || dst.len() != bytes.len() {
@@ -470,15 +472,7 @@ impl BurnModel {
     /// Reads again which of `module`'s parameters are frozen.
     fn reread_frozen<M: Module>(&mut self, module: &M) -> Result<(), BurnError> {
         let found = collect_with(module, false)?;
-        if found.len() != self.entries.len() {
-            return Err(BurnError::Mismatch {
-                why: format!(
-                    "it has {} float parameters, not {}",
-                    found.len(),
-                    self.entries.len()
-                ),
-            });
-        }
+        same_count(found.len(), self.entries.len())?;
         for (e, (f, _)) in self.entries.iter_mut().zip(found) {
             e.frozen = f.frozen;
         }

@@ -100,17 +100,7 @@ mod tests {
     use crate::algo::Action;
 
     fn spec(op: OpKind, rank: usize, world: usize, count: usize) -> CallSpec<'static> {
-        CallSpec {
-            op,
-            rank,
-            world,
-            count,
-            elem_size: 4,
-            root: 0,
-            tag: 0,
-            input_splits: &[],
-            output_splits: &[],
-        }
+        crate::algo::tests::spec(op, rank, world, count, 0, &[])
     }
 
     /// The actions a schedule asks for before any receive arrives.

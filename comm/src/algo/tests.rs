@@ -9,7 +9,8 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn spec(
+/// A call of 4-byte elements (also the cache's tests').
+pub(super) fn spec(
     op: OpKind,
     rank: usize,
     world: usize,
