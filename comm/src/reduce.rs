@@ -604,6 +604,8 @@ impl Kernel for f16 {
     }
 }
 
+pub mod copy;
+
 /// The x86-64 SIMD paths of the 16-bit floats.
 #[cfg(target_arch = "x86_64")]
 mod simd;

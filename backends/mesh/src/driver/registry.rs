@@ -151,7 +151,7 @@ pub(super) fn deliver(inner: &Inner, peer: usize, d: &Direct, off: usize, bytes:
         // receive's range before it completes), and `off + len <= d.len`
         // bytes from `dst` lie inside its buffer.
         let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), bytes.len()) };
-        if let Some(e) = inbound::apply(d.reduce, dst, bytes) {
+        if let Some(e) = inbound::apply(d, dst, bytes) {
             lock(&inner.engine).protocol_error(peer, e);
         }
         return;
@@ -204,7 +204,7 @@ pub(super) fn take_pending(inner: &Inner, call: u64) -> usize {
         // SAFETY: as in `deliver`: we are inside the call's poll (the call
         // is the caller), and the chunk's range lies inside its receive.
         let dst = unsafe { std::slice::from_raw_parts_mut(c.d.dst.add(c.off), c.bytes.len()) };
-        if let Some(e) = inbound::apply(c.d.reduce, dst, &c.bytes) {
+        if let Some(e) = inbound::apply(&c.d, dst, &c.bytes) {
             lock(&inner.engine).protocol_error(c.peer, e);
         }
         inner.recycle(c.bytes);
