@@ -408,6 +408,10 @@ impl Dist {
         if let Some(b) = count_var("CONSORT_SHM_QUEUE_BYTES")? {
             shm.queue_bytes = b;
         }
+        // 0: no stage.
+        if let Some(b) = uint_var("CONSORT_SHM_STAGE_BYTES", 0)? {
+            shm.stage_bytes = b;
+        }
         match std::env::var("CONSORT_SHM_CMA")
             .ok()
             .as_deref()
@@ -716,18 +720,22 @@ fn seconds_var(var: &'static str) -> Result<Option<Duration>, CommError> {
 
 /// A positive integer from `var`, if set.
 fn count_var(var: &'static str) -> Result<Option<usize>, CommError> {
+    uint_var(var, 1)
+}
+
+/// An integer variable of at least `least` (unset or empty: `None`).
+fn uint_var(var: &'static str, least: usize) -> Result<Option<usize>, CommError> {
     match std::env::var(var).ok().filter(|v| !v.is_empty()) {
         None => Ok(None),
         Some(v) => v
             .trim()
             .parse::<usize>()
             .ok()
-            .filter(|n| *n > 0)
+            .filter(|n| *n >= least)
             .map(Some)
             .ok_or_else(|| {
-                CommError::invalid(format!(
-                    "{var}={v:?} is not valid: expected a positive integer"
-                ))
+                let what = if least == 0 { "a whole number" } else { "a positive integer" };
+                CommError::invalid(format!("{var}={v:?} is not valid: expected {what}"))
             }),
     }
 }

@@ -717,6 +717,7 @@ mod fitted {
             window: 4,
             overrides: Vec::new(),
             oversubscribed: false,
+            shared_stage: false,
         };
         let predict = |link: Link, hosts: usize, op: OpKind, bytes: usize| {
             let topo = Topology {

@@ -111,7 +111,31 @@ pub trait PolledLink: Send + Sync {
         false
     }
 
-    /// Reads `dst.len()` bytes at address `addr` of the peer's process.
+    /// Sender: copies `bytes` into this rank's stage, a region every peer
+    /// of this transport's [`LocalTransport::connect`] reads (one stage per
+    /// rank, shared by all its links), if it has room now; returns the
+    /// address to send in a [`consort_comm::frame::FrameKind::Pull`] frame,
+    /// which the peer's [`Self::read_peer`] reads. The default stages
+    /// nothing.
+    fn stage(&self, bytes: &[u8]) -> Option<u64> {
+        let _ = bytes;
+        None
+    }
+
+    /// Sender: the stage's bytes before `upto` (an address [`Self::stage`]
+    /// returned, plus its payload's length) are read by every peer they
+    /// went to, or `None`: all of them are. Only one call at a time stages.
+    fn free_stage(&self, upto: Option<u64>) {
+        let _ = upto;
+    }
+
+    /// Whether the peer reads this rank's stage (both ends have one).
+    fn peer_reads_stage(&self) -> bool {
+        false
+    }
+
+    /// Reads `dst.len()` bytes at address `addr` of the peer's process, or
+    /// of its stage (an address its [`Self::stage`] returned).
     fn read_peer(&self, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
         let _ = (addr, dst);
         Err(std::io::ErrorKind::Unsupported.into())
@@ -173,6 +197,13 @@ pub trait LocalTransport: Send + Sync + fmt::Debug {
     /// Whether this rank (card `mine`) can reach a peer that published
     /// `theirs`. Must give the same answer on both sides.
     fn can_connect(&self, mine: &str, theirs: &str) -> bool;
+
+    /// Whether the rank that published `card` has a stage that its peers
+    /// read ([`PolledLink::stage`]). The default: none.
+    fn stages(&self, card: &str) -> bool {
+        let _ = card;
+        false
+    }
 
     /// Connects to every peer in `setup.peers` (all of them, or fails).
     /// The result has one link per peer, in order.

@@ -87,6 +87,7 @@ impl Default for MeshOptions {
                 window: 4,
                 overrides: Vec::new(),
                 oversubscribed: false,
+                shared_stage: false,
             },
             stall_probe: Duration::from_millis(500),
             limits: FrameLimits::default(),

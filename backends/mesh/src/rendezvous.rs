@@ -288,6 +288,33 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
         opts.local = None;
     }
     opts.algo.oversubscribed = oversubscribed(cards, opts);
+    opts.algo.shared_stage = shared_stage(cards, opts);
+}
+
+/// Whether every rank is on one host, linked by the local transport, and
+/// each has a stage its peers read
+/// ([`consort_comm::algo::AlgoConfig::shared_stage`]). The same on every
+/// rank: it reads only the cards.
+fn shared_stage(cards: &[Card], opts: &MeshOptions) -> bool {
+    let Some(t) = &opts.local else {
+        return false;
+    };
+    one_host(cards, opts)
+        && cards
+            .iter()
+            .all(|c| c.local.as_ref().is_some_and(|card| t.stages(card)))
+}
+
+/// Whether every rank is on one host, linked by the local transport.
+fn one_host(cards: &[Card], opts: &MeshOptions) -> bool {
+    let (Some(t), Some(first)) = (&opts.local, cards.first().and_then(|c| c.local.as_ref())) else {
+        return false;
+    };
+    cards.iter().skip(1).all(|c| {
+        c.local
+            .as_ref()
+            .is_some_and(|theirs| t.can_connect(first, theirs))
+    })
 }
 
 /// Whether every rank is on one host, linked by the local transport, and
@@ -297,15 +324,7 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
 /// rank: it reads only the cards. A mesh with network links stays
 /// pipelined, since there the links, not the cores, set the pace.
 fn oversubscribed(cards: &[Card], opts: &MeshOptions) -> bool {
-    let (Some(t), Some(first)) = (&opts.local, cards.first().and_then(|c| c.local.as_ref())) else {
-        return false;
-    };
-    let one_host = cards.iter().skip(1).all(|c| {
-        c.local
-            .as_ref()
-            .is_some_and(|theirs| t.can_connect(first, theirs))
-    });
-    one_host && cards.len() > host_cores(cards.iter().map(|c| &c.cpus))
+    one_host(cards, opts) && cards.len() > host_cores(cards.iter().map(|c| &c.cpus))
 }
 
 /// The first bytes of a data stream: magic, version, rank, world size,

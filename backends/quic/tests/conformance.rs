@@ -44,6 +44,7 @@ fn quic_world(n: usize) -> WorldFuture {
                 window: 4,
                 overrides: Vec::new(),
                 oversubscribed: false,
+                shared_stage: false,
             },
             stall_probe: Duration::from_millis(100),
             ..TcpOptions::default()

@@ -10,6 +10,9 @@
 //! - `region`: sealed memfds that hold them, and [`ShmTransport`]'s host
 //!   identity;
 //! - `bell`: the datagram a side rings when the other sleeps;
+//! - `stage`: each rank's stage, which it alone writes and every peer
+//!   maps read-only: a payload several peers need (a large broadcast's
+//!   segment) is copied in once and read out by all of them at once;
 //! - `cma`: single-copy large messages, read by the receiver straight
 //!   from the sender's memory (`process_vm_readv`), where the kernel
 //!   allows it; elsewhere they go through the queues;
@@ -45,6 +48,7 @@ mod bell;
 mod cma;
 mod queue;
 mod region;
+mod stage;
 
 use std::{
     io,
@@ -59,7 +63,12 @@ use async_trait::async_trait;
 use consort_mesh::{LocalSetup, LocalTransport, PolledLink};
 use tokio::{io::unix::AsyncFd, sync::Notify, task::JoinHandle};
 
-use crate::{bell::Bell, queue::Queue, region::Region};
+use crate::{
+    bell::Bell,
+    queue::Queue,
+    region::Region,
+    stage::{PeerStage, STAGED, Stage},
+};
 
 /// The same-host transport, for `MeshOptions::local`.
 #[derive(Clone, Debug)]
@@ -80,6 +89,14 @@ pub struct ShmTransport {
     /// the speed of a copy, and the two copies through a cache-sized queue
     /// win. `CONSORT_SHM_CMA=1` turns it on.
     pub cma: bool,
+    /// Bytes of this rank's stage (a power of two, at least 64 KiB; 0: no
+    /// stage), which every same-host peer maps read-only: a large
+    /// broadcast's root copies each segment in once and all its readers
+    /// copy it out at once (the `direct` broadcast, which the mesh chooses
+    /// for 3 or more ranks on one host when every rank has a stage).
+    /// Default 4 MiB; `CONSORT_SHM_STAGE_BYTES` sets it under
+    /// `init_from_env`.
+    pub stage_bytes: usize,
 }
 
 impl Default for ShmTransport {
@@ -87,6 +104,7 @@ impl Default for ShmTransport {
         ShmTransport {
             queue_bytes: 4 << 20,
             cma: false,
+            stage_bytes: 4 << 20,
         }
     }
 }
@@ -106,6 +124,12 @@ struct ShmLink {
     peer_pid: u32,
     /// Whether the peer can read this process's memory.
     peer_pulls: bool,
+    /// Whether this rank reads the peer's memory (its pull frames).
+    reads_peer: bool,
+    /// This rank's stage (shared by its links), if the peer maps it.
+    stage: Option<Arc<Stage>>,
+    /// The peer's stage, mapped read-only, if it has one.
+    peer_stage: Option<PeerStage>,
     peer_bell: SocketAddr,
     bell: Arc<Bell>,
     /// Set when the peer's process exits (its pidfd).
@@ -214,7 +238,34 @@ impl PolledLink for ShmLink {
         self.peer_pulls
     }
 
+    fn stage(&self, bytes: &[u8]) -> Option<u64> {
+        self.stage.as_ref()?.put(bytes)
+    }
+
+    fn free_stage(&self, upto: Option<u64>) {
+        match (&self.stage, upto) {
+            (Some(s), Some(upto)) => s.free(upto),
+            (Some(s), None) => s.free_all(),
+            (None, _) => {}
+        }
+    }
+
+    fn peer_reads_stage(&self) -> bool {
+        self.stage.is_some()
+    }
+
     fn read_peer(&self, addr: u64, dst: &mut [u8]) -> io::Result<()> {
+        if addr & STAGED != 0 {
+            return match &self.peer_stage {
+                Some(st) => st.read(addr, dst),
+                None => Err(bad("a staged payload from a peer that offered no stage")),
+            };
+        }
+        if !self.reads_peer {
+            return Err(bad(
+                "a pull frame from a peer whose memory this rank does not read (CMA is off)",
+            ));
+        }
         cma::read(self.peer_pid, addr, dst)
     }
 
@@ -247,13 +298,20 @@ struct Offer {
     /// Where the peer may test reading this process ([`cma::Probe`]), if
     /// this rank lets it.
     probe: Option<cma::Probe>,
+    /// This rank's stage and its size, if it has one (the same in every
+    /// offer it makes).
+    stage: Option<(String, usize)>,
 }
 
 impl Offer {
     fn encode(&self) -> String {
         let probe = self.probe.map_or("-".to_string(), |p| p.encode());
+        let stage = self
+            .stage
+            .as_ref()
+            .map_or("-".to_string(), |(name, cap)| format!("{name} {cap}"));
         format!(
-            "{}\n{}\n{}\n{}\n{probe}",
+            "{}\n{}\n{}\n{}\n{probe}\n{stage}",
             self.region, self.cap, self.bell, self.pid
         )
     }
@@ -270,8 +328,16 @@ impl Offer {
                 "-" => None,
                 p => Some(cma::Probe::decode(p)?),
             },
+            stage: match l.next()? {
+                "-" => None,
+                st => {
+                    let (name, cap) = st.split_once(' ')?;
+                    Some((name.to_string(), cap.parse().ok()?))
+                }
+            },
         };
-        (l.next().is_none() && region::valid_name(&o.region)).then_some(o)
+        let stage_ok = o.stage.as_ref().is_none_or(|(n, _)| region::valid_name(n));
+        (l.next().is_none() && region::valid_name(&o.region) && stage_ok).then_some(o)
     }
 }
 
@@ -324,10 +390,16 @@ impl LocalTransport for ShmTransport {
                 t.map_or(0, |d| d.as_nanos())
             )
         });
+        let stage = if self.stage_bytes > 0 { STAGE_MARK } else { "" };
         format!(
-            "{QUEUE_LAYOUT} {}{CARD_NONCE}{n}",
+            "{QUEUE_LAYOUT} {}{CARD_NONCE}{n}{stage}",
             region::host_id().replace('\n', " ")
         )
+    }
+
+    /// Whether the card says its rank has a stage, which its peers read.
+    fn stages(&self, card: &str) -> bool {
+        card.ends_with(STAGE_MARK)
     }
 
     fn can_connect(&self, mine: &str, theirs: &str) -> bool {
@@ -336,16 +408,7 @@ impl LocalTransport for ShmTransport {
 
     async fn connect(&self, setup: LocalSetup<'_>) -> io::Result<Vec<Box<dyn PolledLink>>> {
         let cap = self.queue_bytes;
-        if !cap.is_power_of_two() || cap < queue::MIN_CAP {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "the shared-memory queue size must be a power of two of at least {} bytes, \
-                     not {cap} (CONSORT_SHM_QUEUE_BYTES)",
-                    queue::MIN_CAP
-                ),
-            ));
-        }
+        self.check_sizes()?;
         let store = setup.store;
         let (ns, rank) = (setup.namespace, setup.rank);
         let mut nonces: std::collections::HashMap<usize, &str> =
@@ -362,6 +425,14 @@ impl LocalTransport for ShmTransport {
                 .saturating_duration_since(std::time::Instant::now())
         };
         let store_err = |e: consort_comm::store::StoreError| io::Error::other(e.to_string());
+        // This rank's stage, one for all its peers.
+        let stage = match self.stage_bytes {
+            0 => None,
+            n => {
+                let fallback = format!("consort-{}-{rank}stage-{}", std::process::id(), nonce()?);
+                Some(Region::create(&fallback, n)?)
+            }
+        };
         // 1. A queue toward every peer, offered under a key of its own.
         let mut outs = Vec::new();
         for &(p, _) in setup.peers {
@@ -373,6 +444,7 @@ impl LocalTransport for ShmTransport {
                 bell: bell.name().to_string(),
                 pid: std::process::id(),
                 probe,
+                stage: stage.as_ref().map(|(n, _)| (n.clone(), self.stage_bytes)),
             };
             store
                 .set(&key(rank, p), offer.encode().as_bytes())
@@ -380,42 +452,54 @@ impl LocalTransport for ShmTransport {
                 .map_err(store_err)?;
             outs.push((name, region));
         }
-        // 2. Map every peer's queue toward this rank, and say so.
+        // 2. Map every peer's queue toward this rank and its stage, and say
+        // so.
         let mut ins = Vec::new();
         for &(p, _) in setup.peers {
             let k = key(p, rank);
             store.wait(&[&k], left()).await.map_err(store_err)?;
             let raw = store.get(&k).await.map_err(store_err)?;
-            let offer =
-                Offer::decode(&raw).ok_or_else(|| bad(format!("rank {p}'s offer is malformed")))?;
-            let region = Region::open(&offer.region, Queue::region_len(offer.cap))
-                .map_err(|e| bad(format!("mapping rank {p}'s queue: {e}")))?;
-            let inbox = Queue::new(region)
-                .ok_or_else(|| bad(format!("rank {p}'s queue has a bad size ({})", offer.cap)))?;
-            // Whether this rank can read the peer's memory: tried once,
-            // told to the peer with the mapping.
-            let pulls = self.cma && offer.probe.is_some_and(|pr| cma::works(p, offer.pid, pr));
-            let said: &[u8] = if pulls { b"cma" } else { b"queue" };
+            let (inbox, offer, peer_stage, said) = self.map_peer(p, &raw)?;
             store
-                .set(&format!("{k}/mapped"), said)
+                .set(&format!("{k}/mapped"), said.as_bytes())
                 .await
                 .map_err(store_err)?;
-            ins.push((inbox, offer));
+            let reads_peer = said.starts_with("cma");
+            ins.push((inbox, offer, peer_stage, reads_peer));
         }
-        // 3. Once each peer has mapped this rank's queue, its name goes.
-        let mut links: Vec<Box<dyn PolledLink>> = Vec::new();
-        for ((&(p, _), (name, mut region)), (inbox, offer)) in setup.peers.iter().zip(outs).zip(ins)
-        {
+        // 3. Once each peer has mapped this rank's queue (and stage), their
+        // names go.
+        let mut acks = Vec::new();
+        for &(p, _) in setup.peers {
             let mapped = format!("{}/mapped", key(rank, p));
             store.wait(&[&mapped], left()).await.map_err(store_err)?;
-            let peer_pulls = store.get(&mapped).await.map_err(store_err)? == b"cma";
+            acks.push(store.get(&mapped).await.map_err(store_err)?);
+        }
+        let stage = match stage {
+            Some((name, mut region)) => {
+                region.unlink(&name);
+                Some(Arc::new(
+                    Stage::new(region).ok_or_else(|| bad("bad stage size"))?,
+                ))
+            }
+            None => None,
+        };
+        let mut links: Vec<Box<dyn PolledLink>> = Vec::new();
+        let made = outs.into_iter().zip(ins).zip(acks);
+        for (((name, mut region), (inbox, offer, peer_stage, reads_peer)), ack) in made {
             region.unlink(&name);
             let dead = Arc::new(AtomicBool::new(false));
             links.push(Box::new(ShmLink {
                 out: Queue::new(region).ok_or_else(|| bad("bad queue size"))?,
                 inbox,
                 peer_pid: offer.pid,
-                peer_pulls,
+                peer_pulls: ack.starts_with(b"cma"),
+                reads_peer,
+                // Only a peer that mapped it reads it.
+                stage: stage
+                    .clone()
+                    .filter(|_| ack.ends_with(STAGE_MARK.as_bytes())),
+                peer_stage,
                 peer_bell: bell::address(&offer.bell)?,
                 bell: bell.clone(),
                 watch: watch(offer.pid, dead.clone(), setup.wake.clone())?,
@@ -427,13 +511,77 @@ impl LocalTransport for ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// The queue and stage sizes are usable.
+    fn check_sizes(&self) -> io::Result<()> {
+        let (cap, st) = (self.queue_bytes, self.stage_bytes);
+        if !cap.is_power_of_two() || cap < queue::MIN_CAP {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the shared-memory queue size must be a power of two of at least {} bytes, \
+                     not {cap} (CONSORT_SHM_QUEUE_BYTES)",
+                    queue::MIN_CAP
+                ),
+            ));
+        }
+        if st != 0 && (!st.is_power_of_two() || st < stage::MIN_STAGE) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the shared-memory stage size must be 0 (none) or a power of two of at least \
+                     {} bytes, not {st} (CONSORT_SHM_STAGE_BYTES)",
+                    stage::MIN_STAGE
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Maps peer `p`'s queue toward this rank and its stage, from its offer
+    /// `raw`; returns them with what to tell the peer (whether this rank
+    /// reads its memory, and its stage).
+    fn map_peer(
+        &self,
+        p: usize,
+        raw: &[u8],
+    ) -> io::Result<(Queue, Offer, Option<PeerStage>, String)> {
+        let offer =
+            Offer::decode(raw).ok_or_else(|| bad(format!("rank {p}'s offer is malformed")))?;
+        let region = Region::open(&offer.region, Queue::region_len(offer.cap))
+            .map_err(|e| bad(format!("mapping rank {p}'s queue: {e}")))?;
+        let inbox = Queue::new(region)
+            .ok_or_else(|| bad(format!("rank {p}'s queue has a bad size ({})", offer.cap)))?;
+        let peer_stage = match &offer.stage {
+            Some((name, cap)) => {
+                let region = Region::open_read_only(name, *cap)
+                    .map_err(|e| bad(format!("mapping rank {p}'s stage: {e}")))?;
+                Some(
+                    PeerStage::new(region)
+                        .ok_or_else(|| bad(format!("rank {p}'s stage has a bad size ({cap})")))?,
+                )
+            }
+            None => None,
+        };
+        // Whether this rank can read the peer's memory: tried once, told to
+        // the peer with the mapping.
+        let pulls = self.cma && offer.probe.is_some_and(|pr| cma::works(p, offer.pid, pr));
+        let mut said = if pulls { "cma" } else { "queue" }.to_string();
+        if peer_stage.is_some() {
+            said.push_str(STAGE_MARK);
+        }
+        Ok((inbox, offer, peer_stage, said))
+    }
+}
+
 /// What separates the host identity from the nonce in a card.
 const CARD_NONCE: &str = " #";
 
 /// The queues' layout, first in a card: ranks of builds whose queues differ
 /// do not connect through them (they meet over the network instead). `q2`:
-/// a small push may start over at the beginning (`queue::HOT`).
-const QUEUE_LAYOUT: &str = "q2";
+/// a small push may start over at the beginning (`queue::HOT`); `q3`: offers
+/// name a stage.
+const QUEUE_LAYOUT: &str = "q3";
 
 /// A card's host identity.
 fn host_of(card: &str) -> &str {
@@ -442,8 +590,12 @@ fn host_of(card: &str) -> &str {
 
 /// A card's nonce ("" for none).
 fn nonce_of(card: &str) -> &str {
-    card.rsplit_once(CARD_NONCE).map_or("", |(_, n)| n)
+    let n = card.rsplit_once(CARD_NONCE).map_or("", |(_, n)| n);
+    n.strip_suffix(STAGE_MARK).unwrap_or(n)
 }
+
+/// What ends the card of a rank with a stage.
+const STAGE_MARK: &str = " stage";
 
 fn nonce() -> io::Result<String> {
     let mut n = [0u8; 8];

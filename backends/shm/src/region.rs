@@ -30,14 +30,19 @@ impl Drop for Region {
     }
 }
 
-fn map(file: &std::fs::File, len: usize) -> io::Result<Region> {
+/// Maps `len` bytes of `file`, writable or read-only.
+fn map(file: &std::fs::File, len: usize, writable: bool) -> io::Result<Region> {
     use std::os::fd::AsRawFd;
     // SAFETY: a fresh shared mapping of a file we hold open; checked below.
     let ptr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            if writable {
+                libc::PROT_READ | libc::PROT_WRITE
+            } else {
+                libc::PROT_READ
+            },
             // Every page now: a queue first used page by page would take a
             // fault (and a zeroing) per 4 KiB for its first lap.
             libc::MAP_SHARED | libc::MAP_POPULATE,
@@ -104,7 +109,7 @@ impl Region {
         match sealed_memfd(len) {
             Ok(f) => {
                 use std::os::fd::AsRawFd;
-                let mut r = map(&f, len)?;
+                let mut r = map(&f, len, true)?;
                 let name = memfd_name(f.as_raw_fd());
                 r.memfd = Some(f);
                 return Ok((name, r));
@@ -118,15 +123,25 @@ impl Region {
             .mode(0o600)
             .open(path(fallback))?;
         f.set_len(len as u64)?;
-        Ok((fallback.to_string(), map(&f, len)?))
+        Ok((fallback.to_string(), map(&f, len, true)?))
     }
 
     /// Maps the peer's region `name` of `len` bytes. A memfd must carry
     /// the seals that fix its size.
     pub(crate) fn open(name: &str, len: usize) -> io::Result<Region> {
+        Self::open_as(name, len, true)
+    }
+
+    /// [`Self::open`], mapped read-only: this process can then never write
+    /// the peer's region (a peer's stage, which only its owner writes).
+    pub(crate) fn open_read_only(name: &str, len: usize) -> io::Result<Region> {
+        Self::open_as(name, len, false)
+    }
+
+    fn open_as(name: &str, len: usize, writable: bool) -> io::Result<Region> {
         let memfd = memfd_path(name);
         let at = memfd.clone().unwrap_or_else(|| path(name));
-        let f = OpenOptions::new().read(true).write(true).open(at)?;
+        let f = OpenOptions::new().read(true).write(writable).open(at)?;
         if memfd.is_some() {
             use std::os::fd::AsRawFd;
             // SAFETY: fcntl on a descriptor we own.
@@ -144,7 +159,7 @@ impl Region {
                 "shared region too small",
             ));
         }
-        map(&f, len)
+        map(&f, len, writable)
     }
 
     /// The mapping's first byte.

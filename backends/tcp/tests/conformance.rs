@@ -103,6 +103,7 @@ fn suite_options() -> TcpOptions {
             window: 4,
             overrides: Vec::new(),
             oversubscribed: false,
+            shared_stage: false,
         },
         stall_probe: Duration::from_millis(100),
         ..TcpOptions::default()
@@ -245,6 +246,7 @@ async fn ranks_with_different_segment_sizes_agree_through_shared_memory() {
                     window: 4,
                     overrides: AlgoConfig::parse_overrides("broadcast=chain").unwrap(),
                     oversubscribed: false,
+                    shared_stage: false,
                 },
                 local: Some(ShmTransport::default().shared()),
                 ..TcpOptions::default()

@@ -26,7 +26,8 @@ mod programs;
 mod select;
 
 pub use select::{
-    LATENCY_BOUND_BYTES, ONE_HOP_SEGMENT_BYTES, SMALL_BYTES, STORE_AND_FORWARD_BYTES,
+    FAN_OUT_SEGMENTS, LATENCY_BOUND_BYTES, ONE_HOP_SEGMENT_BYTES, SMALL_BYTES,
+    STORE_AND_FORWARD_BYTES,
 };
 
 use std::{fmt, ops::Range, sync::Arc};
@@ -127,6 +128,12 @@ pub trait Program: Send + Sync + fmt::Debug {
     fn scratch_len(&self) -> usize {
         0
     }
+    /// Whether the program sends each range it sends to several peers,
+    /// one transmit after another in one lane (the direct broadcast): a
+    /// driver that can let all of them read one copy of the bytes should.
+    fn fans_out(&self) -> bool {
+        false
+    }
 }
 
 /// Why the driver's report did not fit the schedule.
@@ -223,6 +230,12 @@ impl Schedule {
     /// The op this schedule runs.
     pub fn op(&self) -> OpKind {
         self.op
+    }
+
+    /// Whether the program sends each range to several peers in a row
+    /// (see [`Program::fans_out`]).
+    pub fn fans_out(&self) -> bool {
+        self.program.fans_out()
     }
 
     /// Elements of scratch space the driver must allocate.

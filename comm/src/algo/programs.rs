@@ -14,8 +14,8 @@ use crate::{CommError, OpKind, Result};
 mod listed;
 
 use listed::{
-    binomial_broadcast, binomial_reduce, direct, direct_all_reduce, direct_broadcast,
-    dissemination, halving_doubling, pairwise, recursive_doubling,
+    binomial_broadcast, binomial_reduce, direct, direct_all_reduce, dissemination,
+    halving_doubling, pairwise, recursive_doubling,
 };
 
 /// What one rank's call is, as far as choosing and building a schedule
@@ -84,6 +84,15 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             segs: chain_segments(spec, cfg),
             lead: cfg.oversubscribed,
             window: cfg.window,
+        }),
+        Algorithm::Direct if spec.op == OpKind::Broadcast => Arc::new(FanOut {
+            rank: spec.rank,
+            n: spec.world,
+            root: spec.root,
+            count: spec.count,
+            segs: (spec.count * spec.elem_size)
+                .div_ceil(cfg.fan_out_segment_bytes())
+                .max(1),
         }),
         _ => one_lane(spec, algo)?,
     };
@@ -197,9 +206,6 @@ fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Arc<dyn Program>> {
         (OpKind::AllReduce, Algorithm::Direct) => Listed::one(direct_all_reduce(r, n, spec.count)),
         (OpKind::Gather, Algorithm::Direct) => {
             all_at_once(direct(r, n, spec.root, spec.count, true))
-        }
-        (OpKind::Broadcast, Algorithm::Direct) => {
-            all_at_once(direct_broadcast(r, n, spec.root, spec.count))
         }
         (OpKind::Scatter, Algorithm::Direct) => {
             all_at_once(direct(r, n, spec.root, spec.count, false))
@@ -486,6 +492,68 @@ impl Chain {
             v.push(recv(actual(1), ack, Buf::Output, 0..0, false));
         }
         v
+    }
+}
+
+/// Direct broadcast: the root sends every segment to every rank, one
+/// transmit after another ([`Program::fans_out`]), and each rank
+/// acknowledges once (so that every rank takes a frame of the call, and a
+/// mismatch is seen on all of them). Where the transport has a stage its
+/// peers read (same-host shared memory), the root copies each segment in
+/// once and every reader copies it out at once: `1 + readers` copies
+/// against two per hop down a chain. Where it lets receivers read the
+/// root's memory (`CONSORT_SHM_CMA=1`), every reader copies from the root
+/// once. Lanes: one per segment, then the acknowledgements; all run at
+/// once, so a reader has every segment's receive posted when it comes.
+#[derive(Debug)]
+struct FanOut {
+    rank: usize,
+    n: usize,
+    root: usize,
+    count: usize,
+    segs: usize,
+}
+
+impl FanOut {
+    /// The `i`th rank after the root.
+    fn peer(&self, i: usize) -> usize {
+        (self.root + 1 + i) % self.n
+    }
+}
+
+impl Program for FanOut {
+    fn lanes(&self) -> usize {
+        if self.n == 1 { 0 } else { self.segs + 1 }
+    }
+    fn lane_len(&self, _lane: usize) -> usize {
+        if self.rank == self.root {
+            self.n - 1
+        } else {
+            1
+        }
+    }
+    fn action(&self, lane: usize, index: usize) -> Action {
+        let ack = self.segs as u32;
+        match (self.rank == self.root, lane < self.segs) {
+            (true, true) => send(
+                self.peer(index),
+                lane as u32,
+                Buf::Output,
+                subpart(&(0..self.count), self.segs, lane),
+            ),
+            (true, false) => recv(self.peer(index), ack, Buf::Output, 0..0, false),
+            (false, true) => recv(
+                self.root,
+                lane as u32,
+                Buf::Output,
+                subpart(&(0..self.count), self.segs, lane),
+                false,
+            ),
+            (false, false) => send(self.root, ack, Buf::Output, 0..0),
+        }
+    }
+    fn fans_out(&self) -> bool {
+        true
     }
 }
 

@@ -128,7 +128,22 @@ pub struct AlgoConfig {
     /// hop runs alone at full speed and the root is done after one. The
     /// mesh rendezvous sets it the same on every rank.
     pub oversubscribed: bool,
+    /// Every rank is on one host, linked by a local transport, and each
+    /// has a stage its peers read (the shared-memory transport's): a large
+    /// broadcast's root then copies each segment once and every reader
+    /// copies it out at once (the segmented [`Algorithm::Direct`]), instead
+    /// of two copies per hop down a chain. The mesh rendezvous sets it the
+    /// same on every rank.
+    pub shared_stage: bool,
 }
+
+/// Pipeline segments ([`AlgoConfig::segment_bytes`]) in one segment of the
+/// direct broadcast (see [`AlgoConfig::shared_stage`]): 1 MiB at the
+/// default, a quarter of the default 4 MiB stage, so that the root stages
+/// the next segments while the readers copy out the first (a frame per
+/// reader and segment costs more than a ring's: four times as large). The
+/// 3-rank 64 MiB broadcast on a 2-core host: see BENCHMARKS.md.
+pub const FAN_OUT_SEGMENTS: usize = 4;
 
 /// Largest piece the chain broadcast forwards whole on an oversubscribed
 /// host (see [`AlgoConfig::oversubscribed`]); below the frame limit.
@@ -148,6 +163,7 @@ impl Default for AlgoConfig {
             window: 2,
             overrides: Vec::new(),
             oversubscribed: false,
+            shared_stage: false,
         }
     }
 }
@@ -162,6 +178,12 @@ pub const SMALL_BYTES: usize = 16 * 1024;
 pub const LATENCY_BOUND_BYTES: usize = 64 * 1024;
 
 impl AlgoConfig {
+    /// Bytes of one segment of the direct broadcast: [`FAN_OUT_SEGMENTS`]
+    /// pipeline segments.
+    pub fn fan_out_segment_bytes(&self) -> usize {
+        self.segment_bytes.saturating_mul(FAN_OUT_SEGMENTS).max(1)
+    }
+
     /// Parses an override list: `ring`, or `all_reduce=ring,broadcast=chain`.
     pub fn parse_overrides(s: &str) -> Result<Vec<(Option<OpKind>, Algorithm)>, ParseAlgoError> {
         s.split(',')
@@ -197,8 +219,10 @@ impl AlgoConfig {
     /// Policy: all_reduce uses recursive doubling up to [`SMALL_BYTES`],
     /// halving-doubling below [`LATENCY_BOUND_BYTES`] (log-depth latency)
     /// and the ring above
-    /// (bandwidth-optimal); broadcast uses the pipelined chain for large
-    /// messages on small worlds and the binomial tree otherwise.
+    /// (bandwidth-optimal); broadcast uses the direct broadcast for large
+    /// messages over 3 or more ranks with a shared stage, the pipelined
+    /// chain for large messages on small worlds, and the binomial tree
+    /// otherwise.
     pub fn select(&self, op: OpKind, bytes: usize, world: usize) -> Algorithm {
         let forced = self
             .overrides
@@ -216,6 +240,11 @@ impl AlgoConfig {
             OpKind::AllReduce if bytes <= SMALL_BYTES => Algorithm::RecursiveDoubling,
             OpKind::AllReduce if bytes < LATENCY_BOUND_BYTES => Algorithm::HalvingDoubling,
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => Algorithm::Ring,
+            OpKind::Broadcast
+                if self.shared_stage && world >= 3 && bytes >= 4 * self.fan_out_segment_bytes() =>
+            {
+                Algorithm::Direct
+            }
             OpKind::Broadcast if bytes >= 4 * self.segment_bytes && world <= 16 => Algorithm::Chain,
             OpKind::Broadcast | OpKind::Reduce => Algorithm::BinomialTree,
             OpKind::AllToAll => Algorithm::Pairwise,

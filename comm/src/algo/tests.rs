@@ -175,7 +175,13 @@ proptest! {
         seed in any::<u64>(),
         oversubscribed in any::<bool>(),
     ) {
-        let cfg = AlgoConfig { segment_bytes: seg, window: 3, overrides: Vec::new(), oversubscribed };
+        let cfg = AlgoConfig {
+            segment_bytes: seg,
+            window: 3,
+            overrides: Vec::new(),
+            oversubscribed,
+            shared_stage: false,
+        };
         for (op, algo) in collective_algos() {
             let mut scheds = world_of(op, algo, n, count, root_pick % n, &cfg);
             if !scheds[0].sources_stay() {
@@ -452,6 +458,25 @@ fn selection_policy_and_overrides() {
     );
     assert_eq!(c.select(OpKind::Broadcast, 64 << 20, 8), Algorithm::Chain);
     assert_eq!(c.select(OpKind::Barrier, 0, 8), Algorithm::Dissemination);
+    // A shared stage: the direct broadcast from 3 ranks and 4 of its
+    // segments up; the chain between 2, whose one hop has nothing to share.
+    let st = AlgoConfig {
+        shared_stage: true,
+        ..Default::default()
+    };
+    assert_eq!(st.fan_out_segment_bytes(), 1 << 20);
+    assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 3), Algorithm::Direct);
+    assert_eq!(st.select(OpKind::Broadcast, 4 << 20, 16), Algorithm::Direct);
+    assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 2), Algorithm::Chain);
+    assert_eq!(
+        st.select(OpKind::Broadcast, (4 << 20) - 4, 3),
+        Algorithm::Chain
+    );
+    assert_eq!(
+        st.select(OpKind::AllReduce, 64 << 20, 3),
+        Algorithm::Ring,
+        "only broadcast fans out"
+    );
     let o = AlgoConfig {
         overrides: AlgoConfig::parse_overrides("ring").unwrap(),
         ..Default::default()

@@ -47,6 +47,8 @@ impl MeshBackend {
             in_place_min: opts.in_place_min,
             late_posts: Default::default(),
             single_copy_min: opts.single_copy_min,
+            stager: Default::default(),
+            staged_frames: Default::default(),
             flight: super::flight::out(opts.flight_dir.as_deref(), rank, world),
             faults: super::faulty::Faulty::new(&opts.faults, opts.fault_seed),
             beat: crate::heartbeat::Heartbeat::for_rank(opts.heartbeat_file.as_deref(), rank),

@@ -123,6 +123,8 @@ impl MeshBackend {
             inner,
             call: call_id,
             out: Vec::new(),
+            fan_out: schedule.fans_out(),
+            staging: None,
         };
         let run = CallRun {
             b: self,

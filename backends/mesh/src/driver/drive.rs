@@ -220,12 +220,13 @@ impl Inner {
         payload: &[u8],
         pulls: Option<&mut Pulls<'_>>,
     ) -> std::io::Result<()> {
-        if let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to))
-            && self.pull_sized(l, payload)
-            && l.puller
-                .compare_exchange(0, pulls.call, Ordering::SeqCst, Ordering::SeqCst)
-                .map_or_else(|owner| owner == pulls.call, |_| true)
-        {
+        let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to)) else {
+            return self.send_frame(to, h.tag, &h.encode(), payload).await;
+        };
+        if self.send_staged(to, l, h, payload, pulls).await? {
+            return Ok(());
+        }
+        if self.pull_sized(l, payload) && super::stage::claim(&l.puller, pulls.call) {
             let header = FrameHeader {
                 kind: FrameKind::Pull,
                 ..h
@@ -286,7 +287,7 @@ impl Inner {
                 let woken = self.woken();
                 let mut woken = std::pin::pin!(woken);
                 woken.as_mut().enable();
-                if self.spin(Instant::now()) || l.link.pulls_read() >= seq {
+                if self.spin_until(Instant::now(), &|| l.link.pulls_read() >= seq) {
                     continue;
                 }
                 let wake = deadline.min(Instant::now() + Duration::from_millis(10));
@@ -309,11 +310,18 @@ pub(super) struct Pulls<'a> {
     /// The call's registry id (see `Polled::puller`).
     pub(super) call: u64,
     pub(super) out: Vec<(usize, u64)>,
+    /// The call's schedule fans out (see `super::stage`).
+    pub(super) fan_out: bool,
+    /// What the call staged, once it has the stage.
+    pub(super) staging: Option<Box<super::stage::Staging>>,
 }
 
 impl Pulls<'_> {
     /// Every pull was read: the links are free for another call's.
     fn release(&mut self) {
+        if let Some(staging) = self.staging.take() {
+            self.inner.unstage(&staging, self.call);
+        }
         for (to, _) in self.out.drain(..) {
             if let Some(Link::Polled(l)) = self.inner.links.get(to) {
                 let _ = l

@@ -128,6 +128,11 @@ struct Inner {
     late_posts: std::sync::atomic::AtomicU64,
     /// See [`MeshOptions::single_copy_min`].
     single_copy_min: usize,
+    /// The call (registry id) that holds this rank's stage, 0 for none
+    /// (see [`stage`]).
+    stager: std::sync::atomic::AtomicU64,
+    /// Staged pull frames sent (see [`MeshBackend::staged_frames`]).
+    staged_frames: std::sync::atomic::AtomicU64,
     /// Where the flight record goes (`None`: nowhere).
     flight: Option<Arc<consort_comm::flight::FlightOut>>,
     /// The agent's view of this rank's progress.
@@ -420,6 +425,7 @@ mod inbound;
 mod poll;
 mod read;
 mod registry;
+mod stage;
 
 pub use consort_comm::flight::dump_flight_records;
 
@@ -605,6 +611,15 @@ impl MeshBackend {
     pub fn late_receives(&self) -> u64 {
         self.inner
             .late_posts
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many pull frames this rank sent that name its stage: one per
+    /// same-host peer and segment of the large broadcasts it was the root
+    /// of (see `consort_comm::algo::AlgoConfig::shared_stage`).
+    pub fn staged_frames(&self) -> u64 {
+        self.inner
+            .staged_frames
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 

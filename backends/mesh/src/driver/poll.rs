@@ -511,11 +511,18 @@ impl Inner {
     /// them (the peers ring when they write) and polls once more, so that
     /// the caller may sleep.
     pub(super) fn spin(self: &Arc<Self>, start: Instant) -> bool {
+        self.spin_until(start, &|| false)
+    }
+
+    /// [`Self::spin`], also ending (true) as soon as `done` holds: a wait
+    /// for a peer's counter (its pull frames read), which moves without a
+    /// frame.
+    pub(super) fn spin_until(self: &Arc<Self>, start: Instant, done: &dyn Fn() -> bool) -> bool {
         if self.polled.is_empty() {
             return false;
         }
         for round in 1u32.. {
-            if self.poll_links() > 0 {
+            if self.poll_links() > 0 || done() {
                 return true;
             }
             // The clock costs more than a poll: look at it now and then,
@@ -540,7 +547,7 @@ impl Inner {
                 l.link.arm();
             }
         }
-        self.poll_links() > 0
+        self.poll_links() > 0 || done()
     }
 
     /// Writes one whole frame into polled link `l` now, if no other sender

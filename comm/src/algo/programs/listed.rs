@@ -285,30 +285,6 @@ pub(super) fn direct(r: usize, n: usize, root: usize, m: usize, gather: bool) ->
     }
 }
 
-/// Direct broadcast: the root sends the whole buffer to every rank at once,
-/// each acknowledging it. Where the transport lets the receivers read the
-/// root's memory (same host, `CONSORT_SHM_CMA=1`), every reader copies from
-/// the root once, all in parallel: the shared-memory schedule, chosen with
-/// `CONSORT_ALGO=broadcast=direct` (the policy cannot know that every pair
-/// of the group can read each other).
-pub(super) fn direct_broadcast(r: usize, n: usize, root: usize, count: usize) -> Vec<Vec<Action>> {
-    if r == root {
-        return (0..n)
-            .filter(|&p| p != root)
-            .map(|p| {
-                vec![
-                    send(p, 0, Buf::Output, 0..count),
-                    recv(p, 1, Buf::Output, 0..0, false),
-                ]
-            })
-            .collect();
-    }
-    vec![vec![
-        recv(root, 0, Buf::Output, 0..count, false),
-        send(root, 1, Buf::Output, 0..0),
-    ]]
-}
-
 /// Pairwise exchange: at step `s`, send to `r+s` and receive from `r-s`.
 pub(super) fn pairwise(r: usize, n: usize, input: &[usize], output: &[usize]) -> Result<Listed> {
     if input.len() != n || output.len() != n {
