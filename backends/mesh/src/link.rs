@@ -198,11 +198,12 @@ pub trait LocalTransport: Send + Sync + fmt::Debug {
     /// `theirs`. Must give the same answer on both sides.
     fn can_connect(&self, mine: &str, theirs: &str) -> bool;
 
-    /// Whether the rank that published `card` has a stage that its peers
-    /// read ([`PolledLink::stage`]). The default: none.
-    fn stages(&self, card: &str) -> bool {
+    /// Bytes of the stage that the rank that published `card` has for
+    /// its peers to read ([`PolledLink::stage`]); 0 for none, the
+    /// default.
+    fn stage_bytes(&self, card: &str) -> usize {
         let _ = card;
-        false
+        0
     }
 
     /// Connects to every peer in `setup.peers` (all of them, or fails).

@@ -292,17 +292,22 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
 }
 
 /// Whether every rank is on one host, linked by the local transport, and
-/// each has a stage its peers read
+/// each has a stage its peers read that holds two of the direct
+/// broadcast's segments (at the agreed segment size), so that the root can
+/// stage one while the readers copy out the other
 /// ([`consort_comm::algo::AlgoConfig::shared_stage`]). The same on every
 /// rank: it reads only the cards.
 fn shared_stage(cards: &[Card], opts: &MeshOptions) -> bool {
     let Some(t) = &opts.local else {
         return false;
     };
+    let need = opts.algo.fan_out_segment_bytes().saturating_mul(2);
     one_host(cards, opts)
-        && cards
-            .iter()
-            .all(|c| c.local.as_ref().is_some_and(|card| t.stages(card)))
+        && cards.iter().all(|c| {
+            c.local
+                .as_ref()
+                .is_some_and(|card| t.stage_bytes(card) >= need)
+        })
 }
 
 /// Whether every rank is on one host, linked by the local transport.
@@ -577,7 +582,8 @@ mod tests {
         }
     }
 
-    /// A local transport whose cards are host names.
+    /// A local transport whose cards are host names, then `:` and the
+    /// rank's stage size, if it has a stage.
     #[derive(Debug)]
     struct Hosts;
 
@@ -590,7 +596,12 @@ mod tests {
             "a".into()
         }
         fn can_connect(&self, mine: &str, theirs: &str) -> bool {
-            mine == theirs
+            let host = |c: &str| c.split(':').next().unwrap_or_default().to_string();
+            host(mine) == host(theirs)
+        }
+        fn stage_bytes(&self, card: &str) -> usize {
+            card.split_once(':')
+                .map_or(0, |(_, n)| n.parse().unwrap_or(0))
         }
         async fn connect(
             &self,
@@ -646,6 +657,46 @@ mod tests {
             &[card(&[0], Some("a")), card(&[0], Some("a"))],
             &no_local
         ));
+    }
+
+    /// The direct broadcast needs every rank on one host with a stage of
+    /// at least two of its segments (2 MiB at the default segment size).
+    #[test]
+    fn a_shared_stage_needs_one_host_and_every_rank_s_stage_large_enough() {
+        let card = |local: Option<&str>| Card {
+            addr: "a".into(),
+            segment: 1,
+            cpus: Cpus::of(&[0, 1], None),
+            local: local.map(str::to_string),
+        };
+        let opts = MeshOptions {
+            local: Some(Arc::new(Hosts)),
+            ..MeshOptions::default()
+        };
+        let shared = |cards: &[Option<&str>]| {
+            let cards: Vec<Card> = cards.iter().map(|c| card(*c)).collect();
+            shared_stage(&cards, &opts)
+        };
+        let (big, two, small) = (Some("a:4194304"), Some("a:2097152"), Some("a:1048576"));
+        assert!(shared(&[big, big, two]));
+        assert!(!shared(&[big, big, small]), "one stage too small");
+        assert!(!shared(&[big, Some("a"), big]), "one rank without a stage");
+        assert!(!shared(&[big, None, big]), "one rank without shared memory");
+        assert!(!shared(&[big, Some("b:4194304"), big]), "two hosts");
+        // Smaller segments need a smaller stage, on every rank alike.
+        let mut smaller = MeshOptions {
+            local: Some(Arc::new(Hosts)),
+            ..MeshOptions::default()
+        };
+        smaller.algo.segment_bytes = 64 << 10;
+        let cards: Vec<Card> = [small, small, small].iter().map(|c| card(*c)).collect();
+        assert!(shared_stage(&cards, &smaller), "256 KiB segments");
+        assert!(!shared_stage(&cards, &opts));
+        let cards: Vec<Card> = [big, big, big].iter().map(|c| card(*c)).collect();
+        assert!(
+            !shared_stage(&cards, &MeshOptions::default()),
+            "no local transport"
+        );
     }
 
     #[test]

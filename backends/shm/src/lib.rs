@@ -390,16 +390,21 @@ impl LocalTransport for ShmTransport {
                 t.map_or(0, |d| d.as_nanos())
             )
         });
-        let stage = if self.stage_bytes > 0 { STAGE_MARK } else { "" };
+        let stage = match self.stage_bytes {
+            0 => String::new(),
+            n => format!("{STAGE_MARK}={n}"),
+        };
         format!(
             "{QUEUE_LAYOUT} {}{CARD_NONCE}{n}{stage}",
             region::host_id().replace('\n', " ")
         )
     }
 
-    /// Whether the card says its rank has a stage, which its peers read.
-    fn stages(&self, card: &str) -> bool {
-        card.ends_with(STAGE_MARK)
+    /// The stage size the card names (0: none).
+    fn stage_bytes(&self, card: &str) -> usize {
+        card.rsplit_once(STAGE_MARK)
+            .and_then(|(_, n)| n.strip_prefix('=')?.parse().ok())
+            .unwrap_or(0)
     }
 
     fn can_connect(&self, mine: &str, theirs: &str) -> bool {
@@ -591,10 +596,11 @@ fn host_of(card: &str) -> &str {
 /// A card's nonce ("" for none).
 fn nonce_of(card: &str) -> &str {
     let n = card.rsplit_once(CARD_NONCE).map_or("", |(_, n)| n);
-    n.strip_suffix(STAGE_MARK).unwrap_or(n)
+    n.split_once(STAGE_MARK).map_or(n, |(n, _)| n)
 }
 
-/// What ends the card of a rank with a stage.
+/// What ends the card of a rank with a stage, before `=` and its size;
+/// also what ends a peer's word that it mapped this rank's stage.
 const STAGE_MARK: &str = " stage";
 
 fn nonce() -> io::Result<String> {
@@ -620,6 +626,14 @@ mod tests {
         let older = format!("{}{CARD_NONCE}{}", region::host_id(), nonce_of(&a));
         assert!(!t.can_connect(&a, &older), "queues of another layout");
         assert_eq!(nonce_of(&a).len(), 16);
+        assert_eq!(t.stage_bytes(&a), 4 << 20, "{a}");
+        let none = ShmTransport {
+            stage_bytes: 0,
+            ..ShmTransport::default()
+        };
+        let c = none.card();
+        assert_eq!((none.stage_bytes(&c), nonce_of(&c).len()), (0, 16));
+        assert!(t.can_connect(&a, &c), "stages do not decide who connects");
         let elsewhere = format!("another host{CARD_NONCE}{}", nonce_of(&a));
         assert!(!t.can_connect(&a, &elsewhere));
     }

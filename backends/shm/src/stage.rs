@@ -11,9 +11,11 @@
 //! instead), so every read is one contiguous run.
 //!
 //! A peer is trusted with nothing: a position past the end of its stage is
-//! an error, not a wild read, and a peer that rewrites bytes being read
-//! (it cannot write ours: the mapping is read-only) can only spoil its own
-//! payload, as it could by sending other bytes.
+//! an error, not a wild read, and a peer that rewrites bytes being read can
+//! only spoil its own payload, as it could by sending other bytes. Peers
+//! map a stage read-only, so a fault in one cannot write another's (a
+//! hostile process of the same user could still open the memfd for writing
+//! while it is being set up, as it could a queue's: see SECURITY.md).
 
 use std::{io, sync::Mutex};
 

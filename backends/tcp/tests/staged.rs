@@ -111,11 +111,15 @@ proptest! {
             for (r, &s) in staged.iter().enumerate() {
                 prop_assert_eq!(s, if r == root { want } else { 0 }, "rank {}", r);
             }
-            // The stage is free again: a second broadcast from another root
-            // stages as much.
-            let (oks, again) = broadcast(&ranks, (root + 1) % n, len).await;
+            // The root's stage is free again: a second broadcast from it
+            // stages as much, and so does one from another root.
+            let (oks, again) = broadcast(&ranks, root, len).await;
             prop_assert!(oks.iter().all(|&ok| ok));
-            prop_assert_eq!(again[(root + 1) % n], want);
+            prop_assert_eq!(again[root], 2 * want);
+            let other = (root + 1) % n;
+            let (oks, third) = broadcast(&ranks, other, len).await;
+            prop_assert!(oks.iter().all(|&ok| ok));
+            prop_assert_eq!(third[other], want);
             Ok(())
         })?;
     }

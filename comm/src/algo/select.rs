@@ -138,12 +138,16 @@ pub struct AlgoConfig {
 }
 
 /// Pipeline segments ([`AlgoConfig::segment_bytes`]) in one segment of the
-/// direct broadcast (see [`AlgoConfig::shared_stage`]): 1 MiB at the
-/// default, a quarter of the default 4 MiB stage, so that the root stages
-/// the next segments while the readers copy out the first (a frame per
-/// reader and segment costs more than a ring's: four times as large). The
-/// 3-rank 64 MiB broadcast on a 2-core host: see BENCHMARKS.md.
+/// direct broadcast (see [`AlgoConfig::shared_stage`]), up to
+/// [`FAN_OUT_SEGMENT_MAX`]: a frame per reader and segment costs more than
+/// a ring's step, so its segments are larger.
 pub const FAN_OUT_SEGMENTS: usize = 4;
+
+/// Largest segment of the direct broadcast: a quarter of the default
+/// 4 MiB stage, so that the root stages the next segments while the
+/// readers copy out the first. The 3-rank 64 MiB broadcast on a 2-core
+/// host: see BENCHMARKS.md.
+pub const FAN_OUT_SEGMENT_MAX: usize = 1 << 20;
 
 /// Largest piece the chain broadcast forwards whole on an oversubscribed
 /// host (see [`AlgoConfig::oversubscribed`]); below the frame limit.
@@ -179,9 +183,11 @@ pub const LATENCY_BOUND_BYTES: usize = 64 * 1024;
 
 impl AlgoConfig {
     /// Bytes of one segment of the direct broadcast: [`FAN_OUT_SEGMENTS`]
-    /// pipeline segments.
+    /// pipeline segments, at most [`FAN_OUT_SEGMENT_MAX`].
     pub fn fan_out_segment_bytes(&self) -> usize {
-        self.segment_bytes.saturating_mul(FAN_OUT_SEGMENTS).max(1)
+        self.segment_bytes
+            .saturating_mul(FAN_OUT_SEGMENTS)
+            .clamp(1, FAN_OUT_SEGMENT_MAX)
     }
 
     /// Parses an override list: `ring`, or `all_reduce=ring,broadcast=chain`.

@@ -125,6 +125,7 @@ impl MeshBackend {
             out: Vec::new(),
             fan_out: schedule.fans_out(),
             staging: None,
+            claimed: false,
         };
         let run = CallRun {
             b: self,

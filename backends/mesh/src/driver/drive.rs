@@ -212,7 +212,9 @@ impl Inner {
     /// Sends a data frame to world rank `to`. A large payload to a peer
     /// that can read this process's memory goes as a pull frame when
     /// `pulls` takes them: the peer copies it itself, and `pulls` waits for
-    /// that before the call ends.
+    /// that before the call ends. Otherwise a fan-out's payload to a peer
+    /// that reads this rank's stage goes through the stage (see
+    /// [`super::stage`]).
     pub(super) async fn send_data(
         self: &Arc<Self>,
         to: usize,
@@ -223,10 +225,13 @@ impl Inner {
         let (Some(pulls), Some(Link::Polled(l))) = (pulls, self.links.get(to)) else {
             return self.send_frame(to, h.tag, &h.encode(), payload).await;
         };
-        if self.send_staged(to, l, h, payload, pulls).await? {
+        // The peer reads this rank's memory (opted in: one copy in all)
+        // before it reads the stage (the root's copy, then the reader's).
+        let cma = self.pull_sized(l, payload);
+        if !cma && self.send_staged(to, l, h, payload, pulls).await? {
             return Ok(());
         }
-        if self.pull_sized(l, payload) && super::stage::claim(&l.puller, pulls.call) {
+        if cma && pulls.claim(l) {
             let header = FrameHeader {
                 kind: FrameKind::Pull,
                 ..h
@@ -314,19 +319,34 @@ pub(super) struct Pulls<'a> {
     pub(super) fan_out: bool,
     /// What the call staged, once it has the stage.
     pub(super) staging: Option<Box<super::stage::Staging>>,
+    /// Whether the call ever held a link's `puller` (see [`Self::claim`]).
+    pub(super) claimed: bool,
 }
 
 impl Pulls<'_> {
-    /// Every pull was read: the links are free for another call's.
+    /// Takes link `l` for this call's pull frames (or tells whether the
+    /// call holds it already).
+    pub(super) fn claim(&mut self, l: &super::poll::Polled) -> bool {
+        let got = super::stage::claim(&l.puller, self.call);
+        self.claimed |= got;
+        got
+    }
+
+    /// Every pull was read: the links (each this call took, whether or not
+    /// a frame went on it: a send cut by the deadline or an error sends
+    /// none) and the stage are free for another call's.
     fn release(&mut self) {
         if let Some(staging) = self.staging.take() {
             self.inner.unstage(&staging, self.call);
         }
-        for (to, _) in self.out.drain(..) {
-            if let Some(Link::Polled(l)) = self.inner.links.get(to) {
-                let _ = l
-                    .puller
-                    .compare_exchange(self.call, 0, Ordering::SeqCst, Ordering::SeqCst);
+        self.out.clear();
+        if std::mem::take(&mut self.claimed) {
+            for &p in &self.inner.polled {
+                if let Link::Polled(l) = &self.inner.links[p] {
+                    let _ =
+                        l.puller
+                            .compare_exchange(self.call, 0, Ordering::SeqCst, Ordering::SeqCst);
+                }
             }
         }
     }

@@ -64,34 +64,25 @@ impl Inner {
             return Ok(false);
         }
         // Held from here until the call ends (`Pulls::release`).
-        let staging = pulls.staging.get_or_insert_with(|| {
-            Box::new(Staging {
+        if pulls.staging.is_none() {
+            pulls.staging = Some(Box::new(Staging {
                 via: to,
                 ..Staging::default()
-            })
-        });
-        let had_link = l.puller.load(Ordering::SeqCst) == pulls.call;
-        if !claim(&l.puller, pulls.call) {
+            }));
+        }
+        if !pulls.claim(l) {
             return Ok(false);
         }
+        let Some(staging) = pulls.staging.as_mut() else {
+            return Ok(false);
+        };
         let src = (payload.as_ptr() as usize, payload.len());
         let addr = match staging.slots.iter().rev().find(|s| s.src == src) {
             Some(s) => s.addr,
+            // The link stays the call's until it ends (`Pulls::release`).
             None => match self.stage_in(to, l, staging, payload).await? {
                 Some(addr) => addr,
-                None => {
-                    if !had_link {
-                        // No pull frame of this call on the link: free it
-                        // for another call's.
-                        let _ = l.puller.compare_exchange(
-                            pulls.call,
-                            0,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        );
-                    }
-                    return Ok(false);
-                }
+                None => return Ok(false),
             },
         };
         let header = FrameHeader {
@@ -159,6 +150,9 @@ impl Inner {
             }
             let holders = &front.holders;
             if self.spin_until(Instant::now(), &|| self.all_read(holders)) {
+                // Let the call's deadline (raced against this send) fire
+                // even while other frames keep arriving.
+                tokio::task::yield_now().await;
                 continue;
             }
             let _ = before(Instant::now() + Duration::from_millis(10), woken).await;
@@ -176,7 +170,8 @@ impl Inner {
     fn free_read(&self, staging: &mut Staging) {
         let mut upto = None;
         while let Some(s) = staging.slots.front() {
-            if s.holders.is_empty() || !self.all_read(&s.holders) {
+            // A slot no frame went out for (its send failed) is free too.
+            if !self.all_read(&s.holders) {
                 break;
             }
             upto = Some(s.addr + s.len);
