@@ -734,7 +734,11 @@ fn uint_var(var: &'static str, least: usize) -> Result<Option<usize>, CommError>
             .filter(|n| *n >= least)
             .map(Some)
             .ok_or_else(|| {
-                let what = if least == 0 { "a whole number" } else { "a positive integer" };
+                let what = if least == 0 {
+                    "a whole number"
+                } else {
+                    "a positive integer"
+                };
                 CommError::invalid(format!("{var}={v:?} is not valid: expected {what}"))
             }),
     }
