@@ -14,7 +14,9 @@
 //! - [`drive`] sends frames, starts and ends calls; [`call`] runs one;
 //!   [`poll::pump`] owns the engine's clock;
 //! - [`registry`] holds the receives links may fill in place, and the rule
-//!   that keeps that sound when a caller leaks a call.
+//!   that keeps that sound when a caller leaks a call;
+//! - [`stage`] sends a fan-out's segments through this rank's stage, one
+//!   copy for all its same-host readers.
 //!
 //! The engine sits behind a mutex, locked briefly (never across an await)
 //! by the readers and by the calls, as quinn keeps `proto::Connection` in

@@ -11,6 +11,8 @@
 //! sender's memory instead of the payload: the receiver reads it straight
 //! into place (one copy in all), counts it read, and the sender, which
 //! waits for that count before its call ends, may then change the bytes.
+//! The address may instead name a position in the sender's stage (see
+//! [`super::stage`]); the link's `read_peer` tells them apart.
 //!
 //! Waiting spins on every polled link for [`MeshOptions::spin`] (yielding
 //! the core when this host runs more ranks than cores), then arms the links
