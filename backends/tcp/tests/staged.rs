@@ -42,6 +42,14 @@ fn value(i: usize) -> u8 {
     (i % 251) as u8 ^ 0x5A
 }
 
+/// Rank `r`'s buffer before a broadcast from `root`: the root's bytes on
+/// the root, a filler elsewhere.
+fn before_broadcast(r: usize, root: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| if r == root { value(i) } else { 0xEE })
+        .collect()
+}
+
 /// Broadcasts `len` bytes from `root` over `ranks`; returns, per rank,
 /// whether it holds the root's bytes, and the frames each staged.
 async fn broadcast(ranks: &[Arc<TcpBackend>], root: usize, len: usize) -> (Vec<bool>, Vec<u64>) {
@@ -50,11 +58,8 @@ async fn broadcast(ranks: &[Arc<TcpBackend>], root: usize, len: usize) -> (Vec<b
         .cloned()
         .map(|b| {
             tokio::spawn(async move {
-                let r = b.rank();
                 let pg = ProcessGroup::new(b.clone());
-                let mut x: Vec<u8> = (0..len)
-                    .map(|i| if r == root { value(i) } else { 0xEE })
-                    .collect();
+                let mut x = before_broadcast(b.rank(), root, len);
                 pg.broadcast(&mut x, root).await.expect("broadcast");
                 let ok = x.iter().enumerate().all(|(i, &v)| v == value(i));
                 (ok, b.staged_frames())
@@ -152,11 +157,8 @@ async fn a_reader_that_never_comes_fails_the_root_by_the_deadline() {
         .cloned()
         .map(|b| {
             tokio::spawn(async move {
-                let r = b.rank();
                 let pg = ProcessGroup::new(b.clone());
-                let mut x: Vec<u8> = (0..len)
-                    .map(|i| if r == 0 { value(i) } else { 0 })
-                    .collect();
+                let mut x = before_broadcast(b.rank(), 0, len);
                 let started = std::time::Instant::now();
                 let got = pg.broadcast(&mut x, 0).await;
                 let right = x.iter().enumerate().all(|(i, &v)| v == value(i));
