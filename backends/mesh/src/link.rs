@@ -141,6 +141,13 @@ pub trait PolledLink: Send + Sync {
         Err(std::io::ErrorKind::Unsupported.into())
     }
 
+    /// [`Self::read_peer`] into a destination nothing reads again soon (a
+    /// large receive, in place), so that the copy may bypass the caches.
+    /// The default reads as [`Self::read_peer`] does.
+    fn read_peer_streaming(&self, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        self.read_peer(addr, dst)
+    }
+
     /// Receiver: one more of the peer's pull frames has been read.
     fn count_pull(&self) {}
 

@@ -660,7 +660,7 @@ mod tests {
     }
 
     /// The direct broadcast needs every rank on one host with a stage of
-    /// at least two of its segments (2 MiB at the default segment size).
+    /// at least two of its segments (512 KiB at the mesh's default segment size).
     #[test]
     fn a_shared_stage_needs_one_host_and_every_rank_s_stage_large_enough() {
         let card = |local: Option<&str>| Card {
@@ -677,7 +677,7 @@ mod tests {
             let cards: Vec<Card> = cards.iter().map(|c| card(*c)).collect();
             shared_stage(&cards, &opts)
         };
-        let (big, two, small) = (Some("a:4194304"), Some("a:2097152"), Some("a:1048576"));
+        let (big, two, small) = (Some("a:4194304"), Some("a:2097152"), Some("a:262144"));
         assert!(shared(&[big, big, two]));
         assert!(!shared(&[big, big, small]), "one stage too small");
         assert!(!shared(&[big, Some("a"), big]), "one rank without a stage");
@@ -690,7 +690,7 @@ mod tests {
         };
         smaller.algo.segment_bytes = 64 << 10;
         let cards: Vec<Card> = [small, small, small].iter().map(|c| card(*c)).collect();
-        assert!(shared_stage(&cards, &smaller), "256 KiB segments");
+        assert!(shared_stage(&cards, &smaller), "64 KiB segments");
         assert!(!shared_stage(&cards, &opts));
         let cards: Vec<Card> = [big, big, big].iter().map(|c| card(*c)).collect();
         assert!(

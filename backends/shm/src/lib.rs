@@ -255,18 +255,11 @@ impl PolledLink for ShmLink {
     }
 
     fn read_peer(&self, addr: u64, dst: &mut [u8]) -> io::Result<()> {
-        if addr & STAGED != 0 {
-            return match &self.peer_stage {
-                Some(st) => st.read(addr, dst),
-                None => Err(bad("a staged payload from a peer that offered no stage")),
-            };
-        }
-        if !self.reads_peer {
-            return Err(bad(
-                "a pull frame from a peer whose memory this rank does not read (CMA is off)",
-            ));
-        }
-        cma::read(self.peer_pid, addr, dst)
+        self.read_from_peer(addr, dst, false)
+    }
+
+    fn read_peer_streaming(&self, addr: u64, dst: &mut [u8]) -> io::Result<()> {
+        self.read_from_peer(addr, dst, true)
     }
 
     fn count_pull(&self) {
@@ -285,6 +278,26 @@ impl PolledLink for ShmLink {
 
     fn revoked(&self) -> u64 {
         self.inbox.revoked()
+    }
+}
+
+impl ShmLink {
+    /// Reads a pull frame's payload: from the peer's stage (a staged
+    /// address; `streaming`: with stores that bypass the caches, for a
+    /// destination nothing reads again soon), or from its memory (CMA).
+    fn read_from_peer(&self, addr: u64, dst: &mut [u8], streaming: bool) -> io::Result<()> {
+        if addr & STAGED != 0 {
+            return match &self.peer_stage {
+                Some(st) => st.read(addr, dst, streaming),
+                None => Err(bad("a staged payload from a peer that offered no stage")),
+            };
+        }
+        if !self.reads_peer {
+            return Err(bad(
+                "a pull frame from a peer whose memory this rank does not read (CMA is off)",
+            ));
+        }
+        cma::read(self.peer_pid, addr, dst)
     }
 }
 

@@ -34,11 +34,6 @@ pub(crate) const MIN_STAGE: usize = 64 * 1024;
 /// Staged payloads start on a cache line.
 const ALIGN: u64 = 64;
 
-/// Reads at least this large copy out with stores that bypass the caches:
-/// a staged payload goes into a receive of a large broadcast, which
-/// nothing reads again soon (see `consort_comm::reduce::copy`).
-const STREAMING_READ: usize = 256 * 1024;
-
 /// This rank's stage, which it writes.
 pub(crate) struct Stage {
     region: Region,
@@ -122,9 +117,12 @@ impl PeerStage {
         (cap.is_power_of_two() && cap >= MIN_STAGE).then_some(PeerStage { region })
     }
 
-    /// Copies the staged bytes at `addr` into `dst`; an error if they would
-    /// run past the end of the stage (the peer's address is not trusted).
-    pub(crate) fn read(&self, addr: u64, dst: &mut [u8]) -> io::Result<()> {
+    /// Copies the staged bytes at `addr` into `dst`, with `streaming`
+    /// stores that bypass the caches (for a large receive in place, which
+    /// nothing reads again soon: see `consort_comm::reduce::copy`); an
+    /// error if they would run past the end of the stage (the peer's
+    /// address is not trusted).
+    pub(crate) fn read(&self, addr: u64, dst: &mut [u8], streaming: bool) -> io::Result<()> {
         let cap = self.region.len();
         let off = ((addr & !STAGED) % cap as u64) as usize;
         if off + dst.len() > cap {
@@ -141,7 +139,7 @@ impl PeerStage {
         // may write them meanwhile (it is another process); it then spoils
         // only this copy of its own payload.
         let src = unsafe { std::slice::from_raw_parts(self.region.ptr().add(off), dst.len()) };
-        if dst.len() >= STREAMING_READ {
+        if streaming {
             copy::streaming(dst, src);
         } else {
             dst.copy_from_slice(src);
@@ -182,7 +180,7 @@ mod tests {
         let at_c = stage.put(&c).unwrap();
         assert_eq!(at_c & !STAGED, cap as u64, "started over at the beginning");
         let mut got = vec![0u8; c.len()];
-        peer.read(at_c, &mut got).unwrap();
+        peer.read(at_c, &mut got, true).unwrap();
         assert_eq!(got, c);
         // More than half the stage is never staged.
         stage.free_all();
@@ -194,12 +192,12 @@ mod tests {
         let (_stage, peer) = pair(MIN_STAGE);
         let mut dst = vec![0u8; 4096];
         let e = peer
-            .read(STAGED | (MIN_STAGE as u64 - 100), &mut dst)
+            .read(STAGED | (MIN_STAGE as u64 - 100), &mut dst, false)
             .unwrap_err();
         assert!(e.to_string().contains("past the end"), "{e}");
         // Any address is taken modulo the stage: never outside it.
-        peer.read(u64::MAX, &mut dst[..8]).unwrap_err();
-        peer.read(!4095, &mut dst).unwrap();
+        peer.read(u64::MAX, &mut dst[..8], false).unwrap_err();
+        peer.read(!4095, &mut dst, false).unwrap();
     }
 
     #[test]

@@ -137,17 +137,18 @@ pub struct AlgoConfig {
     pub shared_stage: bool,
 }
 
-/// Pipeline segments ([`AlgoConfig::segment_bytes`]) in one segment of the
-/// direct broadcast (see [`AlgoConfig::shared_stage`]), up to
-/// [`FAN_OUT_SEGMENT_MAX`]: a frame per reader and segment costs more than
-/// a ring's step, so its segments are larger.
-pub const FAN_OUT_SEGMENTS: usize = 4;
+/// Largest segment of the direct broadcast (see
+/// [`AlgoConfig::shared_stage`]): L2-sized, so that the readers copy a
+/// segment out while it is still in the root's cache. 64 MiB over 3 and 4
+/// ranks on a 2-core AMD EPYC VM, paired runs: 11.2-12.2 and 8.7-9.2 GB/s
+/// at 256 KiB, 6.9-7.2 and 5.8-6.7 at 1 MiB; the chain 10.1-10.2 and
+/// 6.3-6.9. (Smaller segments cost a frame per reader each: 128 KiB was
+/// slower than 256.)
+pub const FAN_OUT_SEGMENT_MAX: usize = 256 << 10;
 
-/// Largest segment of the direct broadcast: a quarter of the default
-/// 4 MiB stage, so that the root stages the next segments while the
-/// readers copy out the first. The 3-rank 64 MiB broadcast on a 2-core
-/// host: see BENCHMARKS.md.
-pub const FAN_OUT_SEGMENT_MAX: usize = 1 << 20;
+/// Smallest broadcast that goes through the stage (see
+/// [`AlgoConfig::shared_stage`]).
+pub const FAN_OUT_MIN_BYTES: usize = 4 << 20;
 
 /// Largest piece the chain broadcast forwards whole on an oversubscribed
 /// host (see [`AlgoConfig::oversubscribed`]); below the frame limit.
@@ -182,12 +183,10 @@ pub const SMALL_BYTES: usize = 16 * 1024;
 pub const LATENCY_BOUND_BYTES: usize = 64 * 1024;
 
 impl AlgoConfig {
-    /// Bytes of one segment of the direct broadcast: [`FAN_OUT_SEGMENTS`]
-    /// pipeline segments, at most [`FAN_OUT_SEGMENT_MAX`].
+    /// Bytes of one segment of the direct broadcast: a pipeline segment,
+    /// at most [`FAN_OUT_SEGMENT_MAX`].
     pub fn fan_out_segment_bytes(&self) -> usize {
-        self.segment_bytes
-            .saturating_mul(FAN_OUT_SEGMENTS)
-            .clamp(1, FAN_OUT_SEGMENT_MAX)
+        self.segment_bytes.clamp(1, FAN_OUT_SEGMENT_MAX)
     }
 
     /// Parses an override list: `ring`, or `all_reduce=ring,broadcast=chain`.
@@ -246,9 +245,7 @@ impl AlgoConfig {
             OpKind::AllReduce if bytes <= SMALL_BYTES => Algorithm::RecursiveDoubling,
             OpKind::AllReduce if bytes < LATENCY_BOUND_BYTES => Algorithm::HalvingDoubling,
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => Algorithm::Ring,
-            OpKind::Broadcast
-                if self.shared_stage && world >= 3 && bytes >= 4 * self.fan_out_segment_bytes() =>
-            {
+            OpKind::Broadcast if self.shared_stage && world >= 3 && bytes >= FAN_OUT_MIN_BYTES => {
                 Algorithm::Direct
             }
             OpKind::Broadcast if bytes >= 4 * self.segment_bytes && world <= 16 => Algorithm::Chain,

@@ -464,7 +464,7 @@ fn selection_policy_and_overrides() {
         shared_stage: true,
         ..Default::default()
     };
-    assert_eq!(st.fan_out_segment_bytes(), 1 << 20);
+    assert_eq!(st.fan_out_segment_bytes(), 256 << 10);
     assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 3), Algorithm::Direct);
     assert_eq!(st.select(OpKind::Broadcast, 4 << 20, 16), Algorithm::Direct);
     assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 2), Algorithm::Chain);

@@ -210,7 +210,15 @@ impl CallRun<'_> {
         } else {
             let h = FrameHeader::data(self.fp, tx.tag, tx.range.start as u64, payload.len() as u64);
             match inner.fate(self.b.members[self.b.me], to) {
-                faulty::Fate::Send if inner.try_send_data(to, &h, payload, self.may_pull) => {
+                faulty::Fate::Send
+                    if inner.try_send_data(
+                        to,
+                        &h,
+                        payload,
+                        self.may_pull,
+                        self.may_pull && self.schedule.fans_out(),
+                    ) =>
+                {
                     Some(Ok(()))
                 }
                 faulty::Fate::Send => {

@@ -254,16 +254,23 @@ impl Inner {
     /// Sends a data frame to world rank `to` now, without waiting, where it
     /// can: a same-host peer's queue that has room and no other sender, for
     /// a payload that does not go as a pull frame (`may_pull`: the call's
-    /// sources stay). Returns whether it did; else [`Self::send_data`].
+    /// sources stay; `fan_out`: its schedule fans out, and a large enough
+    /// payload goes through the stage). Returns whether it did; else
+    /// [`Self::send_data`].
     pub(super) fn try_send_data(
         &self,
         to: usize,
         h: &FrameHeader,
         payload: &[u8],
         may_pull: bool,
+        fan_out: bool,
     ) -> bool {
         match self.links.get(to) {
-            Some(Link::Polled(l)) if !(may_pull && self.pull_sized(l, payload)) => {
+            Some(Link::Polled(l))
+                if !(may_pull
+                    && (self.pull_sized(l, payload)
+                        || (fan_out && super::stage::stage_sized(l, payload)))) =>
+            {
                 Self::try_send_polled(l, &h.encode(), payload)
             }
             _ => false,

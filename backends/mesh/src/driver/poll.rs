@@ -60,6 +60,11 @@ enum Sink {
     Address([u8; 8]),
 }
 
+/// Receives at least this large read their pull frames in place with
+/// stores that bypass the caches (see `PolledLink::read_peer_streaming`):
+/// a staged broadcast segment (1 MiB) is not read again soon.
+const STREAMING_MIN_PULL: usize = 256 << 10;
+
 /// Largest piece of a pull read under the registry lock at once.
 const PULL_PIECE: usize = 1 << 20;
 
@@ -270,7 +275,11 @@ impl Decoder {
                 // (see `registry`), which holds no other reference to this
                 // range, and `off + n <= d.len`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(d.dst.add(off), n) };
-                link.read_peer(addr + off as u64, dst)?;
+                if d.len >= STREAMING_MIN_PULL {
+                    link.read_peer_streaming(addr + off as u64, dst)?;
+                } else {
+                    link.read_peer(addr + off as u64, dst)?;
+                }
             } else {
                 if self.bounce.len() < n {
                     self.bounce.resize(n, 0);

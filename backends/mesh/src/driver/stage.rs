@@ -56,11 +56,7 @@ impl Inner {
         payload: &[u8],
         pulls: &mut Pulls<'_>,
     ) -> std::io::Result<bool> {
-        if !pulls.fan_out
-            || payload.len() < STAGE_MIN
-            || !l.link.peer_reads_stage()
-            || !claim(&self.stager, pulls.call)
-        {
+        if !pulls.fan_out || !stage_sized(l, payload) || !claim(&self.stager, pulls.call) {
             return Ok(false);
         }
         // Held from here until the call ends (`Pulls::release`).
@@ -192,6 +188,12 @@ impl Inner {
             .stager
             .compare_exchange(call, 0, Ordering::SeqCst, Ordering::SeqCst);
     }
+}
+
+/// Whether `payload` is large enough to go to `l`'s peer through the stage,
+/// and the peer reads it (in a call that fans out).
+pub(super) fn stage_sized(l: &Polled, payload: &[u8]) -> bool {
+    payload.len() >= STAGE_MIN && l.link.peer_reads_stage()
 }
 
 /// Takes `owner` for `call` if it is free (0), or tells whether `call`
