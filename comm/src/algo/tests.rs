@@ -477,6 +477,24 @@ fn selection_policy_and_overrides() {
         Algorithm::Ring,
         "only broadcast fans out"
     );
+    // More ranks than cores: a small broadcast goes one hop from 4 ranks.
+    let over = AlgoConfig {
+        oversubscribed: true,
+        ..Default::default()
+    };
+    assert_eq!(over.select(OpKind::Broadcast, 4096, 4), Algorithm::Direct);
+    assert_eq!(
+        over.select(OpKind::Broadcast, 4096, 3),
+        Algorithm::BinomialTree
+    );
+    assert_eq!(
+        over.select(OpKind::Broadcast, SMALL_BYTES + 4, 8),
+        Algorithm::BinomialTree
+    );
+    assert_eq!(
+        c.select(OpKind::Broadcast, 4096, 8),
+        Algorithm::BinomialTree
+    );
     let o = AlgoConfig {
         overrides: AlgoConfig::parse_overrides("ring").unwrap(),
         ..Default::default()
