@@ -444,13 +444,7 @@ impl LocalTransport for ShmTransport {
         };
         let store_err = |e: consort_comm::store::StoreError| io::Error::other(e.to_string());
         // This rank's stage, one for all its peers.
-        let stage = match self.stage_bytes {
-            0 => None,
-            n => {
-                let fallback = format!("consort-{}-{rank}stage-{}", std::process::id(), nonce()?);
-                Some(Region::create(&fallback, n)?)
-            }
-        };
+        let stage = self.make_stage(rank)?;
         // 1. A queue toward every peer, offered under a key of its own.
         let mut outs = Vec::new();
         for &(p, _) in setup.peers {
@@ -493,15 +487,15 @@ impl LocalTransport for ShmTransport {
             store.wait(&[&mapped], left()).await.map_err(store_err)?;
             acks.push(store.get(&mapped).await.map_err(store_err)?);
         }
-        let stage = match stage {
-            Some((name, mut region)) => {
+        // Every peer has mapped the stage: its name goes.
+        let stage = stage
+            .map(|(name, mut region)| {
                 region.unlink(&name);
-                Some(Arc::new(
-                    Stage::new(region).ok_or_else(|| bad("bad stage size"))?,
-                ))
-            }
-            None => None,
-        };
+                Stage::new(region)
+                    .map(Arc::new)
+                    .ok_or_else(|| bad("bad stage size"))
+            })
+            .transpose()?;
         let mut links: Vec<Box<dyn PolledLink>> = Vec::new();
         let made = outs.into_iter().zip(ins).zip(acks);
         for (((name, mut region), (inbox, offer, peer_stage, reads_peer)), ack) in made {
@@ -530,6 +524,16 @@ impl LocalTransport for ShmTransport {
 }
 
 impl ShmTransport {
+    /// This rank's stage region and the name peers open it by, if it has
+    /// one.
+    fn make_stage(&self, rank: usize) -> io::Result<Option<(String, Region)>> {
+        if self.stage_bytes == 0 {
+            return Ok(None);
+        }
+        let fallback = format!("consort-{}-{rank}stage-{}", std::process::id(), nonce()?);
+        Region::create(&fallback, self.stage_bytes).map(Some)
+    }
+
     /// The queue and stage sizes are usable.
     fn check_sizes(&self) -> io::Result<()> {
         let (cap, st) = (self.queue_bytes, self.stage_bytes);
