@@ -5,7 +5,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use consort_comm::{Backend, CommError, MemStore, ProcessGroup, algo::AlgoConfig};
+use consort_comm::{Backend, CommError, MemStore, ProcessGroup, ReduceOp, algo::AlgoConfig};
 use consort_shm::ShmTransport;
 use consort_tcp::{TcpBackend, TcpOptions};
 use proptest::prelude::*;
@@ -17,13 +17,23 @@ async fn world(
     timeout: Duration,
     shm: impl Fn(usize) -> ShmTransport,
 ) -> Vec<Arc<TcpBackend>> {
+    world_with(n, timeout, AlgoConfig::default(), shm).await
+}
+
+/// As [`world`], with the schedules' config `algo`.
+async fn world_with(
+    n: usize,
+    timeout: Duration,
+    algo: AlgoConfig,
+    shm: impl Fn(usize) -> ShmTransport,
+) -> Vec<Arc<TcpBackend>> {
     let store: Arc<dyn consort_comm::Store> = Arc::new(MemStore::new(Duration::from_secs(60)));
     let tasks: Vec<_> = (0..n)
         .map(|r| {
             let opts = TcpOptions {
                 timeout,
                 connect_timeout: Duration::from_secs(60),
-                algo: AlgoConfig::default(),
+                algo: algo.clone(),
                 local: Some(shm(r).shared()),
                 ..TcpOptions::default()
             };
@@ -81,8 +91,92 @@ fn segments(len: usize) -> u64 {
     len.div_ceil(AlgoConfig::default().fan_out_segment_bytes()) as u64
 }
 
+/// Rank `r`'s element `i` before an all_reduce: small integers, so that
+/// f32 sums are exact in any order.
+fn contribution(r: usize, i: usize) -> f32 {
+    ((i * 7 + r * 3) % 17) as f32
+}
+
+/// Sums `count` f32s over `ranks` (the policy's schedule); returns, per
+/// rank, the elements that differ from the exact sum, and the frames each
+/// staged.
+async fn all_reduce(ranks: &[Arc<TcpBackend>], count: usize) -> (Vec<usize>, Vec<u64>) {
+    let n = ranks.len();
+    let runs: Vec<_> = ranks
+        .iter()
+        .cloned()
+        .map(|b| {
+            tokio::spawn(async move {
+                let pg = ProcessGroup::new(b.clone());
+                let r = b.rank();
+                let mut x: Vec<f32> = (0..count).map(|i| contribution(r, i)).collect();
+                pg.all_reduce(&mut x, ReduceOp::Sum)
+                    .await
+                    .expect("all_reduce");
+                let wrong = x
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| v != (0..n).map(|p| contribution(p, i)).sum::<f32>())
+                    .count();
+                (wrong, b.staged_frames())
+            })
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    let mut staged = Vec::new();
+    for t in runs {
+        let (w, s) = t.await.unwrap();
+        wrong.push(w);
+        staged.push(s);
+    }
+    (wrong, staged)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// The direct all_reduce over 2 to 5 ranks, part lengths on and off
+    /// the segment and the world: every rank holds the exact sums, and
+    /// each staged every segment it sent (its peers' parts once each, its
+    /// reduced part once for all readers: one frame per peer and segment
+    /// each way), through a stage that holds them all or only a few
+    /// segments (ranks wait for their readers), twice in a row.
+    #[test]
+    fn the_direct_all_reduce_goes_through_every_ranks_stage(
+        n in 2usize..=5,
+        extra in prop_oneof![Just(0usize), Just(1), 0usize..(1 << 20)],
+        small_stage in any::<bool>(),
+    ) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let stage = if small_stage { 1 << 20 } else { 16 << 20 };
+            let algo = AlgoConfig {
+                overrides: AlgoConfig::parse_overrides("all_reduce=direct").unwrap(),
+                ..AlgoConfig::default()
+            };
+            let ranks = world_with(n, Duration::from_secs(30), algo, |_| ShmTransport {
+                stage_bytes: stage,
+                ..ShmTransport::default()
+            })
+            .await;
+            // Every part at least one segment: every segment is staged.
+            let count = n * (AlgoConfig::default().fan_out_segment_bytes() / 4) + extra;
+            let segs = (count / n * 4).div_ceil(AlgoConfig::default().fan_out_segment_bytes());
+            let want = 2 * (n as u64 - 1) * segs as u64;
+            for round in 1..=2u64 {
+                let (wrong, staged) = all_reduce(&ranks, count).await;
+                prop_assert!(wrong.iter().all(|&w| w == 0), "wrong elements: {wrong:?}");
+                for (r, &s) in staged.iter().enumerate() {
+                    prop_assert_eq!(s, round * want, "rank {}", r);
+                }
+            }
+            Ok(())
+        })?;
+    }
 
     /// Any world of 3 to 5 ranks, any root, lengths on and off the segment
     /// size (odd ones too): every rank holds the root's bytes, and the root
@@ -194,4 +288,75 @@ async fn a_reader_that_never_comes_fails_the_root_by_the_deadline() {
         "rank 1 took {:?}",
         reader.2
     );
+}
+
+/// A staged broadcast dropped mid-call (its root's future cancelled while
+/// rank 2 has not come) gives the stage back: a broadcast from the same
+/// root in a new group stages every segment again (a stage still held by
+/// the dropped call would send them all through the queues), and every
+/// rank holds its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_staged_call_gives_the_stage_back() {
+    let n = 3;
+    let ranks = world(n, Duration::from_secs(5), |_| ShmTransport {
+        stage_bytes: 1 << 20,
+        ..ShmTransport::default()
+    })
+    .await;
+    let len = 8 << 20;
+    let runs: Vec<_> = ranks
+        .iter()
+        .cloned()
+        .map(|b| {
+            tokio::spawn(async move {
+                let world = ProcessGroup::new(b.clone());
+                let first = world.new_group(&[0, 1, 2]).await.unwrap().unwrap();
+                let r = b.rank();
+                let mut x = before_broadcast(r, 0, len);
+                // The root: cut short; rank 1: no wrong bytes.
+                let first_ok = match r {
+                    // Cut short while rank 2 has not come: the stage is
+                    // full of segments it has not read.
+                    0 => {
+                        tokio::time::timeout(Duration::from_millis(300), first.broadcast(&mut x, 0))
+                            .await
+                            .is_err()
+                    }
+                    // Done before the root was cut short, or failed by its
+                    // abort: either way not with wrong bytes.
+                    1 => match first.broadcast(&mut x, 0).await {
+                        Ok(()) => x.iter().enumerate().all(|(i, &v)| v == value(i)),
+                        Err(_) => true,
+                    },
+                    _ => {
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                        true
+                    }
+                };
+                let staged_before = b.staged_frames();
+                let second = world.new_group(&[0, 1, 2]).await.unwrap().unwrap();
+                let mut y = before_broadcast(r, 0, len);
+                second
+                    .broadcast(&mut y, 0)
+                    .await
+                    .expect("broadcast in the new group");
+                let ok = y.iter().enumerate().all(|(i, &v)| v == value(i));
+                (first_ok, ok, b.staged_frames() - staged_before)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in runs {
+        out.push(t.await.unwrap());
+    }
+    assert!(out[0].0, "the root's first broadcast was to be cut short");
+    assert!(
+        out[1].0,
+        "rank 1's first broadcast returned Ok with wrong bytes"
+    );
+    assert!(
+        out.iter().all(|o| o.1),
+        "wrong bytes after the dropped call"
+    );
+    assert_eq!(out[0].2, (n as u64 - 1) * segments(len), "staged frames");
 }
