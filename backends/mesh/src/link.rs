@@ -141,6 +141,22 @@ pub trait PolledLink: Send + Sync {
         Err(std::io::ErrorKind::Unsupported.into())
     }
 
+    /// Hands `f` the `len` staged bytes at `addr` in the peer's stage, as
+    /// mapped here (no copy: a receive that reduces takes them straight
+    /// from there); `Ok(false)` without calling `f` where `addr` is not in
+    /// a stage this link maps (the caller reads it with
+    /// [`Self::read_peer`]). The peer may write the bytes meanwhile, as
+    /// with any read of its memory: that spoils only its own payload.
+    fn with_staged(
+        &self,
+        addr: u64,
+        len: usize,
+        f: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<bool> {
+        let _ = (addr, len, f);
+        Ok(false)
+    }
+
     /// [`Self::read_peer`] into a destination nothing reads again soon (a
     /// large receive, in place), so that the copy may bypass the caches.
     /// The default reads as [`Self::read_peer`] does.

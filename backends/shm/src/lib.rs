@@ -262,6 +262,13 @@ impl PolledLink for ShmLink {
         self.read_from_peer(addr, dst, true)
     }
 
+    fn with_staged(&self, addr: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> io::Result<bool> {
+        match &self.peer_stage {
+            Some(st) if addr & STAGED != 0 => st.with(addr, len, f).map(|()| true),
+            _ => Ok(false),
+        }
+    }
+
     fn count_pull(&self) {
         if self.inbox.count_pull() {
             self.bell.ring(&self.peer_bell);

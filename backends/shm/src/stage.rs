@@ -123,27 +123,34 @@ impl PeerStage {
     /// error if they would run past the end of the stage (the peer's
     /// address is not trusted).
     pub(crate) fn read(&self, addr: u64, dst: &mut [u8], streaming: bool) -> io::Result<()> {
+        self.with(addr, dst.len(), &mut |src| {
+            if streaming {
+                copy::streaming(dst, src);
+            } else {
+                dst.copy_from_slice(src);
+            }
+        })
+    }
+
+    /// Hands `f` the `len` staged bytes at `addr` as mapped here; an error
+    /// if they would run past the end of the stage (the peer's address is
+    /// not trusted).
+    pub(crate) fn with(&self, addr: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> io::Result<()> {
         let cap = self.region.len();
         let off = ((addr & !STAGED) % cap as u64) as usize;
-        if off + dst.len() > cap {
+        if off + len > cap {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
-                    "a staged payload of {} bytes at {off} runs past the end of the peer's \
-                     {cap}-byte stage",
-                    dst.len()
+                    "a staged payload of {len} bytes at {off} runs past the end of the peer's \
+                     {cap}-byte stage"
                 ),
             ));
         }
-        // SAFETY: `off + dst.len() <= cap` bytes of a live mapping. The peer
-        // may write them meanwhile (it is another process); it then spoils
-        // only this copy of its own payload.
-        let src = unsafe { std::slice::from_raw_parts(self.region.ptr().add(off), dst.len()) };
-        if streaming {
-            copy::streaming(dst, src);
-        } else {
-            dst.copy_from_slice(src);
-        }
+        // SAFETY: `off + len <= cap` bytes of a live mapping. The peer may
+        // write them meanwhile (it is another process); it then spoils only
+        // its own payload, which `f` takes as plain bytes.
+        f(unsafe { std::slice::from_raw_parts(self.region.ptr().add(off), len) });
         Ok(())
     }
 }

@@ -14,8 +14,8 @@ use crate::{CommError, OpKind, Result};
 mod listed;
 
 use listed::{
-    binomial_broadcast, binomial_reduce, direct, direct_all_reduce, dissemination,
-    halving_doubling, pairwise, recursive_doubling,
+    binomial_broadcast, binomial_reduce, direct, dissemination, halving_doubling, pairwise,
+    recursive_doubling,
 };
 
 /// What one rank's call is, as far as choosing and building a schedule
@@ -85,6 +85,15 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             lead: cfg.oversubscribed,
             window: cfg.window,
         }),
+        Algorithm::Direct if spec.op == OpKind::AllReduce => Arc::new(DirectAllReduce {
+            rank: spec.rank,
+            n: spec.world,
+            count: spec.count,
+            segs: (part(spec.count, spec.world, 0).len() * spec.elem_size)
+                .div_ceil(cfg.fan_out_segment_bytes())
+                .clamp(1, MAX_LANES),
+            window: cfg.window.max(1),
+        }),
         Algorithm::Direct if spec.op == OpKind::Broadcast => Arc::new(FanOut {
             rank: spec.rank,
             n: spec.world,
@@ -92,7 +101,7 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
             count: spec.count,
             segs: (spec.count * spec.elem_size)
                 .div_ceil(cfg.fan_out_segment_bytes())
-                .max(1),
+                .clamp(1, MAX_LANES),
         }),
         _ => one_lane(spec, algo)?,
     };
@@ -102,6 +111,10 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
         _ => schedule,
     })
 }
+
+/// At most this many segments for the direct programs: two tags per
+/// segment stay well inside a `u32`.
+const MAX_LANES: usize = 1 << 24;
 
 /// Segments of `bytes` at `cfg.segment_bytes` each (at least one).
 fn segments(bytes: usize, cfg: &AlgoConfig) -> usize {
@@ -203,7 +216,6 @@ fn one_lane(spec: &CallSpec<'_>, algo: Algorithm) -> Result<Arc<dyn Program>> {
         (OpKind::AllReduce, Algorithm::RecursiveDoubling) => {
             Listed::one(recursive_doubling(r, n, spec.count))
         }
-        (OpKind::AllReduce, Algorithm::Direct) => Listed::one(direct_all_reduce(r, n, spec.count)),
         (OpKind::Gather, Algorithm::Direct) => {
             all_at_once(direct(r, n, spec.root, spec.count, true))
         }
@@ -569,5 +581,62 @@ impl Program for Chain {
     }
     fn window(&self) -> usize {
         self.window
+    }
+}
+
+/// Direct all_reduce in segments: in each, a reduce-scatter in which rank
+/// `r` reduces its part's segment from every peer's (tag `2k`), then an
+/// all-gather in which it sends the reduced segment to every peer (tag
+/// `2k + 1`). Two steps whatever the world size, with traffic between every
+/// pair: for shared memory, where every rank's stage is a slot its peers
+/// read (the all-gather's segment is copied in once for all of them), or a
+/// single-copy read takes a peer's part straight from its memory.
+///
+/// Rank `r` sends to `r+1, r+2, ...` and takes from `r-1, r-2, ...`, the
+/// order in which its peers send to it; the owner reduces each segment
+/// alone and in that fixed order, so every rank ends with the same bits.
+/// Sources stay until taken: a peer sends back a segment only after it has
+/// taken this rank's part of it.
+#[derive(Debug)]
+struct DirectAllReduce {
+    rank: usize,
+    n: usize,
+    count: usize,
+    /// Segments per part (every rank splits every part alike).
+    segs: usize,
+    window: usize,
+}
+
+impl DirectAllReduce {
+    /// Segment `k` of rank `p`'s part.
+    fn seg(&self, p: usize, k: usize) -> Range<usize> {
+        subpart(&part(self.count, self.n, p), self.segs, k)
+    }
+}
+
+impl Program for DirectAllReduce {
+    fn lanes(&self) -> usize {
+        if self.n == 1 { 0 } else { self.segs }
+    }
+    fn lane_len(&self, _lane: usize) -> usize {
+        4 * (self.n - 1)
+    }
+    fn action(&self, lane: usize, index: usize) -> Action {
+        let (n, r, peers) = (self.n, self.rank, self.n - 1);
+        let k = index % peers + 1;
+        let (to, from) = ((r + k) % n, (r + n - k) % n);
+        let (scatter, gather) = (2 * lane as u32, 2 * lane as u32 + 1);
+        match index / peers {
+            0 => send(to, scatter, Buf::Output, self.seg(to, lane)),
+            1 => recv(from, scatter, Buf::Output, self.seg(r, lane), true),
+            2 => send(to, gather, Buf::Output, self.seg(r, lane)),
+            _ => recv(from, gather, Buf::Output, self.seg(from, lane), false),
+        }
+    }
+    fn window(&self) -> usize {
+        self.window
+    }
+    fn fans_out(&self) -> bool {
+        true
     }
 }

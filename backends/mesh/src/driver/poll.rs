@@ -270,6 +270,16 @@ impl Decoder {
         let mut off = 0;
         while off < d.len {
             let n = (d.len - off).min(PULL_PIECE);
+            // A reduce takes staged bytes straight from the peer's stage.
+            if in_place_now(d)
+                && d.reduce.is_some()
+                && link.with_staged(addr + off as u64, n, &mut |src| {
+                    deliver(inner, peer, d, off, src)
+                })?
+            {
+                off += n;
+                continue;
+            }
             if in_place_now(d) && d.reduce.is_none() {
                 // SAFETY: this thread is inside the registering call's poll
                 // (see `registry`), which holds no other reference to this

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use super::{Listed, copy, recv, send};
-use crate::algo::{Action, Buf, part};
+use crate::algo::{Action, Buf};
 use crate::{CommError, Result};
 
 /// Parent and children of virtual rank `vr` in a binomial tree of `n`
@@ -214,41 +214,6 @@ pub(super) fn recursive_doubling(r: usize, n: usize, count: usize) -> Vec<Action
         v.push(recv(partner, tag, Buf::Output, all.clone(), true));
     }
     fold_out(r, n, count, final_tag, &mut v);
-    v
-}
-
-/// Direct all_reduce: a reduce-scatter in which rank `r` reduces its part
-/// from every peer's (tag 0), then an all-gather in which it sends its
-/// reduced part to every peer (tag 1). Two steps whatever the world size,
-/// each with traffic between every pair: for shared memory, where a
-/// single-copy read takes a peer's part straight from its memory.
-///
-/// Rank `r` sends to `r+1, r+2, ...` and takes from `r-1, r-2, ...`, the
-/// order in which its peers send to it; the owner reduces each part alone
-/// and in that fixed order, so every rank ends with the same bits.
-pub(super) fn direct_all_reduce(r: usize, n: usize, count: usize) -> Vec<Action> {
-    let mut v = Vec::with_capacity(4 * n);
-    let to = |k: usize| (r + k) % n;
-    let from = |k: usize| (r + n - k) % n;
-    let mine = part(count, n, r);
-    for k in 1..n {
-        v.push(send(to(k), 0, Buf::Output, part(count, n, to(k))));
-    }
-    for k in 1..n {
-        v.push(recv(from(k), 0, Buf::Output, mine.clone(), true));
-    }
-    for k in 1..n {
-        v.push(send(to(k), 1, Buf::Output, mine.clone()));
-    }
-    for k in 1..n {
-        v.push(recv(
-            from(k),
-            1,
-            Buf::Output,
-            part(count, n, from(k)),
-            false,
-        ));
-    }
     v
 }
 
