@@ -93,7 +93,7 @@ pub struct ShmTransport {
     /// stage), which every same-host peer maps read-only: a large
     /// broadcast's root copies each segment in once and all its readers
     /// copy it out at once (the `direct` broadcast, which the mesh chooses
-    /// for 3 or more ranks on one host when every rank has a stage).
+    /// for ranks on one host when every rank has a stage).
     /// Default 4 MiB; `CONSORT_SHM_STAGE_BYTES` sets it under
     /// `init_from_env`.
     pub stage_bytes: usize,

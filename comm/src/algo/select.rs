@@ -225,7 +225,9 @@ impl AlgoConfig {
     /// halving-doubling below [`LATENCY_BOUND_BYTES`] (log-depth latency)
     /// and the ring above
     /// (bandwidth-optimal); broadcast uses the direct broadcast for large
-    /// messages over 3 or more ranks with a shared stage, and for small
+    /// messages with a shared stage (2 ranks too: the reader takes each
+    /// 256 KiB segment while it is in cache, where the one hop's 4 MiB
+    /// frames ran at 12-13 GB/s half the time), and for small
     /// ones (up to [`SMALL_BYTES`]) over 4 or more ranks on an
     /// oversubscribed host, where each hop of a tree waits for a core (4 KiB
     /// over 4 ranks on 2 vCPUs: 8.3-8.7 µs against the tree's 11.5-18.3; 3
@@ -252,7 +254,7 @@ impl AlgoConfig {
             OpKind::Broadcast if self.oversubscribed && world >= 4 && bytes <= SMALL_BYTES => {
                 Algorithm::Direct
             }
-            OpKind::Broadcast if self.shared_stage && world >= 3 && bytes >= FAN_OUT_MIN_BYTES => {
+            OpKind::Broadcast if self.shared_stage && bytes >= FAN_OUT_MIN_BYTES => {
                 Algorithm::Direct
             }
             OpKind::Broadcast if bytes >= 4 * self.segment_bytes && world <= 16 => Algorithm::Chain,

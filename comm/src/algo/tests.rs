@@ -458,8 +458,8 @@ fn selection_policy_and_overrides() {
     );
     assert_eq!(c.select(OpKind::Broadcast, 64 << 20, 8), Algorithm::Chain);
     assert_eq!(c.select(OpKind::Barrier, 0, 8), Algorithm::Dissemination);
-    // A shared stage: the direct broadcast from 3 ranks and 4 of its
-    // segments up; the chain between 2, whose one hop has nothing to share.
+    // A shared stage: the direct broadcast from 4 MiB up, at any world
+    // (between 2 ranks too: see `select`).
     let st = AlgoConfig {
         shared_stage: true,
         ..Default::default()
@@ -467,7 +467,7 @@ fn selection_policy_and_overrides() {
     assert_eq!(st.fan_out_segment_bytes(), 256 << 10);
     assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 3), Algorithm::Direct);
     assert_eq!(st.select(OpKind::Broadcast, 4 << 20, 16), Algorithm::Direct);
-    assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 2), Algorithm::Chain);
+    assert_eq!(st.select(OpKind::Broadcast, 64 << 20, 2), Algorithm::Direct);
     assert_eq!(
         st.select(OpKind::Broadcast, (4 << 20) - 4, 3),
         Algorithm::Chain
