@@ -297,20 +297,38 @@ impl Inner {
                         reason: "it left before reading this rank's payload".into(),
                     });
                 }
-                let woken = self.woken();
-                let mut woken = std::pin::pin!(woken);
-                woken.as_mut().enable();
-                if self.spin_until(Instant::now(), &|| l.link.pulls_read() >= seq) {
-                    continue;
-                }
-                let wake = deadline.min(Instant::now() + Duration::from_millis(10));
-                if before(wake, woken).await.is_none() && Instant::now() >= deadline {
+                let read = || l.link.pulls_read() >= seq;
+                if !self.wait_pull_count(&read, Some(deadline)).await {
                     return Err(lock(&self.engine).timed_out(call, &[to]));
                 }
             }
         }
         pulls.release();
         Ok(())
+    }
+
+    /// Waits a while for `done`, a peer's pull count reaching a frame:
+    /// spins while the links bring frames or it comes, else sleeps until
+    /// woken or for 10 ms (at most until `deadline`). Returns `false` once
+    /// the deadline has passed. The caller looks again, and checks that
+    /// the peer is still there, before each wait.
+    pub(super) async fn wait_pull_count(
+        self: &Arc<Self>,
+        done: &(dyn Fn() -> bool + Sync),
+        deadline: Option<Instant>,
+    ) -> bool {
+        let woken = self.woken();
+        let mut woken = std::pin::pin!(woken);
+        woken.as_mut().enable();
+        if self.spin_until(Instant::now(), done) {
+            // Let the call's deadline (raced against its sends) fire even
+            // while frames keep arriving.
+            tokio::task::yield_now().await;
+            return true;
+        }
+        let soon = Instant::now() + Duration::from_millis(10);
+        let wake = deadline.map_or(soon, |d| d.min(soon));
+        before(wake, woken).await.is_some() || deadline.is_none_or(|d| Instant::now() < d)
     }
 }
 

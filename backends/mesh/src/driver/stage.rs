@@ -133,25 +133,16 @@ impl Inner {
                     format!("rank {p} left before reading this rank's staged payload"),
                 ));
             }
-            // The call's deadline bounds this wait (its transmit is raced
-            // against it); wake at least every 10 ms to look again.
-            let woken = self.woken();
-            let mut woken = std::pin::pin!(woken);
-            woken.as_mut().enable();
             if l.link.is_closed() || lock(&self.engine).is_lost(to) {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::BrokenPipe,
                     "the peer is gone",
                 ));
             }
+            // The call's deadline bounds this wait (its transmit is raced
+            // against it).
             let holders = &front.holders;
-            if self.spin_until(Instant::now(), &|| self.all_read(holders)) {
-                // Let the call's deadline (raced against this send) fire
-                // even while other frames keep arriving.
-                tokio::task::yield_now().await;
-                continue;
-            }
-            let _ = before(Instant::now() + Duration::from_millis(10), woken).await;
+            self.wait_pull_count(&|| self.all_read(holders), None).await;
         }
     }
 
