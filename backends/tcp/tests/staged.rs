@@ -60,30 +60,47 @@ fn before_broadcast(r: usize, root: usize, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Runs `f` on every rank at once (a task each); returns what each
+/// returned, split into its two halves, in rank order.
+async fn on_every_rank<A, B, Fut>(
+    ranks: &[Arc<TcpBackend>],
+    f: impl Fn(Arc<TcpBackend>) -> Fut,
+) -> (Vec<A>, Vec<B>)
+where
+    Fut: Future<Output = (A, B)> + Send + 'static,
+    A: Send + 'static,
+    B: Send + 'static,
+{
+    let runs: Vec<_> = ranks.iter().cloned().map(|b| tokio::spawn(f(b))).collect();
+    let mut out = (Vec::new(), Vec::new());
+    for t in runs {
+        let (a, b) = t.await.unwrap();
+        out.0.push(a);
+        out.1.push(b);
+    }
+    out
+}
+
 /// Broadcasts `len` bytes from `root` over `ranks`; returns, per rank,
 /// whether it holds the root's bytes, and the frames each staged.
 async fn broadcast(ranks: &[Arc<TcpBackend>], root: usize, len: usize) -> (Vec<bool>, Vec<u64>) {
-    let runs: Vec<_> = ranks
-        .iter()
-        .cloned()
-        .map(|b| {
-            tokio::spawn(async move {
-                let pg = ProcessGroup::new(b.clone());
-                let mut x = before_broadcast(b.rank(), root, len);
-                pg.broadcast(&mut x, root).await.expect("broadcast");
-                let ok = x.iter().enumerate().all(|(i, &v)| v == value(i));
-                (ok, b.staged_frames())
-            })
-        })
-        .collect();
-    let mut oks = Vec::new();
-    let mut staged = Vec::new();
-    for t in runs {
-        let (ok, s) = t.await.unwrap();
-        oks.push(ok);
-        staged.push(s);
-    }
-    (oks, staged)
+    on_every_rank(ranks, |b| async move {
+        let pg = ProcessGroup::new(b.clone());
+        let mut x = before_broadcast(b.rank(), root, len);
+        pg.broadcast(&mut x, root).await.expect("broadcast");
+        let ok = x.iter().enumerate().all(|(i, &v)| v == value(i));
+        (ok, b.staged_frames())
+    })
+    .await
+}
+
+/// A runtime for a proptest case: two workers, as the tests' own.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Segments of a `len`-byte direct broadcast at the default segment size.
@@ -102,34 +119,22 @@ fn contribution(r: usize, i: usize) -> f32 {
 /// staged.
 async fn all_reduce(ranks: &[Arc<TcpBackend>], count: usize) -> (Vec<usize>, Vec<u64>) {
     let n = ranks.len();
-    let runs: Vec<_> = ranks
-        .iter()
-        .cloned()
-        .map(|b| {
-            tokio::spawn(async move {
-                let pg = ProcessGroup::new(b.clone());
-                let r = b.rank();
-                let mut x: Vec<f32> = (0..count).map(|i| contribution(r, i)).collect();
-                pg.all_reduce(&mut x, ReduceOp::Sum)
-                    .await
-                    .expect("all_reduce");
-                let wrong = x
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, &v)| v != (0..n).map(|p| contribution(p, i)).sum::<f32>())
-                    .count();
-                (wrong, b.staged_frames())
-            })
-        })
-        .collect();
-    let mut wrong = Vec::new();
-    let mut staged = Vec::new();
-    for t in runs {
-        let (w, s) = t.await.unwrap();
-        wrong.push(w);
-        staged.push(s);
-    }
-    (wrong, staged)
+    on_every_rank(ranks, |b| async move {
+        let pg = ProcessGroup::new(b.clone());
+        let r = b.rank();
+        let mut x: Vec<f32> = (0..count).map(|i| contribution(r, i)).collect();
+        pg.all_reduce(&mut x, ReduceOp::Sum)
+            .await
+            .expect("all_reduce");
+        let exact = |i: usize| (0..n).map(|p| contribution(p, i)).sum::<f32>();
+        let wrong = x
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v != exact(i))
+            .count();
+        (wrong, b.staged_frames())
+    })
+    .await
 }
 
 proptest! {
@@ -147,12 +152,7 @@ proptest! {
         extra in prop_oneof![Just(0usize), Just(1), 0usize..(1 << 20)],
         small_stage in any::<bool>(),
     ) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+        runtime().block_on(async {
             let stage = if small_stage { 1 << 20 } else { 16 << 20 };
             let algo = AlgoConfig {
                 overrides: AlgoConfig::parse_overrides("all_reduce=direct").unwrap(),
@@ -190,12 +190,7 @@ proptest! {
         extra in prop_oneof![Just(0usize), Just(1), 0usize..(3 << 20)],
         small_stage in any::<bool>(),
     ) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+        runtime().block_on(async {
             let stage = if small_stage { 2 << 20 } else { 16 << 20 };
             let ranks = world(n, Duration::from_secs(30), |_| ShmTransport {
                 stage_bytes: stage,
