@@ -175,18 +175,20 @@ impl CallRun<'_> {
                 let inner = &self.b.inner;
                 return inner.wait_pulls(pulls, self.id, self.deadline).await;
             }
-            let woken = self.b.inner.woken();
-            let mut woken = std::pin::pin!(woken);
-            woken.as_mut().enable();
             if self.collect()? {
-                let waiting = self.schedule.waiting_on();
-                let mut engine = lock(&self.b.inner.engine);
-                let at = self.spun_at.take().unwrap_or_else(Instant::now);
-                engine.progressed(self.id, at, &waiting);
+                self.progressed();
                 continue;
             }
-            self.wait(woken.as_mut()).await?;
+            self.wait().await?;
         }
+    }
+
+    /// Tells the engine the call took a frame (its stall clock restarts).
+    fn progressed(&mut self) {
+        let waiting = self.schedule.waiting_on();
+        let mut engine = lock(&self.b.inner.engine);
+        let at = self.spun_at.take().unwrap_or_else(Instant::now);
+        engine.progressed(self.id, at, &waiting);
     }
 
     /// Sends a transmit's range.
@@ -355,19 +357,15 @@ impl CallRun<'_> {
     /// it spins on the polled links, then sleeps until a frame is filed,
     /// the pump wakes it, or its deadline. The engine's clock, and the
     /// stall probes, are the pump's alone ([`super::poll::pump`]).
-    async fn wait(&mut self, woken: std::pin::Pin<&mut super::Woken<'_>>) -> Result<()> {
+    ///
+    /// A call that finds work while it spins never registers for wakes: it
+    /// does so only before it sleeps, and then looks once more (its links,
+    /// the frames filed, the engine), so that nothing that came before is
+    /// missed.
+    async fn wait(&mut self) -> Result<()> {
         let inner = &self.b.inner;
-        let waiting = self.schedule.waiting_on();
         let now = Instant::now();
-        {
-            let mut engine = lock(&inner.engine);
-            if let Some(e) = engine.failure(self.id, &waiting) {
-                return Err(e);
-            }
-            if now >= self.deadline {
-                return Err(engine.timed_out(self.id, &waiting));
-            }
-        }
+        self.fail_if_due(now)?;
         // Same-host peers write into shared queues: take what they wrote,
         // spinning a little before sleeping.
         if inner.spin(now) {
@@ -375,7 +373,30 @@ impl CallRun<'_> {
             return Ok(());
         }
         self.spun_at = None;
+        let woken = inner.woken();
+        let mut woken = std::pin::pin!(woken);
+        woken.as_mut().enable();
+        inner.poll_links();
+        if self.collect()? {
+            self.progressed();
+            return Ok(());
+        }
+        self.fail_if_due(now)?;
         let _ = before(self.deadline, woken).await;
+        Ok(())
+    }
+
+    /// The call's error, if the engine has one for it (a cause, a mismatch
+    /// a stall probe found) or its deadline has passed at `now`.
+    fn fail_if_due(&self, now: Instant) -> Result<()> {
+        let waiting = self.schedule.waiting_on();
+        let mut engine = lock(&self.b.inner.engine);
+        if let Some(e) = engine.failure(self.id, &waiting) {
+            return Err(e);
+        }
+        if now >= self.deadline {
+            return Err(engine.timed_out(self.id, &waiting));
+        }
         Ok(())
     }
 }
