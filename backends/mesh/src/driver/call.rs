@@ -22,7 +22,10 @@ struct CallRun<'c> {
     fp: Fingerprint,
     /// The call's key in the in-place registry.
     call_id: u64,
-    p2p: bool,
+    /// Whether a receive of the call may go in the registry: not a
+    /// point-to-point call, and a buffer it receives into is large enough
+    /// (otherwise the registry is never touched: a small call's fast path).
+    registers: bool,
     reduce: Option<ReduceOp>,
     /// The engine's deadline for the call, which bounds its sends.
     deadline: Instant,
@@ -106,9 +109,11 @@ impl MeshBackend {
                 (b.as_mut_ptr(), b.len())
             },
         };
-        let call_id = registry::new_call(inner);
+        let largest = raw.input.1.max(raw.output.1).max(raw.scratch.1);
+        let registers = !req.is_p2p() && largest >= self.opts.in_place_min;
+        let call_id = registry::new_call(inner, registers);
         // Unregisters the call's receives when it ends, however it ends.
-        let direct = DirectGuard(inner, call_id);
+        let direct = DirectGuard(inner, call_id, registers);
         let timeout = opts.timeout_or(self.opts.timeout);
         let deadline = {
             let mut engine = lock(&inner.engine);
@@ -136,7 +141,7 @@ impl MeshBackend {
             seq: begun.seq,
             fp: begun.fp,
             call_id,
-            p2p: req.is_p2p(),
+            registers,
             reduce: req.reduce,
             deadline: deadline.unwrap_or_else(|| consort_comm::time::deadline(timeout)),
             posted: Vec::new(),
@@ -264,7 +269,7 @@ impl CallRun<'_> {
     fn post(&mut self, rv: Receive) {
         let dtype = self.raw.dtype;
         let bytes = rv.range.len() * dtype.size_bytes();
-        if !self.p2p
+        if self.registers
             && bytes >= self.b.opts.in_place_min
             && let Some(dst) = self.raw.ptr(rv.buf, &rv.range)
         {
@@ -326,14 +331,17 @@ impl CallRun<'_> {
         }
         // After the engine's news: a receive filed done has every chunk
         // that came outside this poll waiting here by now.
-        let applied = registry::take_pending(inner, self.call_id);
-        let progressed = applied > 0 || !done.is_empty() || !got.is_empty();
-        // Handed back to the schedule from here on: a duplicated frame that
-        // took a registration writes nothing more into these ranges (and a
-        // frame that came the buffered way loses its registration).
-        let keys = done.iter().chain(got.iter().map(|(rv, _)| rv));
-        let (b, seq) = (self.b, self.seq);
-        registry::retire(inner, self.call_id, keys.map(|rv| key(b, seq, rv)));
+        let mut progressed = !done.is_empty() || !got.is_empty();
+        if self.registers {
+            progressed |= registry::take_pending(inner, self.call_id) > 0;
+            // Handed back to the schedule from here on: a duplicated frame
+            // that took a registration writes nothing more into these
+            // ranges (and a frame that came the buffered way loses its
+            // registration).
+            let keys = done.iter().chain(got.iter().map(|(rv, _)| rv));
+            let (b, seq) = (self.b, self.seq);
+            registry::retire(inner, self.call_id, keys.map(|rv| key(b, seq, rv)));
+        }
         for rv in done.drain(..) {
             self.schedule
                 .handle_recv(rv.from, rv.tag)

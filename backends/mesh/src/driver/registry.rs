@@ -77,10 +77,13 @@ impl Registry {
 
 /// A new call's registry id: unique in the process, since [`POLLING`]
 /// marks threads process-wide and one process may hold several meshes.
-pub(super) fn new_call(inner: &Inner) -> u64 {
+/// Only a call that `registers` receives enters the registry.
+pub(super) fn new_call(inner: &Inner, registers: bool) -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    lock(&inner.direct).live.insert(id);
+    if registers {
+        lock(&inner.direct).live.insert(id);
+    }
     id
 }
 
@@ -215,11 +218,15 @@ pub(super) fn take_pending(inner: &Inner, call: u64) -> usize {
 /// Removes a call, its posted receives and its waiting chunks from the
 /// registry when it ends (returns, fails, or is cancelled). A call whose
 /// future is leaked never gets here: its registration stays, and only
-/// costs memory (see the module's rule).
-pub(super) struct DirectGuard<'a>(pub(super) &'a Inner, pub(super) u64);
+/// costs memory (see the module's rule). A call that never entered the
+/// registry (`registers` false) has nothing there.
+pub(super) struct DirectGuard<'a>(pub(super) &'a Inner, pub(super) u64, pub(super) bool);
 
 impl Drop for DirectGuard<'_> {
     fn drop(&mut self) {
+        if !self.2 {
+            return;
+        }
         let call = self.1;
         let chunks = {
             let mut reg = lock(&self.0.direct);
