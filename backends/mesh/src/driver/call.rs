@@ -367,9 +367,9 @@ impl CallRun<'_> {
     /// stall probes, are the pump's alone ([`super::poll::pump`]).
     ///
     /// A call that finds work while it spins never registers for wakes: it
-    /// does so only before it sleeps, and then looks once more (its links,
-    /// the frames filed, the engine), so that nothing that came before is
-    /// missed.
+    /// does so only before it sleeps, then arms its links and looks once
+    /// more (the links, the frames filed, the engine), so that nothing that
+    /// came before is missed and a ring after the arm wakes it.
     async fn wait(&mut self) -> Result<()> {
         let inner = &self.b.inner;
         let now = Instant::now();
@@ -381,10 +381,14 @@ impl CallRun<'_> {
             return Ok(());
         }
         self.spun_at = None;
+        // Registered before the links are armed: a ring after the arm
+        // (which it uses up) wakes this call.
         let woken = inner.woken();
         let mut woken = std::pin::pin!(woken);
         woken.as_mut().enable();
-        inner.poll_links();
+        if inner.arm_and_poll(&|| false) {
+            return Ok(());
+        }
         if self.collect()? {
             self.progressed();
             return Ok(());

@@ -528,17 +528,37 @@ impl Inner {
 
     /// Spins on the polled links for up to the spin time from `start` (the
     /// caller's clock reading: a read costs ~20 ns, a tenth of a small
-    /// call's own work); true as soon as something came. Otherwise arms
-    /// them (the peers ring when they write) and polls once more, so that
-    /// the caller may sleep.
+    /// call's own work); true as soon as something came. It does not arm
+    /// them: a caller that would sleep registers for wakes first, then
+    /// [`Self::arm_and_poll`]s, so that a ring after the arm reaches it.
     pub(super) fn spin(self: &Arc<Self>, start: Instant) -> bool {
-        self.spin_until(start, &|| false)
+        self.spin_only(start, &|| false)
     }
 
-    /// [`Self::spin`], also ending (true) as soon as `done` holds: a wait
-    /// for a peer's counter (its pull frames read), which moves without a
-    /// frame.
+    /// [`Self::spin`], also ending (true) as soon as `done` holds (a wait
+    /// for a peer's counter, its pull frames read, which moves without a
+    /// frame); then, if nothing came, [`Self::arm_and_poll`]. For callers
+    /// that registered for wakes before it.
     pub(super) fn spin_until(self: &Arc<Self>, start: Instant, done: &dyn Fn() -> bool) -> bool {
+        self.spin_only(start, done) || self.arm_and_poll(done)
+    }
+
+    /// Arms the polled links (their peers ring when they next write) and
+    /// polls them once more: true if something came or `done` holds. The
+    /// caller has registered for wakes already; an arm is used up by the
+    /// ring it causes, so a caller that found something and waits again
+    /// arms again.
+    pub(super) fn arm_and_poll(self: &Arc<Self>, done: &dyn Fn() -> bool) -> bool {
+        for &p in &self.polled {
+            if let Link::Polled(l) = &self.links[p] {
+                l.link.arm();
+            }
+        }
+        self.poll_links() > 0 || done()
+    }
+
+    /// The spinning part of [`Self::spin_until`].
+    fn spin_only(self: &Arc<Self>, start: Instant, done: &dyn Fn() -> bool) -> bool {
         if self.polled.is_empty() {
             return false;
         }
@@ -563,12 +583,7 @@ impl Inner {
                 std::hint::spin_loop();
             }
         }
-        for &p in &self.polled {
-            if let Link::Polled(l) = &self.links[p] {
-                l.link.arm();
-            }
-        }
-        self.poll_links() > 0 || done()
+        false
     }
 
     /// Writes one whole frame into polled link `l` now, if no other sender
