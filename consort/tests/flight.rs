@@ -14,23 +14,14 @@ use std::{
 
 use consort::flight::{Dump, State};
 
+mod support;
+
 fn consort_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_consort"))
 }
 
 fn skip_bin() -> PathBuf {
-    let p = consort_bin()
-        .parent()
-        .expect("target dir")
-        .join("examples")
-        .join(format!("skip{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo test --workspace` (which builds the examples), or \
-         `cargo build -p consort --example skip` first",
-        p.display()
-    );
-    p
+    support::example_bin("skip")
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -18,25 +18,14 @@ use std::{
 
 use consort::ddp::{load_safetensors, save_safetensors};
 
+mod support;
+
 fn gpt_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_consort"))
-        .parent()
-        .expect("target dir")
-        .join("examples")
-        .join(format!("gpt{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: build the example first",
-        p.display()
-    );
-    p
+    support::example_bin("gpt")
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("consort-gptfiles-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    support::fresh_dir("gptfiles", name)
 }
 
 /// Runs 2 simulated ranks for `steps` steps (a checkpoint every 2) on

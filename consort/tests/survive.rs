@@ -16,22 +16,14 @@ use std::{
     time::Duration,
 };
 
+mod support;
+
 fn consort_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_consort"))
 }
 
 fn train_bin() -> PathBuf {
-    let p = consort_bin()
-        .parent()
-        .expect("target dir")
-        .join("examples")
-        .join(format!("train{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo test --workspace`",
-        p.display()
-    );
-    p
+    support::example_bin("train")
 }
 
 /// A fresh directory of this test's own: tests run in parallel, and two

@@ -12,23 +12,14 @@ use std::{
 
 use consort::ddp::{StateDict, load_safetensors};
 
+mod support;
+
 fn consort_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_consort"))
 }
 
 fn train_bin() -> PathBuf {
-    let p = consort_bin()
-        .parent()
-        .expect("target dir")
-        .join("examples")
-        .join(format!("train{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo test --workspace` (which builds the examples), or \
-         `cargo build -p consort --example train` before this test file alone",
-        p.display()
-    );
-    p
+    support::example_bin("train")
 }
 
 fn out_dir(name: &str) -> PathBuf {

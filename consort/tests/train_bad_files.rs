@@ -17,25 +17,14 @@ use std::{
 
 use consort::ddp::{load_safetensors, save_safetensors};
 
+mod support;
+
 fn train_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_consort"))
-        .parent()
-        .expect("target dir")
-        .join("examples")
-        .join(format!("train{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: build the examples first",
-        p.display()
-    );
-    p
+    support::example_bin("train")
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("consort-badfiles-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    support::fresh_dir("badfiles", name)
 }
 
 /// Runs the trainer with `args` on `dir`; kills it after `within`.

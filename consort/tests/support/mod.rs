@@ -1,10 +1,11 @@
-//! What the process-level tests of `consort run` and `consort store`
-//! share: the binary, a bounded wait for a child, a free port, rank 0's
-//! JSON rows.
+//! What the process-level tests of `consort run`, `consort store` and the
+//! examples share: the binaries, a bounded wait for a child, a free port,
+//! rank 0's JSON rows, a fresh scratch directory.
 
 #![allow(dead_code, unreachable_pub)]
 
 use std::{
+    path::PathBuf,
     process::{Child, Command, Output, Stdio},
     time::{Duration, Instant},
 };
@@ -28,6 +29,31 @@ pub fn finish(mut child: Child, what: &str) -> Output {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The built example `name` beside the `consort` binary; fails the test
+/// with what to build when it is missing.
+pub fn example_bin(name: &str) -> PathBuf {
+    let p = PathBuf::from(BIN)
+        .parent()
+        .expect("target dir")
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (`cargo build -p consort --example {name}`)",
+        p.display()
+    );
+    p
+}
+
+/// An empty directory `consort-<tag>-<pid>-<name>` under the system's
+/// temporary directory (whatever an earlier run left there is removed).
+pub fn fresh_dir(tag: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("consort-{tag}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("make a scratch directory");
+    d
 }
 
 pub fn consort(args: &[&str]) -> Child {
