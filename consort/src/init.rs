@@ -427,7 +427,7 @@ impl Dist {
             }
         }
         if let Some(us) = count_var("CONSORT_SHM_SPIN_US")? {
-            opts.spin = Duration::from_micros(us as u64);
+            opts.spin = Some(Duration::from_micros(us as u64));
         }
         match std::env::var("CONSORT_SHM").ok().as_deref().map(str::trim) {
             None | Some("" | "1" | "true" | "True") => opts.local = Some(shm.shared()),

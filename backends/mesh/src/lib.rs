@@ -55,5 +55,5 @@ pub mod rendezvous;
 pub use auth::Secret;
 pub use driver::{MeshBackend, MeshCloser, dump_flight_records, finish_in_drop};
 pub use link::{BoxRead, BoxWrite, LocalSetup, LocalTransport, PeerLink, PolledLink};
-pub use options::MeshOptions;
+pub use options::{MeshOptions, SPIN_OWN_CORE, SPIN_SHARED_CORES};
 pub use rendezvous::StreamTransport;

@@ -6,6 +6,20 @@ use consort_comm::{algo::AlgoConfig, frame::FrameLimits};
 
 use crate::{auth::Secret, link::LocalTransport};
 
+/// How long a waiting call spins on its same-host links before it sleeps,
+/// where every rank of the host has a core: long enough for a peer that is
+/// running to answer (a flag's round trip between cores is about 0.5 µs),
+/// short enough that a rank waiting on a slow peer gives its core back.
+pub const SPIN_OWN_CORE: Duration = Duration::from_micros(50);
+
+/// The same where ranks share cores (more ranks than cores on the host).
+/// The spin yields the core between looks, so a waiting rank costs the
+/// runnable ones little, and a peer that lost its core for a moment is
+/// more often waited for than slept on: a sleep and its bell cost a
+/// broadcast of 64 MiB over 3 ranks on 2 cores about a tenth of its time
+/// (5.76 against 5.15 ms at 500 µs, paired medians, BENCHMARKS.md).
+pub const SPIN_SHARED_CORES: Duration = Duration::from_micros(500);
+
 /// How a [`crate::MeshBackend`] connects and runs (the TCP backend's
 /// `TcpOptions`).
 #[derive(Clone, Debug)]
@@ -42,9 +56,11 @@ pub struct MeshOptions {
     pub single_copy_min: usize,
     /// How long a call waiting on a polled (same-host) link spins before it
     /// sleeps until the peer rings. While it spins it yields the core when
-    /// this host runs more ranks than it has cores. Default 50 µs;
-    /// `CONSORT_SHM_SPIN_US` sets it under `init_from_env`.
-    pub spin: Duration,
+    /// this host runs more ranks than it has cores. `None` (the default):
+    /// [`SPIN_OWN_CORE`] where every rank has a core, [`SPIN_SHARED_CORES`]
+    /// where ranks share them. `CONSORT_SHM_SPIN_US` sets it under
+    /// `init_from_env`.
+    pub spin: Option<Duration>,
     /// TCP connections per pair of ranks (1 to 8); frames spread over them
     /// by tag. On this project's loopback benches 2 streams measured no
     /// better than 1 (the sender writes every stream from one task), so
@@ -95,7 +111,7 @@ impl Default for MeshOptions {
             in_place_min: 64 * 1024,
             local: None,
             single_copy_min: 64 * 1024,
-            spin: Duration::from_micros(50),
+            spin: None,
             streams: 1,
             secret: Secret::from_env(),
             flight_dir: None,

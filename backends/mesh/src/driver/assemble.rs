@@ -41,7 +41,11 @@ impl MeshBackend {
             pool: Mutex::new(Vec::new()),
             direct: Mutex::new(Registry::default()),
             polled,
-            spin: opts.spin,
+            spin: opts.spin.unwrap_or(if local_ranks > cores {
+                crate::options::SPIN_SHARED_CORES
+            } else {
+                crate::options::SPIN_OWN_CORE
+            }),
             yield_spin: local_ranks > cores,
             limits: opts.limits,
             in_place_min: opts.in_place_min,
