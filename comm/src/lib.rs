@@ -79,6 +79,7 @@ mod group;
 pub mod heartbeat;
 mod objects;
 pub mod ordered;
+pub mod par;
 pub mod reduce;
 pub mod store;
 pub mod stream;

@@ -426,6 +426,15 @@ impl Dist {
                 )));
             }
         }
+        if let Some(n) = count_var("CONSORT_SHM_THREADS")? {
+            if n == 0 || n > consort_comm::par::MAX_THREADS {
+                return Err(CommError::invalid(format!(
+                    "CONSORT_SHM_THREADS={n} is not valid: expected 1 to {} threads per rank",
+                    consort_comm::par::MAX_THREADS
+                )));
+            }
+            opts.threads = Some(n);
+        }
         if let Some(us) = count_var("CONSORT_SHM_SPIN_US")? {
             opts.spin = Some(Duration::from_micros(us as u64));
         }

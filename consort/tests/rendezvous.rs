@@ -22,6 +22,13 @@ async fn worker() {
     let out = match consort::init_from_env().await {
         Err(e) => serde_json::json!({"error": e.to_string()}),
         Ok(dist) => {
+            if std::env::var("CONSORT_TEST_GROUP").is_ok()
+                && let Err(e) = dist.process_group().await
+            {
+                println!("WORKER {}", serde_json::json!({"error": e.to_string()}));
+                dist.shutdown_failed(&[]).await;
+                return;
+            }
             let s = dist.store();
             let r = dist.rank();
             s.set(&format!("hello/{r}"), format!("from {r}").as_bytes())
@@ -88,6 +95,8 @@ fn spawn(vars: &[(&str, String)]) -> Child {
         "SLURM_NTASKS",
         "SLURM_LOCALID",
         "CONSORT_STORE_TIMEOUT",
+        "CONSORT_SHM_THREADS",
+        "CONSORT_TEST_GROUP",
     ] {
         c.env_remove(v);
     }
@@ -283,6 +292,32 @@ fn bad_launcher_values_name_the_variable() {
             .as_str()
             .unwrap_or_else(|| panic!("expected an error: {v}"));
         assert!(e.contains(want), "got `{e}`, want `{want}`");
+    }
+}
+
+/// A bad `CONSORT_SHM_THREADS` is an error on every rank, naming it, when
+/// the rank makes its process group (before it meets the others there).
+#[test]
+fn a_bad_thread_count_names_the_variable_on_every_rank() {
+    for (value, want) in [
+        ("9", "CONSORT_SHM_THREADS=9 is not valid: expected 1 to 8"),
+        ("0", "CONSORT_SHM_THREADS=\"0\" is not valid"),
+    ] {
+        let port = free_port();
+        let children: Vec<Child> = (0..2)
+            .map(|r| {
+                let mut v = torchrun_vars(r, 2, port, "30");
+                v.push(("CONSORT_SHM_THREADS", value.into()));
+                v.push(("CONSORT_TEST_GROUP", "1".into()));
+                spawn(&v)
+            })
+            .collect();
+        for v in run_all(children) {
+            let e = v["error"]
+                .as_str()
+                .unwrap_or_else(|| panic!("expected an error: {v}"));
+            assert!(e.contains(want), "got `{e}`, want `{want}`");
+        }
     }
 }
 

@@ -61,6 +61,14 @@ pub struct MeshOptions {
     /// where ranks share them. `CONSORT_SHM_SPIN_US` sets it under
     /// `init_from_env`.
     pub spin: Option<Duration>,
+    /// Threads this rank splits a large copy or reduction over, itself
+    /// included (`consort_comm::par`). `None` (the default): the cores
+    /// its host's ranks may use between them divided by those ranks (1
+    /// where they have a core each or share them, or where the mesh cannot
+    /// tell which ranks share the host: no shared memory), at most
+    /// `consort_comm::par::MAX_THREADS`. `CONSORT_SHM_THREADS` sets it
+    /// under `init_from_env`.
+    pub threads: Option<usize>,
     /// TCP connections per pair of ranks (1 to 8); frames spread over them
     /// by tag. On this project's loopback benches 2 streams measured no
     /// better than 1 (the sender writes every stream from one task), so
@@ -112,6 +120,7 @@ impl Default for MeshOptions {
             local: None,
             single_copy_min: 64 * 1024,
             spin: None,
+            threads: None,
             streams: 1,
             secret: Secret::from_env(),
             flight_dir: None,

@@ -289,6 +289,29 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
     }
     opts.algo.oversubscribed = oversubscribed(cards, opts);
     opts.algo.shared_stage = shared_stage(cards, opts);
+    if opts.threads.is_none() {
+        opts.threads = Some(spare_threads(rank, cards, opts));
+    }
+}
+
+/// Threads for rank `rank`'s large copies and reductions where the user
+/// set none ([`MeshOptions::threads`]): the cores of the ranks on its host
+/// (the union of their affinity masks, capped by a quota) divided by those
+/// ranks, so a host with cores to spare lends each rank an equal share; 1
+/// where the ranks have a core each or share them, and where the mesh
+/// cannot tell which ranks share the host (no local transport).
+fn spare_threads(rank: usize, cards: &[Card], opts: &MeshOptions) -> usize {
+    let (Some(t), Some(mine)) = (&opts.local, cards.get(rank).and_then(|c| c.local.as_ref()))
+    else {
+        return 1;
+    };
+    let here: Vec<&Cpus> = cards
+        .iter()
+        .filter(|c| c.local.as_ref().is_some_and(|l| t.can_connect(mine, l)))
+        .map(|c| &c.cpus)
+        .collect();
+    let ranks = here.len().max(1);
+    (host_cores(here.into_iter()) / ranks).clamp(1, consort_comm::par::MAX_THREADS)
 }
 
 /// Whether every rank is on one host, linked by the local transport, and
@@ -657,6 +680,49 @@ mod tests {
             &[card(&[0], Some("a")), card(&[0], Some("a"))],
             &no_local
         ));
+    }
+
+    /// Each rank's share of its host's cores, counting only the ranks on
+    /// its own host, and 1 where the mesh cannot tell who shares it.
+    #[test]
+    fn a_rank_lends_itself_its_share_of_its_host_s_spare_cores() {
+        let card = |cores: std::ops::Range<usize>, host: Option<&str>| Card {
+            addr: "a".into(),
+            segment: 1,
+            cpus: Cpus::of(&cores.collect::<Vec<_>>(), None),
+            local: host.map(str::to_string),
+        };
+        let opts = MeshOptions {
+            local: Some(Arc::new(Hosts)),
+            ..MeshOptions::default()
+        };
+        let threads = |rank: usize, cards: &[Card]| spare_threads(rank, cards, &opts);
+        // 2 ranks on 16 cores: 8 each; 4: 4 each; 16: 1.
+        let host = |n: usize, cores: usize| -> Vec<Card> {
+            (0..n).map(|_| card(0..cores, Some("a"))).collect()
+        };
+        assert_eq!(threads(0, &host(2, 16)), 8);
+        assert_eq!(threads(3, &host(4, 16)), 4);
+        assert_eq!(threads(0, &host(16, 16)), 1);
+        // More ranks than cores, and the cap.
+        assert_eq!(threads(1, &host(3, 2)), 1);
+        assert_eq!(threads(0, &host(2, 64)), consort_comm::par::MAX_THREADS);
+        // Pinned to 4 cores each, 2 ranks: 4 each (the union is 8).
+        assert_eq!(
+            threads(1, &[card(0..4, Some("a")), card(4..8, Some("a"))]),
+            4
+        );
+        // Only this rank's host counts: host b has 1 rank on 8 cores.
+        let two_hosts = [
+            card(0..8, Some("a")),
+            card(0..8, Some("a")),
+            card(0..8, Some("b")),
+        ];
+        assert_eq!(threads(0, &two_hosts), 4);
+        assert_eq!(threads(2, &two_hosts), 8);
+        // No shared memory on this rank, or in the mesh: 1.
+        assert_eq!(threads(0, &[card(0..8, None), card(0..8, Some("a"))]), 1);
+        assert_eq!(spare_threads(0, &host(2, 16), &MeshOptions::default()), 1);
     }
 
     /// The direct broadcast needs every rank on one host with a stage of

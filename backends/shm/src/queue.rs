@@ -21,6 +21,8 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use consort_comm::par::{self, Pool};
+
 use crate::region::Region;
 
 /// Bytes before the data: four cache lines.
@@ -156,10 +158,14 @@ impl Queue {
             while !src.is_empty() && todo > 0 {
                 let run = src.len().min(todo).min(self.cap - pos);
                 // SAFETY: `pos + run <= cap` lies in the data; the consumer
-                // does not read these bytes before `write` moves past them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), run);
-                }
+                // does not read these bytes before `write` moves past them,
+                // and nothing else in this process writes them (one sender
+                // per queue).
+                let dst = unsafe { std::slice::from_raw_parts_mut(self.data().add(pos), run) };
+                // A large run over the rank's helper threads, where it has
+                // any; their stores are ordered before `write` below (the
+                // split copy returns after every part, through atomics).
+                par::copy(Pool::shared(), dst, &src[..run], false);
                 src = &src[run..];
                 todo -= run;
                 pos = (pos + run) & (self.cap - 1);

@@ -19,7 +19,7 @@
 
 use std::{io, sync::Mutex};
 
-use consort_comm::reduce::copy;
+use consort_comm::par::{self, Pool};
 
 use crate::region::Region;
 
@@ -83,9 +83,11 @@ impl Stage {
         // SAFETY: `off + len <= cap` bytes of this process's writable
         // mapping, which no reader has been told about yet, or whose last
         // reader is done (`free`).
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.region.ptr().add(off), bytes.len());
-        }
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.region.ptr().add(off), bytes.len()) };
+        // Ordinary stores: the readers copy the segment out at once, from
+        // the caches where it fits.
+        par::copy(Pool::shared(), dst, bytes, false);
         ring.head = (pos + len).next_multiple_of(ALIGN);
         Some(STAGED | pos)
     }
@@ -124,11 +126,7 @@ impl PeerStage {
     /// address is not trusted).
     pub(crate) fn read(&self, addr: u64, dst: &mut [u8], streaming: bool) -> io::Result<()> {
         self.with(addr, dst.len(), &mut |src| {
-            if streaming {
-                copy::streaming(dst, src);
-            } else {
-                dst.copy_from_slice(src);
-            }
+            par::copy(Pool::shared(), dst, src, streaming)
         })
     }
 

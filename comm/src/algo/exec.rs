@@ -103,10 +103,12 @@ impl CallBuffers<'_> {
         }
         let dtype = self.dtype;
         let dst = self.bytes_mut(rv.buf, &rv.range)?;
+        // Large ones over the rank's helper threads, where it has any.
+        let pool = crate::par::Pool::shared();
         if rv.reduce {
-            op.unwrap_or(ReduceOp::Sum).apply_bytes(dtype, dst, data)
+            crate::par::apply_bytes(pool, op.unwrap_or(ReduceOp::Sum), dtype, dst, data)
         } else {
-            dst.copy_from_slice(data);
+            crate::par::copy(pool, dst, data, false);
             Ok(())
         }
     }

@@ -4,12 +4,17 @@
 //! `dst += src` moves 3 bytes per byte of dst (read dst, read src, write
 //! dst) where memcpy moves 2, so the memory-bound ceiling for Sum is 2/3 of
 //! memcpy's rate in bytes of dst per second.
+//!
+//! With `--threads N` (N > 1) two more columns: the same Sum and copy in
+//! the transports' 256 KiB pieces, each split over N threads of a
+//! `consort_comm::par` pool, as a rank with cores to spare runs them.
 
 use std::{hint::black_box, time::Instant};
 
 use consort_comm::{
     DType, Element, ReduceOp,
     half::{bf16, f16},
+    par::{self, Pool},
 };
 use serde_json::json;
 
@@ -44,11 +49,39 @@ fn filled<T>(n: usize, f: impl FnMut(usize) -> T) -> Result<Vec<T>, String> {
     Ok(v)
 }
 
+/// The pieces the shared-memory transport moves at a time.
+const PIECE: usize = 256 << 10;
+
+/// GB/s of `dst op= src` and of a copy, in [`PIECE`]-byte pieces split
+/// over `pool`'s threads.
+fn split_rates(pool: &Pool, dtype: DType, dst: &mut [u8], src: &[u8], iters: usize) -> (f64, f64) {
+    let pieces = |f: &mut dyn FnMut(&mut [u8], &[u8])| {
+        for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+            f(black_box(d), black_box(s));
+        }
+    };
+    let mut pieces = pieces;
+    let sum = median_secs(iters, || {
+        pieces(&mut |d, s| {
+            par::apply_bytes(pool, ReduceOp::Sum, dtype, d, s).expect("equal lengths")
+        })
+    });
+    let copy = median_secs(iters, || pieces(&mut |d, s| par::copy(pool, d, s, false)));
+    let bytes = src.len() as f64;
+    (bytes / sum / 1e9, bytes / copy / 1e9)
+}
+
+/// GB/s of Sum, of memcpy, and of both split in pieces (with a pool).
+type Rates = (f64, f64, Option<(f64, f64)>);
+
+/// GB/s of Sum and of memcpy over `bytes` of `T`, and with `pool` (more
+/// than one thread) the same split in pieces.
 fn bench_dtype<T: Element>(
     bytes: usize,
     iters: usize,
+    pool: Option<&Pool>,
     from: impl Fn(f32) -> T,
-) -> Result<(f64, f64), String> {
+) -> Result<Rates, String> {
     let n = bytes / size_of::<T>();
     let mut dst: Vec<T> = filled(n, |i| from((i % 7) as f32))?;
     let src: Vec<T> = filled(n, |i| from((i % 5) as f32 * 0.5))?;
@@ -60,33 +93,58 @@ fn bench_dtype<T: Element>(
     let copy = median_secs(iters, || {
         black_box(&mut dst[..]).copy_from_slice(black_box(&src[..]));
     });
-    Ok((bytes as f64 / sum / 1e9, bytes as f64 / copy / 1e9))
+    let split = pool.map(|pool| {
+        let dtype = T::DTYPE;
+        split_rates(
+            pool,
+            dtype,
+            consort_comm::dtype::as_bytes_mut(&mut dst[..]),
+            consort_comm::dtype::as_bytes(&src[..]),
+            iters,
+        )
+    });
+    Ok((bytes as f64 / sum / 1e9, bytes as f64 / copy / 1e9, split))
 }
 
 /// Runs the sweep and returns the table.
-pub(crate) fn reduce(sizes: &[usize], dtypes: &[DType], iters: usize) -> Result<Table, String> {
-    let mut t = Table::new(&["dtype", "bytes", "sum_gbs", "memcpy_gbs", "ratio"]);
+pub(crate) fn reduce(
+    sizes: &[usize],
+    dtypes: &[DType],
+    iters: usize,
+    threads: usize,
+) -> Result<Table, String> {
+    let pool = (threads > 1).then(|| Pool::new(threads));
+    let pool = pool.as_ref();
+    let mut head = vec!["dtype", "bytes", "sum_gbs", "memcpy_gbs", "ratio"];
+    if pool.is_some() {
+        head.extend(["split_sum_gbs", "split_copy_gbs"]);
+    }
+    let mut t = Table::new(&head);
     for &bytes in sizes {
         for &dtype in dtypes {
-            let (sum, copy) = match dtype {
-                DType::F32 => bench_dtype::<f32>(bytes, iters, |x| x)?,
-                DType::F16 => bench_dtype::<f16>(bytes, iters, f16::from_f32)?,
-                DType::BF16 => bench_dtype::<bf16>(bytes, iters, bf16::from_f32)?,
-                DType::F64 => bench_dtype::<f64>(bytes, iters, f64::from)?,
-                DType::I32 => bench_dtype::<i32>(bytes, iters, |x| x as i32)?,
-                DType::I64 => bench_dtype::<i64>(bytes, iters, |x| x as i64)?,
-                DType::U32 => bench_dtype::<u32>(bytes, iters, |x| x as u32)?,
-                DType::U64 => bench_dtype::<u64>(bytes, iters, |x| x as u64)?,
-                DType::I8 => bench_dtype::<i8>(bytes, iters, |x| x as i8)?,
-                DType::U8 => bench_dtype::<u8>(bytes, iters, |x| x as u8)?,
+            let (sum, copy, split) = match dtype {
+                DType::F32 => bench_dtype::<f32>(bytes, iters, pool, |x| x)?,
+                DType::F16 => bench_dtype::<f16>(bytes, iters, pool, f16::from_f32)?,
+                DType::BF16 => bench_dtype::<bf16>(bytes, iters, pool, bf16::from_f32)?,
+                DType::F64 => bench_dtype::<f64>(bytes, iters, pool, f64::from)?,
+                DType::I32 => bench_dtype::<i32>(bytes, iters, pool, |x| x as i32)?,
+                DType::I64 => bench_dtype::<i64>(bytes, iters, pool, |x| x as i64)?,
+                DType::U32 => bench_dtype::<u32>(bytes, iters, pool, |x| x as u32)?,
+                DType::U64 => bench_dtype::<u64>(bytes, iters, pool, |x| x as u64)?,
+                DType::I8 => bench_dtype::<i8>(bytes, iters, pool, |x| x as i8)?,
+                DType::U8 => bench_dtype::<u8>(bytes, iters, pool, |x| x as u8)?,
             };
-            t.push(vec![
+            let mut row = vec![
                 json!(dtype.name()),
                 json!(bytes),
                 json!(sum),
                 json!(copy),
                 json!(sum / copy),
-            ]);
+            ];
+            if let Some((s, c)) = split {
+                row.extend([json!(s), json!(c)]);
+            }
+            t.push(row);
         }
     }
     Ok(t)

@@ -185,6 +185,11 @@ pub(crate) enum BenchCommand {
         /// Timed runs per cell (the median is reported).
         #[arg(long, default_value_t = 30, value_parser = parse_iters)]
         iters: usize,
+        /// Also split Sum and the copy in 256 KiB pieces over this many
+        /// threads (1 to 8), as a rank with cores to spare does
+        /// (`CONSORT_SHM_THREADS`).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+        threads: u8,
         /// One JSON object per row.
         #[arg(long)]
         json: bool,
@@ -198,13 +203,15 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
             sizes,
             dtypes,
             iters,
+            threads,
             json,
         }) => {
             let largest = sizes.0.iter().copied().max().unwrap_or(0) as u128;
             check_memory("bench reduce", largest * 3, "choose smaller --sizes")?;
-            let t: Table =
-                tokio::task::spawn_blocking(move || machine::reduce(&sizes.0, &dtypes.0, iters))
-                    .await??;
+            let t: Table = tokio::task::spawn_blocking(move || {
+                machine::reduce(&sizes.0, &dtypes.0, iters, threads.into())
+            })
+            .await??;
             print!("{}", t.render(json));
         }
         Some(BenchCommand::SimAllReduce {

@@ -29,6 +29,9 @@ impl MeshBackend {
         }
         let (out, reads, polled) = split_links(links);
         let local_ranks = polled.len() + 1;
+        // The process's helper threads (one pool per process: the last
+        // mesh made sets it).
+        consort_comm::par::Pool::shared().set_threads(opts.threads.unwrap_or(1));
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let inner = Arc::new(Inner {
             links: out,

@@ -6,7 +6,10 @@
 //! an early or small frame. Probes are answered, probe replies and aborts
 //! go to the engine.
 
-use consort_comm::reduce::copy::{self, STREAMING_MIN};
+use consort_comm::{
+    par::{self, Pool},
+    reduce::copy::STREAMING_MIN,
+};
 
 use super::*;
 
@@ -33,18 +36,17 @@ pub(super) fn take_posted(inner: &Inner, peer: usize, h: &FrameHeader) -> Option
 /// [`STREAMING_MIN`] bytes is copied with stores that bypass the caches: a
 /// third less memory traffic where same-host ranks share the memory's
 /// bandwidth (the 3-rank 64 MiB broadcast: see BENCHMARKS.md).
+///
+/// A large piece is split over the rank's helper threads, where it has any
+/// (see `consort_comm::par`).
 pub(super) fn apply(d: &Direct, dst: &mut [u8], data: &[u8]) -> Option<String> {
+    let pool = Pool::shared();
     match d.reduce {
-        Some((op, dtype)) => op
-            .apply_bytes(dtype, dst, data)
+        Some((op, dtype)) => par::apply_bytes(pool, op, dtype, dst, data)
             .err()
             .map(|e| format!("reducing a received payload failed: {e}")),
-        None if d.len >= STREAMING_MIN => {
-            copy::streaming(dst, data);
-            None
-        }
         None => {
-            dst.copy_from_slice(data);
+            par::copy(pool, dst, data, d.len >= STREAMING_MIN);
             None
         }
     }
