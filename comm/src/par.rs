@@ -21,9 +21,10 @@
 //! caller's memory after the call returned.
 
 use std::{
-    panic::{AssertUnwindSafe, catch_unwind},
+    any::Any,
+    panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
     sync::{
-        Arc, Condvar, Mutex, OnceLock,
+        Arc, Condvar, Mutex, OnceLock, TryLockError,
         atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst},
     },
     time::{Duration, Instant},
@@ -49,11 +50,15 @@ struct Job {
     parts: usize,
     next: AtomicUsize,
     left: AtomicUsize,
-    panicked: AtomicBool,
+    /// The first part's panic, re-raised in the caller once every part is
+    /// done.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Job {
-    /// Takes and runs parts until none is left.
+    /// Takes and runs parts until none is left. Never unwinds: a part's
+    /// panic is kept (the first) or forgotten (the rest), never dropped
+    /// here, since dropping a payload may itself panic.
     fn work(&self) {
         loop {
             let i = self.next.fetch_add(1, SeqCst);
@@ -62,10 +67,44 @@ impl Job {
             }
             // SAFETY: `f` outlives the job's publication (see `Pool::run`).
             let f = unsafe { &*self.f };
-            if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
-                self.panicked.store(true, SeqCst);
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                let mut first = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+                if first.is_none() {
+                    *first = Some(payload);
+                } else {
+                    std::mem::forget(payload);
+                }
             }
             self.left.fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// Takes the job back from the helpers when [`Pool::run`] leaves, however
+/// it leaves: waits for the parts being run, unpublishes the job, and
+/// waits for every helper that may still hold it.
+struct Retire<'a> {
+    shared: &'a Shared,
+    job: &'a Job,
+}
+
+impl Drop for Retire<'_> {
+    fn drop(&mut self) {
+        // Parts nobody took yet (none, unless the caller left early): ours.
+        self.job.work();
+        let mut spins = 0u32;
+        while self.job.left.load(SeqCst) > 0 {
+            spins = spins.wrapping_add(1);
+            if spins < 1024 {
+                std::hint::spin_loop();
+            } else {
+                // A helper holding a part lost its core: give it ours.
+                std::thread::yield_now();
+            }
+        }
+        self.shared.job.store(std::ptr::null_mut(), SeqCst);
+        while self.shared.active.load(SeqCst) > 0 {
+            std::thread::yield_now();
         }
     }
 }
@@ -83,13 +122,16 @@ struct Shared {
     sleeping: AtomicUsize,
     sleep: Mutex<()>,
     wake: Condvar,
+    /// Threads a job uses, the caller included (1: no helpers). A helper
+    /// whose index is past it sits the job out.
+    threads: AtomicUsize,
+    /// The pool was dropped: helpers leave.
+    stop: AtomicBool,
 }
 
 /// Helper threads for [`Pool::run`]; see the module docs.
 pub struct Pool {
     shared: Arc<Shared>,
-    /// Threads a job uses, the caller included (1: no helpers).
-    threads: AtomicUsize,
     /// Helpers started so far.
     started: Mutex<usize>,
     /// One job at a time.
@@ -118,8 +160,9 @@ impl Pool {
                 sleeping: AtomicUsize::new(0),
                 sleep: Mutex::new(()),
                 wake: Condvar::new(),
+                threads: AtomicUsize::new(threads.clamp(1, MAX_THREADS)),
+                stop: AtomicBool::new(false),
             }),
-            threads: AtomicUsize::new(threads.clamp(1, MAX_THREADS)),
             started: Mutex::new(0),
             busy: Mutex::new(()),
             split: AtomicU64::new(0),
@@ -133,14 +176,17 @@ impl Pool {
     }
 
     /// Threads a job uses from now on, the caller included (clamped to
-    /// 1..=[`MAX_THREADS`]). Helpers already started stay, idle.
+    /// 1..=[`MAX_THREADS`]). Helpers started before and now past the count
+    /// sit out every job (they sleep after their spin).
     pub fn set_threads(&self, threads: usize) {
-        self.threads.store(threads.clamp(1, MAX_THREADS), SeqCst);
+        self.shared
+            .threads
+            .store(threads.clamp(1, MAX_THREADS), SeqCst);
     }
 
     /// Threads a job uses, the caller included.
     pub fn threads(&self) -> usize {
-        self.threads.load(SeqCst)
+        self.shared.threads.load(SeqCst)
     }
 
     /// Jobs run so far in more than one part with the helpers (not those
@@ -159,25 +205,28 @@ impl Pool {
     /// them in turn, and returns once all have returned. A part that
     /// panicked panics here, after the others finished.
     pub fn run(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) {
-        let busy = if parts > 1 {
-            self.busy.try_lock().ok()
-        } else {
-            None
+        // A caller whose part panicked re-raises it after the guard is
+        // dropped, so the lock is never poisoned; take it back if it is.
+        let busy = match self.busy.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         };
-        let Some(_one) = busy else {
+        let (Some(one), true) = (busy, parts > 1) else {
             (0..parts).for_each(f);
             return;
         };
-        self.start_helpers(parts - 1);
+        self.start_helpers(parts.min(self.threads()) - 1);
         self.split.fetch_add(1, SeqCst);
         // SAFETY (lifetime): the job, and `f` through it, are reachable by
         // helpers only through `shared.job` while they count themselves in
         // `active`. A helper announces itself (`active`) before it reads
-        // `job`, all SeqCst; below, the caller clears `job`, then waits for
-        // `active` to reach 0. In the single order of SeqCst operations a
-        // helper either announced itself before that wait read `active` (the
-        // caller waits for it to leave) or reads `job` after it was cleared
-        // (null). So nothing reaches the job once this function returns.
+        // `job`, all SeqCst; `Retire` (dropped on every way out of this
+        // function) clears `job`, then waits for `active` to reach 0. In
+        // the single order of SeqCst operations a helper either announced
+        // itself before that wait read `active` (the caller waits for it
+        // to leave) or reads `job` after it was cleared (null). So nothing
+        // reaches the job once this function returns or unwinds.
         let f: *const (dyn Fn(usize) + Sync + '_) = f;
         // SAFETY: only the lifetime is erased (same layout); see above.
         let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
@@ -186,9 +235,13 @@ impl Pool {
             parts,
             next: AtomicUsize::new(0),
             left: AtomicUsize::new(parts),
-            panicked: AtomicBool::new(false),
+            panic: Mutex::new(None),
         };
-        let sh = &self.shared;
+        let sh = &*self.shared;
+        let retire = Retire {
+            shared: sh,
+            job: &job,
+        };
         sh.job.store(&job as *const Job as *mut Job, SeqCst);
         sh.epoch.fetch_add(1, SeqCst);
         if sh.sleeping.load(SeqCst) > 0 {
@@ -196,16 +249,11 @@ impl Pool {
             sh.wake.notify_all();
         }
         job.work();
-        // Parts a helper took are running; wait for them.
-        while job.left.load(SeqCst) > 0 {
-            std::hint::spin_loop();
-        }
-        sh.job.store(std::ptr::null_mut(), SeqCst);
-        while sh.active.load(SeqCst) > 0 {
-            std::thread::yield_now();
-        }
-        if job.panicked.load(SeqCst) {
-            panic!("a part of a split copy or reduction panicked (see the helper's message above)");
+        drop(retire);
+        drop(one);
+        let panic = job.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(payload) = panic {
+            resume_unwind(payload);
         }
     }
 
@@ -215,9 +263,10 @@ impl Pool {
         let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
         while *started < want.min(MAX_THREADS - 1) {
             let sh = self.shared.clone();
+            let index = *started;
             let spawned = std::thread::Builder::new()
-                .name(format!("consort-par-{started}"))
-                .spawn(move || helper(&sh));
+                .name(format!("consort-par-{index}"))
+                .spawn(move || helper(&sh, index));
             if spawned.is_err() {
                 return;
             }
@@ -226,8 +275,10 @@ impl Pool {
     }
 }
 
-/// A helper's life: look for a new job, spin a while, sleep until woken.
-fn helper(sh: &Shared) {
+/// A helper's life: look for a new job, spin a while, sleep until woken;
+/// leave when the pool is dropped. Helper `index` (from 0) joins a job only
+/// while the pool's thread count has room for it.
+fn helper(sh: &Shared, index: usize) {
     let mut seen = sh.epoch.load(SeqCst);
     loop {
         let since = Instant::now();
@@ -241,7 +292,7 @@ fn helper(sh: &Shared) {
                 // bumped the epoch before that saw no sleeper, so look.
                 let g = if sh.epoch.load(SeqCst) == seen {
                     sh.wake
-                        .wait_timeout(g, Duration::from_millis(100))
+                        .wait_timeout(g, Duration::from_secs(1))
                         .map(|(g, _)| g)
                         .unwrap_or_else(|e| e.into_inner().0)
                 } else {
@@ -253,11 +304,17 @@ fn helper(sh: &Shared) {
             }
             std::hint::spin_loop();
         }
+        if sh.stop.load(SeqCst) {
+            return;
+        }
         let now = sh.epoch.load(SeqCst);
         if now == seen {
             continue;
         }
         seen = now;
+        if index + 1 >= sh.threads.load(SeqCst) {
+            continue;
+        }
         sh.active.fetch_add(1, SeqCst);
         let job = sh.job.load(SeqCst);
         if !job.is_null() {
@@ -266,6 +323,17 @@ fn helper(sh: &Shared) {
             unsafe { &*job }.work();
         }
         sh.active.fetch_sub(1, SeqCst);
+    }
+}
+
+impl Drop for Pool {
+    /// Tells the helpers to leave (each does at its next look).
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        sh.stop.store(true, SeqCst);
+        sh.epoch.fetch_add(1, SeqCst);
+        let _g = sh.sleep.lock().unwrap_or_else(|e| e.into_inner());
+        sh.wake.notify_all();
     }
 }
 

@@ -53,6 +53,12 @@ impl Cpus {
         self.mask.iter().map(|w| w.count_ones() as usize).sum()
     }
 
+    /// The cores this rank itself may use: its mask, capped by its quota.
+    pub(crate) fn usable(&self) -> usize {
+        let n = self.count();
+        self.quota.map_or(n, |q| n.min(q)).max(1)
+    }
+
     /// Reads what [`fmt::Display`] wrote: `word,word,... quota|-`.
     pub(crate) fn parse(s: &str) -> Option<Cpus> {
         let (words, quota) = s.split_once(' ')?;

@@ -297,9 +297,11 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
 /// Threads for rank `rank`'s large copies and reductions where the user
 /// set none ([`MeshOptions::threads`]): the cores of the ranks on its host
 /// (the union of their affinity masks, capped by a quota) divided by those
-/// ranks, so a host with cores to spare lends each rank an equal share; 1
-/// where the ranks have a core each or share them, and where the mesh
-/// cannot tell which ranks share the host (no local transport).
+/// ranks, so a host with cores to spare lends each rank an equal share, and
+/// never more than the rank itself may use (its own mask and quota: a rank
+/// pinned to one core beside one on fifteen gets 1); 1 where the ranks
+/// have a core each or share them, and where the mesh cannot tell which
+/// ranks share the host (no local transport).
 fn spare_threads(rank: usize, cards: &[Card], opts: &MeshOptions) -> usize {
     let (Some(t), Some(mine)) = (&opts.local, cards.get(rank).and_then(|c| c.local.as_ref()))
     else {
@@ -311,7 +313,10 @@ fn spare_threads(rank: usize, cards: &[Card], opts: &MeshOptions) -> usize {
         .map(|c| &c.cpus)
         .collect();
     let ranks = here.len().max(1);
-    (host_cores(here.into_iter()) / ranks).clamp(1, consort_comm::par::MAX_THREADS)
+    let share = host_cores(here.into_iter()) / ranks;
+    share
+        .min(cards[rank].cpus.usable())
+        .clamp(1, consort_comm::par::MAX_THREADS)
 }
 
 /// Whether every rank is on one host, linked by the local transport, and
@@ -720,6 +725,23 @@ mod tests {
         ];
         assert_eq!(threads(0, &two_hosts), 4);
         assert_eq!(threads(2, &two_hosts), 8);
+        // Never more than the rank's own cores: pinned to one beside a rank
+        // on fifteen, or under a quota of 2.
+        assert_eq!(
+            threads(0, &[card(0..1, Some("a")), card(1..16, Some("a"))]),
+            1
+        );
+        assert_eq!(
+            threads(1, &[card(0..1, Some("a")), card(1..16, Some("a"))]),
+            8
+        );
+        let quota = Card {
+            cpus: Cpus::of(&(0..16).collect::<Vec<_>>(), Some(2)),
+            ..card(0..16, Some("a"))
+        };
+        // (the host's cores are capped by the quota too: `host_cores`)
+        assert_eq!(threads(0, &[quota.clone(), card(0..16, Some("a"))]), 1);
+        assert_eq!(threads(0, &[quota]), 2);
         // No shared memory on this rank, or in the mesh: 1.
         assert_eq!(threads(0, &[card(0..8, None), card(0..8, Some("a"))]), 1);
         assert_eq!(spare_threads(0, &host(2, 16), &MeshOptions::default()), 1);

@@ -145,16 +145,80 @@ fn a_panicking_part_panics_in_the_caller_and_the_pool_goes_on() {
             done.fetch_add(1, SeqCst);
         })
     }));
-    assert!(r.is_err());
+    let payload = r.expect_err("the part's panic");
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"part four"),
+        "its own payload"
+    );
     assert_eq!(
         done.load(SeqCst),
         5,
         "every other part ran before the panic surfaced"
     );
+    // Still splitting: the panic left nothing poisoned.
+    let before = pool.split_jobs();
     let src = pattern(1 << 20, 1);
     let mut dst = vec![0u8; 1 << 20];
     copy(&pool, &mut dst, &src, false);
     assert!(dst == src);
+    assert_eq!(
+        pool.split_jobs(),
+        before + 1,
+        "the next job was split again"
+    );
+}
+
+/// A panic payload whose own drop panics (rust-lang/rust#86027) is never
+/// dropped inside the pool: it reaches the caller, and the pool goes on.
+#[test]
+fn a_payload_that_panics_when_dropped_reaches_the_caller() {
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("the payload's drop");
+        }
+    }
+    let pool = Pool::new(4);
+    for _ in 0..3 {
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(8, &|_| std::panic::panic_any(Bomb))
+        }));
+        let payload = r.expect_err("a part's panic");
+        assert!(payload.is::<Bomb>());
+        // Dropping it would panic here too: that is the caller's to handle.
+        std::mem::forget(payload);
+    }
+    let src = pattern(1 << 20, 2);
+    let mut dst = vec![0u8; 1 << 20];
+    copy(&pool, &mut dst, &src, true);
+    assert!(dst == src);
+}
+
+/// Helpers past a lowered thread count sit jobs out; raised again, they
+/// take parts again.
+#[test]
+fn a_lowered_thread_count_keeps_jobs_to_the_new_count() {
+    let pool = Pool::new(4);
+    let ids = |pool: &Pool, parts: usize| {
+        let seen = std::sync::Mutex::new(std::collections::HashSet::new());
+        for _ in 0..50 {
+            pool.run(parts, &|_| {
+                seen.lock().unwrap().insert(std::thread::current().id());
+                std::thread::sleep(Duration::from_micros(300));
+            });
+        }
+        seen.into_inner().unwrap().len()
+    };
+    assert!(ids(&pool, 4) >= 2);
+    pool.set_threads(1);
+    // One thread: a job of 4 parts is not split at all, by the count...
+    assert_eq!(pool.parts_for(1 << 30), 1);
+    // ... and a job run with more parts anyway stays on the caller and at
+    // most the helpers the count allows (none).
+    assert_eq!(ids(&pool, 4), 1);
+    pool.set_threads(2);
+    assert!(ids(&pool, 4) <= 2);
 }
 
 #[test]
