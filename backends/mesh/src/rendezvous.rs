@@ -295,27 +295,21 @@ fn agree(rank: usize, cards: &[Card], opts: &mut MeshOptions) {
 }
 
 /// Threads for rank `rank`'s large copies and reductions where the user
-/// set none ([`MeshOptions::threads`]): the cores of the ranks on its host
-/// (the union of their affinity masks, capped by a quota) divided by those
-/// ranks, so a host with cores to spare lends each rank an equal share, and
-/// never more than the rank itself may use (its own mask and quota: a rank
-/// pinned to one core beside one on fifteen gets 1); 1 where the ranks
-/// have a core each or share them, and where the mesh cannot tell which
-/// ranks share the host (no local transport).
+/// set none ([`MeshOptions::threads`]): where every rank is on one host,
+/// the cores the ranks have between them (the union of their affinity
+/// masks, capped by a quota) divided by the ranks, so a host with cores to
+/// spare lends each rank an equal share, and never more than the rank
+/// itself may use (its own mask and quota: a rank pinned to one core
+/// beside one on fifteen gets 1). 1 where the ranks have a core each or
+/// share them, where they span hosts (the network, not a core, sets the
+/// pace there) and where the mesh cannot tell (no local transport).
 fn spare_threads(rank: usize, cards: &[Card], opts: &MeshOptions) -> usize {
-    let (Some(t), Some(mine)) = (&opts.local, cards.get(rank).and_then(|c| c.local.as_ref()))
-    else {
+    if !one_host(cards, opts) {
         return 1;
-    };
-    let here: Vec<&Cpus> = cards
-        .iter()
-        .filter(|c| c.local.as_ref().is_some_and(|l| t.can_connect(mine, l)))
-        .map(|c| &c.cpus)
-        .collect();
-    let ranks = here.len().max(1);
-    let share = host_cores(here.into_iter()) / ranks;
+    }
+    let share = host_cores(cards.iter().map(|c| &c.cpus)) / cards.len().max(1);
     share
-        .min(cards[rank].cpus.usable())
+        .min(cards.get(rank).map_or(1, |c| c.cpus.usable()))
         .clamp(1, consort_comm::par::MAX_THREADS)
 }
 
@@ -717,14 +711,14 @@ mod tests {
             threads(1, &[card(0..4, Some("a")), card(4..8, Some("a"))]),
             4
         );
-        // Only this rank's host counts: host b has 1 rank on 8 cores.
+        // Ranks on two hosts: 1 (the network sets the pace).
         let two_hosts = [
             card(0..8, Some("a")),
             card(0..8, Some("a")),
             card(0..8, Some("b")),
         ];
-        assert_eq!(threads(0, &two_hosts), 4);
-        assert_eq!(threads(2, &two_hosts), 8);
+        assert_eq!(threads(0, &two_hosts), 1);
+        assert_eq!(threads(2, &two_hosts), 1);
         // Never more than the rank's own cores: pinned to one beside a rank
         // on fifteen, or under a quota of 2.
         assert_eq!(
