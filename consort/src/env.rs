@@ -75,7 +75,7 @@
 //! | `CONSORT_SHM` | mesh | 1 | `0`: peers on this host go over the network too, instead of shared memory |
 //! | `CONSORT_SHM_QUEUE_BYTES` | mesh | 4194304 | bytes of each direction's shared-memory queue: a power of two, at least 65536 |
 //! | `CONSORT_SHM_STAGE_BYTES` | mesh | 4194304 | bytes of each rank's stage, which its same-host peers read: a large broadcast on one host copies each segment in once and every reader copies it out (`0`: no stage; every rank must have one for the direct broadcast to be chosen); a power of two, at least 65536 |
-//! | `CONSORT_SHM_THREADS` | mesh | the rank's share of its host's cores (1 to 8) | threads a rank splits each large copy or reduction over, itself included (`consort_comm::par`): 1 where its host's ranks have a core each or share them |
+//! | `CONSORT_SHM_THREADS` | mesh | the rank's share of its host's cores less one (1 to 8) | threads a rank splits each large copy or reduction over, itself included (`consort_comm::par`): 1 where its host's ranks have a core each or share them |
 //! | `CONSORT_SHM_SPIN_US` | mesh | 50, or 500 where ranks share cores | microseconds a waiting call polls its shared-memory queues before it sleeps until rung (yielding the core between polls when the host runs more ranks than cores) |
 //! | `CONSORT_SHM_CMA` | mesh | 0 | `1`: peers on this host read large broadcast, all_gather, gather, scatter and all_to_all payloads straight from the sender's memory (`process_vm_readv`) |
 //! | `CONSORT_QUIC_IDLE_TIMEOUT` | QUIC | 5 | seconds of silence after which a QUIC peer is lost |

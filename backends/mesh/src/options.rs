@@ -62,12 +62,12 @@ pub struct MeshOptions {
     /// `init_from_env`.
     pub spin: Option<Duration>,
     /// Threads this rank splits a large copy or reduction over, itself
-    /// included (`consort_comm::par`). `None` (the default): the cores
-    /// its host's ranks may use between them divided by those ranks (1
-    /// where they have a core each or share them, or where the mesh cannot
-    /// tell which ranks share the host: no shared memory), at most
-    /// `consort_comm::par::MAX_THREADS`. `CONSORT_SHM_THREADS` sets it
-    /// under `init_from_env`.
+    /// included (`consort_comm::par`). `None` (the default): where every
+    /// rank is on one host, the cores its ranks may use between them
+    /// divided by the ranks, less one for the rank's runtime (1 where they
+    /// have two cores each or fewer, span hosts, or the mesh cannot tell:
+    /// no shared memory), at most `consort_comm::par::MAX_THREADS`.
+    /// `CONSORT_SHM_THREADS` sets it under `init_from_env`.
     pub threads: Option<usize>,
     /// TCP connections per pair of ranks (1 to 8); frames spread over them
     /// by tag. On this project's loopback benches 2 streams measured no
