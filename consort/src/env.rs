@@ -67,7 +67,7 @@
 //! | `CONSORT_TIMEOUT` | every group; [`crate::Dist::shutdown_failed`] | 1800 (TCP, QUIC, Gloo), 600 (NCCL), as torch | seconds before a collective fails with `Timeout`; also bounds building the TCP/QUIC mesh (300 otherwise), NCCL's init and splits, and how long a failed rank waits for goodbyes |
 //! | `CONSORT_BIND_ADDR` | mesh | the address this host uses to reach `MASTER_ADDR` (loopback for a one-node job) | IPv4 or IPv6 address the mesh listens on and advertises |
 //! | `CONSORT_SOCKET_IFNAME` | mesh | unset | network interface whose address the mesh listens on (as `GLOO_SOCKET_IFNAME`); `CONSORT_BIND_ADDR` wins |
-//! | `CONSORT_ALGO` | mesh (`AlgoConfig::from_env`) | the selection policy | force algorithms: `ring`, or `all_reduce=ring,broadcast=chain` (ring, halving_doubling, recursive_doubling, binomial_tree, chain, direct, pairwise, dissemination) |
+//! | `CONSORT_ALGO` | mesh (`AlgoConfig::from_env`) | the selection policy | force algorithms: `ring`, or `all_reduce=ring,broadcast=chain` (ring, halving_doubling, recursive_doubling, one_shot, binomial_tree, chain, direct, pairwise, dissemination) |
 //! | `CONSORT_SEGMENT_BYTES` | mesh | 1048576 | pipeline segment size in bytes; every rank must agree |
 //! | `CONSORT_WINDOW` | mesh | 4 | segments in flight per link |
 //! | `CONSORT_STREAMS` | mesh | 1 | connections per pair of ranks, at most 8 |

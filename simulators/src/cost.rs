@@ -188,6 +188,8 @@ pub fn closed_form(op: OpKind, algo: Algorithm, bytes: usize, n: usize, link: Li
                 core + 2.0 * (a + m * b)
             }
         }
+        // n - 1 sends of the whole vector from each rank, one after another.
+        (OpKind::AllReduce, Algorithm::OneShot) => a + (nf - 1.0) * b * m,
         (OpKind::AllReduce, Algorithm::BinomialTree) => 2.0 * log2_ceil(n) * (a + b * m),
         (OpKind::Broadcast | OpKind::Reduce, Algorithm::BinomialTree) => log2_ceil(n) * (a + b * m),
         (OpKind::Broadcast, Algorithm::Chain) => (nf - 1.0) * (a + b * m),

@@ -79,6 +79,11 @@ fn world_with_streams(n: usize, streams: usize) -> WorldFuture {
 /// Ring all_reduce and chain broadcast forced: the suite's lengths stay
 /// below the size where the policy picks them, so without this the ring
 /// and chain paths of the TCP driver would go untested in-process.
+/// The one-shot all_reduce on shared memory.
+fn tcp_world_one_shot(n: usize) -> WorldFuture {
+    world_opts(n, 1, usize::MAX, true, "all_reduce=one_shot")
+}
+
 fn tcp_world_ring(n: usize) -> WorldFuture {
     world_opts(n, 1, usize::MAX, true, "all_reduce=ring,broadcast=chain")
 }
@@ -222,6 +227,70 @@ mod subgroup {
 
 mod ring_and_chain {
     consort_tests::conformance!(crate::tcp_world_ring, cases = 16);
+}
+
+mod one_shot {
+    consort_tests::conformance!(crate::tcp_world_one_shot, cases = 16);
+}
+
+/// The one-shot all_reduce sums in rank order on every rank: floats whose
+/// sum depends on the order come out with the same bits everywhere, the
+/// bits of `((x0 + x1) + x2) + ...`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_shot_sum_has_the_same_bits_on_every_rank() {
+    let n = 5;
+    let ranks = connect_all(n, |_| {
+        let mut o = TcpOptions {
+            local: Some(small_queues().shared()),
+            ..suite_options()
+        };
+        o.algo.overrides = AlgoConfig::parse_overrides("all_reduce=one_shot").unwrap();
+        o
+    })
+    .await;
+    // Magnitudes 1e-8 to 1e8: any other order rounds differently.
+    let x = |r: usize, i: usize| -> f32 {
+        let e = ((i * 7 + r * 13) % 17) as i32 - 8;
+        (1.0 + (i % 10) as f32 * 0.1 + r as f32 * 0.37) * 10f32.powi(e)
+    };
+    let len = 3000;
+    let runs: Vec<_> = ranks
+        .iter()
+        .cloned()
+        .map(|b| {
+            tokio::spawn(async move {
+                let r = b.rank();
+                let pg = consort_comm::ProcessGroup::new(b);
+                let mut v: Vec<f32> = (0..len).map(|i| x(r, i)).collect();
+                pg.all_reduce(&mut v, consort_comm::ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                v
+            })
+        })
+        .collect();
+    let want: Vec<u32> = (0..len)
+        .map(|i| (1..n).fold(x(0, i), |acc, q| acc + x(q, i)).to_bits())
+        .collect();
+    let rotated = (0..len)
+        .filter(|&i| {
+            (1..n)
+                .fold(x(2, i), |acc, q| acc + x((q + 2) % n, i))
+                .to_bits()
+                != want[i]
+        })
+        .count();
+    assert!(
+        rotated > 0,
+        "the inputs must be order-sensitive for this test to mean anything"
+    );
+    for (r, t) in runs.into_iter().enumerate() {
+        let got: Vec<u32> = t.await.unwrap().iter().map(|v| v.to_bits()).collect();
+        assert!(
+            got == want,
+            "rank {r}'s sum differs from the rank-order sum"
+        );
+    }
 }
 
 mod three_streams {

@@ -62,10 +62,27 @@ impl CallBuffers<'_> {
         }
     }
 
-    /// Performs a local copy.
-    pub fn copy(&mut self, c: &LocalCopy) -> Result<()> {
+    /// Performs a local copy, or with `c.reduce` combines the source into
+    /// the destination with `op` (the call's; `Sum` where it has none).
+    pub fn copy(&mut self, c: &LocalCopy, op: Option<ReduceOp>) -> Result<()> {
         let src = self.bytes_range(&c.src);
         let dst = self.bytes_range(&c.dst);
+        if c.reduce {
+            let (s, d): (&[u8], &mut [u8]) = match (c.src_buf, c.dst_buf) {
+                (Buf::Input, Buf::Output) => (&self.input[src], &mut self.output[dst]),
+                (Buf::Input, Buf::Scratch) => (&self.input[src], &mut self.scratch[dst]),
+                (Buf::Output, Buf::Scratch) => (&self.output[src], &mut self.scratch[dst]),
+                (Buf::Scratch, Buf::Output) => (&self.scratch[src], &mut self.output[dst]),
+                _ => {
+                    return Err(CommError::protocol(
+                        None,
+                        "internal: a schedule reduced within one buffer or into the input",
+                    ));
+                }
+            };
+            let pool = crate::par::Pool::shared();
+            return crate::par::apply_bytes(pool, op.unwrap_or(ReduceOp::Sum), self.dtype, d, s);
+        }
         match (c.src_buf, c.dst_buf) {
             (Buf::Input, Buf::Output) => self.output[dst].copy_from_slice(&self.input[src]),
             (Buf::Input, Buf::Scratch) => self.scratch[dst].copy_from_slice(&self.input[src]),

@@ -98,6 +98,9 @@ pub struct LocalCopy {
     pub dst_buf: Buf,
     /// Destination range.
     pub dst: Range<usize>,
+    /// Combine into the destination with the call's reduce op instead of
+    /// overwriting it (source and destination in different buffers).
+    pub reduce: bool,
 }
 
 /// One thing a driver must do.

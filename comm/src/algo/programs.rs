@@ -94,6 +94,11 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
                 .clamp(1, MAX_LANES),
             window: cfg.window.max(1),
         }),
+        Algorithm::OneShot => Arc::new(OneShot {
+            rank: spec.rank,
+            n: spec.world,
+            count: spec.count,
+        }),
         Algorithm::Direct if spec.op == OpKind::Broadcast => Arc::new(FanOut {
             rank: spec.rank,
             n: spec.world,
@@ -107,7 +112,9 @@ pub fn build(spec: &CallSpec<'_>, algo: Algorithm, cfg: &AlgoConfig) -> Result<S
     };
     let schedule = Schedule::new(spec.op, program);
     Ok(match algo {
-        Algorithm::RecursiveDoubling => schedule.sources_change(),
+        // One shot overwrites its output with the sum while a peer may still
+        // be reading what it sent from there.
+        Algorithm::RecursiveDoubling | Algorithm::OneShot => schedule.sources_change(),
         _ => schedule,
     })
 }
@@ -267,6 +274,24 @@ pub(super) fn copy(src_buf: Buf, src: Range<usize>, dst_buf: Buf, dst: Range<usi
         src,
         dst_buf,
         dst,
+        reduce: false,
+    })
+}
+
+/// Combines `src` of `src_buf` into `dst` of another buffer with the call's
+/// reduce op.
+pub(super) fn reduce_local(
+    src_buf: Buf,
+    src: Range<usize>,
+    dst_buf: Buf,
+    dst: Range<usize>,
+) -> Action {
+    Action::Copy(LocalCopy {
+        src_buf,
+        src,
+        dst_buf,
+        dst,
+        reduce: true,
     })
 }
 
@@ -504,6 +529,64 @@ impl Chain {
             v.push(recv(actual(1), ack, Buf::Output, 0..0, false));
         }
         v
+    }
+}
+
+/// One-shot all_reduce: every rank sends its whole vector to every peer
+/// (tag 0), then sums all n in rank order, its own among them, into the
+/// scratch (rank 0 into its output, which already holds its own), and
+/// copies the sum out. One lane: the sends go first, and each receive is
+/// reduced only after the ranks before it, so every rank adds
+/// `((x0 + x1) + x2) + ...` and ends with the same bits.
+#[derive(Debug)]
+struct OneShot {
+    rank: usize,
+    n: usize,
+    count: usize,
+}
+
+impl OneShot {
+    fn actions(&self) -> Vec<Action> {
+        let (me, n, all) = (self.rank, self.n, 0..self.count);
+        if n == 1 {
+            return Vec::new();
+        }
+        let mut v: Vec<Action> = (1..n)
+            .map(|i| send((me + i) % n, 0, Buf::Output, all.clone()))
+            .collect();
+        if me == 0 {
+            v.extend((1..n).map(|q| recv(q, 0, Buf::Output, all.clone(), true)));
+            return v;
+        }
+        v.push(recv(0, 0, Buf::Scratch, all.clone(), false));
+        for q in 1..n {
+            v.push(if q == me {
+                reduce_local(Buf::Output, all.clone(), Buf::Scratch, all.clone())
+            } else {
+                recv(q, 0, Buf::Scratch, all.clone(), true)
+            });
+        }
+        v.push(copy(Buf::Scratch, all.clone(), Buf::Output, all));
+        v
+    }
+}
+
+impl Program for OneShot {
+    fn lanes(&self) -> usize {
+        1
+    }
+    fn lane_len(&self, _lane: usize) -> usize {
+        match (self.n, self.rank) {
+            (1, _) => 0,
+            (n, 0) => 2 * (n - 1),
+            (n, _) => 2 * (n - 1) + 2,
+        }
+    }
+    fn action(&self, _lane: usize, index: usize) -> Action {
+        self.actions().swap_remove(index)
+    }
+    fn scratch_len(&self) -> usize {
+        if self.rank == 0 { 0 } else { self.count }
     }
 }
 

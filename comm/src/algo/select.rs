@@ -18,6 +18,11 @@ pub enum Algorithm {
     /// the whole vector is exchanged and reduced at each of log2(n) steps,
     /// half the steps of halving-doubling.
     RecursiveDoubling,
+    /// One shot (all_reduce of small messages): every rank sends its whole
+    /// vector to every peer and reduces all of them itself, in rank order,
+    /// so every rank ends with the same bits. One step at any world size,
+    /// n - 1 messages each way per rank.
+    OneShot,
     /// Binomial tree (broadcast, reduce; all_reduce as reduce + broadcast).
     BinomialTree,
     /// Pipelined chain (broadcast of large messages).
@@ -34,10 +39,11 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Ring,
         Algorithm::HalvingDoubling,
         Algorithm::RecursiveDoubling,
+        Algorithm::OneShot,
         Algorithm::BinomialTree,
         Algorithm::Chain,
         Algorithm::Direct,
@@ -51,6 +57,7 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::HalvingDoubling => "halving_doubling",
             Algorithm::RecursiveDoubling => "recursive_doubling",
+            Algorithm::OneShot => "one_shot",
             Algorithm::BinomialTree => "binomial_tree",
             Algorithm::Chain => "chain",
             Algorithm::Direct => "direct",
@@ -63,7 +70,9 @@ impl Algorithm {
     pub fn ops(self) -> &'static [OpKind] {
         match self {
             Algorithm::Ring => &[OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter],
-            Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling => &[OpKind::AllReduce],
+            Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling | Algorithm::OneShot => {
+                &[OpKind::AllReduce]
+            }
             Algorithm::BinomialTree => &[OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce],
             Algorithm::Chain => &[OpKind::Broadcast],
             Algorithm::Direct => &[
@@ -94,8 +103,8 @@ impl fmt::Display for Algorithm {
 /// An algorithm name that is not one of [`Algorithm::ALL`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown algorithm {0:?}: expected one of ring, halving_doubling, recursive_doubling, binomial_tree, chain, \
-     direct, pairwise, dissemination (or op=algo pairs such as all_reduce=ring,broadcast=chain)"
+    "unknown algorithm {0:?}: expected one of ring, halving_doubling, recursive_doubling, one_shot, binomial_tree, \
+     chain, direct, pairwise, dissemination (or op=algo pairs such as all_reduce=ring,broadcast=chain)"
 )]
 pub struct ParseAlgoError(pub String);
 
@@ -233,6 +242,8 @@ impl AlgoConfig {
     /// over 4 ranks on 2 vCPUs: 8.3-8.7 µs against the tree's 11.5-18.3; 3
     /// ranks keep the tree, 6.4-7.0 against 7.4-7.7), the pipelined chain
     /// for large messages on small worlds, and the binomial tree otherwise.
+    /// The one-shot all_reduce runs only when forced: on 2 vCPUs recursive
+    /// doubling stayed ahead of it at every world (4 KiB, 2-4 ranks).
     pub fn select(&self, op: OpKind, bytes: usize, world: usize) -> Algorithm {
         let forced = self
             .overrides

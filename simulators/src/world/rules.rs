@@ -152,7 +152,8 @@ impl State {
                     self.transmit(r, tx, t);
                 }
                 Action::Copy(c) => {
-                    if let Err(e) = call.buffers().copy(&c) {
+                    let op = call.reduce;
+                    if let Err(e) = call.buffers().copy(&c, op) {
                         self.fail(r, e, t);
                         return;
                     }

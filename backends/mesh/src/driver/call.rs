@@ -169,7 +169,7 @@ impl CallRun<'_> {
                     Action::Transmit(tx) => self.transmit(tx, pulls).await?,
                     Action::Copy(c) => {
                         // SAFETY: the call itself, inside its poll.
-                        unsafe { self.raw.buffers() }.copy(&c)?;
+                        unsafe { self.raw.buffers() }.copy(&c, self.reduce)?;
                     }
                     Action::Receive(rv) => self.post(rv),
                 }
