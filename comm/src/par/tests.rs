@@ -66,29 +66,10 @@ fn parts_are_whole_lines_and_cover_the_slice_once() {
 /// unsplit reduction, bit for bit.
 #[test]
 fn a_split_reduction_is_the_reduction_for_every_op_and_dtype() {
-    let ops = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::BAnd,
-        ReduceOp::BOr,
-        ReduceOp::BXor,
-    ];
-    let dtypes = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::I64,
-    ];
     for threads in [1, 2, 3, 4] {
         let pool = Pool::new(threads);
-        for op in ops {
-            for dtype in dtypes {
+        for op in ReduceOp::ALL {
+            for dtype in DType::ALL {
                 for len in [0, 2 * PART_MIN, 3 * PART_MIN + 64, (1 << 20) + 64] {
                     let src = pattern(len, 3);
                     let start = pattern(len, 11);
