@@ -546,28 +546,23 @@ struct OneShot {
 }
 
 impl OneShot {
-    fn actions(&self) -> Vec<Action> {
+    /// Action `index` of the one lane, made alone (no list per action):
+    /// `n - 1` sends, then rank 0 reduces the `n - 1` receives into its
+    /// output, and every other rank takes rank 0's into the scratch, adds
+    /// ranks 1.. (itself by a local reduce) and copies the sum out.
+    fn nth(&self, index: usize) -> Action {
         let (me, n, all) = (self.rank, self.n, 0..self.count);
-        if n == 1 {
-            return Vec::new();
+        if index < n - 1 {
+            return send((me + 1 + index) % n, 0, Buf::Output, all);
         }
-        let mut v: Vec<Action> = (1..n)
-            .map(|i| send((me + i) % n, 0, Buf::Output, all.clone()))
-            .collect();
-        if me == 0 {
-            v.extend((1..n).map(|q| recv(q, 0, Buf::Output, all.clone(), true)));
-            return v;
+        let k = index - (n - 1);
+        match (me, k) {
+            (0, k) => recv(k + 1, 0, Buf::Output, all, true),
+            (_, 0) => recv(0, 0, Buf::Scratch, all, false),
+            (_, k) if k == n => copy(Buf::Scratch, all.clone(), Buf::Output, all),
+            (_, q) if q == me => reduce_local(Buf::Output, all.clone(), Buf::Scratch, all),
+            (_, q) => recv(q, 0, Buf::Scratch, all, true),
         }
-        v.push(recv(0, 0, Buf::Scratch, all.clone(), false));
-        for q in 1..n {
-            v.push(if q == me {
-                reduce_local(Buf::Output, all.clone(), Buf::Scratch, all.clone())
-            } else {
-                recv(q, 0, Buf::Scratch, all.clone(), true)
-            });
-        }
-        v.push(copy(Buf::Scratch, all.clone(), Buf::Output, all));
-        v
     }
 }
 
@@ -583,7 +578,7 @@ impl Program for OneShot {
         }
     }
     fn action(&self, _lane: usize, index: usize) -> Action {
-        self.actions().swap_remove(index)
+        self.nth(index)
     }
     fn scratch_len(&self) -> usize {
         if self.rank == 0 { 0 } else { self.count }
